@@ -1,0 +1,3 @@
+from specwire.cli import main
+
+raise SystemExit(main())

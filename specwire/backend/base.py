@@ -1,0 +1,68 @@
+"""The one small protocol every model backend speaks.
+
+A backend owns one sequence's KV cache. The engine only ever appends tokens,
+reads logits at the positions it asked for, and truncates after a rejection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+
+class BackendError(RuntimeError):
+    """A model could not be loaded or evaluated; the message names the file."""
+
+
+class Backend(Protocol):
+    name: str          # file name, for messages and /v1/models
+    n_vocab: int
+    n_ctx: int
+
+    @property
+    def n_past(self) -> int:
+        """Tokens currently held in the KV cache."""
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """The token ids held in the KV cache, in order."""
+
+    def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray:
+        """Append tokens at position n_past; return logits rows.
+
+        logits: "last" -> (1, V), "all" -> (len(tokens), V), "none" -> (0, V).
+        The rows view the backend's buffer: valid until the next eval.
+        """
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens of the KV cache (rollback after a rejection)."""
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool:
+        """End of generation (EOS, EOT...)."""
+
+    def vocab_fingerprint(self) -> str:
+        """A digest of the token table: two models with equal ones can be paired."""
+
+    def chat_template(self) -> str | None:
+        """The GGUF's own Jinja chat template, if it has one."""
+
+
+def sync_prefix(backend: Backend, tokens: Sequence[int]) -> int:
+    """Truncate the cache to its longest common prefix with `tokens`; return that length.
+
+    Keeps at least one token un-evaluated so that the caller gets fresh logits.
+    """
+    cached = backend.tokens
+    n = min(len(cached), len(tokens) - 1)
+    i = 0
+    while i < n and cached[i] == tokens[i]:
+        i += 1
+    if i != len(cached):
+        backend.truncate(i)
+    return i

@@ -1,0 +1,285 @@
+"""llama.cpp backend through llama-cpp-python's low-level C API.
+
+The high-level `Llama` class keeps a logits row for every evaluated position
+when asked for more than the last one; with Gemma-3's 262k vocabulary a row is
+1 MB, so a long context would cost gigabytes and every row would be copied.
+Here a batch marks only the positions whose logits the engine will read, and
+the rows come back as a zero-copy numpy view of llama.cpp's output buffer.
+
+One model file is loaded once per process (`load_model`) and may serve many
+contexts, e.g. one per sequence on a draft node.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specwire.backend.base import BackendError
+from specwire.config import ModelParams
+
+try:
+    import llama_cpp as C
+except ImportError as e:  # pragma: no cover - the package is a hard dependency
+    raise BackendError(f"llama-cpp-python is not installed: {e}") from e
+
+log = logging.getLogger(__name__)
+
+_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
+               "iq4_nl": 20, "bf16": 30}
+_init_lock = threading.Lock()
+_initialised = False
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # ggml levels: 2 info, 3 warn, 4 error, 5 continuation. llama.cpp is chatty; keep problems.
+    if level in (3, 4) and text:
+        log.log(logging.ERROR if level >= 4 else logging.DEBUG, text.decode(errors="replace").rstrip())
+
+
+def _init() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            C.llama_log_set(_log_callback, ctypes.c_void_p())
+            C.llama_backend_init()
+            _initialised = True
+
+
+def check_gguf(path: str) -> None:
+    """Refuse a missing file or one that is not a GGUF, naming it."""
+    if not os.path.isfile(path):
+        raise BackendError(f"model file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise BackendError(f"not a GGUF model file (magic {magic!r}): {path}")
+
+
+@dataclass(slots=True)
+class Model:
+    """A loaded GGUF: weights and vocabulary, shared by its contexts."""
+
+    path: str
+    ptr: ctypes.c_void_p
+    vocab: ctypes.c_void_p
+    n_vocab: int
+    _pieces: dict
+    _fingerprint: str | None = None
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def fingerprint(self) -> str:
+        """sha256 over every token's text and attributes: equal iff the tables match."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(str(self.n_vocab).encode())
+            for t in range(self.n_vocab):
+                h.update(C.llama_vocab_get_text(self.vocab, t) or b"")
+                h.update(b"\0%d\0" % C.llama_vocab_get_attr(self.vocab, t))
+            self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
+
+    def piece(self, token: int) -> bytes:
+        """The bytes a token prints as (special tokens print nothing)."""
+        p = self._pieces.get(token)
+        if p is None:
+            buf = ctypes.create_string_buffer(256)
+            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            p = self._pieces[token] = buf.raw[:max(n, 0)]
+        return p
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (C.llama_token * cap)()
+            n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self.vocab, token))
+
+    def chat_template(self) -> str | None:
+        t = C.llama_model_chat_template(self.ptr, None)
+        return t.decode() if t else None
+
+    def token_text(self, token: int) -> str:
+        return (C.llama_vocab_get_text(self.vocab, token) or b"").decode(errors="replace")
+
+    @property
+    def bos(self) -> int:
+        return int(C.llama_vocab_bos(self.vocab))
+
+    @property
+    def eos(self) -> int:
+        return int(C.llama_vocab_eos(self.vocab))
+
+
+_models: dict[tuple, Model] = {}
+_models_lock = threading.Lock()
+
+
+def load_model(params: ModelParams) -> Model:
+    """Load (or reuse) the weights of a GGUF file."""
+    check_gguf(params.path)
+    _init()
+    key = (os.path.realpath(params.path), params.n_gpu_layers)
+    with _models_lock:
+        model = _models.get(key)
+        if model is None:
+            mp = C.llama_model_default_params()
+            mp.n_gpu_layers = params.n_gpu_layers
+            ptr = C.llama_model_load_from_file(params.path.encode(), mp)
+            if not ptr:
+                raise BackendError(f"llama.cpp could not load the model: {params.path}")
+            vocab = C.llama_model_get_vocab(ptr)
+            model = Model(params.path, ptr, vocab, int(C.llama_vocab_n_tokens(vocab)), {})
+            _models[key] = model
+        return model
+
+
+class LlamaBackend:
+    """One llama.cpp context = one sequence's KV cache, with rows only where asked."""
+
+    def __init__(self, params: ModelParams, model: Model | None = None) -> None:
+        self.params = params
+        self.model = model or load_model(params)
+        self.name = self.model.name
+        self.n_vocab = self.model.n_vocab
+        cp = C.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = params.n_batch
+        cp.n_seq_max = 1
+        cp.n_threads = params.n_threads
+        cp.n_threads_batch = params.n_threads_batch or params.n_threads
+        cp.type_k = _GGML_TYPES[params.type_k]
+        cp.type_v = _GGML_TYPES[params.type_v]
+        cp.flash_attn_type = (C.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
+                              else C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cp.no_perf = True
+        # Rolling back a sliding-window cache is only exact when it keeps every position.
+        cp.swa_full = True
+        self.ctx = C.llama_init_from_model(self.model.ptr, cp)
+        if not self.ctx:
+            raise BackendError(f"llama.cpp could not create a context (-c {params.n_ctx}) "
+                               f"for {params.path}")
+        self.n_ctx = int(C.llama_n_ctx(self.ctx))
+        self.mem = C.llama_get_memory(self.ctx)
+        self._cap = params.n_batch
+        self._batch = C.llama_batch_init(self._cap, 0, 1)
+        self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self._cap,))
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self._cap,))
+        self._nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self._cap,))
+        self._out = np.ctypeslib.as_array(self._batch.logits, shape=(self._cap,))
+        for i in range(self._cap):
+            self._batch.seq_id[i][0] = 0
+        self._nseq[:] = 1
+        self._tokens: list[int] = []
+
+    # -- the Backend protocol ------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return self._tokens
+
+    def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray:
+        """Append tokens; rows: "last" (1, V), "all" (n, V), "none" (0, V)."""
+        n = len(tokens)
+        if n == 0:
+            raise BackendError("eval of an empty token list")
+        if self.n_past + n > self.n_ctx:
+            raise BackendError(f"context full: {self.n_past} + {n} tokens > -c {self.n_ctx}")
+        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise BackendError(f"token id {bad[0]} outside the vocabulary (0..{self.n_vocab - 1})")
+        if logits == "all" and n > self._cap:
+            raise BackendError(f"cannot return logits for {n} tokens at once (batch {self._cap})")
+        done = 0
+        while done < n:
+            m = min(self._cap, n - done)
+            chunk = tokens[done:done + m]
+            last_chunk = done + m == n
+            self._tok[:m] = chunk
+            self._pos[:m] = np.arange(self.n_past, self.n_past + m)
+            self._out[:m] = 1 if logits == "all" else 0
+            if logits == "last" and last_chunk:
+                self._out[m - 1] = 1
+            self._batch.n_tokens = m
+            rc = C.llama_decode(self.ctx, self._batch)
+            if rc != 0:
+                self.truncate(self.n_past)   # drop whatever the failed batch left behind
+                raise BackendError(f"llama_decode failed ({rc}) on {m} tokens at position "
+                                   f"{self.n_past} in {self.name}")
+            self._tokens.extend(chunk)
+            done += m
+        rows = {"all": n, "last": 1, "none": 0}[logits]
+        if rows == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = C.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+
+    def truncate(self, n: int) -> None:
+        if n < 0 or n > len(self._tokens):
+            raise BackendError(f"truncate to {n} outside 0..{len(self._tokens)}")
+        if not C.llama_memory_seq_rm(self.mem, 0, n, -1):
+            C.llama_memory_clear(self.mem, True)
+            n = 0
+        del self._tokens[n:]
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.model.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        return b"".join(self.model.piece(int(t)) for t in tokens)
+
+    def is_eog(self, token: int) -> bool:
+        return self.model.is_eog(token)
+
+    def vocab_fingerprint(self) -> str:
+        return self.model.fingerprint()
+
+    def chat_template(self) -> str | None:
+        return self.model.chat_template()
+
+    def close(self) -> None:
+        if self.ctx:
+            C.llama_batch_free(self._batch)
+            C.llama_free(self.ctx)
+            self.ctx = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def check_pair(target: Model, draft: Model) -> None:
+    """Refuse a target/draft pair whose token tables differ, naming both files."""
+    ft, fd = target.fingerprint(), draft.fingerprint()
+    if ft != fd or target.n_vocab != draft.n_vocab:
+        raise BackendError(
+            f"incompatible models: the target {target.path} (vocabulary {target.n_vocab} tokens, "
+            f"fingerprint {ft}) and the draft {draft.path} (vocabulary {draft.n_vocab} tokens, "
+            f"fingerprint {fd}) do not share a tokenizer")

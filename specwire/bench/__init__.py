@@ -1,0 +1,1 @@
+"""Benchmarks: prompt sets and the runs that measure speculation on them."""

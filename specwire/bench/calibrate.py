@@ -1,0 +1,182 @@
+"""Measure the planning model's inputs on this machine (`specwire plan --measure`).
+
+`specwire plan` is arithmetic on four figures; guessing them is where a plan
+goes wrong (plan.py's docstring: the verification cost decides the FIELD.md
+case). Here each is measured the way the engine incurs it:
+
+* target tokens/s: plain decoding through the engine (sampling included),
+  median over a few prompts of a set;
+* draft tokens/s: the draft model evaluating one token at a time after a
+  prompt, as it does while drafting;
+* verification cost t_v(n): the target evaluating batches of n = 1, 2, 4, 8,
+  16 tokens with logits for every row (what verification asks for), the KV
+  cache truncated back between tries, median time relative to n = 1;
+* acceptance: a short local speculative run over the prompts
+  (draft_n_accepted / draft_n, llama-server's figure, as `plan --acceptance`).
+
+bench uses the draft speed and the verification curve for its own plan
+predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from specwire.plan import VerifyCurve
+
+VERIFY_SIZES = (1, 2, 4, 8, 16)
+DRAFT_TOKENS = 32
+VERIFY_REPS = 3
+
+
+# --------------------------------------------------------------------------- single figures
+
+
+def draft_tps(backend: Any, prompt: Sequence[int], n: int = DRAFT_TOKENS) -> float:
+    """Greedy one-token steps after the prompt: the draft model's drafting speed."""
+    n = max(1, min(n, backend.n_ctx - len(prompt) - 1))
+    backend.truncate(0)
+    tok = int(np.argmax(backend.eval(list(prompt), logits="last")[-1]))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = int(np.argmax(backend.eval([tok], logits="last")[-1]))
+    elapsed = time.perf_counter() - t0
+    backend.truncate(0)
+    return n / elapsed
+
+
+def verify_curve(backend: Any, prompt: Sequence[int], sizes: Sequence[int] = VERIFY_SIZES,
+                 reps: int = VERIFY_REPS) -> VerifyCurve:
+    """t_v(n) / t_v(1) for each n, measured after a prompt and truncated back each time."""
+    times = batch_times(backend, prompt, sizes, reps)
+    base = times[1] if 1 in times else min(times.values())
+    points = tuple((n, round(t / base, 4)) for n, t in sorted(times.items()))
+    if len(points) < 2:
+        raise ValueError("verify_curve: need at least two batch sizes")
+    return VerifyCurve(points, assumed=False)
+
+
+def batch_times(backend: Any, prompt: Sequence[int], sizes: Sequence[int],
+                reps: int) -> dict[int, float]:
+    """Median seconds to evaluate a batch of n tokens (all logits) at the prompt's end."""
+    sizes = sorted({n for n in sizes if 0 < n <= backend.n_ctx - len(prompt)})
+    backend.truncate(0)
+    backend.eval(list(prompt), logits="last")
+    base = backend.n_past
+    filler = list(prompt) or [0]
+    out = {}
+    for n in sizes:
+        batch = [filler[i % len(filler)] for i in range(n)]
+        tries = []
+        for _ in range(reps + 1):            # the first try of each size warms up
+            t0 = time.perf_counter()
+            backend.eval(batch, logits="all")
+            tries.append(time.perf_counter() - t0)
+            backend.truncate(base)
+        out[n] = statistics.median(tries[1:])
+    backend.truncate(0)
+    return out
+
+
+# --------------------------------------------------------------------------- plan --measure
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    target_tps: float
+    draft_tps: float
+    acceptance: float
+    draft_n: int
+    draft_n_accepted: int
+    verify: VerifyCurve
+
+    def describe(self) -> str:
+        return (f"measured: target {self.target_tps:.2f} tokens/s, draft {self.draft_tps:.2f} "
+                f"tokens/s, acceptance {self.acceptance:.3f} "
+                f"({self.draft_n_accepted}/{self.draft_n}), {self.verify.describe()}")
+
+
+def add_measure_args(p: argparse.ArgumentParser) -> None:
+    """`--measure` and the model flags it needs (generate's names), in their own group."""
+    from specwire.cliargs import add_draft_model_args, add_model_args
+    g = p.add_argument_group("measuring (--measure)")
+    g.add_argument("--measure", action="store_true",
+                   help="measure target/draft speed, verification cost and acceptance on this "
+                   "machine (bundled pair unless -m/-md); flags given explicitly win")
+    g.add_argument("--measure-prompts", default="code", metavar="SET",
+                   help="prompt set(s) for the measurement (default code)")
+    g.add_argument("--measure-limit", type=int, default=4, metavar="N",
+                   help="prompts used from each set (default 4)")
+    g.add_argument("--measure-n", type=int, default=64, metavar="N",
+                   help="tokens generated per prompt (default 64)")
+    g.add_argument("-md", "--model-draft", help="draft GGUF (default: the bundled Q2_K draft)")
+    add_model_args(p, draft=False)
+    add_draft_model_args(g)
+
+
+def apply_measurement(args: argparse.Namespace) -> None:
+    """Fill the figures `plan` was not given from a measurement (--measure), else insist."""
+    missing = [f for f in ("target_tps", "draft_tps", "acceptance") if getattr(args, f) is None]
+    if not getattr(args, "measure", False):
+        if missing:
+            from specwire.cliargs import CliError
+            flags = ", ".join("--" + f.replace("_", "-") for f in missing)
+            raise CliError(f"missing {flags} (or --measure to measure them here)")
+        return
+    m = measure(args)
+    print(m.describe(), file=sys.stderr)
+    if args.target_tps is None:
+        args.target_tps = repr(m.target_tps)
+    if args.draft_tps is None:
+        args.draft_tps = repr(m.draft_tps)
+    if args.acceptance is None:
+        args.acceptance = repr(m.acceptance)
+    if args.verify_cost is None:
+        args.verify_cost = ",".join(f"{n}:{c:g}" for n, c in m.verify.points)
+
+
+def measure(a: argparse.Namespace) -> Measurement:
+    """Load the pair, then the four figures (target and draft one after the other)."""
+    from specwire.backend.base import BackendError
+    from specwire.backend.llama import LlamaBackend, check_pair, load_model
+    from specwire.bench import prompts as prompt_sets
+    from specwire.bench.runner import Config, Workload, run_config
+    from specwire.cliargs import CliError, draft_model_params, target_params
+    from specwire.config import DraftParams, SamplingParams
+    from specwire.drafters.model import ModelDrafter
+    from specwire.engine import Engine
+    from specwire.loader import resolve_draft, resolve_target
+
+    if a.measure_limit < 1 or a.measure_n < 1:
+        raise CliError("--measure-limit and --measure-n must be >= 1")
+    try:
+        plist = prompt_sets.resolve(a.measure_prompts, a.measure_limit)
+        target = LlamaBackend(target_params(a, resolve_target(a.model)))
+        dparams = draft_model_params(a, resolve_draft(a.model_draft))
+        dmodel = load_model(dparams)
+        check_pair(target.model, dmodel)
+        draft = LlamaBackend(dparams, dmodel)
+    except (BackendError, prompt_sets.PromptError) as e:
+        raise CliError(str(e)) from None
+    tokens = [prompt_sets.tokenize(p, target) for p in plist]
+    work = Workload(plist, tokens, SamplingParams(temperature=0.0), DraftParams(),
+                    n_predict=a.measure_n)
+    plain = run_config(Engine(target), work, Config("plain"))
+    spec = run_config(Engine(target, ModelDrafter(draft)), work,
+                      Config("local", DraftParams().n_max))
+    drafted = sum(r.stats["draft_n"] for r in spec)
+    accepted = sum(r.stats["draft_n_accepted"] for r in spec)
+    return Measurement(
+        target_tps=statistics.median(r.tokens_per_s for r in plain),
+        draft_tps=draft_tps(draft, tokens[0]),
+        acceptance=accepted / drafted if drafted else 0.0,
+        draft_n=drafted, draft_n_accepted=accepted,
+        verify=verify_curve(target, tokens[0]))

@@ -1,0 +1,253 @@
+"""The drafter behind each benchmark mode, and what it needs around it.
+
+plain             no drafter (the reference every speedup is measured against)
+local             the draft model in this process
+ngram             prompt lookup, no model
+remote-sync       a draft node in its own process, over an emulated link, each side waiting
+remote-pipelined  the same node, drafting ahead of the verdicts
+llama-server      an unmodified llama-server (--llama-server URL), over an emulated link
+
+The draft node is started as a separate process (`python -m specwire draft`),
+as it would run on another machine: its model loads and drafts outside this
+interpreter, so its threads are not ours and a crash shows as a dead link.
+A LinkEmulator sits between the target and it; each configuration sets the
+emulator's one-way delay to RTT/2 and gets its own Link and RemoteDrafter,
+because a Link's channel belongs to the event loop of the drafter that made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from specwire.bench.runner import Config
+from specwire.cliargs import CliError, draft_model_params
+from specwire.netemu import LinkEmulator
+
+MODES = ("plain", "local", "remote-sync", "remote-pipelined", "ngram", "llama-server")
+REMOTE_MODES = ("remote-sync", "remote-pipelined", "llama-server")
+#: Modes that run the draft model (and so need its speed for the plan prediction).
+MODEL_MODES = ("local", "remote-sync", "remote-pipelined")
+NODE_START_TIMEOUT_S = 180.0
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+def parse_modes(text: str) -> list[str]:
+    """'plain,local' -> ['plain', 'local'], refusing unknown names; order kept, no repeats."""
+    modes: list[str] = []
+    for m in (s.strip() for s in text.split(",")):
+        if not m:
+            continue
+        if m not in MODES:
+            raise CliError(f"--modes: unknown mode {m!r}; known: {', '.join(MODES)}")
+        if m not in modes:
+            modes.append(m)
+    if not modes:
+        raise CliError("--modes: no mode given")
+    return modes
+
+
+# --------------------------------------------------------------------------- draft node
+
+
+class DraftNode:
+    """`python -m specwire draft` as a child process, stopped however bench ends.
+
+    Its output goes to a log file (not a pipe that could fill and block it);
+    start() polls that file for the "listening on HOST:PORT" line.
+    """
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.argv, self.log_path = argv, log_path
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self, timeout_s: float = NODE_START_TIMEOUT_S) -> str:
+        """Start and wait until it listens; return HOST:PORT. CliError with its log if not."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = _LISTENING.search(self._log_text())
+            if m:
+                self.address = f"{m.group(1)}:{m.group(2)}"
+                return self.address
+            if self.proc.poll() is not None:
+                raise CliError(f"the draft node exited with status {self.proc.returncode} "
+                               f"before listening; its log ({self.log_path}):\n{self._tail()}")
+            time.sleep(0.05)
+        self.stop()
+        raise CliError(f"the draft node did not listen within {timeout_s:.0f} s; "
+                       f"its log ({self.log_path}):\n{self._tail()}")
+
+    def stop(self) -> None:
+        """Terminate, then kill if it lingers. Idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def __enter__(self) -> DraftNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _log_text(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def _tail(self, n: int = 20) -> str:
+        return "\n".join(self._log_text().splitlines()[-n:]) or "(empty)"
+
+
+def node_argv(a: argparse.Namespace, draft_path: str) -> list[str]:
+    """The draft node's command line: same model, threads and context as a local draft."""
+    return [sys.executable, "-m", "specwire", "draft", "-m", draft_path,
+            "--host", "127.0.0.1", "--port", "0", "--max-sessions", "2",
+            "-c", str(a.ctx_size_draft or a.ctx_size), "-td", str(a.threads_draft),
+            "-tbd", str(a.threads_batch_draft), "-s", str(a.seed)]
+
+
+# --------------------------------------------------------------------------- drafters
+
+
+class Drafters:
+    """Builds each configuration's drafter; owns what outlives one configuration.
+
+    The local draft model is loaded once and reused (its cache is emptied before
+    every prompt by the runner); the draft node and the emulators are started
+    on first use and stopped by the ExitStack the caller closes, also on Ctrl-C.
+    """
+
+    def __init__(self, a: argparse.Namespace, target: Any, draft_path: str, out_dir: Path,
+                 stack: contextlib.ExitStack) -> None:
+        self.a, self.target, self.draft_path = a, target, draft_path
+        self.out_dir, self.stack = out_dir, stack
+        self._draft_backend: Any = None
+        self._emulators: dict[str, LinkEmulator] = {}
+
+    def draft_backend(self) -> Any:
+        """The in-process draft model (checked against the target's vocabulary)."""
+        if self._draft_backend is None:
+            from specwire.backend.base import BackendError
+            from specwire.backend.llama import LlamaBackend, check_pair, load_model
+            try:
+                params = draft_model_params(self.a, self.draft_path)
+                model = load_model(params)
+                check_pair(self.target.model, model)
+                self._draft_backend = LlamaBackend(params, model)
+            except BackendError as e:
+                raise CliError(str(e)) from None
+        return self._draft_backend
+
+    @contextlib.contextmanager
+    def build(self, cfg: Config) -> Iterator[tuple[Any, LinkEmulator | None]]:
+        """(drafter, emulator or None) for one configuration; remote ones closed after."""
+        if cfg.mode in ("plain", "local", "ngram"):
+            yield self._in_process(cfg.mode), None
+            return
+        emu = self._emulator(cfg.mode)
+        emu.one_way_s = (cfg.rtt_s or 0.0) / 2
+        emu.bandwidth_bps = cfg.bandwidth_bps
+        drafter = (self._llama_server(emu) if cfg.mode == "llama-server"
+                   else self._remote(emu, pipelined=cfg.mode == "remote-pipelined"))
+        try:
+            yield drafter, emu
+        finally:
+            close = getattr(drafter, "close", None)
+            if callable(close):
+                close()
+            emu.cut()       # the closed drafter's channel may linger; the next one starts clean
+
+    def _in_process(self, mode: str) -> Any:
+        if mode == "local":
+            from specwire.drafters.model import ModelDrafter
+            return ModelDrafter(self.draft_backend())
+        if mode == "ngram":
+            from specwire.drafters.ngram import NgramDrafter
+            return NgramDrafter()
+        from specwire.drafters.base import NoDrafter
+        return NoDrafter()
+
+    def _remote(self, emu: LinkEmulator, pipelined: bool) -> Any:
+        """A fresh Link + RemoteDrafter through the emulator, handshake done."""
+        from specwire.wire.client import make_remote_drafter
+        a = self.a
+        opts = SimpleNamespace(draft_token=a.draft_token, draft_tls_ca=a.draft_tls_ca,
+                               draft_tls_cert=a.draft_tls_cert, draft_tls_key=a.draft_tls_key,
+                               draft_mode="pipelined" if pipelined else "sync")
+        drafter = make_remote_drafter([f"127.0.0.1:{emu.port}"], opts, self.target)
+        link = drafter.links[0]
+        if not link.up:
+            drafter.close()
+            raise CliError(f"draft node unreachable through the link emulator: {link.last_error}")
+        return drafter
+
+    def _llama_server(self, emu: LinkEmulator) -> Any:
+        from specwire.wire.llama_server import LlamaServerDrafter
+        path = urllib.parse.urlsplit(self.a.llama_server).path.rstrip("/")
+        return LlamaServerDrafter(f"http://127.0.0.1:{emu.port}{path}",
+                                  n_vocab=self.target.n_vocab)
+
+    def _emulator(self, mode: str) -> LinkEmulator:
+        """One emulator per upstream (the draft node, or the llama-server)."""
+        key = "llama-server" if mode == "llama-server" else "node"
+        if key not in self._emulators:
+            host, port = (self._llama_server_address() if key == "llama-server"
+                          else self._node_address())
+            emu = LinkEmulator(host, port)
+            emu.start()
+            self.stack.callback(stop_emulator, emu)
+            self._emulators[key] = emu
+        return self._emulators[key]
+
+    def _node_address(self) -> tuple[str, int]:
+        """--draft-url if given, else a node started here for the rest of the run."""
+        url = self.a.draft_url[0] if getattr(self.a, "draft_url", None) else None
+        if url is None:
+            node = self.stack.enter_context(DraftNode(node_argv(self.a, self.draft_path),
+                                                      self.out_dir / "draft-node.log"))
+            url = node.start()
+        return split_host_port(url.removeprefix("grpc://"), "--draft-url")
+
+    def _llama_server_address(self) -> tuple[str, int]:
+        u = urllib.parse.urlsplit(self.a.llama_server or "")
+        if u.scheme != "http" or not u.hostname:
+            raise CliError("--llama-server: expected http://HOST:PORT (needed by mode "
+                           "llama-server)")
+        return u.hostname, u.port or 80
+
+
+def stop_emulator(emu: LinkEmulator) -> None:
+    """Cut the connections, let their handlers finish, then stop: stopping with live
+    connections cancels their handlers mid-flight, which asyncio logs as an error."""
+    emu.cut()
+    time.sleep(0.05)
+    emu.stop()
+
+
+def split_host_port(text: str, flag: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise CliError(f"{flag}: expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+

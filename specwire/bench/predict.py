@@ -1,0 +1,145 @@
+"""What `specwire plan` would have predicted for a configuration bench measured.
+
+The inputs are measured in the same run: the plain mode's median tokens/s,
+the draft model's speed and the verification curve from a quick calibration
+(calibrate.py), the configuration's own acceptance and its emulated link.
+Comparing the prediction with the measured rate validates the planning model
+configuration by configuration.
+
+The plan assumes every round drafts k tokens, each kept with probability a
+given the previous one was. Real drafters do not: the draft model stops at
+--draft-p-min, an n-gram drafter proposes only when it finds a match. So the
+plan is fed the round bench actually saw:
+
+* k = the mean number of tokens drafted per drafting round (rounded);
+* a = the per-token acceptance at which a k-token round keeps, on average,
+  the tokens measured (the geometric model's a, fitted; the plain ratio
+  draft_n_accepted / draft_n is reported beside it);
+* the share f of rounds that had a draft; the others are plain steps:
+  rate = (f E + (1 - f)) / (f E / rate_k + (1 - f) t_s).
+
+What is then compared is the cost model (draft speed, verification curve,
+round trip, overlap), which is what `plan` is for. Pipelined drafting already
+models its draftless rounds (the "race" after a miss), so f is not applied.
+
+Mode mapping: local and ngram are plan's `local` (an n-gram's "draft speed"
+is its measured lookup time per token), remote-sync and llama-server are
+`synchronous`, remote-pipelined is `pipelined`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specwire.bench.runner import Config
+from specwire.plan import PlanInputs, RateFn, VerifyCurve, local_rate, pipelined_rate, sync_rate
+from specwire.policy import expected_tokens
+
+RATE_BY_MODE: dict[str, tuple[str, RateFn]] = {
+    "local": ("local", local_rate),
+    "ngram": ("local", local_rate),
+    "remote-sync": ("synchronous", sync_rate),
+    "llama-server": ("synchronous", sync_rate),
+    "remote-pipelined": ("pipelined", pipelined_rate),
+}
+#: Stand-in speed for a drafter whose drafting took no measurable time.
+_FREE_DRAFT_TPS = 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class Rounds:
+    """What the rounds of a configuration looked like, summed over its prompts."""
+
+    rounds: int
+    drafting_rounds: int
+    drafted: int
+    accepted: int
+
+    @property
+    def k(self) -> int:
+        return max(1, round(self.drafted / self.drafting_rounds)) if self.drafting_rounds else 0
+
+    @property
+    def share(self) -> float:
+        return self.drafting_rounds / self.rounds if self.rounds else 0.0
+
+    @property
+    def kept_per_round(self) -> float:
+        return self.accepted / self.drafting_rounds if self.drafting_rounds else 0.0
+
+
+def fit_acceptance(kept: float, k: int) -> float:
+    """The a in [0, 1] with a + a^2 + ... + a^k = kept (bisection; kept is clamped to [0, k])."""
+    kept = min(max(kept, 0.0), float(k))
+    if k <= 0 or kept <= 0.0:
+        return 0.0
+    if kept >= k:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, k) - 1.0 < kept:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Rounds,
+            verify: VerifyCurve | None, measured_tps: float) -> dict | None:
+    """plan's tokens/s for cfg and its error against the measured rate (None if unknown)."""
+    if not plain_tps > 0.0 or not measured_tps > 0.0:
+        return None
+    if not cfg.drafting:
+        return _result("plain", 0, None, plain_tps, plain_tps, measured_tps, None)
+    if rounds.drafting_rounds == 0:       # never drafted: every round was a plain step
+        return _result("plain", 0, None, plain_tps, plain_tps, measured_tps, None)
+    if draft_tps is None or not draft_tps > 0.0 or verify is None:
+        return None
+    plan_mode, fn = RATE_BY_MODE[cfg.mode]
+    k = min(rounds.k, 256)
+    a = fit_acceptance(rounds.kept_per_round, k)
+    inputs = PlanInputs(
+        target_tps=plain_tps, draft_tps=min(draft_tps, _FREE_DRAFT_TPS), acceptance=a,
+        rtt_s=cfg.rtt_s or 0.0, bandwidth_bps=cfg.bandwidth_bps or math.inf, verify=verify,
+        draft_max=max(k, 1))
+    rate = fn(inputs, k)
+    if plan_mode != "pipelined":
+        rate = mixed_rate(rate, expected_tokens(a, k), rounds.share, inputs.t_s)
+    return _result(plan_mode, k, rounds.share, rate, plain_tps, measured_tps, inputs)
+
+
+def mixed_rate(rate_k: float, tokens_k: float, share: float, t_s: float) -> float:
+    """Tokens/s when a share of rounds drafts (rate_k, tokens_k a round) and the rest are
+    plain steps (one token in t_s)."""
+    tokens = share * tokens_k + (1.0 - share)
+    seconds = share * tokens_k / rate_k + (1.0 - share) * t_s
+    return tokens / seconds
+
+
+def _result(plan_mode: str, k: int, share: float | None, rate: float, plain_tps: float,
+            measured_tps: float, inputs: PlanInputs | None) -> dict:
+    return {
+        "plan_mode": plan_mode,
+        "k": k,
+        "drafting_share": share,
+        "predicted_tps": rate,
+        "predicted_speedup": rate / plain_tps,
+        "measured_tps": measured_tps,
+        "error_pct": 100.0 * (rate - measured_tps) / measured_tps,
+        "inputs": None if inputs is None else {
+            "target_tps": inputs.target_tps, "draft_tps": inputs.draft_tps,
+            "acceptance": inputs.acceptance, "rtt_s": inputs.rtt_s,
+            "bandwidth_bps": inputs.bandwidth_bps if math.isfinite(inputs.bandwidth_bps)
+            else None,
+            "verify_cost": [list(p) for p in inputs.verify.points]},
+    }
+
+
+def measured_draft_tps(draft_ms: float, draft_n: int) -> float | None:
+    """Drafted tokens per second of the engine's wait (less the link): an n-gram's lookups,
+    a llama-server's drafting; None when nothing was drafted."""
+    if draft_n <= 0:
+        return None
+    return draft_n / (draft_ms / 1000.0) if draft_ms > 0 else _FREE_DRAFT_TPS

@@ -1,0 +1,334 @@
+"""Turn per-prompt runs into the figures bench reports, as a table and as JSON.
+
+Speedups are measured against the plain mode of the same run, two ways:
+the ratio of median tokens/s (what a user would see on the whole set) and
+the median of per-prompt ratios (pairs each prompt with itself, so that an
+easy and a hard prompt do not average out; what to quote when sets differ).
+Spread is p10/p90 and the interquartile range: a handful of prompts make a
+mean and a standard deviation misleading.
+
+At temperature 0 (and in the coupled mode) speculation is lossless, so every
+mode must generate the very same tokens as plain decoding; each prompt's
+token digest is compared with plain's and a mismatch is flagged loudly,
+because a speedup on different text is no speedup.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from specwire.bench.runner import Config, PromptRun, format_bps, format_ms
+
+REMOTE = ("remote-sync", "remote-pipelined", "llama-server")
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def spread(xs: Sequence[float]) -> dict:
+    """Median, p10/p90, quartiles, mean, min and max; all None for no data."""
+    keys = ("median", "p10", "p90", "q1", "q3", "iqr", "mean", "min", "max")
+    if not xs:
+        return dict.fromkeys(keys)
+    a = np.asarray(xs, dtype=float)
+    p10, q1, med, q3, p90 = np.percentile(a, [10, 25, 50, 75, 90])
+    return {"median": float(med), "p10": float(p10), "p90": float(p90), "q1": float(q1),
+            "q3": float(q3), "iqr": float(q3 - q1), "mean": float(a.mean()),
+            "min": float(a.min()), "max": float(a.max())}
+
+
+def median(xs: Iterable[float]) -> float | None:
+    xs = list(xs)
+    return float(np.median(xs)) if xs else None
+
+
+def paired_speedups(runs: Sequence[PromptRun], plain: Sequence[PromptRun]) -> list[float]:
+    """tokens/s of each prompt over plain's on the same prompt (matched by id)."""
+    base = {r.id: r.tokens_per_s for r in plain}
+    return [r.tokens_per_s / base[r.id] for r in runs
+            if base.get(r.id, 0.0) > 0.0 and r.tokens_per_s > 0.0]
+
+
+def speedup(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None) -> dict:
+    """Ratio of medians and the spread of the per-prompt paired ratios."""
+    if not plain:
+        return {"ratio_of_medians": None, "paired_median": None, "paired_p10": None,
+                "paired_p90": None}
+    mine, ref = median(r.tokens_per_s for r in runs), median(r.tokens_per_s for r in plain)
+    pairs = spread(paired_speedups(runs, plain))
+    return {"ratio_of_medians": mine / ref if mine is not None and ref else None,
+            "paired_median": pairs["median"], "paired_p10": pairs["p10"],
+            "paired_p90": pairs["p90"]}
+
+
+def merge_hist(hists: Iterable[Sequence[int]]) -> list[int]:
+    out: list[int] = []
+    for h in hists:
+        out.extend([0] * (len(h) - len(out)))
+        for i, c in enumerate(h):
+            out[i] += c
+    return out
+
+
+def merge_by_position(tables: Iterable[Sequence[Sequence[int]]]) -> list[dict]:
+    """Sum [drafted, accepted] per draft position; add the rate."""
+    sums: list[list[int]] = []
+    for t in tables:
+        while len(sums) < len(t):
+            sums.append([0, 0])
+        for i, (d, a) in enumerate(t):
+            sums[i][0] += d
+            sums[i][1] += a
+    return [{"position": i, "drafted": d, "accepted": a, "rate": a / d if d else None}
+            for i, (d, a) in enumerate(sums)]
+
+
+def token_match(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None,
+                lossless: bool) -> tuple[bool | None, list[str]]:
+    """(all equal to plain?, ids that differ); None when equality is not expected or known."""
+    if not lossless or not plain:
+        return None, []
+    ref = {r.id: r.tokens_sha for r in plain}
+    bad = [r.id for r in runs if r.id in ref and ref[r.id] != r.tokens_sha]
+    return not bad, bad
+
+
+# --------------------------------------------------------------------------- one record
+
+
+def time_split(cfg: Config, runs: Sequence[PromptRun]) -> dict:
+    """Where the decoding time went: draft, network, verify, and the rest (overhead).
+
+    The engine times how long it waits on the drafter and how long verification
+    takes. For remote modes the emulated round trip inside that wait is known:
+    at most one per drafting round, so network = min(wait, rounds x RTT) and the
+    remainder of the wait is the node drafting (or its queue). A pipelined
+    drafter that never makes the engine wait shows no network time: its cost is
+    in acceptance, not in waiting.
+    """
+    total = sum(r.predicted_ms for r in runs)
+    draft = network = verify = 0.0
+    for r in runs:
+        wait = r.stats.get("draft_ms", 0.0)
+        net = 0.0
+        if cfg.mode in REMOTE and cfg.rtt_s:
+            net = min(wait, r.stats.get("rounds", 0) * 1000 * cfg.rtt_s)
+        draft, network = draft + wait - net, network + net
+        verify += r.stats.get("verify_ms", 0.0)
+    other = total - draft - network - verify
+    ms = {"total": total, "prompt": sum(r.prompt_ms for r in runs), "draft": draft,
+          "network": network, "verify": verify, "overhead": other}
+    frac = {k: (v / total if total else None) for k, v in ms.items() if k not in ("total",
+                                                                                 "prompt")}
+    return {"ms": ms, "fraction": frac}
+
+
+def wire_bytes(runs: Sequence[PromptRun]) -> dict:
+    """Bytes per generated token: as the link emulator counted them, and as the drafter did."""
+    gen = sum(r.generated for r in runs)
+    up, down = sum(r.link_bytes_up for r in runs), sum(r.link_bytes_down for r in runs)
+    d_up = sum(r.stats.get("drafter", {}).get("bytes_up", 0.0) for r in runs)
+    d_down = sum(r.stats.get("drafter", {}).get("bytes_down", 0.0) for r in runs)
+    return {"link_up": up, "link_down": down,
+            "link_per_token": (up + down) / gen if gen else None,
+            "drafter_up": d_up, "drafter_down": d_down,
+            "drafter_per_token": (d_up + d_down) / gen if gen else None}
+
+
+def by_category(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None) -> dict:
+    groups: dict[str, list[PromptRun]] = defaultdict(list)
+    for r in runs:
+        groups[r.category].append(r)
+    out = {}
+    for cat, rs in groups.items():
+        ref = [r for r in plain if r.category == cat] if plain else None
+        drafted = sum(r.stats.get("draft_n", 0) for r in rs)
+        out[cat] = {"n_prompts": len(rs),
+                    "tokens_per_s_median": median(r.tokens_per_s for r in rs),
+                    "speedup": speedup(rs, ref),
+                    "acceptance": (sum(r.stats.get("draft_n_accepted", 0) for r in rs) / drafted
+                                   if drafted else None)}
+    return out
+
+
+def aggregate(cfg: Config, runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None,
+              lossless: bool) -> dict:
+    """One configuration's record: every figure the issue asks for, plus per-prompt data."""
+    drafted = sum(r.stats.get("draft_n", 0) for r in runs)
+    accepted = sum(r.stats.get("draft_n_accepted", 0) for r in runs)
+    hist = merge_hist(r.stats.get("accepted_hist", []) for r in runs)
+    rounds_with_draft = sum(hist)
+    match, mismatched = token_match(runs, plain, lossless)
+    return {
+        **cfg.to_dict(),
+        "n_prompts": len(runs),
+        "tokens_generated": sum(r.generated for r in runs),
+        "tokens_per_s": spread([r.tokens_per_s for r in runs]),
+        "speedup": speedup(runs, plain),
+        "acceptance": accepted / drafted if drafted else None,
+        "draft_n": drafted,
+        "draft_n_accepted": accepted,
+        "rounds": sum(r.stats.get("rounds", 0) for r in runs),
+        "mean_accepted": (sum(i * c for i, c in enumerate(hist)) / rounds_with_draft
+                          if rounds_with_draft else None),
+        "accepted_hist": hist,
+        "by_position": merge_by_position(r.stats.get("by_position", []) for r in runs),
+        "time": time_split(cfg, runs),
+        "bytes": wire_bytes(runs),
+        "tokens_match_plain": match,
+        "mismatched_prompts": mismatched,
+        "by_category": by_category(runs, plain),
+        "prompts": [r.to_dict() for r in runs],
+    }
+
+
+# --------------------------------------------------------------------------- across records
+
+
+def adaptive_vs_fixed(records: Sequence[dict]) -> list[dict]:
+    """Per mode, link and prompt set: the adaptive policy against the best fixed length."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        if r["mode"] != "plain":
+            groups[(r["mode"], r["rtt_ms"], r["bandwidth_bps"])].append(r)
+    out = []
+    for (mode, rtt, bw), rs in groups.items():
+        adaptive = [r for r in rs if r["policy"] == "adaptive"]
+        fixed = [r for r in rs if r["policy"] == "fixed"]
+        for ad in adaptive:
+            for cat, figures in ad["by_category"].items():
+                best = _best_fixed(fixed, cat)
+                if best is None:
+                    continue
+                k, tps = best
+                mine = figures["tokens_per_s_median"]
+                out.append({"mode": mode, "rtt_ms": rtt, "bandwidth_bps": bw, "category": cat,
+                            "adaptive_max": ad["draft_max"], "adaptive_tps": mine,
+                            "best_fixed_k": k, "best_fixed_tps": tps,
+                            "ratio": mine / tps if mine and tps else None})
+    return out
+
+
+def _best_fixed(fixed: Sequence[dict], cat: str) -> tuple[int, float] | None:
+    cands = [(r["draft_max"], r["by_category"][cat]["tokens_per_s_median"]) for r in fixed
+             if cat in r["by_category"] and r["by_category"][cat]["tokens_per_s_median"]]
+    return max(cands, key=lambda c: c[1]) if cands else None
+
+
+def warnings(records: Sequence[dict]) -> list[str]:
+    out = []
+    for r in records:
+        if r["tokens_match_plain"] is False:
+            out.append(f"{r['label']}: generated tokens differ from plain decoding on "
+                       f"{', '.join(r['mismatched_prompts'])} (speculation should be lossless "
+                       "here: this is a bug or floating-point divergence between batch sizes)")
+    return out
+
+
+def machine_info() -> dict:
+    """What a reader needs to judge the numbers: cores, Python, llama-cpp-python."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        llama_version = version("llama-cpp-python")
+    except PackageNotFoundError:
+        llama_version = None
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "machine": platform.machine(),
+            "llama_cpp_python": llama_version,
+            "load_average": [round(x, 2) for x in load] if load else None}
+
+
+def write_json(path: Path, results: dict) -> None:
+    """Strict JSON: infinities and NaN become null so any parser reads the file."""
+    path.write_text(json.dumps(_finite(results), indent=2) + "\n", encoding="utf-8")
+
+
+def _finite(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+# --------------------------------------------------------------------------- the table
+
+
+_HEAD = (f"{'configuration':<36} {'tok/s':>7} {'p10-p90':>13} {'speedup':>7} {'paired':>6} "
+         f"{'accept':>6} {'len':>5} {'draft/net/verify/other %':>24} {'B/tok':>6} "
+         f"{'plan':>7} {'err%':>6} {'same':>4}")
+
+
+def render_table(records: Sequence[dict]) -> str:
+    """One line per configuration; the columns are explained in the README section."""
+    lines = [_HEAD, "-" * len(_HEAD)]
+    lines += [_row(r) for r in records]
+    return "\n".join(lines)
+
+
+def _row(r: dict) -> str:
+    t, s, frac = r["tokens_per_s"], r["speedup"], r["time"]["fraction"]
+    split = "/".join(_pct(frac.get(k)) for k in ("draft", "network", "verify", "overhead"))
+    pl = r.get("plan") or {}
+    same = {True: "yes", False: "NO", None: "-"}[r["tokens_match_plain"]]
+    b = r["bytes"]["link_per_token"] if r["bytes"]["link_up"] else r["bytes"]["drafter_per_token"]
+    return (f"{r['label'][:36]:<36} {_num(t['median'], 7, 2)} "
+            f"{_num(t['p10'], 6, 1)}-{_num(t['p90'], 6, 1, left=True)} "
+            f"{_x(s['ratio_of_medians'], 7)} {_x(s['paired_median'], 6)} "
+            f"{_pct_cell(r['acceptance'], 6)} {_num(r['mean_accepted'], 5, 2)} "
+            f"{split:>24} {_num(b or None, 6, 0)} {_num(pl.get('predicted_tps'), 7, 2)} "
+            f"{_signed(pl.get('error_pct'), 6)} {same:>4}")
+
+
+def _num(x: float | None, width: int, digits: int, left: bool = False) -> str:
+    text = "-" if x is None else f"{x:.{digits}f}"
+    return f"{text:<{width}}" if left else f"{text:>{width}}"
+
+
+def _x(x: float | None, width: int) -> str:
+    return f"{'-' if x is None else f'{x:.2f}x':>{width}}"
+
+
+def _signed(x: float | None, width: int) -> str:
+    return f"{'-' if x is None else f'{x:+.0f}':>{width}}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}"
+
+
+def _pct_cell(x: float | None, width: int) -> str:
+    return f"{'-' if x is None else f'{100 * x:.1f}%':>{width}}"
+
+
+def render_summary(results: dict) -> str:
+    """The table, then warnings, adaptive against fixed, and the plan's error."""
+    records = results["records"]
+    parts = [render_table(records)]
+    ad = results.get("adaptive_vs_fixed") or []
+    if ad:
+        parts.append("adaptive policy against the best fixed draft length (median tokens/s):")
+        for a in ad:
+            link = "" if a["rtt_ms"] is None else (f" rtt={format_ms(a['rtt_ms'] / 1000)}"
+                                                   f" bw={format_bps(a['bandwidth_bps'])}")
+            parts.append(f"  {a['mode']}{link} [{a['category']}]: adaptive<={a['adaptive_max']} "
+                         f"{_num(a['adaptive_tps'], 0, 2)} vs k={a['best_fixed_k']} "
+                         f"{_num(a['best_fixed_tps'], 0, 2)} ({_x(a['ratio'], 0)})")
+    errs = [abs(r["plan"]["error_pct"]) for r in records
+            if r.get("plan") and r["mode"] != "plain"]
+    if errs:
+        parts.append(f"plan prediction error: median {np.median(errs):.0f}%, "
+                     f"worst {max(errs):.0f}% over {len(errs)} configurations")
+    parts += [f"WARNING: {w}" for w in results.get("warnings", [])]
+    return "\n".join(parts)

@@ -1,0 +1,193 @@
+"""One bench invocation: expand the sweep, run every configuration, collect results.
+
+Plain decoding always runs first, whatever --modes says: every speedup and
+the plan predictions are relative to it, and measuring it in the same run
+(same machine load, same prompts) is what makes the ratios honest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specwire.bench import calibrate, plots, predict, report
+from specwire.bench.modes import MODEL_MODES, REMOTE_MODES, Drafters
+from specwire.bench.prompts import Prompt, PromptError, resolve, tokenize
+from specwire.bench.runner import Config, PromptRun, Workload, run_config
+from specwire.cliargs import CliError
+from specwire.config import DraftParams, SamplingParams, VerifyMode
+
+
+@dataclass(slots=True)
+class Settings:
+    """The sweep, checked: what to run, over which values, and where to write."""
+
+    prompts: str
+    modes: list[str]
+    out: Path
+    limit: int | None = None
+    rtts: list[float] = field(default_factory=lambda: [0.002])
+    bandwidths: list[float | None] = field(default_factory=lambda: [None])
+    draft_max: list[int] = field(default_factory=lambda: [8])
+    policies: list[str] = field(default_factory=lambda: ["fixed"])
+    n_predict: int | None = None
+    ignore_eos: bool = False
+    chat_template: str | None = None
+    progress: bool = True
+    plots: bool = True
+
+
+def configurations(s: Settings) -> list[Config]:
+    """Plain first, then each mode over its sweep (links only for remote modes)."""
+    out = [Config("plain")]
+    for mode in s.modes:
+        if mode == "plain":
+            continue
+        links: list[tuple[float | None, float | None]] = (
+            [(r, b) for r in s.rtts for b in s.bandwidths] if mode in REMOTE_MODES
+            else [(None, None)])
+        out += [Config(mode, k, pol, rtt, bw) for rtt, bw in links
+                for k in s.draft_max for pol in s.policies]
+    return out
+
+
+def run(a: argparse.Namespace, s: Settings, sampling: SamplingParams,
+        draft: DraftParams) -> dict:
+    """Run the sweep; write results.json and the plots; return the results."""
+    from specwire.backend.base import BackendError
+    from specwire.backend.llama import LlamaBackend
+    from specwire.cliargs import target_params
+    from specwire.loader import resolve_draft, resolve_target
+
+    try:
+        plist = resolve(s.prompts, s.limit)
+    except PromptError as e:
+        raise CliError(str(e)) from None
+    cfgs = configurations(s)
+    s.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    with contextlib.ExitStack() as stack:
+        try:
+            target_path = resolve_target(a.model)
+            target = LlamaBackend(target_params(a, target_path))
+        except BackendError as e:
+            raise CliError(str(e)) from None
+        needs_draft = any(c.mode in MODEL_MODES for c in cfgs)
+        draft_path = resolve_draft(a.model_draft) if needs_draft else (a.model_draft or "")
+        work = _workload(plist, target, a, s, sampling, draft)
+        drafters = Drafters(a, target, draft_path, s.out, stack)
+        calib = _calibrate(cfgs, target, drafters, work)
+        runs = _run_all(cfgs, target, drafters, work, s, stack)
+    results = _results(a, s, cfgs, runs, calib, sampling, draft, target_path, draft_path,
+                       time.time() - t_start)
+    report.write_json(s.out / "results.json", results)
+    if s.plots:
+        results["plots"] = [str(p) for p in plots.write_all(results["records"], s.out)]
+    return results
+
+
+def _workload(plist: list[Prompt], target: Any, a: argparse.Namespace, s: Settings,
+              sampling: SamplingParams, draft: DraftParams) -> Workload:
+    """Tokenize every prompt once; refuse one that cannot fit the context with its budget."""
+    from specwire.config import ConfigError
+    tokens = []
+    for p in plist:
+        try:
+            toks = tokenize(p, target, s.chat_template)
+        except ConfigError as e:
+            raise CliError(f"{p.source}: {e}") from None
+        tokens.append(toks)
+    work = Workload(plist, tokens, sampling, draft, s.n_predict, s.ignore_eos)
+    n_ctx = min(target.n_ctx, a.ctx_size_draft or target.n_ctx)
+    for i, p in enumerate(plist):
+        if len(tokens[i]) + work.budget(i) + 1 > n_ctx:
+            raise CliError(f"{p.source}: prompt ({len(tokens[i])} tokens) plus "
+                           f"{work.budget(i)} new tokens exceed the context {n_ctx} (-c)")
+    return work
+
+
+def _calibrate(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload) -> dict:
+    """Draft speed and verification curve for the plan predictions (a few seconds)."""
+    out: dict[str, Any] = {"draft_tps": None, "verify_cost": None}
+    if not any(c.drafting for c in cfgs):
+        return out
+    prompt = work.tokens[0]
+    out["verify"] = calibrate.verify_curve(target, prompt)
+    out["verify_cost"] = [list(p) for p in out["verify"].points]
+    if any(c.mode in MODEL_MODES for c in cfgs):
+        out["draft_tps"] = calibrate.draft_tps(drafters.draft_backend(), prompt)
+    return out
+
+
+def _run_all(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload, s: Settings,
+             stack: contextlib.ExitStack) -> list[list[PromptRun]]:
+    from tqdm import tqdm
+
+    from specwire.engine import Engine
+    bar = tqdm(total=len(cfgs) * len(work.prompts), unit="prompt", disable=not s.progress,
+               dynamic_ncols=True, file=sys.stderr)
+    stack.callback(bar.close)
+    out = []
+    for cfg in cfgs:
+        bar.set_description(cfg.label())
+        with drafters.build(cfg) as (drafter, emu):
+            out.append(run_config(Engine(target, drafter), work, cfg, emu,
+                                  on_prompt=lambda _r: bar.update()))
+    return out
+
+
+def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[list[PromptRun]],
+             calib: dict, sampling: SamplingParams, draft: DraftParams, target_path: str,
+             draft_path: str, elapsed_s: float) -> dict:
+    plain = runs[0]
+    lossless = sampling.greedy or draft.mode is VerifyMode.COUPLED
+    records = [report.aggregate(c, r, plain, lossless) for c, r in zip(cfgs, runs, strict=True)]
+    plain_tps = records[0]["tokens_per_s"]["median"] or 0.0
+    for rec, cfg in zip(records, cfgs, strict=True):
+        rec["plan"] = _prediction(rec, cfg, plain_tps, calib)
+    return {
+        "command": _command_line(),
+        "args": {k: v for k, v in vars(a).items() if k != "func" and _jsonable(v)},
+        "machine": report.machine_info(),
+        "models": {"target": target_path, "draft": draft_path or None},
+        "settings": {"prompts": s.prompts, "prompt_ids": [p["id"] for p in records[0]["prompts"]],
+                     "n_predict": s.n_predict, "sampling": sampling.to_dict(),
+                     "draft": {"p_min": draft.p_min, "n_min": draft.n_min,
+                               "verify": draft.mode.value, "top_k_q": draft.top_k_q},
+                     "lossless_expected": lossless},
+        "calibration": {"draft_tps": calib["draft_tps"], "verify_cost": calib["verify_cost"],
+                        "plain_tps_median": plain_tps},
+        "elapsed_s": elapsed_s,
+        "records": records,
+        "adaptive_vs_fixed": report.adaptive_vs_fixed(records),
+        "warnings": report.warnings(records),
+    }
+
+
+def _prediction(rec: dict, cfg: Config, plain_tps: float, calib: dict) -> dict | None:
+    measured = rec["tokens_per_s"]["median"] or 0.0
+    rounds = predict.Rounds(rounds=rec["rounds"], drafting_rounds=sum(rec["accepted_hist"]),
+                            drafted=rec["draft_n"], accepted=rec["draft_n_accepted"])
+    if cfg.mode in MODEL_MODES:
+        draft_tps = calib["draft_tps"]
+    else:
+        # n-gram lookups, or a llama-server's drafting: the engine's wait less the link
+        draft_tps = predict.measured_draft_tps(rec["time"]["ms"]["draft"], rec["draft_n"])
+    return predict.predict(cfg, plain_tps, draft_tps, rounds, calib.get("verify"), measured)
+
+
+def _command_line() -> str:
+    argv = sys.argv
+    if argv and (argv[0].endswith("specwire") or argv[0].endswith("__main__.py")):
+        return shlex.join(["specwire", *argv[1:]])
+    return shlex.join(argv)
+
+
+def _jsonable(v: object) -> bool:
+    return v is None or isinstance(v, str | int | float | bool | list)

@@ -1,0 +1,283 @@
+"""Chat messages -> one prompt string, the way llama.cpp renders them.
+
+A GGUF may carry its own Jinja chat template (`tokenizer.chat_template`); that
+is the truth for the model it came with, so it is used as is, in a sandboxed
+Jinja environment with the variables HF templates expect (messages, bos_token,
+eos_token, add_generation_prompt, raise_exception, strftime_now).
+
+A GGUF without one (the bundled base Gemma-3-270M is such a model) needs a
+named template. TEMPLATES holds a few of llama.cpp's built-ins under llama.cpp's
+names (`--chat-template NAME`), written here as small Jinja templates. Which
+one is used:
+
+1. `template_name`, when given (as with llama.cpp, an explicit
+   `--chat-template` overrides the GGUF's own). It may also be a Jinja
+   template itself, as llama.cpp's flag allows.
+2. else the GGUF's template,
+3. else the default for the model family: "gemma" for Gemma models, "chatml"
+   for anything else (DEFAULT_TEMPLATE).
+
+Rendering errors (a template's raise_exception, a malformed message) become
+ConfigError so that the server answers 400 and the CLI prints one line.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from specwire.config import ConfigError
+
+#: Fallback for a GGUF without a template whose family is not recognised.
+DEFAULT_TEMPLATE = "chatml"
+
+#: Model families (GGUF general.architecture prefix) -> their template name.
+FAMILY_TEMPLATES = {"gemma": "gemma", "llama": "llama3", "phi3": "phi3", "mistral": "mistral-v7"}
+
+_CHATML = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Gemma has no system role: a system message is prepended to the first user turn.
+_GEMMA = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] | trim + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for m in loop_messages %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') + m['content'] | trim"
+    " + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+_LLAMA3 = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+
+# Meta's original format: <s>[INST] <<SYS>>\n..\n<</SYS>>\n\nuser [/INST] answer </s>
+_LLAMA2 = (
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set system = '<<SYS>>\n' + messages[0]['content'] + '\n<</SYS>>\n\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for m in loop_messages %}"
+    "{% if m['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + (system if loop.first else '') + m['content'] | trim"
+    " + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] | trim + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+_MISTRAL_V7 = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ '[SYSTEM_PROMPT] ' + m['content'] + '[/SYSTEM_PROMPT]' }}"
+    "{% elif m['role'] == 'user' %}{{ '[INST] ' + m['content'] + '[/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+_PHI3 = (
+    "{% for m in messages %}"
+    "{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+_ZEPHYR = (
+    "{% for m in messages %}"
+    "{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|endoftext|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+_VICUNA = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
+    "{% elif m['role'] == 'user' %}{{ 'USER: ' + m['content'] + '\n' }}"
+    "{% else %}{{ 'ASSISTANT: ' + m['content'] + eos_token + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+#: llama.cpp's built-in template names -> Jinja source.
+TEMPLATES: dict[str, str] = {
+    "chatml": _CHATML,
+    "gemma": _GEMMA,
+    "llama3": _LLAMA3,
+    "llama2": _LLAMA2,
+    "mistral-v7": _MISTRAL_V7,
+    "phi3": _PHI3,
+    "zephyr": _ZEPHYR,
+    "vicuna": _VICUNA,
+}
+
+#: End-of-turn markers of the named templates, added as stop strings to chat requests: a
+#: model whose vocabulary lacks them as special (end-of-generation) tokens would
+#: otherwise write the marker as text and go on with the next turn.
+TEMPLATE_STOPS: dict[str, list[str]] = {
+    "chatml": ["<|im_end|>"],
+    "gemma": ["<end_of_turn>"],
+    "llama3": ["<|eot_id|>"],
+    "phi3": ["<|end|>"],
+    "zephyr": ["<|endoftext|>"],
+    "vicuna": ["\nUSER:"],
+}
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Check OpenAI-style messages; flatten text content parts into one string.
+
+    Content may be a string, null (an assistant turn with tool calls), or a list
+    of {"type": "text", "text": ...} parts; anything else (images) is refused.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError("messages: must be a non-empty array of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ConfigError(f"messages[{i}]: must be an object with role and content")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise ConfigError(f"messages[{i}].role: must be one of {', '.join(_ROLES)}, "
+                              f"got {role!r}")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise ConfigError(f"messages[{i}].content[{j}]: only text parts "
+                                      "({\"type\": \"text\", \"text\": ...}) are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise ConfigError(f"messages[{i}].content: must be a string or an array of text parts")
+        out.append({**m, "role": role, "content": content})
+    return out
+
+
+def render(template: str, messages: list[dict], bos_token: str = "", eos_token: str = "",
+           add_generation_prompt: bool = True) -> str:
+    """Render a Jinja chat template, sandboxed: a GGUF's template is untrusted input."""
+    env = _environment()
+    try:
+        tmpl = env.from_string(template)
+        return tmpl.render(messages=messages, bos_token=bos_token, eos_token=eos_token,
+                           add_generation_prompt=add_generation_prompt)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any template failure is the input's fault
+        raise ConfigError(f"chat template: {type(e).__name__}: {e}") from None
+
+
+def template_for(backend: Any, template_name: str | None) -> tuple[str, str]:
+    """(label, Jinja source) of the template render_for would use for this backend."""
+    if template_name:
+        if template_name in TEMPLATES:
+            return template_name, TEMPLATES[template_name]
+        if "{{" in template_name or "{%" in template_name:
+            return "custom", template_name
+        raise ConfigError(f"chat template: unknown name {template_name!r}; "
+                          f"known: {', '.join(sorted(TEMPLATES))}")
+    own = backend.chat_template() if hasattr(backend, "chat_template") else None
+    if own:
+        return "gguf", own
+    name = default_template_name(backend)
+    return name, TEMPLATES[name]
+
+
+def default_template_name(backend: Any) -> str:
+    """The named template for a GGUF without one: by its architecture, else chatml."""
+    arch = (_architecture(backend) or getattr(backend, "name", "") or "").lower()
+    for family, name in FAMILY_TEMPLATES.items():
+        if arch.startswith(family):
+            return name
+    return DEFAULT_TEMPLATE
+
+
+def render_for(backend: Any, messages: list[dict], template_name: str | None) -> str:
+    """The prompt text for `messages` on this backend's model (tokenize it with
+    add_special=False, parse_special=True: the template writes BOS itself)."""
+    msgs = normalize_messages(messages)
+    _, source = template_for(backend, template_name)
+    bos, eos = _special_texts(backend)
+    return render(source, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=True)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+class _TemplateError(ConfigError):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateError(f"chat template: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+    # HF's tojson: no HTML escaping, unicode kept (jinja2's own escapes '<' for HTML).
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+_env = None
+
+
+def _environment():
+    global _env
+    if _env is None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        _env = env
+    return _env
+
+
+def _special_texts(backend: Any) -> tuple[str, str]:
+    model = getattr(backend, "model", None)
+    try:
+        return model.token_text(model.bos), model.token_text(model.eos)
+    except Exception:  # noqa: BLE001 - a backend without a vocabulary (tests, remote)
+        return "", ""
+
+
+def _architecture(backend: Any) -> str | None:
+    """general.architecture from the GGUF metadata, when the backend is llama.cpp's."""
+    model = getattr(backend, "model", None)
+    ptr = getattr(model, "ptr", None)
+    if not ptr:
+        return None
+    try:
+        import ctypes
+
+        import llama_cpp as C
+        buf = ctypes.create_string_buffer(128)
+        n = C.llama_model_meta_val_str(ptr, b"general.architecture", buf, len(buf))
+        return buf.value.decode(errors="replace") if n > 0 else None
+    except Exception:  # noqa: BLE001 - metadata is a hint only
+        return None

@@ -1,0 +1,57 @@
+"""`specwire draft`: serve a small GGUF model as a draft node over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from specwire.cliargs import CliError, add_draft_model_args, draft_model_params
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("draft", help="run a draft node (serves a small model to targets)",
+                       description="Serve a draft model over gRPC so that a target on another "
+                       "machine can use it (specwire generate/serve --draft-url HOST:PORT).")
+    p.add_argument("-m", "--model", help="draft GGUF (default: the bundled Q2_K draft)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=7070)
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context per sequence")
+    p.add_argument("-s", "--seed", type=int, default=0)
+    p.add_argument("--max-sessions", type=int, default=8, help="sequences served at once")
+    p.add_argument("--token", default=os.environ.get("SPECWIRE_TOKEN"),
+                   help="shared secret required from targets (env SPECWIRE_TOKEN)")
+    p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
+    p.add_argument("--tls-key", help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
+    add_draft_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    from specwire.backend.base import BackendError
+    from specwire.loader import resolve_draft
+    from specwire.wire.node import NodeSettings, serve
+
+    if not 0 <= a.port <= 65535:
+        raise CliError(f"--port: must be in 0..65535, got {a.port}")
+    if a.max_sessions < 1:
+        raise CliError(f"--max-sessions: must be >= 1, got {a.max_sessions}")
+    if bool(a.tls_key) and not a.tls_cert:
+        raise CliError("--tls-key needs --tls-cert")
+    for flag in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(a, flag)
+        if path and not os.path.isfile(path):
+            raise CliError(f"--{flag.replace('_', '-')}: file not found: {path}")
+    a.ctx_size_draft = a.ctx_size_draft or a.ctx_size
+    params = draft_model_params(a, resolve_draft(a.model))
+    settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,
+                            tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
+                            max_sessions=a.max_sessions)
+    try:
+        asyncio.run(serve(settings))
+    except BackendError as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(f"cannot listen on {a.host}:{a.port}: {e}") from None
+    return 0

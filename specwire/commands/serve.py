@@ -1,0 +1,106 @@
+"""`specwire serve`: an HTTP server with llama-server's and OpenAI's APIs.
+
+The engine flags are `generate`'s (llama.cpp's names): with no model flags the
+bundled pair is served, the target verifying what the bundled draft proposes.
+See specwire/server/app.py for the endpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+
+from specwire.cliargs import (
+    CliError,
+    add_model_args,
+    add_sampling_args,
+    draft_params,
+    sampling_params,
+)
+
+log = logging.getLogger("specwire.serve")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve the OpenAI and llama-server HTTP APIs",
+        description="Serve POST /completion, /v1/completions, /v1/chat/completions, "
+        "/tokenize, /detokenize and GET /health, /v1/models, /props, /metrics with "
+        "speculative decoding (bundled pair by default).")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free port)")
+    g.add_argument("--api-key", default=os.environ.get("SPECWIRE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health "
+                   "(env SPECWIRE_API_KEY)")
+    g.add_argument("-a", "--alias", help="model name for /v1/models (default: the file name)")
+    g.add_argument("--chat-template", default=None, metavar="NAME",
+                   help="chat template by llama.cpp name (chatml, gemma, llama3, llama2, "
+                   "mistral-v7, phi3, zephyr, vicuna) or Jinja source; overrides the GGUF's. "
+                   "Default: the GGUF's own, else gemma for Gemma models, else chatml")
+    g.add_argument("-np", "--parallel", type=int, default=1,
+                   help="slots: engines generating at once (each has its own KV cache and drafter)")
+    g.add_argument("--queue-size", type=int, default=16,
+                   help="requests that may wait for a slot; more are refused with 429")
+    g.add_argument("-n", "--n-predict", type=int, default=-1,
+                   help="most tokens per request (-1: up to the context size)")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specwire import chat
+    from specwire.loader import build_engine
+    from specwire.server import ServerSettings, create_app
+
+    if not 0 <= a.port <= 65535:
+        raise CliError(f"--port: must be in [0, 65535], got {a.port}")
+    if not 1 <= a.parallel <= 64:
+        raise CliError(f"-np: must be in [1, 64], got {a.parallel}")
+    if a.queue_size < 0:
+        raise CliError(f"--queue-size: must be >= 0, got {a.queue_size}")
+    if a.n_predict < -1:
+        raise CliError(f"-n: must be >= -1, got {a.n_predict}")
+    if a.chat_template and a.chat_template not in chat.TEMPLATES and not (
+            "{{" in a.chat_template or "{%" in a.chat_template):
+        raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
+                       f"{', '.join(sorted(chat.TEMPLATES))} (or a Jinja template)")
+    settings = ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
+                              chat_template=a.chat_template, api_key=a.api_key or None,
+                              queue_size=a.queue_size, n_predict=a.n_predict)
+    engines = [build_engine(a) for _ in range(a.parallel)]
+    sock = _listen(a.host, a.port)
+    app = create_app(engines, settings)
+    verbose = getattr(a, "verbose", False)
+    config = uvicorn.Config(app, log_level="info" if verbose else "warning",
+                            access_log=verbose, timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    port = sock.getsockname()[1]
+    host = f"[{a.host}]" if ":" in a.host else a.host
+    target, drafter = engines[0].target, engines[0].drafter
+    log.info("listening on http://%s:%d (target %s, drafter %s, %d slot%s, context %d)",
+             host, port, target.name, drafter.name, len(engines), "s" * (len(engines) > 1),
+             target.n_ctx)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        for e in engines:
+            close = getattr(e.drafter, "close", None)
+            if callable(close):
+                close()
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind before serving, so that the logged URL has the real port (--port 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

@@ -1,0 +1,138 @@
+"""Settings shared by every layer: sampling, drafting and model loading.
+
+Each is a small slotted dataclass that checks itself on construction, so a bad
+value is refused where it enters (CLI flag, HTTP body, wire message) with a
+message naming the field, never deep inside the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+
+
+class ConfigError(ValueError):
+    """A setting is out of range or of the wrong kind; the message names it."""
+
+
+class VerifyMode(str, Enum):
+    """How the target decides which draft tokens to keep.
+
+    greedy:    argmax on both sides (used whenever temperature <= 0).
+    coupled:   both sides sample by Gumbel-max with shared keyed noise; output is the
+               target's own sample, identical with or without a draft.
+    rejection: speculative sampling (min(1, p/q)) with sparse top-K draft probabilities.
+    """
+
+    GREEDY = "greedy"
+    COUPLED = "coupled"
+    REJECTION = "rejection"
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """llama.cpp's sampling knobs, same names and meanings.
+
+    Filters run in llama.cpp's order: repeat penalty, top-k, top-p, min-p, then
+    temperature on the survivors. top_k <= 0, top_p >= 1 and min_p <= 0 disable
+    their filter; repeat_penalty == 1 disables the penalty.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
+        _check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(0.0 < self.repeat_penalty <= 10.0, "repeat_penalty", f"must be in (0, 10], got {self.repeat_penalty}")
+        _check(self.repeat_last_n >= -1, "repeat_last_n", f"must be >= -1, got {self.repeat_last_n}")
+        _check(0 <= self.seed < 2**64, "seed", f"must be in [0, 2^64), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True, frozen=True)
+class DraftParams:
+    """llama.cpp's speculative knobs: --draft-max, --draft-min, --draft-p-min.
+
+    n_max:  most draft tokens verified in one round.
+    n_min:  a draft shorter than this is not worth a batched verification; run a
+            plain step instead (0 = always verify what there is).
+    p_min:  the drafter stops a draft when its top probability falls below this.
+    top_k_q: size of the sparse draft distribution sent in rejection mode (TK-SLT).
+    policy: "fixed" (always n_max) or "adaptive" (expected tokens/s, see policy.py).
+    """
+
+    n_max: int = 8
+    n_min: int = 0
+    p_min: float = 0.75
+    mode: VerifyMode = VerifyMode.COUPLED
+    top_k_q: int = 8
+    policy: str = "fixed"
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.n_max <= 64, "draft_max", f"must be in [0, 64], got {self.n_max}")
+        _check(0 <= self.n_min <= self.n_max or self.n_max == 0, "draft_min",
+               f"must be in [0, draft_max={self.n_max}], got {self.n_min}")
+        _check(0.0 <= self.p_min <= 1.0, "draft_p_min", f"must be in [0, 1], got {self.p_min}")
+        _check(1 <= self.top_k_q <= 256, "draft_top_k", f"must be in [1, 256], got {self.top_k_q}")
+        _check(self.policy in ("fixed", "adaptive"), "draft_policy",
+               f"must be 'fixed' or 'adaptive', got {self.policy!r}")
+        if not isinstance(self.mode, VerifyMode):
+            try:
+                object.__setattr__(self, "mode", VerifyMode(self.mode))
+            except ValueError:
+                raise ConfigError(f"verify: must be greedy, coupled or rejection, got {self.mode!r}") from None
+
+    def with_(self, **changes) -> DraftParams:
+        return replace(self, **changes)
+
+
+@dataclass(slots=True, frozen=True)
+class ModelParams:
+    """How one GGUF is loaded; the target and the draft each get their own."""
+
+    path: str
+    n_ctx: int = 4096
+    n_threads: int = 1
+    n_threads_batch: int = 0  # 0 = same as n_threads
+    n_gpu_layers: int = 0
+    n_batch: int = 512
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "model", "a path is required")
+        _check(16 <= self.n_ctx <= 1 << 20, "ctx_size", f"must be in [16, 1048576], got {self.n_ctx}")
+        _check(1 <= self.n_threads <= 512, "threads", f"must be in [1, 512], got {self.n_threads}")
+        _check(0 <= self.n_threads_batch <= 512, "threads_batch", f"must be in [0, 512], got {self.n_threads_batch}")
+        _check(-1 <= self.n_gpu_layers <= 100000, "n_gpu_layers", f"must be >= -1, got {self.n_gpu_layers}")
+        _check(1 <= self.n_batch <= 1 << 16, "batch_size", f"must be in [1, 65536], got {self.n_batch}")
+        for name in ("type_k", "type_v"):
+            value = getattr(self, name)
+            _check(value in KV_TYPES, f"cache_{name}", f"must be one of {sorted(KV_TYPES)}, got {value!r}")
+
+
+#: KV cache element types accepted by --cache-type-k/-v, as llama.cpp names them.
+KV_TYPES = frozenset({"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})

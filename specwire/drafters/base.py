@@ -1,0 +1,68 @@
+"""The drafter protocol: two methods, propose and learn, inside a begin/end pair.
+
+Local model, n-gram and remote drafters all implement it, so the engine loop is
+the same in one process and across the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specwire.config import DraftParams, SamplingParams
+from specwire.sampling import SparseDraft
+
+
+@dataclass(slots=True)
+class Draft:
+    """Proposed continuation of the history: token ids, plus q in rejection mode."""
+
+    tokens: list[int] = field(default_factory=list)
+    sparse: list[SparseDraft] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def cut(self, n: int) -> Draft:
+        return Draft(self.tokens[:n], None if self.sparse is None else self.sparse[:n])
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        """A new sequence starts; a remote drafter may start prefilling now."""
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        """Up to max_n tokens that would follow history (history[-1] is the newest token)."""
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        """The round ended: `appended` tokens were added to history, `accepted` of them drafted."""
+
+    def end(self) -> None:
+        """The sequence is over; free its state."""
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative figures the drafter measured (ms of network wait, bytes...)."""
+
+
+class NoDrafter:
+    """Plain decoding: proposes nothing."""
+
+    name = "none"
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        pass
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        return Draft()
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {}

@@ -1,0 +1,83 @@
+"""A draft model in this process (or inside a draft node): llama.cpp's own setup.
+
+The drafter keeps its own KV cache and re-syncs it to the engine's history on
+every proposal by longest common prefix, so a rejection, a fully accepted
+block or a brand-new request all take the same path: truncate, evaluate the
+missing suffix, draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specwire import sampling
+from specwire.backend.base import Backend, sync_prefix
+from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.drafters.base import Draft
+
+
+class ModelDrafter:
+    """Drafts by running a small model autoregressively, token by token.
+
+    How the draft picks each token follows the verification mode: argmax for
+    greedy, the shared Gumbel noise for coupled (so it proposes what the target
+    would sample where the two agree), its own stream and sparse q for rejection.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.name = f"model:{backend.name}"
+        self.sampling = SamplingParams(temperature=0.0)
+        self.params = DraftParams()
+        self._drafted = 0
+
+    def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams) -> None:
+        self.sampling, self.params = sampling_, params
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        return self.draft_from(history, max_n)
+
+    def draft_from(self, history: Sequence[int], max_n: int, on_token=None) -> Draft:
+        """Draft up to max_n tokens after history.
+
+        on_token(i, token, sparse_or_None) is called as each token is drafted (a draft
+        node streams it from there) and may return False to stop early.
+        """
+        be, sp, dp = self.backend, self.sampling, self.params
+        max_n = min(max_n, be.n_ctx - len(history))
+        if max_n <= 0:
+            return Draft()
+        kept = sync_prefix(be, history)
+        row = be.eval(history[kept:], logits="last")[-1]
+        rejection = dp.mode is VerifyMode.REJECTION and not sp.greedy
+        draft = Draft(sparse=[] if rejection else None)
+        ctx = list(history)
+        for i in range(max_n):
+            if dp.p_min > 0.0 and sampling.top_prob(row) < dp.p_min:
+                break
+            recent = sampling.recent_window(ctx, sp)
+            sd = None
+            if rejection:
+                sd = sampling.sparse_draft(row, sp, dp.top_k_q, len(ctx), recent)
+                tok = sd.token
+                draft.sparse.append(sd)
+            else:
+                tok = sampling.coupled(row, sp, len(ctx), recent)
+            draft.tokens.append(tok)
+            ctx.append(tok)
+            if on_token is not None and on_token(i, tok, sd) is False:
+                break
+            if i + 1 == max_n:
+                break
+            row = be.eval([tok], logits="last")[-1]
+        self._drafted += len(draft)
+        return draft
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        """Nothing to do: the next proposal re-syncs the cache by common prefix."""
+
+    def end(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {"drafted": float(self._drafted)}

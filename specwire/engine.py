@@ -1,0 +1,158 @@
+"""The speculative decoding loop: the same whether the drafter is local or remote.
+
+One round: ask the drafter for up to k tokens, evaluate [last, d1..dk] on the
+target in one batch, verify, roll the KV cache back to what was kept, tell the
+drafter. With an empty draft the round is a plain decoding step, so a drafter
+that has nothing to offer costs nothing but the call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from specwire.backend.base import Backend, sync_prefix
+from specwire.config import ConfigError, DraftParams, SamplingParams
+from specwire.drafters.base import Draft, Drafter, NoDrafter
+from specwire.policy import make_policy
+from specwire.stats import Stats
+from specwire.verify import Verifier
+
+
+@dataclass(slots=True)
+class Request:
+    prompt: list[int]
+    n_predict: int = 128
+    sampling: SamplingParams = SamplingParams()
+    draft: DraftParams = DraftParams()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ConfigError("prompt: is empty (no tokens)")
+        if self.n_predict < 0:
+            raise ConfigError(f"n_predict: must be >= 0, got {self.n_predict}")
+
+
+class Generation:
+    """A running request: iterate for lists of new token ids; then read stats.
+
+    stop_type is llama-server's: "eos", "limit" (n_predict or context), or
+    "word" when the caller stops it on a stop string via stop(). Closing the
+    iterator early (client gone) ends the drafter's sequence at once.
+    """
+
+    def __init__(self, engine: Engine, req: Request) -> None:
+        self.engine, self.req = engine, req
+        self.stats = Stats()
+        self.tokens: list[int] = []
+        self.stop_type = "none"
+        self.truncated = False
+        self._stopped = False
+        self._it = self._run()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
+
+    def __next__(self) -> list[int]:
+        return next(self._it)
+
+    def stop(self, stop_type: str = "word") -> None:
+        self.stop_type, self._stopped = stop_type, True
+
+    def close(self) -> None:
+        self._it.close()
+
+    def run(self) -> list[int]:
+        """Drive to the end; return the generated token ids."""
+        for _ in self:
+            pass
+        return self.tokens
+
+    def _run(self) -> Iterator[list[int]]:
+        eng, req, st = self.engine, self.req, self.stats
+        target, drafter = eng.target, eng.drafter if req.draft.enabled else eng.no_drafter
+        verifier = Verifier(req.sampling, req.draft.mode)
+        policy = make_policy(req.draft.policy, req.draft.n_max)
+        prompt = req.prompt
+        if len(prompt) + (1 if req.n_predict else 0) > target.n_ctx:
+            raise ConfigError(f"prompt: {len(prompt)} tokens do not fit the context of "
+                              f"{target.n_ctx} (-c)")
+        if req.n_predict == 0:
+            self.stop_type = "limit"
+            return
+        drafter.begin(prompt, req.sampling, req.draft)
+        try:
+            t0 = time.perf_counter()
+            kept = sync_prefix(target, prompt)
+            rows = target.eval(prompt[kept:], logits="last")
+            first = verifier.sample(rows[-1], prompt)
+            t1 = time.perf_counter()
+            st.prompt_n, st.prompt_ms = len(prompt) - kept, 1000 * (t1 - t0)
+            history = [*prompt, first]
+            new = self._emit([first])
+            if new:
+                yield new
+            while not self._stopped:
+                remaining = req.n_predict - len(self.tokens)
+                room = target.n_ctx - len(history)
+                if remaining <= 0 or room <= 0:
+                    self.stop_type, self.truncated = "limit", room <= 0 and remaining > 0
+                    break
+                k = policy.choose(min(remaining - 1, room))
+                ta = time.perf_counter()
+                draft = drafter.propose(history, k) if k > 0 else Draft()
+                if len(draft) > k:
+                    draft = draft.cut(k)
+                if len(draft) < req.draft.n_min:
+                    draft = Draft()
+                tb = time.perf_counter()
+                rows = target.eval([history[-1], *draft.tokens], logits="all")
+                verdict = verifier.verify(rows, history, draft.tokens, draft.sparse)
+                target.truncate(len(history) + verdict.accepted)
+                tc = time.perf_counter()
+                st.draft_ms += 1000 * (tb - ta)
+                st.verify_ms += 1000 * (tc - tb)
+                st.record_round(len(draft), verdict.accepted)
+                policy.observe(len(draft), verdict.accepted, tb - ta, tc - tb)
+                appended = [*draft.tokens[:verdict.accepted], verdict.token]
+                new = self._emit(appended)
+                history.extend(new)
+                if new:
+                    yield new
+                if self.stop_type == "none" and not self._stopped:
+                    drafter.learn(history, verdict.accepted, len(appended))
+            st.predicted_n = len(self.tokens)
+            st.predicted_ms = 1000 * (time.perf_counter() - t1)
+        finally:
+            st.drafter = drafter.stats()
+            drafter.end()
+
+    def _emit(self, tokens: Sequence[int]) -> list[int]:
+        """Append tokens to the output up to end-of-generation or n_predict."""
+        out = []
+        for t in tokens:
+            if not self.req.ignore_eos and self.engine.target.is_eog(t):
+                self.stop_type = "eos"
+                self._stopped = True
+                break
+            out.append(t)
+            if len(self.tokens) + len(out) >= self.req.n_predict:
+                self.stop_type = "limit"
+                self._stopped = True
+                break
+        self.tokens.extend(out)
+        return out
+
+
+class Engine:
+    """A target backend and the drafter that serves it."""
+
+    def __init__(self, target: Backend, drafter: Drafter | None = None) -> None:
+        self.target = target
+        self.no_drafter = NoDrafter()
+        self.drafter = drafter or self.no_drafter
+
+    def generate(self, req: Request) -> Generation:
+        return Generation(self, req)

@@ -1,0 +1,61 @@
+"""Build an Engine from command-line settings: target, drafter, compatibility checks.
+
+Shared by generate, serve and bench so that every command resolves the bundled
+defaults, refuses incompatible pairs and picks the drafter the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from specwire.backend.base import BackendError
+from specwire.cliargs import CliError, draft_model_params, target_params
+from specwire.drafters.base import Drafter, NoDrafter
+from specwire.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def resolve_target(path: str | None) -> str:
+    if path:
+        return path
+    from specwire import models
+    return str(models.default_target())
+
+
+def resolve_draft(path: str | None) -> str:
+    if path:
+        return path
+    from specwire import models
+    return str(models.default_draft())
+
+
+def build_engine(a: argparse.Namespace) -> Engine:
+    """The target backend plus the drafter the flags ask for (bundled pair by default)."""
+    from specwire.backend.llama import LlamaBackend, check_pair, load_model
+    try:
+        tparams = target_params(a, resolve_target(a.model))
+        target = LlamaBackend(tparams)
+        drafter = build_drafter(a, target, check_pair, load_model)
+    except BackendError as e:
+        raise CliError(str(e)) from None
+    return Engine(target, drafter)
+
+
+def build_drafter(a: argparse.Namespace, target, check_pair, load_model) -> Drafter:
+    if getattr(a, "no_draft", False):
+        return NoDrafter()
+    if getattr(a, "draft_ngram", False):
+        from specwire.drafters.ngram import NgramDrafter
+        return NgramDrafter()
+    urls = getattr(a, "draft_url", None)
+    if urls:
+        from specwire.wire.client import make_remote_drafter
+        return make_remote_drafter(urls, a, target)
+    from specwire.backend.llama import LlamaBackend
+    from specwire.drafters.model import ModelDrafter
+    dparams = draft_model_params(a, resolve_draft(a.model_draft))
+    dmodel = load_model(dparams)
+    check_pair(target.model, dmodel)
+    return ModelDrafter(LlamaBackend(dparams, dmodel))

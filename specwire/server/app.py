@@ -1,0 +1,278 @@
+"""The HTTP routes: llama-server's API and OpenAI's, over one queue of slots.
+
+Endpoints
+  GET  /health                       {"status": "ok"} (never needs the API key)
+  GET  /v1/models, /models           the served model (its alias, or the file name)
+  GET  /props                        default generation settings, slots, chat template
+  GET  /metrics                      Prometheus text (see metrics.py)
+  POST /completion, /completions     llama-server's completion (prompt: text or token ids)
+  POST /v1/completions               OpenAI text completion
+  POST /v1/chat/completions          OpenAI chat completion (the GGUF's chat template or
+                                     --chat-template)
+  POST /tokenize, /detokenize        llama-server's
+
+A request is parsed and tokenized off the event loop (a thread of the pool),
+queued as a Job, and then awaited: the worker thread pushes its events onto
+the job's asyncio queue. `stream: true` answers with server-sent events. If
+the client goes away (the stream's send fails, starlette sees the disconnect,
+or the periodic is_disconnected() check does) the job is cancelled at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from specwire import chat
+from specwire.engine import Engine
+from specwire.server import schemas
+from specwire.server.errors import ApiError, install_handlers
+from specwire.server.metrics import Metrics
+from specwire.server.responses import Dialect, LlamaCompletion, OpenAIChat, OpenAICompletion
+from specwire.server.settings import ServerSettings
+from specwire.server.slots import Chunk, Done, Event, Failed, Job, QueueFull, Result, Scheduler
+
+log = logging.getLogger(__name__)
+
+#: How often a waiting request checks whether its client is still there.
+POLL_S = 0.25
+
+
+def model_names(target: object, alias: str | None) -> list[str]:
+    """Names a request may use for the served model: the alias first (listed by /v1/models)."""
+    file_name = str(getattr(target, "name", "model"))
+    names = [alias] if alias else []
+    for n in (file_name, Path(file_name).stem):
+        if n not in names:
+            names.append(n)
+    return names
+
+
+def create_app(engine: Engine | Sequence[Engine],
+               settings: ServerSettings | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (or several engines, one slot each).
+
+    The worker threads start with the app's lifespan and stop with it, so the
+    app must be run by a server that runs the lifespan (uvicorn does).
+    """
+    engines = [engine] if isinstance(engine, Engine) else list(engine)
+    settings = settings or ServerSettings()
+    chat.template_for(engines[0].target, settings.chat_template)  # an unknown name fails now
+    metrics = Metrics()
+    scheduler = Scheduler(engines, settings.queue_size, metrics)
+    target = engines[0].target
+    names = model_names(target, settings.alias)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(scheduler.stop)
+
+    app = FastAPI(title="specwire", description="Speculative decoding server", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler, app.state.metrics, app.state.settings = scheduler, metrics, settings
+    install_handlers(app)
+
+    @app.get("/health")
+    @app.get("/v1/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    api = APIRouter(dependencies=[Depends(_auth(settings.api_key))])
+
+    # -- information -------------------------------------------------------------------------
+
+    def model_card() -> dict:
+        label, _ = chat.template_for(target, settings.chat_template)
+        return {"id": names[0], "object": "model", "created": started, "owned_by": "specwire",
+                "meta": {"file": target.name, "n_ctx": target.n_ctx, "n_vocab": target.n_vocab,
+                         "drafter": engines[0].drafter.name, "chat_template": label,
+                         "slots": len(engines)}}
+
+    @api.get("/v1/models")
+    @api.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id not in names:
+            raise ApiError(404, f"model {model_id!r} not found", "not_found_error")
+        return model_card()
+
+    @api.get("/props")
+    async def props() -> dict:
+        label, source = chat.template_for(target, settings.chat_template)
+        d = settings.draft
+        return {"default_generation_settings": {
+                    "n_ctx": target.n_ctx, "n_predict": settings.n_predict,
+                    **settings.sampling.to_dict(), "speculative": d.enabled,
+                    "speculative.n_max": d.n_max, "speculative.n_min": d.n_min,
+                    "speculative.p_min": d.p_min},
+                "total_slots": len(engines), "model_alias": names[0], "model_path": target.name,
+                "drafter": engines[0].drafter.name, "chat_template_name": label,
+                "chat_template": source, "queue_size": settings.queue_size}
+
+    @api.get("/metrics")
+    async def metrics_text() -> PlainTextResponse:
+        text = metrics.render(scheduler.state(), scheduler.link_states())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = schemas.parse_json(await request.body())
+        return await run_in_threadpool(schemas.tokenize, body, target)
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = schemas.parse_json(await request.body())
+        return await run_in_threadpool(schemas.detokenize, body, target)
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def generate(request: Request, endpoint: str,
+                       parse: Callable[[dict], schemas.Completion],
+                       dialect: type[Dialect]) -> Response:
+        body = schemas.parse_json(await request.body())
+        spec = await run_in_threadpool(parse, body)
+        job = Job(spec.request, spec.stops, spec.stream)
+        try:
+            scheduler.submit(job)
+        except QueueFull:
+            raise ApiError(429, f"the server is busy: {settings.queue_size} requests are already "
+                           "waiting (--queue-size); retry later", "rate_limit_error") from None
+        metrics.request(endpoint)
+        fmt = dialect(spec, names[0])
+        if spec.stream:
+            return _JobStream(_sse(job, request, fmt), lambda: scheduler.cancel(job))
+        try:
+            result = await _result(job, request)
+        finally:
+            scheduler.cancel(job)
+        if result is None:   # the client is gone; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(fmt.whole(result))
+
+    @api.post("/completion")
+    @api.post("/completions")
+    async def completion(request: Request) -> Response:
+        return await generate(request, "/completion",
+                              lambda b: schemas.completion(b, target, settings, names),
+                              LlamaCompletion)
+
+    @api.post("/v1/completions")
+    async def oai_completion(request: Request) -> Response:
+        return await generate(request, "/v1/completions",
+                              lambda b: schemas.completion(b, target, settings, names),
+                              OpenAICompletion)
+
+    @api.post("/v1/chat/completions")
+    @api.post("/chat/completions")
+    async def oai_chat(request: Request) -> Response:
+        return await generate(request, "/v1/chat/completions",
+                              lambda b: schemas.chat_completion(b, target, settings, names),
+                              OpenAIChat)
+
+    app.include_router(api)
+    return app
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _auth(api_key: str | None) -> Callable:
+    """llama-server's --api-key: `Authorization: Bearer KEY` (or `X-Api-Key: KEY`)."""
+
+    async def check(request: Request) -> None:
+        if not api_key:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header[:7].lower() == "bearer " else \
+            request.headers.get("x-api-key", "")
+        if not given or not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                           "authentication_error")
+
+    return check
+
+
+async def _events(job: Job, request: Request) -> AsyncIterator[Event]:
+    """The job's events until Done or Failed; stops early if the client disconnects."""
+    while True:
+        try:
+            event = await asyncio.wait_for(job.events.get(), POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                return
+            continue
+        yield event
+        if isinstance(event, Done | Failed):
+            return
+
+
+async def _result(job: Job, request: Request) -> Result | None:
+    async for event in _events(job, request):
+        if isinstance(event, Done):
+            return event.result
+        if isinstance(event, Failed):
+            raise event.error
+    return None
+
+
+def _sse_line(obj: dict | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False,
+                                                      separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def _sse(job: Job, request: Request, fmt: Dialect) -> AsyncIterator[str]:
+    for obj in fmt.opening():
+        yield _sse_line(obj)
+    async for event in _events(job, request):
+        if isinstance(event, Chunk):
+            obj = fmt.chunk(event)
+            if obj is not None:
+                yield _sse_line(obj)
+        elif isinstance(event, Done):
+            for obj in fmt.closing(event.result):
+                yield _sse_line(obj)
+        else:
+            yield _sse_line(event.error.body())
+    if fmt.done_marker:
+        yield _sse_line("[DONE]")
+
+
+class _JobStream(StreamingResponse):
+    """An SSE response that cancels its job however the response ends.
+
+    Starlette stops iterating the body when the client disconnects, but the
+    generator itself would only be finalised later by the garbage collector;
+    the job is cancelled here instead, right away.
+    """
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,79 @@
+"""Errors as llama-server and OpenAI clients expect them: {"error": {message, type, code}}.
+
+Every failure a client can cause is an ApiError raised where it is detected
+(parsing, queueing, authentication); the handlers installed here turn it, and
+FastAPI's own validation and routing errors, into that body. A bad request is
+never answered with a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+#: HTTP status -> OpenAI error type.
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """A request that cannot be served, with the status and body to answer it with."""
+
+    def __init__(self, status: int, message: str, type_: str | None = None,
+                 **extra: object) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.type = type_ or TYPES.get(status, "invalid_request_error")
+        self.extra = extra
+
+    def body(self) -> dict:
+        return {"error": {"code": self.status, "message": self.message, "type": self.type,
+                          **self.extra}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, **extra: object) -> ApiError:
+    return ApiError(400, message, **extra)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Route every exception to an OpenAI-style error body."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in e.errors():
+            where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        return ApiError(400, "; ".join(parts) or "invalid request").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = e.detail if isinstance(e.detail, str) else "request failed"
+        return ApiError(e.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()

@@ -1,0 +1,144 @@
+"""Engine results -> the JSON each API answers with, whole or as stream chunks.
+
+Three dialects share one generation: llama-server's /completion, OpenAI's
+text completions and OpenAI's chat completions. Each is a Dialect object that
+knows its opening chunks, its content chunks and its closing chunks, so the
+streaming code in app.py is written once. Every final body and every last
+stream chunk carries llama-server's `timings` (an extra top-level field in the
+OpenAI dialects, which OpenAI clients ignore).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from specwire.server.schemas import Completion
+from specwire.server.slots import Chunk, Result
+
+
+def finish_reason(stop_type: str) -> str:
+    return "length" if stop_type == "limit" else "stop"
+
+
+def usage(r: Result) -> dict:
+    return {"prompt_tokens": r.tokens_evaluated, "completion_tokens": r.tokens_predicted,
+            "total_tokens": r.tokens_evaluated + r.tokens_predicted}
+
+
+class Dialect:
+    """One API's response shapes for one request."""
+
+    #: whether the stream ends with `data: [DONE]` (OpenAI does, llama-server's /completion not)
+    done_marker = True
+
+    def __init__(self, spec: Completion, model: str) -> None:
+        self.spec, self.model = spec, model
+        self.created = int(time.time())
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def chunk(self, c: Chunk) -> dict | None:
+        raise NotImplementedError
+
+    def closing(self, r: Result) -> list[dict]:
+        raise NotImplementedError
+
+    def whole(self, r: Result) -> dict:
+        raise NotImplementedError
+
+
+class LlamaCompletion(Dialect):
+    """llama-server's POST /completion."""
+
+    done_marker = False
+
+    def chunk(self, c: Chunk) -> dict | None:
+        return {"index": 0, "content": c.text,
+                "tokens": c.tokens if self.spec.return_tokens else [], "stop": False}
+
+    def closing(self, r: Result) -> list[dict]:
+        return [{**self.whole(r), "content": "", "tokens": []}]
+
+    def whole(self, r: Result) -> dict:
+        return {
+            "index": 0,
+            "content": r.content,
+            "tokens": r.tokens if self.spec.return_tokens else [],
+            "id_slot": r.slot,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": r.tokens_predicted,
+            "tokens_evaluated": r.tokens_evaluated,
+            "generation_settings": self.spec.settings(),
+            "has_new_line": "\n" in r.content,
+            "truncated": r.truncated,
+            "stop_type": r.stop_type,
+            "stopping_word": r.stopping_word,
+            "tokens_cached": r.tokens_evaluated + r.tokens_predicted,
+            "drafter": r.drafter,
+            "timings": r.timings,
+        }
+
+
+class OpenAICompletion(Dialect):
+    """OpenAI's POST /v1/completions."""
+
+    object_name = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, spec: Completion, model: str) -> None:
+        super().__init__(spec, model)
+        self.id = self.id_prefix + uuid.uuid4().hex
+
+    def _envelope(self, choices: list[dict], **extra: object) -> dict:
+        return {"id": self.id, "object": self.object_name, "created": self.created,
+                "model": self.model, "system_fingerprint": "specwire", "choices": choices,
+                **extra}
+
+    def _choice(self, text: str, finish: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, c: Chunk) -> dict | None:
+        return self._envelope([self._choice(c.text, None)]) if c.text else None
+
+    def closing(self, r: Result) -> list[dict]:
+        out = [self._envelope([self._choice("", finish_reason(r.stop_type))],
+                              timings=r.timings)]
+        if self.spec.include_usage:
+            out.append(self._envelope([], usage=usage(r), timings=r.timings))
+        return out
+
+    def whole(self, r: Result) -> dict:
+        return self._envelope([self._choice(r.content, finish_reason(r.stop_type))],
+                              usage=usage(r), timings=r.timings)
+
+
+class OpenAIChat(OpenAICompletion):
+    """OpenAI's POST /v1/chat/completions."""
+
+    object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def _choice(self, delta: dict, finish: str | None) -> dict:  # type: ignore[override]
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def opening(self) -> list[dict]:
+        return [self._envelope([self._choice({"role": "assistant", "content": ""}, None)])]
+
+    def chunk(self, c: Chunk) -> dict | None:
+        return self._envelope([self._choice({"content": c.text}, None)]) if c.text else None
+
+    def closing(self, r: Result) -> list[dict]:
+        out = [self._envelope([self._choice({}, finish_reason(r.stop_type))], timings=r.timings)]
+        if self.spec.include_usage:
+            out.append(self._envelope([], usage=usage(r), timings=r.timings))
+        return out
+
+    def whole(self, r: Result) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": r.content},
+                  "logprobs": None, "finish_reason": finish_reason(r.stop_type)}
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "system_fingerprint": "specwire", "choices": [choice],
+                "usage": usage(r), "timings": r.timings}

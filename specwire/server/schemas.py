@@ -1,0 +1,391 @@
+"""Request bodies -> validated engine requests, with llama-server's field names.
+
+Bodies are read as plain JSON objects and checked field by field rather than
+through pydantic models: llama-server accepts loosely typed bodies (a prompt
+may be a string, token ids or a mix; speculative settings come as dotted
+top-level keys or a nested object), and each refusal should name the field
+and what was expected, as llama-server and OpenAI do. Range checks are the
+config dataclasses' own (a ConfigError becomes a 400 with its message).
+
+Conventions, as in llama-server:
+* n_predict (alias max_tokens, max_completion_tokens): -1 = until the context is full;
+  the server's -n caps it.
+* seed -1 = a random seed.
+* speculative settings: "speculative.n_max" / "speculative.n_min" / "speculative.p_min",
+  or {"speculative": {"n_max": .., "n_min": .., "p_min": ..}}; drafting is off for
+  the request with "speculative": false or "speculative.n_max": 0.
+* a prompt longer than the context: 400 with type "exceed_context_size_error",
+  n_prompt_tokens and n_ctx, as llama-server answers.
+* unknown keys are ignored; features this server does not implement (logprobs,
+  n > 1, penalties other than repeat_penalty, grammars, tools) are refused with 400
+  rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from specwire import chat
+from specwire.config import ConfigError, DraftParams, SamplingParams
+from specwire.engine import Request
+from specwire.server.errors import ApiError, bad_request
+from specwire.server.settings import ServerSettings
+
+
+@dataclass(slots=True)
+class Completion:
+    """A generation request, checked and tokenized, ready for a slot."""
+
+    request: Request
+    stops: list[str]
+    stream: bool = False
+    return_tokens: bool = False
+    include_usage: bool = False
+
+    def settings(self) -> dict:
+        """llama-server's `generation_settings` for this request."""
+        r = self.request
+        return {"n_predict": r.n_predict, **r.sampling.to_dict(), "ignore_eos": r.ignore_eos,
+                "stop": list(self.stops), "speculative": r.draft.enabled,
+                "speculative.n_max": r.draft.n_max, "speculative.n_min": r.draft.n_min,
+                "speculative.p_min": r.draft.p_min}
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 that says why not."""
+    if not raw.strip():
+        raise bad_request("request body: expected a JSON object, got nothing")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body: invalid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body: expected a JSON object, got {_kind(body)}")
+    return body
+
+
+class Fields:
+    """Typed access to a JSON object's fields; a wrong type is a 400 naming the field."""
+
+    def __init__(self, body: dict, where: str = "") -> None:
+        self.body, self.where = body, where
+
+    def find(self, *names: str) -> tuple[str, Any]:
+        """(name, value) of the first of `names` present and not null, else (names[0], None)."""
+        for n in names:
+            if self.body.get(n) is not None:
+                return n, self.body[n]
+        return names[0], None
+
+    def int(self, *names: str, default: int | None = None) -> int | None:
+        name, v = self.find(*names)
+        if v is None:
+            return default
+        if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:
+            return int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.wrong(name, "an integer", v)
+        return v
+
+    def float(self, *names: str, default: float | None = None) -> float | None:
+        name, v = self.find(*names)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise self.wrong(name, "a number", v)
+        return float(v)
+
+    def bool(self, *names: str, default: bool = False) -> bool:
+        name, v = self.find(*names)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self.wrong(name, "true or false", v)
+        return v
+
+    def str(self, *names: str, default: str | None = None) -> str | None:
+        name, v = self.find(*names)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise self.wrong(name, "a string", v)
+        return v
+
+    def wrong(self, name: str, expected: str, v: Any) -> ApiError:
+        return bad_request(f"{self.where}{name}: must be {expected}, got {_kind(v)}")
+
+
+# -- the parts of a generation request ----------------------------------------------------------
+
+
+def sampling(f: Fields, defaults: SamplingParams) -> SamplingParams:
+    changes: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        v = f.float(name)
+        if v is not None:
+            changes[name] = v
+    for name in ("top_k", "repeat_last_n"):
+        v = f.int(name)
+        if v is not None:
+            changes[name] = v
+    seed = f.int("seed")
+    if seed is not None:
+        changes["seed"] = secrets.randbits(32) if seed == -1 else seed
+    try:
+        return replace(defaults, **changes)
+    except ConfigError as e:
+        raise bad_request(str(e)) from None
+
+
+def draft(body: dict, defaults: DraftParams) -> DraftParams:
+    """Per-request speculative settings on top of the server's (see the module docstring)."""
+    nested = body.get("speculative")
+    if nested is False:
+        return replace(defaults, enabled=False)
+    if nested is None or nested is True:
+        nested = {}
+    if not isinstance(nested, dict):
+        raise bad_request(f"speculative: must be an object or false, got {_kind(nested)}")
+    flat = {k.split(".", 1)[1]: v for k, v in body.items()
+            if k.startswith("speculative.") and v is not None}
+    f = Fields({**flat, **nested}, "speculative.")
+    changes: dict[str, Any] = {}
+    n_max, n_min, p_min = f.int("n_max"), f.int("n_min"), f.float("p_min")
+    if n_max is not None:
+        changes["n_max"] = n_max
+        if n_min is None and n_max >= 0:
+            changes["n_min"] = min(defaults.n_min, n_max)
+    if n_min is not None:
+        changes["n_min"] = n_min
+    if p_min is not None:
+        changes["p_min"] = p_min
+    if n_max == 0:
+        changes["enabled"] = False
+    try:
+        return replace(defaults, **changes)
+    except ConfigError as e:
+        field, _, msg = str(e).partition(": ")
+        names = {"draft_max": "n_max", "draft_min": "n_min", "draft_p_min": "p_min"}
+        name = names.get(field, field)
+        raise bad_request(f"speculative.{name}: {msg}") from None
+
+
+def n_predict(f: Fields, settings: ServerSettings, n_ctx: int) -> int:
+    name, _ = f.find("n_predict", "max_tokens", "max_completion_tokens")
+    n = f.int("n_predict", "max_tokens", "max_completion_tokens", default=settings.n_predict)
+    if n < -1:
+        raise bad_request(f"{name}: must be >= 0, or -1 for no limit, got {n}")
+    if n == -1:
+        n = n_ctx
+    if settings.n_predict >= 0:
+        n = min(n, settings.n_predict)
+    return n
+
+
+def stop_strings(f: Fields) -> list[str]:
+    _, v = f.find("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v] if v else []
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return [s for s in v if s]
+    raise f.wrong("stop", "a string or an array of strings", v)
+
+
+def prompt_tokens(value: Any, backend: Any, name: str = "prompt") -> list[int]:
+    """llama-server's prompt forms: text, token ids, or a mix of both in one array.
+
+    Text is tokenized with BOS and special tokens parsed, as llama-server does;
+    token ids are used as given. An array of several texts would be several
+    prompts, which this server does not batch: refused.
+    """
+    if value is None:
+        raise bad_request(f"{name}: required")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise bad_request(f"{name}: is empty")
+        return backend.tokenize(value, add_special=True, parse_special=True)
+    if not isinstance(value, list):
+        raise bad_request(f"{name}: must be a string or an array of token ids, got {_kind(value)}")
+    if not value:
+        raise bad_request(f"{name}: is empty")
+    if sum(isinstance(x, str) for x in value) > 1 and not any(_is_int(x) for x in value):
+        raise bad_request(f"{name}: several prompts in one request are not supported; "
+                          "send one request per prompt")
+    tokens: list[int] = []
+    for i, x in enumerate(value):
+        if isinstance(x, str):
+            tokens += backend.tokenize(x, add_special=i == 0, parse_special=True)
+        elif _is_int(x):
+            tokens.append(x)
+        else:
+            raise bad_request(f"{name}[{i}]: must be a token id or a string, got {_kind(x)}")
+    return check_token_ids(tokens, backend.n_vocab, name)
+
+
+def check_token_ids(tokens: Sequence[Any], n_vocab: int, name: str) -> list[int]:
+    for i, t in enumerate(tokens):
+        if not _is_int(t):
+            raise bad_request(f"{name}[{i}]: must be a token id (integer), got {_kind(t)}")
+        if not 0 <= t < n_vocab:
+            raise bad_request(f"{name}[{i}]: token id {t} is outside the vocabulary "
+                              f"(0..{n_vocab - 1})")
+    return list(tokens)
+
+
+def check_fits(tokens: Sequence[int], n_predict_: int, n_ctx: int) -> None:
+    needed = len(tokens) + (1 if n_predict_ else 0)
+    if needed > n_ctx:
+        raise ApiError(400, f"the request exceeds the available context size: the prompt has "
+                       f"{len(tokens)} tokens and the context {n_ctx} (-c)",
+                       "exceed_context_size_error", n_prompt_tokens=len(tokens), n_ctx=n_ctx)
+
+
+def refuse_unsupported(f: Fields) -> None:
+    """A feature the client relies on but this server lacks is an error, not a silent no-op."""
+    n = f.int("n", default=1)
+    if n != 1:
+        raise bad_request(f"n: only 1 choice per request is supported, got {n}")
+    best_of = f.int("best_of", default=1)
+    if best_of != 1:
+        raise bad_request(f"best_of: only 1 is supported, got {best_of}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if f.float(name, default=0.0) != 0.0:
+            raise bad_request(f"{name}: not supported (use repeat_penalty)")
+    _, logprobs = f.find("logprobs")
+    if logprobs not in (None, False, 0):
+        raise bad_request("logprobs: not supported")
+    if f.int("n_probs", default=0) != 0:
+        raise bad_request("n_probs: not supported")
+    if f.bool("echo"):
+        raise bad_request("echo: not supported")
+    for name in ("grammar", "json_schema", "tools", "functions"):
+        if f.body.get(name):
+            raise bad_request(f"{name}: not supported")
+    _, fmt = f.find("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
+        raise bad_request("response_format: only {\"type\": \"text\"} is supported")
+
+
+def check_model(f: Fields, names: Sequence[str]) -> None:
+    """OpenAI clients name a model: refuse one this server does not have (404)."""
+    model = f.str("model")
+    if model is not None and model not in names:
+        raise ApiError(404, f"model {model!r} not found; this server has {names[0]!r}",
+                       "not_found_error")
+
+
+# -- whole requests ---------------------------------------------------------------------------
+
+
+def completion(body: dict, backend: Any, settings: ServerSettings, names: Sequence[str],
+               prompt_key: str = "prompt") -> Completion:
+    """POST /completion and /v1/completions."""
+    f = Fields(body)
+    check_model(f, names)
+    refuse_unsupported(f)
+    _, prompt = f.find(prompt_key)
+    tokens = prompt_tokens(prompt, backend, prompt_key)
+    return _finish(f, body, tokens, backend, settings, [])
+
+
+def chat_completion(body: dict, backend: Any, settings: ServerSettings,
+                    names: Sequence[str]) -> Completion:
+    """POST /v1/chat/completions: render the messages with the chat template, then as above."""
+    f = Fields(body)
+    check_model(f, names)
+    refuse_unsupported(f)
+    _, messages = f.find("messages")
+    if messages is None:
+        raise bad_request("messages: required")
+    try:
+        label, _ = chat.template_for(backend, settings.chat_template)
+        text = chat.render_for(backend, messages, settings.chat_template)
+    except ConfigError as e:
+        raise bad_request(str(e)) from None
+    tokens = backend.tokenize(text, add_special=False, parse_special=True)
+    if not tokens:
+        raise bad_request("messages: the rendered prompt is empty")
+    return _finish(f, body, tokens, backend, settings, chat.TEMPLATE_STOPS.get(label, []))
+
+
+def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: ServerSettings,
+            extra_stops: list[str]) -> Completion:
+    n = n_predict(f, settings, backend.n_ctx)
+    check_fits(tokens, n, backend.n_ctx)
+    sp = sampling(f, settings.sampling)
+    dp = draft(body, settings.draft)
+    stops = stop_strings(f)
+    stops += [s for s in extra_stops if s not in stops]
+    ignore_eos = f.bool("ignore_eos")
+    stream = f.bool("stream")
+    return_tokens = f.bool("return_tokens")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad_request(f"stream_options: must be an object, got {_kind(opts)}")
+    include_usage = Fields(opts or {}, "stream_options.").bool("include_usage")
+    try:
+        req = Request(tokens, n, sp, dp, ignore_eos)
+    except ConfigError as e:
+        raise bad_request(str(e)) from None
+    return Completion(req, stops, stream, return_tokens, include_usage)
+
+
+def tokenize(body: dict, backend: Any) -> dict:
+    """POST /tokenize: {content, add_special=false, parse_special=true, with_pieces=false}."""
+    f = Fields(body)
+    content = f.str("content")
+    if content is None:
+        raise bad_request("content: required")
+    tokens = backend.tokenize(content, add_special=f.bool("add_special"),
+                              parse_special=f.bool("parse_special", default=True))
+    if not f.bool("with_pieces"):
+        return {"tokens": tokens}
+    pieces = []
+    for t in tokens:
+        raw = backend.detokenize([t])
+        try:
+            piece: Any = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": t, "piece": piece})
+    return {"tokens": pieces}
+
+
+def detokenize(body: dict, backend: Any) -> dict:
+    """POST /detokenize: {tokens} -> {content}."""
+    tokens = body.get("tokens")
+    if tokens is None:
+        raise bad_request("tokens: required")
+    if not isinstance(tokens, list):
+        raise bad_request(f"tokens: must be an array of token ids, got {_kind(tokens)}")
+    ids = check_token_ids(tokens, backend.n_vocab, "tokens")
+    return {"content": backend.detokenize(ids).decode("utf-8", errors="replace")}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _kind(v: Any) -> str:
+    """A JSON type name for messages."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int | float):
+        return f"a number ({v})"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__

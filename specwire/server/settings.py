@@ -1,0 +1,29 @@
+"""Server-wide settings: the defaults a request starts from, and the server's limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specwire.config import DraftParams, SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class ServerSettings:
+    """What `specwire serve` was started with, apart from the models themselves.
+
+    sampling, draft: the defaults every request overrides field by field.
+    alias:         the model name /v1/models lists (default: the target's file name).
+    chat_template: named template (llama.cpp names) or Jinja source; None = the GGUF's own,
+                   else gemma for Gemma models, chatml otherwise (see specwire.chat).
+    api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
+    queue_size:    requests allowed to wait for a slot; one more is refused with 429.
+    n_predict:     the server's cap on tokens per request (-1: up to the context size).
+    """
+
+    sampling: SamplingParams = SamplingParams()
+    draft: DraftParams = DraftParams()
+    alias: str | None = None
+    chat_template: str | None = None
+    api_key: str | None = None
+    queue_size: int = 16
+    n_predict: int = -1

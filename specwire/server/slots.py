@@ -1,0 +1,277 @@
+"""The queue and the worker threads that own the engines.
+
+An Engine (its llama.cpp context and its drafter) holds one sequence and is
+not thread-safe, so each engine is driven by exactly one worker thread, a
+"slot" in llama-server's words. Requests wait in one bounded FIFO shared by
+the slots: first come, first served, and a request that finds the queue full
+is refused at once (429) instead of piling up behind a long generation.
+
+The HTTP side never blocks on generation: a Job carries an asyncio queue, and
+the worker hands it events (text pieces, then the result) through
+`loop.call_soon_threadsafe`. A job whose client went away is cancelled: taken
+out of the queue if it is still waiting, or closed by its worker before the
+next round, which ends the drafter's sequence and frees the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specwire.backend.base import BackendError
+from specwire.config import ConfigError
+from specwire.engine import Engine, Request
+from specwire.server.errors import ApiError
+from specwire.server.metrics import Metrics
+from specwire.server.stops import StopMatcher
+from specwire.textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """New text and the tokens it came from (streaming only)."""
+
+    text: str
+    tokens: list[int]
+
+
+@dataclass(slots=True)
+class Result:
+    """A finished generation, in llama-server's terms."""
+
+    content: str
+    tokens: list[int]
+    stop_type: str                  # eos | limit | word
+    stopping_word: str
+    truncated: bool
+    tokens_evaluated: int           # prompt length
+    tokens_predicted: int
+    timings: dict
+    slot: int
+    drafter: str
+
+
+@dataclass(slots=True)
+class Done:
+    result: Result
+
+
+@dataclass(slots=True)
+class Failed:
+    error: ApiError
+
+
+Event = Chunk | Done | Failed
+
+
+class QueueFull(Exception):
+    """No room to wait: the caller answers 429."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request on its way through a slot; created on the event loop."""
+
+    request: Request
+    stops: Sequence[str] = ()
+    stream: bool = False
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False
+
+    def emit(self, event: Event) -> None:
+        """From the worker thread: deliver an event to the waiting request."""
+        with contextlib.suppress(RuntimeError):   # the loop is gone (server shutting down)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class JobQueue:
+    """A bounded FIFO that a waiting job can also leave (its client disconnected)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._jobs: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._idle = 0          # workers blocked in get(): a job for them does not wait
+
+    def put(self, job: Job) -> None:
+        with self._cv:
+            would_wait = len(self._jobs) + 1 - min(len(self._jobs) + 1, self._idle)
+            if self._closed or would_wait > self.capacity:
+                raise QueueFull
+            self._jobs.append(job)
+            self._cv.notify()
+
+    def get(self) -> Job | None:
+        """The oldest job; blocks while empty; None once closed."""
+        with self._cv:
+            self._idle += 1
+            try:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                return self._jobs.popleft() if self._jobs else None
+            finally:
+                self._idle -= 1
+
+    def _waiting(self) -> int:
+        """Jobs that no idle worker is about to take."""
+        return len(self._jobs) - min(len(self._jobs), self._idle)
+
+    def remove(self, job: Job) -> bool:
+        with self._cv:
+            try:
+                self._jobs.remove(job)
+                return True
+            except ValueError:
+                return False
+
+    def close(self) -> list[Job]:
+        """Stop handing out jobs; return those still waiting."""
+        with self._cv:
+            self._closed = True
+            left = list(self._jobs)
+            self._jobs.clear()
+            self._cv.notify_all()
+            return left
+
+    def __len__(self) -> int:
+        with self._cv:
+            return self._waiting()
+
+
+class Slot:
+    """One engine and the thread that runs its generations, one at a time."""
+
+    def __init__(self, index: int, engine: Engine, queue: JobQueue, metrics: Metrics) -> None:
+        self.index, self.engine, self.queue, self.metrics = index, engine, queue, metrics
+        self.job: Job | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"slot-{index}", daemon=True)
+
+    def _loop(self) -> None:
+        while (job := self.queue.get()) is not None:
+            if job.cancelled.is_set():      # its client left while it was being handed over
+                job.finished = True
+                self.metrics.outcome("cancelled")
+                continue
+            self.job = job
+            try:
+                self.serve(job)
+            finally:
+                job.finished = True
+                self.job = None
+
+    def serve(self, job: Job) -> None:
+        """Run one job to its end (or until cancelled); never raises."""
+        engine = self.engine
+        gen = engine.generate(job.request)
+        text = TextStream(engine.target.detokenize)
+        stops = StopMatcher(job.stops)
+        try:
+            for new in gen:
+                if job.cancelled.is_set():
+                    self.metrics.outcome("cancelled")
+                    return          # finally closes the generation: drafter state freed now
+                piece = stops.push(text.push(new))
+                if stops.stopped:
+                    gen.stop("word")
+                if job.stream and (piece or new):
+                    job.emit(Chunk(piece, list(new)))
+            tail = stops.push(text.flush())
+            tail += stops.finish()
+            if job.stream and tail:
+                job.emit(Chunk(tail, []))
+            st = gen.stats
+            job.emit(Done(Result(
+                content=stops.text, tokens=list(gen.tokens), stop_type=gen.stop_type,
+                stopping_word=stops.word or "", truncated=gen.truncated,
+                tokens_evaluated=len(job.request.prompt), tokens_predicted=len(gen.tokens),
+                timings=st.timings(), slot=self.index, drafter=engine.drafter.name)))
+            self.metrics.outcome(gen.stop_type)
+        except ConfigError as e:
+            self.metrics.outcome("failed")
+            job.emit(Failed(ApiError(400, str(e))))
+        except BackendError as e:
+            log.error("slot %d: %s", self.index, e)
+            self.metrics.outcome("failed")
+            job.emit(Failed(ApiError(500, str(e), "server_error")))
+        except Exception as e:  # noqa: BLE001 - a bug must not kill the slot
+            log.exception("slot %d: generation failed", self.index)
+            self.metrics.outcome("failed")
+            job.emit(Failed(ApiError(500, f"generation failed: {type(e).__name__}: {e}",
+                                     "server_error")))
+        finally:
+            try:
+                gen.close()
+            except Exception:  # noqa: BLE001 - a drafter failing to end must not kill the slot
+                log.exception("slot %d: closing the generation failed", self.index)
+            self.metrics.record(self.index, gen.stats, len(gen.tokens))
+
+
+class Scheduler:
+    """The slots and their shared queue."""
+
+    def __init__(self, engines: Sequence[Engine], queue_size: int, metrics: Metrics) -> None:
+        if not engines:
+            raise ValueError("the server needs at least one engine")
+        self.metrics = metrics
+        self.queue = JobQueue(queue_size)
+        self.slots = [Slot(i, e, self.queue, metrics) for i, e in enumerate(engines)]
+        self._started = False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            for s in self.slots:
+                s.thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; QueueFull if there is no room."""
+        try:
+            self.queue.put(job)
+        except QueueFull:
+            self.metrics.reject()
+            raise
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: drop the job if waiting, else stop it before the next round."""
+        if job.finished or job.cancelled.is_set():
+            return
+        job.cancelled.set()
+        if self.queue.remove(job):
+            job.finished = True
+            self.metrics.outcome("cancelled")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for job in self.queue.close():
+            job.cancelled.set()
+        for s in self.slots:
+            if s.job is not None:
+                s.job.cancelled.set()
+        if self._started:
+            for s in self.slots:
+                s.thread.join(timeout)
+
+    def state(self) -> dict[str, int]:
+        return {"processing": sum(s.job is not None for s in self.slots),
+                "deferred": len(self.queue), "capacity": self.queue.capacity,
+                "slots": len(self.slots)}
+
+    def link_states(self) -> list[tuple[int, dict]]:
+        out = []
+        for s in self.slots:
+            fn = getattr(s.engine.drafter, "link_state", None)
+            if callable(fn):
+                try:
+                    out.append((s.index, dict(fn())))
+                except Exception:  # noqa: BLE001 - a scrape must not fail on a drafter
+                    log.debug("link_state failed", exc_info=True)
+        return out

@@ -1,0 +1,79 @@
+"""What a generation measured, under llama-server's names where it has them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Stats:
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    rounds: int = 0
+    draft_ms: float = 0.0        # time the engine spent waiting on the drafter
+    verify_ms: float = 0.0       # target evaluation and verification
+    #: accepted-length histogram: hist[n] = rounds that kept n draft tokens.
+    hist: list[int] = field(default_factory=list)
+    #: by_position[i] = [drafted, accepted] at draft position i.
+    by_position: list[list[int]] = field(default_factory=list)
+    drafter: dict[str, float] = field(default_factory=dict)
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.draft_n += drafted
+        self.draft_n_accepted += accepted
+        if drafted:
+            while len(self.hist) <= accepted:
+                self.hist.append(0)
+            self.hist[accepted] += 1
+            while len(self.by_position) < drafted:
+                self.by_position.append([0, 0])
+            for i in range(drafted):
+                self.by_position[i][0] += 1
+                self.by_position[i][1] += i < accepted
+
+    @property
+    def acceptance(self) -> float:
+        return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean draft tokens kept per round that had a draft."""
+        n = sum(self.hist)
+        return sum(i * c for i, c in enumerate(self.hist)) / n if n else 0.0
+
+    @property
+    def predicted_per_second(self) -> float:
+        return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
+
+    def timings(self) -> dict:
+        """llama-server's `timings` object."""
+        return {
+            "prompt_n": self.prompt_n,
+            "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
+            "prompt_per_second": round(1000.0 * self.prompt_n / self.prompt_ms, 3) if self.prompt_ms else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": round(self.predicted_ms, 3),
+            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
+            "predicted_per_second": round(self.predicted_per_second, 3),
+            "draft_n": self.draft_n,
+            "draft_n_accepted": self.draft_n_accepted,
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            **self.timings(),
+            "rounds": self.rounds,
+            "acceptance": round(self.acceptance, 4),
+            "mean_accepted": round(self.mean_accepted, 4),
+            "accepted_hist": list(self.hist),
+            "by_position": [list(x) for x in self.by_position],
+            "draft_ms": round(self.draft_ms, 3),
+            "verify_ms": round(self.verify_ms, 3),
+            "drafter": dict(self.drafter),
+        }

@@ -1,0 +1,134 @@
+"""One --draft-url: its channel, handshake, health and reconnection backoff.
+
+The handshake runs before any sequence uses the node, so a node with another
+vocabulary, protocol version or a wrong token fails at connect with a message
+naming it, never as garbage tokens later.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from specwire.wire import protocol
+from specwire.wire import specwire_pb2 as pb
+from specwire.wire import specwire_pb2_grpc as pbg
+
+log = logging.getLogger("specwire.remote")
+
+
+class LinkError(Exception):
+    """A draft node could not be used; the message says why."""
+
+
+@dataclass(slots=True, frozen=True)
+class LinkSettings:
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    connect_timeout_s: float = 3.0
+    backoff_min_s: float = 0.25
+    backoff_max_s: float = 5.0
+
+
+class Link:
+    """A channel to one draft node, with exponential backoff after failures."""
+
+    def __init__(self, url: str, settings: LinkSettings, fingerprint: str, n_vocab: int,
+                 target_name: str) -> None:
+        self.url = url.removeprefix("grpc://")
+        if ":" not in self.url:
+            raise LinkError(f"--draft-url {url}: expected HOST:PORT")
+        self.settings = settings
+        self.fingerprint, self.n_vocab, self.target_name = fingerprint, n_vocab, target_name
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: pbg.DraftNodeStub | None = None
+        self.up = False
+        self.hello: pb.HelloReply | None = None
+        self.rtt_s = float("inf")
+        self.failures = 0
+        self.retry_at = 0.0
+        self.last_error = ""
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        tok = self.settings.token
+        return ((protocol.AUTH_HEADER, f"Bearer {tok}"),) if tok else ()
+
+    def sort_key(self) -> tuple[int, float]:
+        """Healthy links first, then the one that answered its handshake fastest."""
+        return (0 if self.up else 1, self.rtt_s)
+
+    def ready_to_try(self) -> bool:
+        return self.up or time.monotonic() >= self.retry_at
+
+    def _make_channel(self) -> grpc.aio.Channel:
+        opts = [("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
+                ("grpc.enable_retries", 0),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]
+        s = self.settings
+        if not s.tls_ca:
+            return grpc.aio.insecure_channel(self.url, options=opts)
+        ca = _read(s.tls_ca)
+        cert = _read(s.tls_cert) if s.tls_cert else None
+        key = _read(s.tls_key) if s.tls_key else None
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                             certificate_chain=cert)
+        return grpc.aio.secure_channel(self.url, creds, options=opts)
+
+    async def connect(self) -> None:
+        """Handshake (again if needed); raises LinkError with the reason."""
+        if self.up and self.channel is not None:
+            return
+        if self.channel is None:
+            self.channel = self._make_channel()
+            self.stub = pbg.DraftNodeStub(self.channel)
+        req = pb.HelloRequest(protocol_version=protocol.PROTOCOL_VERSION,
+                              vocab_fingerprint=self.fingerprint, n_vocab=self.n_vocab,
+                              target_model=self.target_name)
+        t0 = time.perf_counter()
+        try:
+            reply = await self.stub.Hello(req, timeout=self.settings.connect_timeout_s,
+                                          metadata=self.metadata())
+        except grpc.aio.AioRpcError as e:
+            self.failed(f"{e.code().name}: {e.details()}")
+            raise LinkError(self.last_error) from None
+        self.rtt_s = time.perf_counter() - t0
+        self._check(reply)
+        self.hello, self.up, self.failures = reply, True, 0
+        log.info("draft node %s: %s, handshake %.1f ms", self.url, reply.draft_model,
+                 1000 * self.rtt_s)
+
+    def _check(self, r: pb.HelloReply) -> None:
+        if r.protocol_version != protocol.PROTOCOL_VERSION:
+            self._refuse(f"incompatible draft node {self.url}: protocol {r.protocol_version}, "
+                         f"this target speaks {protocol.PROTOCOL_VERSION}")
+        if r.vocab_fingerprint != self.fingerprint or r.n_vocab != self.n_vocab:
+            self._refuse(f"incompatible models: the target {self.target_name} (vocabulary "
+                         f"{self.n_vocab} tokens, fingerprint {self.fingerprint}) and the draft "
+                         f"{r.draft_model} at {self.url} (vocabulary {r.n_vocab} tokens, "
+                         f"fingerprint {r.vocab_fingerprint}) do not share a tokenizer")
+
+    def _refuse(self, msg: str) -> None:
+        self.failed(msg, backoff_s=3600.0)
+        raise LinkError(msg)
+
+    def failed(self, reason: str, backoff_s: float | None = None) -> None:
+        """Mark the link down; retry after an exponentially growing pause."""
+        self.up = False
+        self.failures += 1
+        self.last_error = reason
+        s = self.settings
+        pause = backoff_s or min(s.backoff_max_s, s.backoff_min_s * 2 ** (self.failures - 1))
+        self.retry_at = time.monotonic() + pause
+        log.warning("draft link %s down (%s); retry in %.2f s", self.url, reason, pause)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()

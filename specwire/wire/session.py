@@ -1,0 +1,161 @@
+"""One sequence on a draft node: its KV cache, its branch, its drafting thread.
+
+The thread drafts past the last verdict (pipelined) or exactly `want` tokens
+after each verdict (synchronous), sending tokens as it goes. Verdicts arrive
+from the gRPC reader on another thread; the drafting thread applies them
+between tokens, so the branch, the gen and the KV cache are only ever touched
+by one thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+
+from specwire.backend.base import Backend
+from specwire.config import DraftParams
+from specwire.drafters.model import ModelDrafter
+from specwire.wire import protocol
+from specwire.wire import specwire_pb2 as pb
+from specwire.wire.protocol import ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class DraftSession:
+    """Drafts for one sequence; `send` is called from the drafting thread."""
+
+    def __init__(self, backend: Backend, open_msg: pb.Open,
+                 send: Callable[[pb.DraftMessage], None]) -> None:
+        protocol.check_open(open_msg, backend.n_vocab, backend.n_ctx)
+        self.backend, self.send = backend, send
+        sampling = protocol.sampling_from_pb(open_msg.sampling)
+        self.mode = protocol.mode_from_pb(open_msg.mode)
+        self.pipelined = open_msg.pipelined
+        self.lookahead = max(1, open_msg.lookahead)
+        self.q_k = max(1, open_msg.top_k_q)
+        # Pipelined drafting runs on a core the target does not use: stopping at
+        # --draft-p-min would only idle it, so it applies to synchronous drafts alone.
+        p_min = 0.0 if self.pipelined else open_msg.p_min
+        params = DraftParams(n_max=min(64, self.lookahead), p_min=p_min, mode=self.mode,
+                             top_k_q=self.q_k)
+        self.drafter = ModelDrafter(backend)
+        self.drafter.begin(open_msg.history, sampling, params)
+        self.committed: list[int] = list(open_msg.history)
+        self.branch: list[int] = []     # drafted beyond `committed`, on branch `gen`
+        self.gen = 0
+        self.sent = 0                   # branch tokens already sent
+        self.budget = self.lookahead if self.pipelined else open_msg.want
+        self.stalled = False            # p_min ended the branch; wait for a verdict
+        self._inbox: collections.deque[pb.Verdict] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="draft-session", daemon=True)
+
+    # -- called from the gRPC reader --------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def push(self, verdict: pb.Verdict) -> None:
+        with self._cv:
+            self._inbox.append(verdict)
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    # -- the drafting thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._next_burst():
+                self._draft_burst()
+        except ProtocolError as e:
+            self.error = str(e)
+            log.warning("draft session: protocol error: %s", e)
+            self.send(pb.DraftMessage(error=pb.DraftError(message=str(e))))
+        except Exception as e:  # noqa: BLE001 - the node must survive any one session
+            self.error = f"{type(e).__name__}: {e}"
+            log.exception("draft session failed")
+            self.send(pb.DraftMessage(error=pb.DraftError(message=self.error)))
+
+    def _next_burst(self) -> bool:
+        """Apply verdicts; wait until there is drafting to do. False when closed."""
+        with self._cv:
+            while True:
+                while self._inbox:
+                    self._apply(self._inbox.popleft())
+                if self._closed:
+                    return False
+                if not self.stalled and len(self.branch) < self._limit():
+                    return True
+                self._cv.wait()
+
+    def _limit(self) -> int:
+        room = self.backend.n_ctx - len(self.committed) - 1
+        return max(0, min(self.budget, room))
+
+    def _apply(self, v: pb.Verdict) -> None:
+        """The branch rule (see specwire.proto)."""
+        if v.position != len(self.committed):
+            raise ProtocolError(f"verdict at position {v.position}, expected {len(self.committed)}")
+        a = v.accepted
+        if a > self.sent or (a and v.gen != self.gen):
+            raise ProtocolError(f"verdict accepts {a} tokens of gen {v.gen}; "
+                                f"sent {self.sent} of gen {self.gen}")
+        tokens = protocol.check_tokens(v.tokens, self.backend.n_vocab, "verdict")
+        if len(self.committed) + a + len(tokens) > self.backend.n_ctx:
+            raise ProtocolError("verdict runs past the node's context")
+        rest = self.branch[a:]
+        self.committed += self.branch[:a] + tokens
+        n = len(tokens)
+        if len(rest) >= n and rest[:n] == tokens:
+            self.branch = rest[n:]
+            self.sent = max(0, self.sent - a - n)
+        else:
+            self.branch, self.sent, self.gen = [], 0, self.gen + 1
+        if not self.pipelined:
+            self.budget = v.want
+            if len(self.branch) > self.budget:
+                del self.branch[self.budget:]
+                self.sent = min(self.sent, self.budget)
+        self.stalled = False
+
+    def _draft_burst(self) -> None:
+        """Draft until the limit, p_min, or a pending verdict; send as we go."""
+        target = self._limit() - len(self.branch)
+        pending: list[int] = []
+        sparse_pending: list = []
+        base = self.committed + self.branch
+
+        def on_token(i: int, tok: int, sd) -> bool:
+            self.branch.append(tok)
+            pending.append(tok)
+            if sd is not None:
+                sparse_pending.append(sd)
+            if self.pipelined and (self.sent == 0 or len(pending) >= 2):
+                self._flush(pending, sparse_pending, done=False)
+            return not self._inbox
+
+        result = self.drafter.draft_from(base, target, on_token=on_token)
+        stopped_by_pmin = len(result) < target and not self._inbox
+        self.stalled = stopped_by_pmin
+        done = stopped_by_pmin or len(self.branch) >= self._limit()
+        if pending or done:
+            self._flush(pending, sparse_pending, done=done)
+
+    def _flush(self, pending: list[int], sparse_pending: list, done: bool) -> None:
+        start = len(self.committed) + self.sent
+        chunk = pb.DraftChunk(gen=self.gen, start=start, tokens=pending, done=done)
+        if sparse_pending:
+            protocol.sparse_to_pb(chunk, sparse_pending, self.q_k)
+        self.sent += len(pending)
+        pending.clear()
+        sparse_pending.clear()
+        self.send(pb.DraftMessage(chunk=chunk))

@@ -1,0 +1,333 @@
+"""Tiny pure-numpy stand-ins for models, drafters and a broken verifier.
+
+Nothing here loads llama.cpp. A `FakeModel` computes logits as a deterministic
+function of the last two tokens and the position, from seeded tables, so that
+decoding with it is cheap, reproducible and has structure (greedy decoding
+cycles, which gives the n-gram drafter something to find). A `FakeBackend`
+speaks the engine's Backend protocol on top of one, with the same contract as
+llama.cpp's: one KV "cache" (a token list), logits rows that view a shared
+buffer overwritten by the next eval, and an error past the context size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from specwire.backend.base import BackendError
+from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.drafters.base import Draft
+from specwire.sampling import SparseDraft
+from specwire.verify import Verdict, Verifier
+
+#: How many of the highest token ids are "junk": logits so low that no filter
+#: (top-k 40, top-p, min-p 0.05) and no argmax ever keeps them.
+JUNK = 6
+_JUNK_BIAS = -40.0
+_PERIOD = 7
+
+
+class FakeModel:
+    """Logits row = A[last] + B[previous] + C[position % 7] (+ a junk bias).
+
+    sharp scales A and B (how peaked the distributions are); pos_weight scales
+    the positional term. Rows predict the token at position len(prefix).
+    """
+
+    def __init__(self, n_vocab: int = 32, seed: int = 0, sharp: float = 2.0,
+                 pos_weight: float = 0.3) -> None:
+        if n_vocab <= JUNK + 4:
+            raise ValueError("n_vocab too small")
+        rs = np.random.default_rng(seed)
+        self.n_vocab = n_vocab
+        self.a = rs.normal(size=(n_vocab, n_vocab)) * sharp
+        self.b = rs.normal(size=(n_vocab + 1, n_vocab)) * (0.5 * sharp)  # row n_vocab: no previous
+        self.c = rs.normal(size=(_PERIOD, n_vocab)) * pos_weight
+        self._apply_junk()
+
+    def _apply_junk(self) -> None:
+        self.a[:, self.n_vocab - JUNK:] = _JUNK_BIAS
+
+    def perturbed(self, scale: float, seed: int) -> FakeModel:
+        """Another model: these tables plus Gaussian noise of std `scale` (for a draft)."""
+        other = object.__new__(FakeModel)
+        rs = np.random.default_rng(seed)
+        other.n_vocab = self.n_vocab
+        other.a = self.a + rs.normal(size=self.a.shape) * scale
+        other.b = self.b + rs.normal(size=self.b.shape) * scale
+        other.c = self.c + rs.normal(size=self.c.shape) * scale
+        other._apply_junk()
+        return other
+
+    def row(self, prefix: Sequence[int]) -> np.ndarray:
+        """(V,) float32 logits for the token that follows prefix (non-empty)."""
+        last = prefix[-1]
+        prev = prefix[-2] if len(prefix) > 1 else self.n_vocab
+        r = self.a[last] + self.b[prev] + self.c[len(prefix) % _PERIOD]
+        return r.astype(np.float32)
+
+    @property
+    def real_tokens(self) -> int:
+        """Ids below this are ordinary tokens; the rest are junk."""
+        return self.n_vocab - JUNK
+
+
+class FakeBackend:
+    """The Backend protocol over a FakeModel, with call logs for the tests.
+
+    evals: one (n_past_before, tokens) per eval; truncates: each n passed.
+    """
+
+    def __init__(self, model: FakeModel, n_ctx: int = 512, name: str = "fake.gguf",
+                 eog: Sequence[int] = ()) -> None:
+        self.model = model
+        self.name = name
+        self.n_vocab = model.n_vocab
+        self.n_ctx = n_ctx
+        self.eog = set(eog)
+        self._tokens: list[int] = []
+        self._buf = np.zeros((n_ctx, model.n_vocab), dtype=np.float32)
+        self.evals: list[tuple[int, tuple[int, ...]]] = []
+        self.truncates: list[int] = []
+
+    @property
+    def n_past(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return tuple(self._tokens)
+
+    def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise BackendError(f"{self.name}: empty batch")
+        if any(not 0 <= t < self.n_vocab for t in tokens):
+            raise BackendError(f"{self.name}: token out of range in {tokens}")
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise BackendError(f"{self.name}: context full ({self.n_past} + {len(tokens)} > "
+                               f"{self.n_ctx})")
+        start = self.n_past
+        self.evals.append((start, tuple(tokens)))
+        self._tokens.extend(tokens)
+        n = len(tokens)
+        # Like llama.cpp, rows live in one buffer that the next eval overwrites.
+        self._buf[:] = np.nan
+        for i in range(n):
+            self._buf[i] = self.model.row(self._tokens[:start + i + 1])
+        if logits == "all":
+            return self._buf[:n]
+        if logits == "last":
+            return self._buf[n - 1:n]
+        if logits == "none":
+            return self._buf[:0]
+        raise ValueError(logits)
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.n_past:
+            raise BackendError(f"{self.name}: truncate({n}) with {self.n_past} cached")
+        self.truncates.append(n)
+        del self._tokens[n:]
+
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = True) -> list[int]:
+        return [ord(ch) % self.model.real_tokens for ch in text]
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        return bytes(0x41 + int(t) for t in tokens)
+
+    def is_eog(self, token: int) -> bool:
+        return token in self.eog
+
+    def vocab_fingerprint(self) -> str:
+        return hashlib.sha256(f"fake:{self.n_vocab}".encode()).hexdigest()[:16]
+
+    def chat_template(self) -> str | None:
+        return None
+
+
+class RandomDrafter:
+    """Proposes junk tokens from its own np.random.Generator: the target never keeps one.
+
+    In rejection mode it sends an honest q: uniform over the junk ids.
+    """
+
+    name = "random"
+
+    def __init__(self, n_vocab: int, seed: int = 0) -> None:
+        self.ids = np.arange(n_vocab - JUNK, n_vocab, dtype=np.int64)
+        self.gen = np.random.default_rng(seed)
+        self.rejection = False
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        self.rejection = params.mode is VerifyMode.REJECTION and not sampling.greedy
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        toks = [int(t) for t in self.gen.choice(self.ids, size=max_n)]
+        if not self.rejection:
+            return Draft(toks)
+        q = np.full(len(self.ids), 1.0 / len(self.ids), dtype=np.float32)
+        return Draft(toks, [SparseDraft(t, self.ids.copy(), q.copy()) for t in toks])
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class FixedDrafter:
+    """Proposes a function of the history (tests choose exactly what is drafted)."""
+
+    name = "fixed"
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        pass
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        return Draft(list(self.fn(history, max_n)))
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class SpyDrafter:
+    """Wraps a drafter and records every call; `extra` tokens beyond max_n are asked for."""
+
+    def __init__(self, inner, extra: int = 0, on_propose=None) -> None:
+        self.inner, self.extra, self.on_propose = inner, extra, on_propose
+        self.name = f"spy:{inner.name}"
+        self.calls: list[str] = []
+        self.proposals: list[tuple[tuple[int, ...], int, tuple[int, ...]]] = []
+        self.learned: list[tuple[int, int, int]] = []
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        self.calls.append("begin")
+        self.inner.begin(prompt, sampling, params)
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        self.calls.append("propose")
+        if self.on_propose is not None:
+            self.on_propose(history)
+        draft = self.inner.propose(history, max_n + self.extra)
+        self.proposals.append((tuple(history), max_n, tuple(draft.tokens)))
+        return draft
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        self.calls.append("learn")
+        self.learned.append((len(history), accepted, appended))
+        self.inner.learn(history, accepted, appended)
+
+    def end(self) -> None:
+        self.calls.append("end")
+        self.inner.end()
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+
+class AlwaysAcceptVerifier(Verifier):
+    """Deliberately broken: keeps every draft token, then the target's bonus sample.
+
+    Its output is distributed as the draft's, not the target's: the distribution
+    tests must catch it.
+    """
+
+    def verify(self, rows: np.ndarray, history: Sequence[int], draft: Sequence[int],
+               sparse: Sequence[SparseDraft] | None = None) -> Verdict:
+        ctx = [*history, *draft]
+        return Verdict(len(draft), self.sample(rows[len(draft)], ctx))
+
+
+# ------------------------------------------------------------------ reference and statistics
+
+
+def reference_probs(row: np.ndarray, params: SamplingParams,
+                    history: Sequence[int] = ()) -> np.ndarray:
+    """llama.cpp's sampler chain written out plainly: (V,) float64 probabilities.
+
+    penalties (last repeat_last_n tokens, -1 = all: positive logits divided,
+    negative multiplied) -> top-k -> top-p (smallest prefix whose cumulative
+    probability, at temperature 1 over the top-k survivors, reaches p) ->
+    min-p (probability >= min_p * the largest) -> temperature -> softmax.
+    Filtered tokens get probability 0. An independent oracle for sampling.py.
+    """
+    logits = np.asarray(row, dtype=np.float64).copy()
+    v = logits.shape[0]
+    if params.repeat_penalty != 1.0 and params.repeat_last_n != 0:
+        n = len(history) if params.repeat_last_n < 0 else params.repeat_last_n
+        for t in set(list(history)[-n:] if n else []):
+            x = logits[t]
+            logits[t] = x / params.repeat_penalty if x > 0 else x * params.repeat_penalty
+    order = sorted(range(v), key=lambda i: -logits[i])
+    if 0 < params.top_k < v:
+        order = order[:params.top_k]
+    if params.top_p < 1.0:
+        e = np.exp(logits[order] - logits[order[0]])
+        cum, keep = 0.0, len(order)
+        for i, p in enumerate(e / e.sum()):
+            cum += p
+            if cum >= params.top_p:
+                keep = i + 1
+                break
+        order = order[:keep]
+    if params.min_p > 0.0:
+        top = logits[order[0]]
+        order = [i for i in order if np.exp(logits[i] - top) >= params.min_p]
+    out = np.zeros(v)
+    if params.temperature <= 0.0:
+        out[order[0]] = 1.0
+        return out
+    z = logits[order] / params.temperature
+    e = np.exp(z - z.max())
+    out[order] = e / e.sum()
+    return out
+
+
+def tv_distance(p: np.ndarray, q: np.ndarray) -> float:
+    """Total-variation distance between two distributions on the same support."""
+    return 0.5 * float(np.abs(np.asarray(p, float) - np.asarray(q, float)).sum())
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom, cells with expected < 5 pooled.
+
+    An observed count where the expected probability is 0 makes it infinite.
+    """
+    counts = np.asarray(counts, dtype=float).ravel()
+    probs = np.asarray(probs, dtype=float).ravel()
+    n = counts.sum()
+    if np.any(counts[probs <= 0] > 0):
+        return float("inf"), 1
+    expected = probs * n
+    big = expected >= 5
+    obs = list(counts[big])
+    exp = list(expected[big])
+    if (~big).any() and expected[~big].sum() > 0:
+        obs.append(counts[~big].sum())
+        exp.append(expected[~big].sum())
+    obs_a, exp_a = np.array(obs), np.array(exp)
+    return float(((obs_a - exp_a) ** 2 / exp_a).sum()), len(obs) - 1
+
+
+def chi_square_limit(df: int) -> float:
+    """A rejection threshold with a false-alarm probability below about 5e-6 for df 3..30.
+
+    df + 6 sqrt(2 df) + 10, i.e. well past six standard deviations of the
+    chi-square distribution (mean df, variance 2 df) at these sizes.
+    """
+    return df + 6.0 * (2.0 * df) ** 0.5 + 10.0

@@ -1,0 +1,154 @@
+"""The invariance contract on the real bundled models: a draft never changes the output.
+
+Greedy and seeded sampling must give the target's own tokens, token for token,
+whatever the drafter (the target itself, another quant, n-gram, random tokens)
+and whatever the draft length. llama.cpp does not promise bit-identical logits
+across batch sizes; if a near-tie ever flips a token between a batched
+verification and plain decoding, `explain_mismatch` prints both logit rows'
+top candidates and their gap, and the test fails: the comparison is never
+loosened.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specwire import models
+from specwire.backend.llama import LlamaBackend, load_model
+from specwire.config import DraftParams, ModelParams, SamplingParams
+from specwire.drafters.base import Draft
+from specwire.drafters.model import ModelDrafter
+from specwire.drafters.ngram import NgramDrafter
+from specwire.engine import Engine, Request
+
+PROMPTS = {
+    "prose": "The old lighthouse keeper climbed the stairs every evening, and",
+    "code": "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+            "    return total / len(values)\n\n# The same function with type hints:\ndef",
+}
+N_PREDICT = 24
+DRAFT_LENGTHS = (1, 2, 4, 8, 16)
+SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=1234)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class RandomDrafter:
+    """Proposes uniformly random tokens: nothing should ever be accepted."""
+
+    name = "random"
+
+    def __init__(self, n_vocab: int, seed: int = 0) -> None:
+        self.n_vocab, self.rng = n_vocab, np.random.default_rng(seed)
+
+    def begin(self, prompt, sampling, params) -> None:
+        pass
+
+    def propose(self, history, max_n: int) -> Draft:
+        return Draft([int(t) for t in self.rng.integers(0, self.n_vocab, max_n)])
+
+    def learn(self, history, accepted: int, appended: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaBackend:
+    return LlamaBackend(ModelParams(str(models.default_target()), n_ctx=512))
+
+
+@pytest.fixture(scope="module")
+def drafters(target):
+    def ctx(path: str):
+        p = ModelParams(path, n_ctx=512)
+        return LlamaBackend(p, load_model(p))
+    return {
+        "self": ModelDrafter(LlamaBackend(target.params, target.model)),
+        "q2k": ModelDrafter(ctx(str(models.default_draft()))),
+        "q4km": ModelDrafter(ctx(str(models.ensure_model("base")))),
+        "ngram": NgramDrafter(),
+        "random": RandomDrafter(target.n_vocab),
+    }
+
+
+def generate(target, drafter, prompt: str, sampling: SamplingParams, k: int = 8):
+    tokens = target.tokenize(prompt)
+    dp = DraftParams(n_max=k, p_min=0.0, enabled=drafter is not None)
+    gen = Engine(target, drafter).generate(Request(tokens, N_PREDICT, sampling, dp))
+    gen.run()
+    return gen
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return {(name, s.temperature): generate(target, None, p, s).tokens
+            for name, p in PROMPTS.items() for s in (GREEDY, SEEDED)}
+
+
+def explain_mismatch(target, prompt: str, ref: list[int], got: list[int]) -> str:
+    """Where the outputs diverge: the target's top-2 logits there, plain vs batched."""
+    i = next(j for j, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b)
+    history = target.tokenize(prompt) + ref[:i]
+    target.truncate(0)
+    single = target.eval(history, logits="last")[-1].copy()
+    target.truncate(0)
+    target.eval(history[:-4], logits="none")
+    batched = target.eval(history[-4:], logits="all")[-1].copy()
+    target.truncate(0)
+    lines = [f"first difference at generated token {i}: plain {ref[i]}, speculative {got[i]}"]
+    for name, row in (("plain", single), ("batched", batched)):
+        top = np.argsort(-row)[:2]
+        lines.append(f"  {name:8s} top-2 {top[0]}:{row[top[0]]:.6f} {top[1]}:{row[top[1]]:.6f} "
+                     f"gap {row[top[0]] - row[top[1]]:.6f}")
+    lines.append(f"  max |plain - batched| = {np.abs(single - batched).max():.6f}")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+@pytest.mark.parametrize("drafter", ["self", "q2k", "q4km", "ngram", "random"])
+def test_same_tokens_for_every_draft_length(target, drafters, plain, drafter, prompt, sampling):
+    ref = plain[(prompt, sampling.temperature)]
+    assert len(ref) == N_PREDICT
+    for k in DRAFT_LENGTHS:
+        gen = generate(target, drafters[drafter], PROMPTS[prompt], sampling, k)
+        if gen.tokens != ref:
+            pytest.fail(f"{drafter} draft, draft-max {k}:\n"
+                        + explain_mismatch(target, PROMPTS[prompt], ref, gen.tokens))
+        st = gen.stats
+        if drafter == "random":
+            assert st.draft_n > 0 and st.draft_n_accepted <= 1, st.to_dict()
+        if drafter == "self" and sampling.greedy:
+            assert st.draft_n_accepted == st.draft_n > 0, st.to_dict()
+
+
+def test_seeded_runs_repeat_and_seeds_matter(target, drafters):
+    a = generate(target, drafters["q2k"], PROMPTS["prose"], SEEDED).tokens
+    b = generate(target, drafters["q2k"], PROMPTS["prose"], SEEDED).tokens
+    other = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=99)
+    c = generate(target, drafters["q2k"], PROMPTS["prose"], other).tokens
+    assert a == b
+    assert a != c, "a different seed should give a different sample"
+
+
+def test_coupled_drafts_are_accepted_where_models_agree(target, drafters):
+    """Coupled sampling shares the noise: the same model as draft is accepted everywhere."""
+    gen = generate(target, drafters["self"], PROMPTS["prose"], SEEDED)
+    assert gen.stats.draft_n > 0
+    assert gen.stats.draft_n_accepted >= 0.9 * gen.stats.draft_n, gen.stats.to_dict()
+
+
+def test_rejection_mode_is_deterministic_per_seed(target, drafters):
+    def run():
+        tokens = target.tokenize(PROMPTS["prose"])
+        dp = DraftParams(n_max=4, p_min=0.0, mode="rejection")
+        gen = Engine(target, drafters["q2k"]).generate(Request(tokens, N_PREDICT, SEEDED, dp))
+        return gen.run(), gen.stats
+    (a, st), (b, _) = run(), run()
+    assert a == b and len(a) == N_PREDICT
+    assert st.draft_n > 0 and st.draft_n_accepted > 0

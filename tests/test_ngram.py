@@ -1,0 +1,120 @@
+"""Prompt-lookup drafting against a brute-force definition.
+
+The drafter must propose what follows the *latest earlier* occurrence of the
+*longest* suffix of n_max..n_min tokens, never the suffix matching itself, and
+its incremental index must give the same answers as a fresh one, including
+after the history was rolled back or replaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from specwire.config import DraftParams, SamplingParams
+from specwire.drafters.ngram import NgramDrafter
+
+SP, DP = SamplingParams(), DraftParams()
+
+
+def brute(history: Sequence[int], max_n: int, n_max: int, n_min: int) -> list[int]:
+    """The definition: longest suffix first, its latest occurrence ending before the end."""
+    h = list(history)
+    for n in range(n_max, n_min - 1, -1):
+        if len(h) < n:
+            continue
+        suffix = h[len(h) - n:]
+        for end in range(len(h) - 1, n - 1, -1):
+            if h[end - n:end] == suffix:
+                return h[end:end + max_n]
+    return []
+
+
+def _fresh(history: Sequence[int], max_n: int, n_max: int = 4, n_min: int = 1) -> list[int]:
+    d = NgramDrafter(n_max, n_min)
+    d.begin(history, SP, DP)
+    return d.propose(history, max_n).tokens
+
+
+def test_the_longest_suffix_wins_over_a_later_shorter_one() -> None:
+    """[8 1 2 3] occurred at the start (followed by 4); [1 2 3] later (followed by 6):
+    the 4-gram match is used. With n_max 3 the latest 3-gram match is."""
+    h = [8, 1, 2, 3, 4, 0, 1, 2, 3, 6, 8, 1, 2, 3]
+    assert _fresh(h, 3) == [4, 0, 1]
+    assert _fresh(h, 3, n_max=3) == [6, 8, 1]
+
+
+def test_the_latest_occurrence_is_used_and_max_n_respected() -> None:
+    """Two earlier [1 2] occurrences: the later one's continuation, cut to max_n."""
+    h = [1, 2, 7, 7, 1, 2, 9, 9, 9, 5, 1, 2]
+    assert _fresh(h, 2, n_max=2) == [9, 9]
+    assert _fresh(h, 10, n_max=2) == [9, 9, 9, 5, 1, 2]       # runs to the end of history
+    assert _fresh(h, 0, n_max=2) == []
+
+
+def test_the_suffix_never_matches_itself() -> None:
+    """No repeated token: nothing to propose. [5 5]: the earlier 5 is followed by 5."""
+    assert _fresh([1, 2, 3, 4], 4) == []
+    assert _fresh([7], 4) == []
+    assert _fresh([5, 5], 4) == [5]
+
+
+def test_n_min_excludes_short_matches() -> None:
+    """A single-token match is ignored when n_min is 2."""
+    h = [3, 9, 4, 1, 3]
+    assert _fresh(h, 2, n_max=3, n_min=1) == [9, 4]
+    assert _fresh(h, 2, n_max=3, n_min=2) == []
+
+
+def test_bad_sizes_are_refused() -> None:
+    """1 <= n_min <= n_max, or ValueError."""
+    for n_max, n_min in ((2, 3), (3, 0)):
+        with pytest.raises(ValueError):
+            NgramDrafter(n_max, n_min)
+
+
+def test_a_history_one_token_shorter_than_before_is_served_correctly() -> None:
+    """Proposing for h, then for h minus its last token (a client re-sending a shorter
+    history): the index must not let the suffix match itself (which gave an empty draft)."""
+    h = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]
+    d = NgramDrafter(4, 1)
+    d.begin([], SP, DP)
+    assert d.propose(h, 3).tokens == brute(h, 3, 4, 1) == [8, 1, 2]
+    shorter = h[:-1]
+    assert d.propose(shorter, 3).tokens == brute(shorter, 3, 4, 1) == [3, 8, 1]
+
+
+@pytest.mark.parametrize(("n_max", "n_min"), [(4, 1), (3, 2), (1, 1)])
+def test_incremental_index_matches_brute_force_through_rollbacks(n_max: int, n_min: int) -> None:
+    """One drafter over a growing history (3 new tokens or a rollback of up to 4 each step,
+    as rejections do, and once a brand-new history) answers as the definition does."""
+    gen = np.random.default_rng(n_max * 10 + n_min)
+    d = NgramDrafter(n_max, n_min)
+    hist = gen.integers(0, 5, size=6).tolist()
+    d.begin(hist, SP, DP)
+    nonempty = 0
+    for step in range(300):
+        if step == 150:
+            hist = gen.integers(0, 5, size=4).tolist()          # another request, no begin()
+        elif gen.random() < 0.3 and len(hist) > 5:
+            hist = hist[:len(hist) - int(gen.integers(1, 5))]
+            hist.append(int(gen.integers(0, 5)))
+        else:
+            hist.extend(gen.integers(0, 5, size=3).tolist())
+        max_n = int(gen.integers(1, 8))
+        got = d.propose(hist, max_n).tokens
+        assert got == brute(hist, max_n, n_max, n_min), (step, hist)
+        nonempty += bool(got)
+    assert nonempty > 100
+
+
+def test_begin_forgets_the_previous_sequence() -> None:
+    """After begin() nothing from the earlier history can be proposed."""
+    d = NgramDrafter(2, 1)
+    d.begin([], SP, DP)
+    assert d.propose([4, 5, 6, 4], 3).tokens == [5, 6, 4]
+    d.begin([], SP, DP)
+    assert d.propose([6, 4], 3).tokens == []
+    assert d.stats()["drafted"] == 3.0

@@ -1,0 +1,105 @@
+"""Draft-length policies: the expected-tokens formula and the adaptive choice of k.
+
+The adaptive policy is driven in a closed loop by a simulated system (acceptance
+rate, draft cost per token, verify cost by batch size) and must settle where
+expected tokens per second, E(k) / (k t_d + t_v(k + 1)), is highest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from specwire.policy import AdaptivePolicy, FixedPolicy, expected_tokens, make_policy
+
+
+@pytest.mark.parametrize("a", [0.0, 0.3, 0.6, 0.9, 0.99])
+@pytest.mark.parametrize("k", [0, 1, 2, 5, 16])
+def test_expected_tokens_is_the_geometric_sum(a: float, k: int) -> None:
+    """E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a): the kept prefix plus one."""
+    assert expected_tokens(a, k) == pytest.approx(sum(a ** i for i in range(k + 1)), rel=1e-12)
+
+
+def test_expected_tokens_limits() -> None:
+    """a = 1: every draft kept, k + 1 tokens; a = 0: only the target's own token."""
+    assert expected_tokens(1.0, 7) == 8.0
+    assert expected_tokens(0.0, 7) == 1.0
+    assert expected_tokens(0.8, 4) < expected_tokens(0.8, 5) < expected_tokens(0.9, 5)
+
+
+def test_fixed_policy_asks_for_draft_max_within_the_limit() -> None:
+    """fixed: min(n_max, limit), whatever was observed."""
+    p = make_policy("fixed", 8)
+    assert isinstance(p, FixedPolicy)
+    p.observe(8, 0, 1.0, 10.0)
+    assert [p.choose(n) for n in (0, 3, 8, 20)] == [0, 3, 8, 8]
+    assert isinstance(make_policy("adaptive", 8), AdaptivePolicy)
+
+
+def _drive(policy: AdaptivePolicy, accept: Callable[[int, int], int], draft_s: float,
+           verify: Callable[[int], float], rounds: int = 200) -> list[int]:
+    """Closed loop: the policy picks k, the simulated system answers; returns the ks."""
+    ks = []
+    for r in range(rounds):
+        k = policy.choose(16)
+        assert 0 <= k <= policy.n_max
+        policy.observe(k, accept(k, r), k * draft_s, verify(k + 1))
+        ks.append(k)
+    return ks
+
+
+def test_adaptive_stops_drafting_when_nothing_is_accepted_and_verifying_costs() -> None:
+    """Acceptance 0 and verification growing with the batch: k falls to 0 and stays there."""
+    p = AdaptivePolicy(8)
+    ks = _drive(p, lambda k, r: 0, 0.002, lambda n: 0.01 * (1 + 0.3 * (n - 1)))
+    assert ks[0] >= 1                                   # it starts optimistic
+    assert ks[-50:] == [0] * 50
+    assert p.acceptance < 0.05
+
+
+def test_adaptive_drafts_long_when_everything_is_accepted_and_verifying_is_cheap() -> None:
+    """Acceptance 1, a near-flat verify cost and cheap drafts: k climbs to draft_max."""
+    p = AdaptivePolicy(8)
+    ks = _drive(p, lambda k, r: k, 0.0001, lambda n: 0.01 * (1 + 0.005 * (n - 1)))
+    assert ks[-20:] == [8] * 20
+    assert p.acceptance > 0.95
+
+
+def test_adaptive_settles_on_the_best_intermediate_k() -> None:
+    """Acceptance 0.6 (every 5 rounds the draft is kept in full, else it breaks after 60%),
+    verify cost linear in n: k settles on the k maximising E(k) / (k t_d + t_v(k + 1)) for
+    the policy's own acceptance estimate, the only one it can know, and not on 0 or n_max."""
+    p = AdaptivePolicy(12)
+
+    def verify(n: int) -> float:
+        return 0.01 * (1 + 0.25 * (n - 1))
+
+    ks = _drive(p, lambda k, r: k if r % 5 == 0 else int(0.6 * k), 0.001, verify, rounds=300)
+    a = p.acceptance
+
+    def rate(k: int) -> float:
+        return expected_tokens(a, k) / (k * 0.001 + verify(k + 1))
+
+    best = max(range(13), key=rate)
+    assert 1 <= best < 12
+    assert abs(ks[-1] - best) <= 1
+    assert rate(ks[-1]) >= 0.97 * rate(best)
+
+
+def test_verify_cost_interpolates_what_was_measured() -> None:
+    """t_v(n): linear through measured batch sizes, extrapolated past them."""
+    p = AdaptivePolicy(8)
+    p.observe(1, 1, 0.001, 2.0)        # n = 2 took 2 s
+    p.observe(5, 5, 0.005, 6.0)        # n = 6 took 6 s
+    assert p.verify_cost(2) == pytest.approx(2.0)
+    assert p.verify_cost(4) == pytest.approx(4.0)
+    assert p.verify_cost(10) == pytest.approx(10.0)
+    assert p.verify_cost(1) == pytest.approx(1.0)
+
+
+def test_adaptive_respects_the_limit() -> None:
+    """Never more than the engine's limit (tokens left, room in the context)."""
+    p = AdaptivePolicy(8)
+    _drive(p, lambda k, r: k, 0.0001, lambda n: 0.01)
+    assert [p.choose(n) for n in (0, 1, 3)] == [0, 1, 3]
