@@ -100,7 +100,8 @@ class Generation:
                 if remaining <= 0 or room <= 0:
                     self.stop_type, self.truncated = "limit", room <= 0 and remaining > 0
                     break
-                k = policy.choose(min(remaining - 1, room))
+                # A round appends up to k + 1 tokens; plain decoding stops at a full context.
+                k = policy.choose(min(remaining, room) - 1)
                 ta = time.perf_counter()
                 draft = drafter.propose(history, k) if k > 0 else Draft()
                 if len(draft) > k:

@@ -48,6 +48,8 @@ class AdaptivePolicy:
     rejected: float = 1.0
     draft_s: float = 0.0         # per draft token
     verify_s: dict[int, float] = field(default_factory=dict)   # batch size -> seconds
+    probe_every: int = 16        # rounds at k = 0 between one-token probes
+    idle_rounds: int = 0
 
     @property
     def acceptance(self) -> float:
@@ -72,8 +74,13 @@ class AdaptivePolicy:
             rate = expected_tokens(a, k) / (k * self.draft_s + self.verify_cost(k + 1))
             if rate > best * 1.0001:
                 best_k, best = k, rate
-        # Keep probing: with k = 0 forever the estimates could never recover.
-        return max(best_k, 1 if limit >= 1 and self.rejected < 4 * self.accepted else best_k)
+        if best_k == 0 and limit >= 1:
+            # Probe now and then: with k = 0 forever the estimates could never recover.
+            self.idle_rounds += 1
+            if self.idle_rounds >= self.probe_every:
+                self.idle_rounds = 0
+                return 1
+        return best_k
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         w = 1.0 - self.alpha

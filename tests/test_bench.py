@@ -213,10 +213,12 @@ def test_prediction_plain_local_and_mixture() -> None:
     from specwire.plan import PlanInputs
     expect = local_rate(PlanInputs(10.0, 50.0, 1.0, verify=curve), 3)
     assert got["predicted_tps"] == pytest.approx(expect)
-    # half the rounds draft nothing: they are plain steps
+    # half the rounds draft nothing: plain steps that still paid one draft step for asking
     half = predict.Rounds(rounds=20, drafting_rounds=10, drafted=30, accepted=30)
     mixed = predict.predict(Config("local", 8), 10.0, 50.0, half, curve, 20.0)
-    assert mixed["predicted_tps"] == pytest.approx((10 * 4 + 10) / (10 * 4 / expect + 10 * 0.1))
+    empty_s = 0.1 + 0.02
+    assert mixed["predicted_tps"] == pytest.approx((10 * 4 + 10) / (10 * 4 / expect + 10 * empty_s))
+    assert mixed["drafting_share"] == 0.5
 
 
 # --------------------------------------------------------------------------- plots, CLI
@@ -258,7 +260,9 @@ def test_bench_flags_quick_lists_and_errors(tmp_path: Path) -> None:
                       (["--draft-max", "4,x"], "--draft-max: not an integer"),
                       (["--draft-policy", "greedy"], "--draft-policy: must be fixed"),
                       (["--modes", "llama-server"], "needs --llama-server URL"),
-                      (["--limit", "0"], "--limit: must be >= 1")):
+                      (["--limit", "0"], "--limit: must be >= 1"),
+                      (["--draft-ngram"], "--draft-ngram: not a bench flag"),
+                      (["--draft-mode", "sync"], "--draft-mode: not a bench flag")):
         with pytest.raises(CliError, match=msg):
             bench_cmd.settings_from_args(_parse(bench_cmd, ["bench", *argv]))
 
@@ -274,6 +278,15 @@ def test_configurations_sweep_links_only_for_remote() -> None:
     assert len(remote) == 8 and {c.rtt_s for c in remote} == {0.001, 0.01}
     assert all(c.rtt_s is None for c in cfgs if c.mode == "local")
     assert len({c.label() for c in cfgs}) == len(cfgs)
+
+
+def test_command_line_is_recorded_without_secrets(monkeypatch) -> None:
+    from specwire.bench import sweep
+    monkeypatch.setattr("sys.argv", ["/usr/bin/specwire", "bench", "--draft-token", "s3cret",
+                                     "--draft-token=other", "--rtt", "2ms"])
+    line = sweep._command_line()
+    assert line == "specwire bench --draft-token '***' '--draft-token=***' --rtt 2ms"
+    assert "s3cret" not in line and "other" not in line
 
 
 def test_plan_without_measure_still_needs_its_figures() -> None:

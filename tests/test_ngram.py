@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from specwire.config import DraftParams, SamplingParams
+from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.ngram import NgramDrafter
 
 SP, DP = SamplingParams(), DraftParams()
@@ -118,3 +118,21 @@ def test_begin_forgets_the_previous_sequence() -> None:
     d.begin([], SP, DP)
     assert d.propose([6, 4], 3).tokens == []
     assert d.stats()["drafted"] == 3.0
+
+
+def test_rejection_mode_drafts_carry_a_point_mass_q() -> None:
+    """Rejection verification needs q for every drafted token: a lookup is deterministic,
+    so each gets q = 1 on itself; other modes (and T = 0) send no q."""
+    h = [4, 5, 6, 4]
+    d = NgramDrafter(2, 1)
+    d.begin(h, SamplingParams(temperature=0.8), DraftParams(mode=VerifyMode.REJECTION))
+    draft = d.propose(h, 3)
+    assert draft.tokens == [5, 6, 4]
+    assert draft.sparse is not None and len(draft.sparse) == 3
+    for t, sd in zip(draft.tokens, draft.sparse, strict=True):
+        assert sd.token == t and sd.ids.tolist() == [t] and sd.probs.tolist() == [1.0]
+    assert draft.cut(2).sparse == draft.sparse[:2]
+    for sp, mode in ((SamplingParams(temperature=0.8), VerifyMode.COUPLED),
+                     (SamplingParams(temperature=0.0), VerifyMode.REJECTION)):
+        d.begin(h, sp, DraftParams(mode=mode))
+        assert d.propose(h, 3).sparse is None

@@ -7,6 +7,7 @@ expected tokens per second, E(k) / (k t_d + t_v(k + 1)), is highest.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
@@ -50,12 +51,12 @@ def _drive(policy: AdaptivePolicy, accept: Callable[[int, int], int], draft_s: f
 
 
 def test_adaptive_stops_drafting_when_nothing_is_accepted_and_verifying_costs() -> None:
-    """Acceptance 0 and verification growing with the batch: k falls to 0 and stays there."""
+    """Acceptance 0 and verification growing with the batch: k falls to 0 but for rare probes."""
     p = AdaptivePolicy(8)
     ks = _drive(p, lambda k, r: 0, 0.002, lambda n: 0.01 * (1 + 0.3 * (n - 1)))
     assert ks[0] >= 1                                   # it starts optimistic
     assert ks[-50:] == [0] * 50
-    assert p.acceptance < 0.05
+    assert p.acceptance < 0.25
 
 
 def test_adaptive_drafts_long_when_everything_is_accepted_and_verifying_is_cheap() -> None:
@@ -67,24 +68,33 @@ def test_adaptive_drafts_long_when_everything_is_accepted_and_verifying_is_cheap
 
 
 def test_adaptive_settles_on_the_best_intermediate_k() -> None:
-    """Acceptance 0.6 (every 5 rounds the draft is kept in full, else it breaks after 60%),
-    verify cost linear in n: k settles on the k maximising E(k) / (k t_d + t_v(k + 1)) for
-    the policy's own acceptance estimate, the only one it can know, and not on 0 or n_max."""
+    """Per-token acceptance 0.7 (each round keeps a seeded geometric prefix), verify cost
+    growing 10% per token, drafts at 5% of a step: k settles near the true optimum of
+    E(k) / (k t_d + t_v(k + 1)) (k = 3 here) and gets 95% of its rate, where k = 0 or
+    draft_max would get less than 75%."""
+    gen = random.Random(5)
     p = AdaptivePolicy(12)
 
     def verify(n: int) -> float:
-        return 0.01 * (1 + 0.25 * (n - 1))
+        return 0.01 * (1 + 0.1 * (n - 1))
 
-    ks = _drive(p, lambda k, r: k if r % 5 == 0 else int(0.6 * k), 0.001, verify, rounds=300)
-    a = p.acceptance
+    def accept(k: int, r: int) -> int:
+        n = 0
+        while n < k and gen.random() < 0.7:
+            n += 1
+        return n
 
-    def rate(k: int) -> float:
-        return expected_tokens(a, k) / (k * 0.001 + verify(k + 1))
+    ks = _drive(p, accept, 0.0005, verify, rounds=400)
+    assert 0.5 < p.acceptance < 0.9             # an exponentially weighted, noisy estimate
+
+    def rate(k: int) -> float:                  # the true expected tokens per second
+        return expected_tokens(0.7, k) / (k * 0.0005 + verify(k + 1))
 
     best = max(range(13), key=rate)
-    assert 1 <= best < 12
-    assert abs(ks[-1] - best) <= 1
-    assert rate(ks[-1]) >= 0.97 * rate(best)
+    assert 2 <= best < 12
+    assert all(abs(k - best) <= 2 for k in ks[-50:])
+    assert sum(rate(k) for k in ks[-50:]) / 50 >= 0.95 * rate(best)
+    assert rate(0) < 0.75 * rate(best) and rate(12) < 0.75 * rate(best)
 
 
 def test_verify_cost_interpolates_what_was_measured() -> None:
@@ -103,3 +113,12 @@ def test_adaptive_respects_the_limit() -> None:
     p = AdaptivePolicy(8)
     _drive(p, lambda k, r: k, 0.0001, lambda n: 0.01)
     assert [p.choose(n) for n in (0, 1, 3)] == [0, 1, 3]
+
+
+def test_adaptive_recovers_when_the_drafter_becomes_good() -> None:
+    """After a stretch of total rejection, a drafter that is now always right (and cheap to
+    verify) must get drafting again within a few hundred rounds."""
+    p = AdaptivePolicy(8)
+    _drive(p, lambda k, r: 0, 0.002, lambda n: 0.01 * (1 + 0.3 * (n - 1)))
+    ks = _drive(p, lambda k, r: k, 0.0001, lambda n: 0.01 * (1 + 0.005 * (n - 1)), rounds=300)
+    assert max(ks) >= 1

@@ -61,7 +61,7 @@ def test_multibyte_token_pieces_split_mid_character() -> None:
 def test_an_incomplete_tail_is_flushed_as_best_it_can_be() -> None:
     """At the end an unfinished character is emitted (as a replacement), not lost, once."""
     ts = TextStream(_detok)
-    assert ts.push(list("ab".encode() + "€".encode()[:2])) == "ab"
+    assert ts.push(list(b"ab" + "€".encode()[:2])) == "ab"
     assert ts.flush() == "\ufffd"
     assert ts.flush() == ""
 

@@ -1,8 +1,11 @@
 """Fixtures and helpers for tests/test_wire.py: the draft link end to end.
 
-* `target`: the bundled F32 target (-c 1024, one thread), one per test module,
+Import the fixtures (`*_fixture`, registered under the names in quotes) into
+the test module:
+
+* "target": the bundled F32 target (-c 1024, one thread), one per test module,
   with `plain(...)`, a cache of plain decoding references on it;
-* `node`: `python -m specwire draft` on the bundled Q2_K draft (-td 1) as a
+* "node": `python -m specwire draft` on the bundled Q2_K draft (-td 1) as a
   subprocess on a free port; tests may SIGKILL and restart it on the same
   port, and every use re-checks that it is up;
 * `NodeProcess` for nodes with their own flags (token, TLS), always stopped;
@@ -32,7 +35,6 @@ import pytest
 from specwire.backend.llama import LlamaBackend
 from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.engine import Engine, Generation, Request
-from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.client import RemoteDrafter
@@ -104,8 +106,8 @@ class Target:
         return RemoteDrafter([self.link(url, settings)], self.n_vocab, pipelined=pipelined, **kw)
 
 
-@pytest.fixture(scope="module")
-def target() -> Target:
+@pytest.fixture(scope="module", name="target")
+def target_fixture() -> Target:
     return Target()
 
 
@@ -209,8 +211,8 @@ def node_process(log_dir: Path, args: Sequence[str] = (), name: str = "node"
         node.stop()
 
 
-@pytest.fixture(scope="module")
-def node_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+@pytest.fixture(scope="module", name="node_proc")
+def node_proc_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     node = NodeProcess(tmp_path_factory.mktemp("draft-node"))
     try:
         yield node.start()
@@ -218,8 +220,8 @@ def node_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]
         node.stop()
 
 
-@pytest.fixture
-def node(node_proc: NodeProcess) -> NodeProcess:
+@pytest.fixture(name="node")
+def node_fixture(node_proc: NodeProcess) -> NodeProcess:
     """The shared draft node, restarted if an earlier test left it dead."""
     if not node_proc.alive:
         node_proc.start()
@@ -244,8 +246,9 @@ class FakeNode(pbg.DraftNodeServicer):
     """
 
     def __init__(self, fingerprint: str, n_vocab: int, model: str = "fake-draft.gguf",
-                 scripts: Sequence[Script] = ()) -> None:
+                 scripts: Sequence[Script] = (), protocol_version: int = 1) -> None:
         self.fingerprint, self.n_vocab, self.model = fingerprint, n_vocab, model
+        self.protocol_version = protocol_version
         self.scripts = list(scripts)
         self.sessions: list[dict] = []     # per session: script index, frames sent, ended
         self.hellos = 0
@@ -287,7 +290,7 @@ class FakeNode(pbg.DraftNodeServicer):
 
     async def Hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:  # noqa: N802
         self.hellos += 1
-        return pb.HelloReply(protocol_version=protocol.PROTOCOL_VERSION,
+        return pb.HelloReply(protocol_version=self.protocol_version,
                              vocab_fingerprint=self.fingerprint, n_vocab=self.n_vocab,
                              draft_model=self.model, modes=["greedy", "coupled", "rejection"],
                              n_ctx=N_CTX, max_sessions=8)
@@ -327,3 +330,74 @@ def chunk(gen: int = 0, start: int = 0, tokens: Sequence[int] = (), done: bool =
 
 def error(message: str) -> pb.DraftMessage:
     return pb.DraftMessage(error=pb.DraftError(message=message))
+
+
+# ------------------------------------------------------------------------------ certificates
+
+
+def make_certs(folder: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1/localhost, a client certificate from the
+    CA and a rogue client certificate from another CA; PEM files, paths by name."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    paths: dict[str, str] = {}
+
+    def save(name: str, data: bytes) -> None:
+        path = folder / f"{name}.pem"
+        path.write_bytes(data)
+        paths[name] = str(path)
+
+    def save_key(name: str, key) -> None:
+        save(name, key.private_bytes(serialization.Encoding.PEM,
+                                     serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption()))
+
+    def issue(cn: str, key, issuer: x509.Name, issuer_key, ca: bool = False,
+              server: bool = False) -> x509.Certificate:
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer or subject)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if ca:
+            b = b.add_extension(x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+        elif server:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+            b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                                critical=False)
+        else:
+            b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]),
+                                critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    def pem(c: x509.Certificate) -> bytes:
+        return c.public_bytes(serialization.Encoding.PEM)
+
+    for ca_name, prefix in (("specwire test CA", ""), ("rogue CA", "rogue_")):
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_name)])
+        ca_cert = issue(ca_name, ca_key, ca_subject, ca_key, ca=True)
+        save(f"{prefix}ca", pem(ca_cert))
+        if not prefix:
+            server_key = ec.generate_private_key(ec.SECP256R1())
+            save("server_cert", pem(issue("localhost", server_key, ca_subject, ca_key,
+                                          server=True)))
+            save_key("server_key", server_key)
+        client_key = ec.generate_private_key(ec.SECP256R1())
+        save(f"{prefix}client_cert", pem(issue(f"{prefix}target", client_key, ca_subject,
+                                               ca_key)))
+        save_key(f"{prefix}client_key", client_key)
+    return paths

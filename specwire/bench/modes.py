@@ -222,7 +222,7 @@ class Drafters:
 
     def _node_address(self) -> tuple[str, int]:
         """--draft-url if given, else a node started here for the rest of the run."""
-        url = self.a.draft_url[0] if getattr(self.a, "draft_url", None) else None
+        url = getattr(self.a, "draft_url", None)
         if url is None:
             node = self.stack.enter_context(DraftNode(node_argv(self.a, self.draft_path),
                                                       self.out_dir / "draft-node.log"))

@@ -15,8 +15,11 @@ plan is fed the round bench actually saw:
 * a = the per-token acceptance at which a k-token round keeps, on average,
   the tokens measured (the geometric model's a, fitted; the plain ratio
   draft_n_accepted / draft_n is reported beside it);
-* the share f of rounds that had a draft; the others are plain steps:
-  rate = (f E + (1 - f)) / (f E / rate_k + (1 - f) t_s).
+* the share f of rounds that had a draft; the others are plain steps that
+  still paid for asking: the draft model evaluates at least once before its
+  confidence test (--draft-p-min) comes out empty, and a synchronous remote
+  drafter's "nothing" takes a round trip. So with e = t_s + t_d (+ RTT):
+  rate = (f E + (1 - f)) / (f E / rate_k + (1 - f) e).
 
 What is then compared is the cost model (draft speed, verification curve,
 round trip, overlap), which is what `plan` is for. Pipelined drafting already
@@ -106,15 +109,16 @@ def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Roun
         draft_max=max(k, 1))
     rate = fn(inputs, k)
     if plan_mode != "pipelined":
-        rate = mixed_rate(rate, expected_tokens(a, k), rounds.share, inputs.t_s)
+        empty_s = inputs.t_s + inputs.t_d + (inputs.rtt_s if plan_mode == "synchronous" else 0.0)
+        rate = mixed_rate(rate, expected_tokens(a, k), rounds.share, empty_s)
     return _result(plan_mode, k, rounds.share, rate, plain_tps, measured_tps, inputs)
 
 
-def mixed_rate(rate_k: float, tokens_k: float, share: float, t_s: float) -> float:
-    """Tokens/s when a share of rounds drafts (rate_k, tokens_k a round) and the rest are
-    plain steps (one token in t_s)."""
+def mixed_rate(rate_k: float, tokens_k: float, share: float, empty_s: float) -> float:
+    """Tokens/s when a share of rounds drafts (rate_k, tokens_k a round) and the rest
+    yield one token in empty_s."""
     tokens = share * tokens_k + (1.0 - share)
-    seconds = share * tokens_k / rate_k + (1.0 - share) * t_s
+    seconds = share * tokens_k / rate_k + (1.0 - share) * empty_s
     return tokens / seconds
 
 

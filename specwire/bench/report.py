@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import textwrap
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -265,25 +266,30 @@ def _finite(x):
 # --------------------------------------------------------------------------- the table
 
 
-_HEAD = (f"{'configuration':<36} {'tok/s':>7} {'p10-p90':>13} {'speedup':>7} {'paired':>6} "
-         f"{'accept':>6} {'len':>5} {'draft/net/verify/other %':>24} {'B/tok':>6} "
-         f"{'plan':>7} {'err%':>6} {'same':>4}")
+LEGEND = ("tok/s: median over prompts (p10-p90); speedup: ratio of medians to plain; "
+          "paired: median of per-prompt ratios; accept: accepted/drafted; len: mean tokens "
+          "kept per drafting round; B/tok: bytes on the wire per generated token; plan: "
+          "predicted tok/s (err% vs measured); same: tokens identical to plain")
 
 
 def render_table(records: Sequence[dict]) -> str:
-    """One line per configuration; the columns are explained in the README section."""
-    lines = [_HEAD, "-" * len(_HEAD)]
-    lines += [_row(r) for r in records]
-    return "\n".join(lines)
+    """One line per configuration, then a legend (see specwire/bench/README.md)."""
+    width = max([len("configuration"), *(len(r["label"]) for r in records)])
+    head = (f"{'configuration':<{width}} {'tok/s':>7} {'p10-p90':>13} {'speedup':>7} "
+            f"{'paired':>6} {'accept':>6} {'len':>5} {'draft/net/verify/other %':>24} "
+            f"{'B/tok':>6} {'plan':>7} {'err%':>6} {'same':>4}")
+    lines = [head, "-" * len(head)]
+    lines += [_row(r, width) for r in records]
+    return "\n".join([*lines, textwrap.fill(LEGEND, width=len(head))])
 
 
-def _row(r: dict) -> str:
+def _row(r: dict, width: int) -> str:
     t, s, frac = r["tokens_per_s"], r["speedup"], r["time"]["fraction"]
     split = "/".join(_pct(frac.get(k)) for k in ("draft", "network", "verify", "overhead"))
     pl = r.get("plan") or {}
     same = {True: "yes", False: "NO", None: "-"}[r["tokens_match_plain"]]
     b = r["bytes"]["link_per_token"] if r["bytes"]["link_up"] else r["bytes"]["drafter_per_token"]
-    return (f"{r['label'][:36]:<36} {_num(t['median'], 7, 2)} "
+    return (f"{r['label']:<{width}} {_num(t['median'], 7, 2)} "
             f"{_num(t['p10'], 6, 1)}-{_num(t['p90'], 6, 1, left=True)} "
             f"{_x(s['ratio_of_medians'], 7)} {_x(s['paired_median'], 6)} "
             f"{_pct_cell(r['acceptance'], 6)} {_num(r['mean_accepted'], 5, 2)} "

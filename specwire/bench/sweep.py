@@ -153,7 +153,8 @@ def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[
         rec["plan"] = _prediction(rec, cfg, plain_tps, calib)
     return {
         "command": _command_line(),
-        "args": {k: v for k, v in vars(a).items() if k != "func" and _jsonable(v)},
+        "args": {k: "***" if k in _SECRETS and v else v for k, v in vars(a).items()
+                 if k != "func" and _jsonable(v)},
         "machine": report.machine_info(),
         "models": {"target": target_path, "draft": draft_path or None},
         "settings": {"prompts": s.prompts, "prompt_ids": [p["id"] for p in records[0]["prompts"]],
@@ -182,11 +183,25 @@ def _prediction(rec: dict, cfg: Config, plain_tps: float, calib: dict) -> dict |
     return predict.predict(cfg, plain_tps, draft_tps, rounds, calib.get("verify"), measured)
 
 
+#: Flags whose values must not land in a results file that gets shared.
+_SECRETS = ("draft_token",)
+_SECRET_FLAGS = ("--draft-token",)
+
+
 def _command_line() -> str:
-    argv = sys.argv
+    """The exact command line, with secrets masked."""
+    argv = list(sys.argv)
     if argv and (argv[0].endswith("specwire") or argv[0].endswith("__main__.py")):
-        return shlex.join(["specwire", *argv[1:]])
-    return shlex.join(argv)
+        argv = ["specwire", *argv[1:]]
+    out = []
+    for i, arg in enumerate(argv):
+        flag, eq, _ = arg.partition("=")
+        if flag in _SECRET_FLAGS and eq:
+            arg = f"{flag}=***"
+        elif i > 0 and argv[i - 1] in _SECRET_FLAGS:
+            arg = "***"
+        out.append(arg)
+    return shlex.join(out)
 
 
 def _jsonable(v: object) -> bool:

@@ -69,7 +69,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="draft lengths to sweep, e.g. 4,8 (default 8)")
     d.add_argument("--draft-policy", default="fixed",
                    help="policies to sweep: fixed, adaptive or fixed,adaptive (default fixed)")
-    p.set_defaults(func=run, temp=0.0)
+    d.add_argument("--draft-url", metavar="HOST:PORT",
+                   help="a running draft node for the remote modes (default: start one with "
+                   "the draft model, -md or the bundled one)")
+    # generate's ways to pick one drafter; bench runs every mode named in --modes instead
+    for flag in ("--draft-ngram", "--no-draft", "--draft-mode"):
+        p.add_argument(flag, dest=f"unused_{flag[2:].replace('-', '_')}", nargs="?",
+                       const=True, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=run, temp=0.0, draft_ngram=False, no_draft=False)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -78,9 +85,10 @@ def run(a: argparse.Namespace) -> int:
     settings = settings_from_args(a)
     if not getattr(a, "verbose", False):
         logging.getLogger("specwire.remote").setLevel(logging.WARNING)
-    a.draft_policy = settings.policies[0]     # draft_params() checks one policy name
-    a.draft_max = settings.draft_max[0]
-    results = sweep.run(a, settings, sampling_params(a), draft_params(a))
+    # draft_params() builds one DraftParams; the sweep then replaces n_max and the policy
+    one = argparse.Namespace(**{**vars(a), "draft_max": settings.draft_max[0],
+                                "draft_policy": settings.policies[0]})
+    results = sweep.run(a, settings, sampling_params(a), draft_params(one))
     print(report.render_summary(results))
     files = ["results.json", *(Path(p).name for p in results.get("plots", []))]
     print(f"wrote {', '.join(files)} to {settings.out}", file=sys.stderr)
@@ -92,6 +100,11 @@ def settings_from_args(a: argparse.Namespace):
     from specwire.bench.modes import parse_modes
     from specwire.bench.sweep import Settings
 
+    for flag in ("draft_ngram", "no_draft", "draft_mode"):
+        if getattr(a, f"unused_{flag}", None) is not None:
+            raise CliError(f"--{flag.replace('_', '-')}: not a bench flag; name the modes to "
+                           "run with --modes (plain, local, remote-sync, remote-pipelined, "
+                           "ngram, llama-server)")
     base = QUICK if a.quick else DEFAULTS
     pick = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in base.items()}
     if pick["limit"] is not None and pick["limit"] < 1:

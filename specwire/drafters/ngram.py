@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specwire.config import DraftParams, SamplingParams
+import numpy as np
+
+from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft
+from specwire.sampling import SparseDraft
 
 
 class NgramDrafter:
@@ -29,10 +32,14 @@ class NgramDrafter:
         self._index: dict[tuple[int, ...], int] = {}
         self._seen: list[int] = []
         self._drafted = 0
+        self._point_q = False
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
         self._index.clear()
         self._seen = []
+        # Rejection mode needs q for every token: a lookup is deterministic, so q is a
+        # point mass on it (accepted with probability p(x), else norm(max(0, p - q))).
+        self._point_q = params.mode is VerifyMode.REJECTION and not sampling.greedy
 
     def _sync(self, history: Sequence[int]) -> None:
         """Index every n-gram that ends before the last token of history."""
@@ -62,6 +69,10 @@ class NgramDrafter:
             if start is not None:
                 tokens = list(history[start:start + max_n])
                 self._drafted += len(tokens)
+                if self._point_q:
+                    one = np.ones(1, dtype=np.float32)
+                    return Draft(tokens, [SparseDraft(t, np.array([t], dtype=np.int64), one.copy())
+                                          for t in tokens])
                 return Draft(tokens)
         return Draft()
 

@@ -252,11 +252,16 @@ class RemoteDrafter:
                 msg = await call.read()
                 if msg is grpc.aio.EOF:
                     break
+                if msg is None:      # grpc could not parse the frame (and logged why)
+                    raise ProtocolError("undecodable frame: not a DraftMessage")
                 self.counters["bytes_down"] += protocol.message_bytes(msg)
-                if msg.WhichOneof("kind") == "chunk":
+                kind = msg.WhichOneof("kind")
+                if kind == "chunk":
                     self._on_chunk(session, msg.chunk)
-                else:
+                elif kind == "error":
                     raise ProtocolError(f"draft node reported: {msg.error.message}")
+                else:
+                    raise ProtocolError("draft message with neither a chunk nor an error")
         except ProtocolError as e:
             self.counters["dropped_peers"] += 1
             log.warning("dropping draft node %s: %s", link.url if link else "?", e)

@@ -1,0 +1,708 @@
+"""The draft link: a target engine and a draft node talking gRPC.
+
+* protocol.py's checks, directly, on malformed and random messages;
+* invariance: over a real node (`python -m specwire draft`), with and without
+  20 ms of emulated round trip, synchronous and pipelined, greedy and seeded
+  sampling, the output equals plain target decoding token for token;
+* faults: the node SIGKILLed and restarted mid-use, the link stalled;
+* hostile nodes: an in-process fake node sending malformed, stale and wrong
+  frames, and one with another vocabulary;
+* the node's own robustness against malformed target messages;
+* authentication (token, TLS, mutual TLS), several sessions at once, and the
+  bytes a drafted token costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
+    CODE,
+    GREEDY,
+    PROSE,
+    SEEDED,
+    FakeNode,
+    NodeProcess,
+    chunk,
+    error,
+    make_certs,
+    node_fixture,
+    node_proc_fixture,
+    node_process,
+    request,
+    run_to_end,
+    target_fixture,
+    wait_for,
+)
+
+from specwire.cliargs import CliError
+from specwire.engine import Engine
+from specwire.netemu import LinkEmulator
+from specwire.wire import protocol
+from specwire.wire import specwire_pb2 as pb
+from specwire.wire import specwire_pb2_grpc as pbg
+from specwire.wire.client import make_remote_drafter
+from specwire.wire.link import LinkError, LinkSettings
+from specwire.wire.protocol import ProtocolError
+
+V = 262144          # the bundled Gemma vocabulary; only the pure checks below use it
+FAST_RETRY = LinkSettings(backoff_min_s=0.01, backoff_max_s=0.05)
+
+
+def ref(target, sampling, n: int, prompt: str = CODE) -> list[int]:
+    """Plain decoding of the first n tokens (computed once for 32 and cut)."""
+    return target.plain(target.tokens(prompt), sampling, 32)[:n]
+
+
+# ============================================================================ protocol checks
+
+
+def _dc(**kw) -> pb.DraftChunk:
+    return pb.DraftChunk(**kw)
+
+
+def test_check_chunk_accepts_a_well_formed_chunk() -> None:
+    """A valid chunk (with a sparse q) comes back as a Chunk with the same fields."""
+    m = _dc(gen=3, start=10, tokens=[5, 7], q_k=2, q_ids=[5, 9, 7, 1],
+            q_probs=[0.75, 0.25, 1.0, 0.0], done=True)
+    c = protocol.check_chunk(m, V, max_position=20)
+    assert (c.gen, c.start, c.tokens, c.done) == (3, 10, [5, 7], True)
+    assert [sd.token for sd in c.sparse] == [5, 7]
+    assert c.sparse[0].ids.tolist() == [5, 9]
+    assert protocol.check_chunk(_dc(start=5, tokens=[1]), V, 20).sparse is None
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"tokens": [V]}, "token id 262144 outside the vocabulary"),
+    ({"tokens": [3, -1]}, "token id -1 outside the vocabulary"),
+    ({"tokens": [1] * (protocol.MAX_CHUNK_TOKENS + 1)}, "chunk of 257 tokens"),
+    ({"start": 2**32 - 1, "tokens": [1]}, "beyond 1000"),
+    ({"start": 999, "tokens": [1, 2]}, "positions 999..1001 beyond 1000"),
+    ({"tokens": [5], "q_k": 0, "q_ids": [5], "q_probs": [1.0]}, "q_k 0 outside"),
+    ({"tokens": [5], "q_k": 10**6, "q_ids": [5], "q_probs": [1.0]}, "q_k 1000000 outside"),
+    ({"tokens": [5], "q_k": 2, "q_ids": [5], "q_probs": [1.0]}, "q arrays of 1/1 entries"),
+    ({"tokens": [5], "q_k": 2, "q_ids": [5, 6], "q_probs": [1.0]}, "q arrays of 2/1 entries"),
+    ({"tokens": [5], "q_k": 2, "q_ids": [5, 6], "q_probs": [math.nan, 1.0]}, "not a distribution"),
+    ({"tokens": [5], "q_k": 2, "q_ids": [5, 6], "q_probs": [math.inf, 0.0]}, "not a distribution"),
+    ({"tokens": [5], "q_k": 2, "q_ids": [5, 6], "q_probs": [1.5, -0.5]}, "not a distribution"),
+    ({"tokens": [5], "q_k": 2, "q_ids": [5, 6], "q_probs": [0.5, 0.2]}, "not a distribution"),
+    ({"tokens": [5], "q_k": 2, "q_ids": [6, 7], "q_probs": [0.5, 0.5]}, "contain its token once"),
+    ({"tokens": [5], "q_k": 2, "q_ids": [5, 5], "q_probs": [0.5, 0.5]}, "contain its token once"),
+    ({"tokens": [5], "q_k": 2, "q_ids": [5, V], "q_probs": [1.0, 0.0]}, "q_ids: token id 262144"),
+    ({"tokens": [5], "q_k": 2, "q_ids": [5, -7], "q_probs": [1.0, 0.0]}, "q_ids: token id -7"),
+])
+def test_check_chunk_refuses_malformed_chunks(fields: dict, message: str) -> None:
+    """Every malformed field raises ProtocolError with a message naming the problem."""
+    with pytest.raises(ProtocolError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        protocol.check_chunk(_dc(**fields), V, max_position=1000)
+
+
+def test_check_sparse_directly() -> None:
+    """_check_sparse builds one SparseDraft per token and refuses NaN mass by position."""
+    m = _dc(start=40, tokens=[5, 7], q_k=2, q_ids=[5, 6, 8, 7], q_probs=[0.5, 0.5, 0.1, 0.9])
+    out = protocol._check_sparse(m, [5, 7], V)
+    assert [sd.token for sd in out] == [5, 7]
+    assert np.allclose(out[1].probs, [0.1, 0.9])
+    bad = _dc(start=40, tokens=[5, 7], q_k=2, q_ids=[5, 6, 8, 7], q_probs=[0.5, 0.5, math.nan, 1])
+    with pytest.raises(ProtocolError, match="q for position 41 is not a distribution"):
+        protocol._check_sparse(bad, [5, 7], V)
+
+
+def _random_chunk(rng: random.Random, n_vocab: int) -> pb.DraftChunk:
+    """Mostly plausible, often subtly broken: each field drawn from good and bad values."""
+    n = rng.choice([0, 1, 2, 5, 40, 300])
+    def tok() -> int:
+        return rng.choice([rng.randrange(n_vocab), -rng.randrange(1, 2**31),
+                           rng.randrange(n_vocab, 2**31), 0, n_vocab - 1])
+    tokens = [rng.randrange(n_vocab) for _ in range(n)]
+    if rng.random() < 0.3 and tokens:
+        tokens[rng.randrange(n)] = tok()
+    m = pb.DraftChunk(gen=rng.randrange(2**32), start=rng.choice(
+        [0, 100, 990, 2**31, 2**32 - 1, rng.randrange(1000)]), tokens=tokens,
+        done=rng.random() < 0.5)
+    if rng.random() < 0.5 and n <= 5:
+        k = rng.choice([0, 1, 2, 3, 300])
+        for t in tokens:
+            ids = [t] + [rng.randrange(n_vocab) for _ in range(max(0, k - 1))]
+            p = np.random.default_rng(rng.randrange(2**32)).dirichlet(np.ones(max(1, k)))
+            probs = p.tolist()[:len(ids)]
+            if rng.random() < 0.2:
+                ids[rng.randrange(len(ids))] = tok()
+            if rng.random() < 0.2:
+                probs[rng.randrange(len(probs))] = rng.choice([math.nan, -0.1, 2.0, math.inf])
+            if rng.random() < 0.1:
+                ids = ids[:-1]
+            m.q_ids.extend(ids)
+            m.q_probs.extend(probs)
+        m.q_k = k
+    return m
+
+
+def test_check_chunk_on_random_chunks_raises_only_protocol_error() -> None:
+    """2000 random chunks (fixed seed): each is refused with ProtocolError or passes with
+    every invariant the client relies on (ids in the vocabulary, positions bounded, one
+    finite distribution over distinct ids containing its token per position)."""
+    rng, n_vocab, max_position = random.Random(20240607), 1000, 1000
+    passed = refused = 0
+    for _ in range(2000):
+        m = _random_chunk(rng, n_vocab)
+        try:
+            c = protocol.check_chunk(m, n_vocab, max_position)
+        except ProtocolError:
+            refused += 1
+            continue
+        passed += 1
+        assert all(0 <= t < n_vocab for t in c.tokens)
+        assert c.start + len(c.tokens) <= max_position
+        assert len(c.tokens) <= protocol.MAX_CHUNK_TOKENS
+        if c.sparse is not None:
+            assert len(c.sparse) == len(c.tokens)
+            for sd, t in zip(c.sparse, c.tokens, strict=True):
+                assert sd.token == t and t in sd.ids.tolist()
+                assert len(set(sd.ids.tolist())) == len(sd.ids)
+                assert np.all((sd.ids >= 0) & (sd.ids < n_vocab))
+                assert np.all(np.isfinite(sd.probs)) and abs(sd.probs.sum() - 1) < 1e-3
+    assert passed > 100 and refused > 100, (passed, refused)
+
+
+def _open(**kw) -> pb.Open:
+    kw.setdefault("history", [2, 100, 200])
+    return pb.Open(**kw)
+
+
+def test_check_open_accepts_a_well_formed_open() -> None:
+    """A plain pipelined Open passes."""
+    protocol.check_open(_open(pipelined=True, lookahead=16, want=8, p_min=0.75, top_k_q=8),
+                        V, 1024)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"history": []}, "open: empty history"),
+    ({"history": [1] * 1025}, "history of 1025 tokens exceeds the node's context"),
+    ({"history": [1, V]}, "open history: token id 262144 outside"),
+    ({"history": [1, -5]}, "open history: token id -5 outside"),
+    ({"lookahead": 257}, "lookahead, want or top_k_q above 256"),
+    ({"lookahead": 2**32 - 1}, "lookahead, want or top_k_q above 256"),
+    ({"want": 10**6}, "lookahead, want or top_k_q above 256"),
+    ({"top_k_q": 257}, "lookahead, want or top_k_q above 256"),
+    ({"p_min": math.nan}, "p_min nan outside"),
+    ({"p_min": 1.5}, "p_min 1.5 outside"),
+    ({"p_min": -0.25}, "p_min -0.25 outside"),
+])
+def test_check_open_refuses_malformed_opens(fields: dict, message: str) -> None:
+    """Each malformed Open raises ProtocolError naming the field."""
+    with pytest.raises(ProtocolError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        protocol.check_open(_open(**fields), V, 1024)
+
+
+def test_sampling_and_mode_from_the_wire_are_checked() -> None:
+    """Bad sampling values and unknown modes become ProtocolError, not ConfigError/KeyError."""
+    with pytest.raises(ProtocolError, match="sampling settings: temperature"):
+        protocol.sampling_from_pb(pb.Sampling(temperature=math.nan, top_p=1.0, repeat_penalty=1))
+    with pytest.raises(ProtocolError, match="sampling settings: top_p"):
+        protocol.sampling_from_pb(pb.Sampling(temperature=0.5, top_p=0.0, repeat_penalty=1))
+    with pytest.raises(ProtocolError, match="unknown verify mode 7"):
+        protocol.mode_from_pb(7)
+    s = protocol.wire_sampling(SEEDED)
+    assert s == protocol.sampling_from_pb(protocol.sampling_to_pb(s))   # float32 fixed point
+
+
+# ============================================================================ invariance
+
+RUNS = [(1, 0.01), (4, 0.0), (16, 0.01)]     # (draft length, one-way delay): both RTTs
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_output_equals_plain_decoding_over_the_link(target, node, pipelined, sampling) -> None:
+    """Over a real node behind a link emulator (0 and 20 ms round trip), drafts of 1, 4
+    and 16 tokens: the tokens equal plain target decoding, and the drafter was used
+    (for greedy: drafts proposed and accepted in every run; seeded: in the runs together)."""
+    prompt, n = target.tokens(CODE), 24
+    want = ref(target, sampling, n)
+    with LinkEmulator("127.0.0.1", node.port) as emu:
+        rd = target.drafter(f"127.0.0.1:{emu.port}", pipelined=pipelined)
+        try:
+            drafted = accepted = 0
+            for n_max, one_way in RUNS:
+                emu.one_way_s = one_way
+                g = Engine(target.backend, rd).generate(request(prompt, n, sampling, n_max))
+                got = run_to_end(g)
+                assert got == want, f"n_max={n_max}, rtt={2000 * one_way:.0f} ms"
+                assert g.stats.draft_n <= n_max * g.stats.rounds
+                if sampling is GREEDY:
+                    assert g.stats.draft_n > 0 and g.stats.draft_n_accepted > 0, (n_max, one_way)
+                drafted += g.stats.draft_n
+                accepted += g.stats.draft_n_accepted
+            assert drafted > 0 and accepted > 0
+            assert emu.bytes_down > 0 and emu.bytes_up > 0     # it went through the emulator
+            assert rd.counters["dropped_peers"] == 0
+        finally:
+            rd.close()
+
+
+# ============================================================================ faults
+
+
+def _kill_once(node: NodeProcess, after_tokens: int, state: dict):
+    def on_step(g) -> None:
+        if "killed_at" not in state and len(g.tokens) >= after_tokens and g.stats.draft_n > 0:
+            node.kill()
+            state["killed_at"] = len(g.tokens)
+    return on_step
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sync"])
+def test_node_killed_mid_generation_then_restarted(target, node, pipelined) -> None:
+    """SIGKILL the node while a request is drafting: the request completes with the same
+    tokens. Restart it on the same port: the same RemoteDrafter reconnects (counter
+    `reconnects`) and drafts again in the next request, with the same output again."""
+    prompt, n = target.tokens(CODE), 32
+    want = ref(target, GREEDY, n)
+    rd = target.drafter(node.url, pipelined=pipelined,
+                        settings=LinkSettings(backoff_min_s=0.05, backoff_max_s=0.2))
+    try:
+        state: dict = {}
+        g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4))
+        assert run_to_end(g, on_step=_kill_once(node, 6, state)) == want
+        assert state.get("killed_at", n) < n - 8, "the node was not killed mid-generation"
+        assert not node.alive and not rd.links[0].up
+        assert rd.counters["dropped_peers"] == 0        # a dead node is not a hostile one
+
+        node.start()
+        chunks = rd.counters["chunks"]
+
+        def patient(g) -> None:                         # give the channel time to come back
+            if rd.counters["chunks"] == chunks and len(g.tokens) < 12:
+                time.sleep(0.25)
+
+        g2 = Engine(target.backend, rd).generate(request(prompt, 24, GREEDY, 4))
+        assert run_to_end(g2, on_step=patient) == want[:24]
+        assert rd.counters["reconnects"] >= 1
+        assert rd.counters["chunks"] > chunks
+        assert g2.stats.draft_n > 0 and g2.stats.draft_n_accepted > 0
+        assert rd.links[0].up
+    finally:
+        rd.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_stalled_node_costs_at_most_one_deadline(target, node, pipelined) -> None:
+    """The link goes silent (blackhole) mid-generation: the request completes with the same
+    tokens; pipelined rounds never wait, synchronous ones wait for one sync_timeout_s
+    deadline and then stop waiting (not one deadline per round)."""
+    prompt, n = target.tokens(CODE), 24
+    want = ref(target, GREEDY, n)
+    with LinkEmulator("127.0.0.1", node.port) as emu:
+        rd = target.drafter(f"127.0.0.1:{emu.port}", pipelined=pipelined, sync_timeout_s=0.3)
+        state: dict = {}
+
+        def on_step(g) -> None:
+            if "at" not in state and len(g.tokens) >= 5 and g.stats.draft_n > 0:
+                emu.blackhole = True
+                state.update(at=len(g.tokens), rounds=g.stats.rounds,
+                             wait_ms=rd.counters["wait_ms"])
+        try:
+            g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4))
+            assert run_to_end(g, on_step=on_step) == want
+            assert "at" in state, "the link was never stalled"
+            rounds_stalled = g.stats.rounds - state["rounds"]
+            waited_ms = rd.counters["wait_ms"] - state["wait_ms"]
+            assert rounds_stalled >= 8
+            if pipelined:
+                assert waited_ms < 250, waited_ms
+            else:
+                assert rd.counters["sync_timeouts"] >= 1
+                assert waited_ms < 300 * 4, waited_ms      # one per round would be >= 2400
+        finally:
+            emu.blackhole = False
+            rd.close()
+
+
+# ============================================================================ hostile nodes
+
+
+def _undecodable(rng: random.Random) -> bytes:
+    while True:
+        data = rng.randbytes(rng.randrange(3, 40))
+        try:
+            pb.DraftMessage.FromString(data)
+        except Exception:  # noqa: BLE001 - DecodeError; any failure to parse will do
+            return data
+
+
+def _violations(n_vocab: int, seed: int = 7) -> list[tuple[str, object]]:
+    """(name, script) pairs; each script answers the Open with frames that break the
+    protocol once (after zero or more valid frames)."""
+    rng = random.Random(seed)
+    rand_tokens = [rng.randrange(-2**31, 2**31) for _ in range(8)] + [n_vocab + 1]
+    garbage = _undecodable(rng)
+    randoms = [_random_chunk(rng, n_vocab) for _ in range(6)]
+
+    def once(frames_of):
+        def script(o, v, state):
+            return [] if v is not None else frames_of(len(o.history), o.history[-1])
+        return script
+
+    return [
+        ("token id = n_vocab", once(lambda p, t: [chunk(0, p, [n_vocab])])),
+        ("negative token id", once(lambda p, t: [chunk(0, p, [t, -1])])),
+        ("random int32 token ids", once(lambda p, t: [chunk(0, p, rand_tokens)])),
+        ("start 2^32-1 (-1 as uint32)", once(lambda p, t: [chunk(0, 2**32 - 1, [t])])),
+        ("start far past the history", once(lambda p, t: [chunk(0, p + 100_000, [t])])),
+        ("gap inside a gen", once(lambda p, t: [chunk(0, p, [t]), chunk(0, p + 3, [t])])),
+        ("rewind inside a gen", once(lambda p, t: [chunk(0, p, [t, t]), chunk(0, p, [t])])),
+        ("absurd chunk size", once(lambda p, t: [chunk(0, p, [t] * 5000)])),
+        ("q arrays of the wrong size",
+         once(lambda p, t: [chunk(0, p, [t], q_k=2, q_ids=[t], q_probs=[1.0])])),
+        ("NaN q probability",
+         once(lambda p, t: [chunk(0, p, [t], q_k=2, q_ids=[t, t + 1], q_probs=[math.nan, 1])])),
+        ("q_k of a million",
+         once(lambda p, t: [chunk(0, p, [t], q_k=10**6, q_ids=[t], q_probs=[1.0])])),
+        ("error message", once(lambda p, t: [error("CUDA out of memory")])),
+        ("undecodable bytes", once(lambda p, t: [garbage])),
+        ("empty message", once(lambda p, t: [pb.DraftMessage()])),
+        ("random chunks, then a bad one", once(lambda p, t: [
+            pb.DraftMessage(chunk=c) for c in randoms] + [chunk(0, p, [-3])])),
+    ]
+
+
+def test_malformed_frames_drop_the_peer_and_leave_the_output_alone(target) -> None:
+    """A fake node answers each session with one kind of malformed frame (fixed seeds):
+    the RemoteDrafter drops it every time (dropped_peers counts each), reconnects, and
+    the request's output equals plain decoding."""
+    prompt, n = target.tokens(CODE), 28
+    want = ref(target, GREEDY, n)
+    violations = _violations(target.n_vocab)
+    quiet = lambda o, v, state: []  # noqa: E731 - the last script repeats: a silent node
+    scripts = [s for _, s in violations] + [quiet]
+    with FakeNode(target.fingerprint, target.n_vocab, scripts=scripts) as fake:
+        rd = target.drafter(fake.url, pipelined=True, settings=FAST_RETRY)
+
+        def in_step(g) -> None:      # each opened session must be answered before going on
+            k = min(len(fake.sessions), len(violations))
+            wait_for(lambda: rd.counters["dropped_peers"] >= k, 10,
+                     f"the drop of {violations[k - 1][0]!r}")
+            wait_for(lambda: all(s["ended"] for s in fake.sessions[:k]), 10, "the stream's end")
+
+        try:
+            g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4))
+            assert run_to_end(g, on_step=in_step) == want
+            served = [s["script"] for s in fake.sessions]
+            assert served[:len(violations)] == list(range(len(violations))), served
+            assert rd.counters["dropped_peers"] == len(violations)
+        finally:
+            rd.close()
+
+
+def _continuation(target, wrong: bool, stale: bool):
+    """Script: after each verdict, a fresh gen of 4 tokens from the committed position,
+    either the plain continuation (right) or each token shifted by one (valid, wrong);
+    with stale, followed by a chunk of the previous gen carrying the right tokens."""
+    full = target.tokens(CODE) + ref(target, GREEDY, 32)
+
+    def tokens_at(start: int) -> list[int]:
+        out = [full[p] if p < len(full) else 0 for p in range(start, start + 4)]
+        return [(t + 1) % target.n_vocab for t in out] if wrong else out
+
+    def script(o, v, state):
+        if v is None:
+            return []
+        state["gen"] = state.get("gen", 0) + 2
+        start = v.position + v.accepted + len(v.tokens)
+        frames = [chunk(state["gen"], start, tokens_at(start), done=True)]
+        if stale:
+            frames.append(chunk(state["gen"] - 1, start, full[start:start + 4], done=True))
+        return frames
+    return script
+
+
+@pytest.mark.parametrize("kind", ["right", "wrong", "stale"])
+def test_fake_node_drafts_are_verified(target, kind) -> None:
+    """Well-formed drafts from a fake node go through verification: the right tokens are
+    accepted (so the fake really drafts), valid but wrong ones are all rejected, and
+    chunks of a decreasing gen (carrying the right tokens) are ignored as stale. None of
+    it drops the peer, and the output equals plain decoding every time."""
+    prompt, n = target.tokens(CODE), 16
+    script = _continuation(target, wrong=kind != "right", stale=kind == "stale")
+    with FakeNode(target.fingerprint, target.n_vocab, scripts=[script]) as fake:
+        rd = target.drafter(fake.url, pipelined=False, sync_timeout_s=5.0)
+        try:
+            g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4))
+            assert run_to_end(g) == ref(target, GREEDY, n)
+            assert g.stats.draft_n > 0
+            if kind == "right":
+                assert g.stats.draft_n_accepted > 0
+            else:
+                assert g.stats.draft_n_accepted == 0
+            if kind == "stale":
+                assert rd.counters["stale_chunks"] > 0
+            assert rd.counters["dropped_peers"] == 0 and rd.counters["sync_timeouts"] == 0
+            assert len(fake.sessions) == 1
+        finally:
+            rd.close()
+
+
+def test_incompatible_node_is_refused_at_connect(target) -> None:
+    """A node with another vocabulary (or protocol) fails the handshake: Link.connect and
+    make_remote_drafter raise an error naming both models and saying 'incompatible'."""
+    with FakeNode("0" * 32, 32000, model="llama-2-7b-draft.gguf") as fake:
+        link = target.link(fake.url)
+        with pytest.raises(LinkError, match="incompatible models") as e:
+            asyncio.run(link.connect())
+        assert target.backend.name in str(e.value) and "llama-2-7b-draft.gguf" in str(e.value)
+        assert "32000" in str(e.value) and not link.up and not link.ready_to_try()
+        args = SimpleNamespace(draft_token=None, draft_tls_ca=None, draft_tls_cert=None,
+                               draft_tls_key=None, draft_mode="pipelined")
+        with pytest.raises(CliError, match="incompatible models") as e:
+            make_remote_drafter([fake.url], args, target.backend)
+        assert target.backend.name in str(e.value) and "llama-2-7b-draft.gguf" in str(e.value)
+    with (FakeNode(target.fingerprint, target.n_vocab, protocol_version=2) as fake,
+          pytest.raises(LinkError, match="incompatible draft node .*protocol 2")):
+        asyncio.run(target.link(fake.url).connect())
+
+
+# ============================================================================ node robustness
+
+
+class RawSession:
+    """A Session stream driven by hand with the synchronous grpc client."""
+
+    def __init__(self, stub: pbg.DraftNodeStub, metadata=()) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self.call = stub.Session(iter(self._q.get, None), metadata=metadata, timeout=60)
+
+    def send(self, **kind) -> None:
+        self._q.put(pb.TargetMessage(**kind))
+
+    def until_error(self) -> tuple[list[pb.DraftChunk], str]:
+        """Chunks received, then the DraftError's message; the stream must then end."""
+        chunks = []
+        for msg in self.call:
+            if msg.WhichOneof("kind") == "error":
+                rest = list(self.call)        # ends (status OK) instead of going on
+                assert rest == [] and self.call.code() == grpc.StatusCode.OK
+                return chunks, msg.error.message
+            chunks.append(msg.chunk)
+        pytest.fail(f"stream ended without a DraftError after {len(chunks)} chunks")
+
+    def chunks_until_done(self) -> list[pb.DraftChunk]:
+        chunks = []
+        for msg in self.call:
+            assert msg.WhichOneof("kind") == "chunk", msg
+            chunks.append(msg.chunk)
+            if msg.chunk.done:
+                return chunks
+        pytest.fail("stream ended before a done chunk")
+
+    def close(self) -> None:
+        self._q.put(None)
+        self.call.cancel()
+
+
+def _sync_open(history: list[int], want: int = 2, **kw) -> pb.Open:
+    return pb.Open(history=history, sampling=protocol.sampling_to_pb(GREEDY),
+                   mode=pb.VERIFY_GREEDY, pipelined=False, lookahead=8, want=want, **kw)
+
+
+def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node) -> None:
+    """Malformed Opens, messages out of order and verdicts that break the branch rule each
+    get a DraftError naming the problem and end that stream only: the node process stays
+    up and a valid session afterwards drafts normally."""
+    history = target.tokens(CODE)
+    bad_opens = [
+        (_sync_open([]), "empty history"),
+        (_sync_open([2, target.n_vocab]), "outside the vocabulary"),
+        (_sync_open([2, -1]), "token id -1 outside"),
+        (_sync_open(history, lookahead=10**6), "above 256"),
+        (_sync_open(history, p_min=math.nan), "p_min nan"),
+        (_sync_open(history, mode=9), "unknown verify mode 9"),
+        (pb.Open(history=history, sampling=pb.Sampling(temperature=-1)), "temperature"),
+    ]
+    p = len(history)
+    bad_verdicts = [
+        (pb.Verdict(position=p + 5, accepted=0, tokens=[1], want=2), "verdict at position"),
+        (pb.Verdict(position=p - 1, accepted=0, tokens=[1], want=2), "verdict at position"),
+        (pb.Verdict(position=p, accepted=3, tokens=[1], gen=0, want=2), "accepts 3 tokens"),
+        (pb.Verdict(position=p, accepted=1, tokens=[1], gen=4, want=2), "of gen 4"),
+        (pb.Verdict(position=p, accepted=0, tokens=[target.n_vocab], want=2), "verdict: token"),
+        (pb.Verdict(position=p, accepted=0, tokens=[1] * 2000, want=2), "past the node's"),
+    ]
+    with grpc.insecure_channel(node.url) as channel:
+        stub = pbg.DraftNodeStub(channel)
+        cases = 0
+        for open_msg, message in bad_opens:
+            s = RawSession(stub)
+            s.send(open=open_msg)
+            chunks, got = s.until_error()
+            assert message in got and chunks == [], (message, got)
+            s.close()
+            cases += 1
+        for first, message in [("verdict", "unexpected verdict"), ("open2", "unexpected open")]:
+            s = RawSession(stub)
+            if first == "verdict":
+                s.send(verdict=pb.Verdict(position=p, tokens=[1]))
+            else:
+                s.send(open=_sync_open(history))
+                s.send(open=_sync_open(history))
+            _, got = s.until_error()
+            assert message in got, got
+            s.close()
+            cases += 1
+        for verdict, message in bad_verdicts:
+            s = RawSession(stub)
+            s.send(open=_sync_open(history, want=2))
+            drafted = s.chunks_until_done()
+            assert sum(len(c.tokens) for c in drafted) == 2
+            s.send(verdict=verdict)
+            _, got = s.until_error()
+            assert message in got, (message, got)
+            s.close()
+            cases += 1
+        assert node.alive and cases == len(bad_opens) + 2 + len(bad_verdicts)
+        # ...and a valid session still drafts, following the branch rule: 4 tokens; a
+        # verdict agreeing with them keeps the branch (gen 0, the 4th already sent); one
+        # disagreeing starts gen 1 at the committed position.
+        s = RawSession(stub)
+        s.send(open=_sync_open(history, want=4))
+        first = [t for c in s.chunks_until_done() for t in c.tokens]
+        assert len(first) == 4 and all(0 <= t < target.n_vocab for t in first)
+        s.send(verdict=pb.Verdict(position=p, accepted=2, tokens=[first[2]], gen=0, want=3))
+        kept = s.chunks_until_done()
+        assert [(c.gen, c.start) for c in kept][0] == (0, p + 4)
+        assert sum(len(c.tokens) for c in kept) == 2
+        other = (first[3] + 1) % target.n_vocab
+        s.send(verdict=pb.Verdict(position=p + 3, accepted=0, tokens=[other], gen=0, want=3))
+        fresh = s.chunks_until_done()
+        assert [(c.gen, c.start) for c in fresh][0] == (1, p + 4)
+        assert sum(len(c.tokens) for c in fresh) == 3
+        s.close()
+    assert node.alive
+
+
+# ============================================================================ authentication
+
+
+def test_token_authentication(target, tmp_path) -> None:
+    """A node started with --token: a target with the wrong token or none is refused at the
+    handshake (UNAUTHENTICATED, and the node logs 'refused connection'), a Session without
+    the token is refused too, and the right token drafts normally."""
+    with node_process(tmp_path, ["--token", "secret"], name="token") as n:
+        for token in ("wrong", None):
+            link = target.link(n.url, LinkSettings(token=token))
+            with pytest.raises(LinkError, match="UNAUTHENTICATED"):
+                asyncio.run(link.connect())
+            assert not link.up
+        wait_for(lambda: n.log().count("refused connection") >= 2, 10, "the node's log lines")
+        assert "wrong token" in n.log() and "missing token" in n.log()
+        with grpc.insecure_channel(n.url) as channel:
+            s = RawSession(pbg.DraftNodeStub(channel))
+            s.send(open=_sync_open(target.tokens(CODE)))
+            with pytest.raises(grpc.RpcError) as e:
+                list(s.call)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            s.close()
+        rd = target.drafter(n.url, pipelined=False, settings=LinkSettings(token="secret"))
+        try:
+            g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
+            assert run_to_end(g) == ref(target, GREEDY, 12)
+            assert g.stats.draft_n_accepted > 0 and rd.links[0].up
+        finally:
+            rd.close()
+
+
+def test_tls_and_mutual_tls(target, tmp_path) -> None:
+    """A TLS node refuses a plain-text target and serves one that trusts its CA; with
+    --tls-client-ca it also refuses targets without a client certificate or with one from
+    another CA, and drafts for one whose certificate its CA signed."""
+    c = make_certs(tmp_path)
+    tls = ["--tls-cert", c["server_cert"], "--tls-key", c["server_key"]]
+    with node_process(tmp_path, tls, name="tls") as n:
+        with pytest.raises(LinkError):
+            asyncio.run(target.link(n.url, LinkSettings(connect_timeout_s=2)).connect())
+        link = target.link(n.url, LinkSettings(tls_ca=c["ca"]))
+        asyncio.run(link.connect())
+        assert link.up and link.hello.vocab_fingerprint == target.fingerprint
+    with node_process(tmp_path, [*tls, "--tls-client-ca", c["ca"]], name="mtls") as n:
+        for settings in (LinkSettings(connect_timeout_s=2),
+                         LinkSettings(tls_ca=c["ca"], connect_timeout_s=2),
+                         LinkSettings(tls_ca=c["ca"], tls_cert=c["rogue_client_cert"],
+                                      tls_key=c["rogue_client_key"], connect_timeout_s=2)):
+            with pytest.raises(LinkError):
+                asyncio.run(target.link(n.url, settings).connect())
+        good = LinkSettings(tls_ca=c["ca"], tls_cert=c["client_cert"], tls_key=c["client_key"])
+        rd = target.drafter(n.url, pipelined=True, settings=good)
+        try:
+            g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
+            assert run_to_end(g) == ref(target, GREEDY, 12)
+            assert g.stats.draft_n_accepted > 0 and rd.links[0].up
+        finally:
+            rd.close()
+
+
+# ============================================================================ sessions
+
+
+def test_two_targets_draft_from_one_node_at_once(target, node) -> None:
+    """Two target contexts over the same weights, each with its own RemoteDrafter, run
+    concurrently against one node: each output equals its own plain decoding and each
+    gets accepted drafts (a session fed the other's branch would get none)."""
+    jobs = [(target.tokens(CODE), ref(target, GREEDY, 24)),
+            (target.tokens(PROSE), target.plain(target.tokens(PROSE), GREEDY, 24))]
+    assert jobs[0][1] != jobs[1][1]
+    backends = [target.backend, target.twin()]
+    results: list = [None, None]
+    barrier = threading.Barrier(2)
+
+    def work(i: int) -> None:
+        rd = target.drafter(node.url, pipelined=True)
+        try:
+            barrier.wait(timeout=30)
+            g = Engine(backends[i], rd).generate(request(jobs[i][0], 24, GREEDY, 4))
+            results[i] = (g.run(), g.stats)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            results[i] = e
+        finally:
+            rd.close()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    for (_, want), res in zip(jobs, results, strict=True):
+        assert not isinstance(res, BaseException) and res is not None, res
+        tokens, stats = res
+        assert tokens == want
+        assert stats.draft_n_accepted > 0
+
+
+# ============================================================================ bytes
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_bytes_per_drafted_token(target, node, pipelined, record_property) -> None:
+    """Greedy over the link: bytes received from the node per drafted token stay within
+    the planning model's 16 bytes (specwire.plan.DEFAULT_DRAFT_BYTES)."""
+    prompt, n = target.tokens(CODE), 24
+    rd = target.drafter(node.url, pipelined=pipelined)
+    try:
+        g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 8))
+        assert run_to_end(g) == ref(target, GREEDY, n)
+        per_token = rd.counters["bytes_down"] / max(1, g.stats.draft_n)
+        record_property("bytes_per_drafted_token", per_token)
+        print(f"bytes_down {rd.counters['bytes_down']}, draft_n {g.stats.draft_n}, "
+              f"{per_token:.1f} bytes per drafted token")
+        assert g.stats.draft_n > 0
+        assert per_token <= 16, f"{per_token:.1f} bytes per drafted token"
+    finally:
+        rd.close()
