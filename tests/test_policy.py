@@ -55,7 +55,9 @@ def test_adaptive_stops_drafting_when_nothing_is_accepted_and_verifying_costs() 
     p = AdaptivePolicy(8)
     ks = _drive(p, lambda k, r: 0, 0.002, lambda n: 0.01 * (1 + 0.3 * (n - 1)))
     assert ks[0] >= 1                                   # it starts optimistic
-    assert ks[-50:] == [0] * 50
+    tail = ks[-64:]
+    # Only one-token probes remain, one every `probe_every` rounds.
+    assert max(tail) <= 1 and sum(tail) <= len(tail) // p.probe_every + 1, tail
     assert p.acceptance < 0.25
 
 
