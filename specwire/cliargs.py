@@ -21,7 +21,9 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     g.add_argument("-m", "--model", help="target GGUF (default: the bundled F32 Gemma-3-270M)")
     g.add_argument("-c", "--ctx-size", type=int, default=4096, help="target context size")
     g.add_argument("-t", "--threads", type=int, default=1, help="target threads")
-    g.add_argument("-tb", "--threads-batch", type=int, default=0, help="target batch threads (0: = -t)")
+    g.add_argument(
+        "-tb", "--threads-batch", type=int, default=0, help="target batch threads (0: = -t)"
+    )
     g.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="target layers on the GPU")
     g.add_argument("-b", "--batch-size", type=int, default=512)
     g.add_argument("-ctk", "--cache-type-k", default="f16")
@@ -31,11 +33,18 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
         return
     d = p.add_argument_group("draft")
     src = d.add_mutually_exclusive_group()
-    src.add_argument("-md", "--model-draft", help="draft GGUF, in this process "
-                     "(default: the bundled Q2_K draft)")
-    src.add_argument("--draft-url", action="append", metavar="HOST:PORT",
-                     help="remote draft node (gRPC) or llama-server (http://...); repeat for failover")
-    src.add_argument("--draft-ngram", action="store_true", help="prompt-lookup n-gram drafter, no model")
+    src.add_argument(
+        "-md", "--model-draft", help="draft GGUF, in this process (default: the bundled Q2_K draft)"
+    )
+    src.add_argument(
+        "--draft-url",
+        action="append",
+        metavar="HOST:PORT",
+        help="remote draft node (gRPC) or llama-server (http://...); repeat for failover",
+    )
+    src.add_argument(
+        "--draft-ngram", action="store_true", help="prompt-lookup n-gram drafter, no model"
+    )
     src.add_argument("--no-draft", action="store_true", help="plain target decoding")
     add_draft_model_args(d)
     add_draft_args(d)
@@ -48,23 +57,47 @@ def add_draft_model_args(d: argparse._ActionsContainer) -> None:
     d.add_argument("-ngld", "--n-gpu-layers-draft", type=int, default=0)
     d.add_argument("-ctkd", "--cache-type-k-draft", default="f16")
     d.add_argument("-ctvd", "--cache-type-v-draft", default="f16")
-    d.add_argument("--seed-draft", type=int, default=None, help="draft model seed (default: --seed)")
+    d.add_argument(
+        "--seed-draft", type=int, default=None, help="draft model seed (default: --seed)"
+    )
 
 
 def add_draft_args(d: argparse._ActionsContainer) -> None:
-    d.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=8,
-                   help="most draft tokens per round")
+    d.add_argument(
+        "--draft-max",
+        "--draft",
+        "--draft-n",
+        dest="draft_max",
+        type=int,
+        default=8,
+        help="most draft tokens per round",
+    )
     d.add_argument("--draft-min", type=int, default=0, help="fewest draft tokens worth verifying")
-    d.add_argument("--draft-p-min", type=float, default=0.75,
-                   help="stop drafting when the draft's top probability is below this")
-    d.add_argument("--verify", choices=[m.value for m in VerifyMode], default="coupled",
-                   help="verification at temperature > 0 (greedy is used at --temp 0)")
+    d.add_argument(
+        "--draft-p-min",
+        type=float,
+        default=0.75,
+        help="stop drafting when the draft's top probability is below this",
+    )
+    d.add_argument(
+        "--verify",
+        choices=[m.value for m in VerifyMode],
+        default="coupled",
+        help="verification at temperature > 0 (greedy is used at --temp 0)",
+    )
     d.add_argument("--draft-top-k", type=int, default=8, help="sparse q size in rejection mode")
     d.add_argument("--draft-policy", choices=["fixed", "adaptive"], default="fixed")
-    d.add_argument("--draft-mode", choices=["pipelined", "sync"], default="pipelined",
-                   help="remote drafting: work ahead of the verdicts, or wait for each")
-    d.add_argument("--draft-token", default=os.environ.get("SPECWIRE_TOKEN"),
-                   help="shared secret for the draft link (env SPECWIRE_TOKEN)")
+    d.add_argument(
+        "--draft-mode",
+        choices=["pipelined", "sync"],
+        default="pipelined",
+        help="remote drafting: work ahead of the verdicts, or wait for each",
+    )
+    d.add_argument(
+        "--draft-token",
+        default=os.environ.get("SPECWIRE_TOKEN"),
+        help="shared secret for the draft link (env SPECWIRE_TOKEN)",
+    )
     d.add_argument("--draft-tls-ca", help="CA certificate: use TLS to the draft node")
     d.add_argument("--draft-tls-cert", help="client certificate for mutual TLS")
     d.add_argument("--draft-tls-key", help="client key for mutual TLS")
@@ -78,42 +111,90 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.05)
     g.add_argument("--repeat-penalty", type=float, default=1.0)
     g.add_argument("--repeat-last-n", type=int, default=64)
-    g.add_argument("-s", "--seed", type=int, default=0, help="sampling seed (the draft uses it too)")
+    g.add_argument(
+        "-s", "--seed", type=int, default=0, help="sampling seed (the draft uses it too)"
+    )
 
 
 def sampling_params(a: argparse.Namespace) -> SamplingParams:
-    return _build(SamplingParams, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                  repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n, seed=a.seed)
+    return _build(
+        SamplingParams,
+        temperature=a.temp,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        min_p=a.min_p,
+        repeat_penalty=a.repeat_penalty,
+        repeat_last_n=a.repeat_last_n,
+        seed=a.seed,
+    )
 
 
 def draft_params(a: argparse.Namespace) -> DraftParams:
     enabled = not getattr(a, "no_draft", False)
-    return _build(DraftParams, n_max=a.draft_max, n_min=a.draft_min, p_min=a.draft_p_min,
-                  mode=a.verify, top_k_q=a.draft_top_k, policy=a.draft_policy, enabled=enabled)
+    return _build(
+        DraftParams,
+        n_max=a.draft_max,
+        n_min=a.draft_min,
+        p_min=a.draft_p_min,
+        mode=a.verify,
+        top_k_q=a.draft_top_k,
+        policy=a.draft_policy,
+        enabled=enabled,
+    )
 
 
 def target_params(a: argparse.Namespace, path: str) -> ModelParams:
-    return _build(ModelParams, path=path, n_ctx=a.ctx_size, n_threads=a.threads,
-                  n_threads_batch=a.threads_batch, n_gpu_layers=a.n_gpu_layers,
-                  n_batch=a.batch_size, type_k=a.cache_type_k, type_v=a.cache_type_v,
-                  flash_attn=a.flash_attn, seed=getattr(a, "seed", 0))
+    return _build(
+        ModelParams,
+        path=path,
+        n_ctx=a.ctx_size,
+        n_threads=a.threads,
+        n_threads_batch=a.threads_batch,
+        n_gpu_layers=a.n_gpu_layers,
+        n_batch=a.batch_size,
+        type_k=a.cache_type_k,
+        type_v=a.cache_type_v,
+        flash_attn=a.flash_attn,
+        seed=getattr(a, "seed", 0),
+    )
 
 
 def draft_model_params(a: argparse.Namespace, path: str) -> ModelParams:
     seed = a.seed_draft if a.seed_draft is not None else getattr(a, "seed", 0)
-    return _build(ModelParams, path=path, n_ctx=a.ctx_size_draft or getattr(a, "ctx_size", 4096),
-                  n_threads=a.threads_draft, n_threads_batch=a.threads_batch_draft,
-                  n_gpu_layers=a.n_gpu_layers_draft, type_k=a.cache_type_k_draft,
-                  type_v=a.cache_type_v_draft, seed=seed)
+    return _build(
+        ModelParams,
+        path=path,
+        n_ctx=a.ctx_size_draft or getattr(a, "ctx_size", 4096),
+        n_threads=a.threads_draft,
+        n_threads_batch=a.threads_batch_draft,
+        n_gpu_layers=a.n_gpu_layers_draft,
+        type_k=a.cache_type_k_draft,
+        type_v=a.cache_type_v_draft,
+        seed=seed,
+    )
 
 
 #: settings field -> the flag that sets it, for error messages users can act on.
-FLAG_OF = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
-           "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n",
-           "seed": "--seed", "draft_max": "--draft-max", "draft_min": "--draft-min",
-           "draft_p_min": "--draft-p-min", "draft_top_k": "--draft-top-k", "ctx_size": "-c",
-           "threads": "-t", "threads_batch": "-tb", "n_gpu_layers": "-ngl",
-           "batch_size": "-b", "cache_type_k": "-ctk", "cache_type_v": "-ctv"}
+FLAG_OF = {
+    "temperature": "--temp",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repeat_penalty": "--repeat-penalty",
+    "repeat_last_n": "--repeat-last-n",
+    "seed": "--seed",
+    "draft_max": "--draft-max",
+    "draft_min": "--draft-min",
+    "draft_p_min": "--draft-p-min",
+    "draft_top_k": "--draft-top-k",
+    "ctx_size": "-c",
+    "threads": "-t",
+    "threads_batch": "-tb",
+    "n_gpu_layers": "-ngl",
+    "batch_size": "-b",
+    "cache_type_k": "-ctk",
+    "cache_type_v": "-ctv",
+}
 
 
 def _build(cls, **kw):

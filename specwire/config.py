@@ -8,14 +8,14 @@ message naming the field, never deep inside the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from enum import Enum
+from enum import StrEnum
 
 
 class ConfigError(ValueError):
     """A setting is out of range or of the wrong kind; the message names it."""
 
 
-class VerifyMode(str, Enum):
+class VerifyMode(StrEnum):
     """How the target decides which draft tokens to keep.
 
     greedy:    argmax on both sides (used whenever temperature <= 0).
@@ -52,12 +52,22 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
+        _check(
+            0.0 <= self.temperature <= 100.0,
+            "temperature",
+            f"must be in [0, 100], got {self.temperature}",
+        )
         _check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(0.0 < self.repeat_penalty <= 10.0, "repeat_penalty", f"must be in (0, 10], got {self.repeat_penalty}")
-        _check(self.repeat_last_n >= -1, "repeat_last_n", f"must be >= -1, got {self.repeat_last_n}")
+        _check(
+            0.0 < self.repeat_penalty <= 10.0,
+            "repeat_penalty",
+            f"must be in (0, 10], got {self.repeat_penalty}",
+        )
+        _check(
+            self.repeat_last_n >= -1, "repeat_last_n", f"must be >= -1, got {self.repeat_last_n}"
+        )
         _check(0 <= self.seed < 2**64, "seed", f"must be in [0, 2^64), got {self.seed}")
 
     @property
@@ -90,17 +100,25 @@ class DraftParams:
 
     def __post_init__(self) -> None:
         _check(0 <= self.n_max <= 64, "draft_max", f"must be in [0, 64], got {self.n_max}")
-        _check(0 <= self.n_min <= self.n_max or self.n_max == 0, "draft_min",
-               f"must be in [0, draft_max={self.n_max}], got {self.n_min}")
+        _check(
+            0 <= self.n_min <= self.n_max or self.n_max == 0,
+            "draft_min",
+            f"must be in [0, draft_max={self.n_max}], got {self.n_min}",
+        )
         _check(0.0 <= self.p_min <= 1.0, "draft_p_min", f"must be in [0, 1], got {self.p_min}")
         _check(1 <= self.top_k_q <= 256, "draft_top_k", f"must be in [1, 256], got {self.top_k_q}")
-        _check(self.policy in ("fixed", "adaptive"), "draft_policy",
-               f"must be 'fixed' or 'adaptive', got {self.policy!r}")
+        _check(
+            self.policy in ("fixed", "adaptive"),
+            "draft_policy",
+            f"must be 'fixed' or 'adaptive', got {self.policy!r}",
+        )
         if not isinstance(self.mode, VerifyMode):
             try:
                 object.__setattr__(self, "mode", VerifyMode(self.mode))
             except ValueError:
-                raise ConfigError(f"verify: must be greedy, coupled or rejection, got {self.mode!r}") from None
+                raise ConfigError(
+                    f"verify: must be greedy, coupled or rejection, got {self.mode!r}"
+                ) from None
 
     def with_(self, **changes) -> DraftParams:
         return replace(self, **changes)
@@ -124,14 +142,30 @@ class ModelParams:
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "model", "a path is required")
-        _check(16 <= self.n_ctx <= 1 << 20, "ctx_size", f"must be in [16, 1048576], got {self.n_ctx}")
+        _check(
+            16 <= self.n_ctx <= 1 << 20, "ctx_size", f"must be in [16, 1048576], got {self.n_ctx}"
+        )
         _check(1 <= self.n_threads <= 512, "threads", f"must be in [1, 512], got {self.n_threads}")
-        _check(0 <= self.n_threads_batch <= 512, "threads_batch", f"must be in [0, 512], got {self.n_threads_batch}")
-        _check(-1 <= self.n_gpu_layers <= 100000, "n_gpu_layers", f"must be >= -1, got {self.n_gpu_layers}")
-        _check(1 <= self.n_batch <= 1 << 16, "batch_size", f"must be in [1, 65536], got {self.n_batch}")
+        _check(
+            0 <= self.n_threads_batch <= 512,
+            "threads_batch",
+            f"must be in [0, 512], got {self.n_threads_batch}",
+        )
+        _check(
+            -1 <= self.n_gpu_layers <= 100000,
+            "n_gpu_layers",
+            f"must be >= -1, got {self.n_gpu_layers}",
+        )
+        _check(
+            1 <= self.n_batch <= 1 << 16, "batch_size", f"must be in [1, 65536], got {self.n_batch}"
+        )
         for name in ("type_k", "type_v"):
             value = getattr(self, name)
-            _check(value in KV_TYPES, f"cache_{name}", f"must be one of {sorted(KV_TYPES)}, got {value!r}")
+            _check(
+                value in KV_TYPES,
+                f"cache_{name}",
+                f"must be one of {sorted(KV_TYPES)}, got {value!r}",
+            )
 
 
 #: KV cache element types accepted by --cache-type-k/-v, as llama.cpp names them.

@@ -44,11 +44,11 @@ class AdaptivePolicy:
 
     n_max: int
     alpha: float = 0.15
-    accepted: float = 3.0        # pseudo-counts: start optimistic, a = 0.75
+    accepted: float = 3.0  # pseudo-counts: start optimistic, a = 0.75
     rejected: float = 1.0
-    draft_s: float = 0.0         # per draft token
-    verify_s: dict[int, float] = field(default_factory=dict)   # batch size -> seconds
-    probe_every: int = 16        # rounds at k = 0 between one-token probes
+    draft_s: float = 0.0  # per draft token
+    verify_s: dict[int, float] = field(default_factory=dict)  # batch size -> seconds
+    probe_every: int = 16  # rounds at k = 0 between one-token probes
     idle_rounds: int = 0
 
     @property
@@ -62,7 +62,7 @@ class AdaptivePolicy:
             return 1.0 + 0.1 * (n - 1)
         if len(known) == 1:
             n0, t0 = known[0]
-            return t0 * (1.0 + 0.1 * (n - n0))   # a guess until a second size is seen
+            return t0 * (1.0 + 0.1 * (n - n0))  # a guess until a second size is seen
         (n0, t0), (n1, t1) = _bracket(known, n)
         return max(t0 + (t1 - t0) * (n - n0) / (n1 - n0), 1e-6)
 
@@ -88,7 +88,9 @@ class AdaptivePolicy:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
             per_token = draft_s / drafted
-            self.draft_s = per_token if self.draft_s == 0.0 else w * self.draft_s + self.alpha * per_token
+            self.draft_s = (
+                per_token if self.draft_s == 0.0 else w * self.draft_s + self.alpha * per_token
+            )
         n = drafted + 1
         old = self.verify_s.get(n)
         self.verify_s[n] = verify_s if old is None else w * old + self.alpha * verify_s

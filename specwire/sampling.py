@@ -69,10 +69,7 @@ def candidates(row: np.ndarray, params: SamplingParams, recent: np.ndarray = Non
     if recent is not None and recent.size:
         row = penalized(row, recent, params.repeat_penalty)
     k = params.top_k
-    if 0 < k < row.shape[0]:
-        ids = np.argpartition(row, -k)[-k:]
-    else:
-        ids = np.arange(row.shape[0])
+    ids = np.argpartition(row, -k)[-k:] if 0 < k < row.shape[0] else np.arange(row.shape[0])
     logits = row[ids].astype(np.float64)
     order = np.argsort(-logits, kind="stable")
     ids, logits = ids[order], logits[order]
@@ -88,7 +85,9 @@ def candidates(row: np.ndarray, params: SamplingParams, recent: np.ndarray = Non
     return Candidates(ids=ids.astype(np.int64), scaled=logits / max(params.temperature, 1e-6))
 
 
-def coupled(row: np.ndarray, params: SamplingParams, position: int, recent: np.ndarray = None) -> int:
+def coupled(
+    row: np.ndarray, params: SamplingParams, position: int, recent: np.ndarray = None
+) -> int:
     """Gumbel-max sample keyed by (seed, position, token); greedy when T <= 0.
 
     Two models calling this with the same seed and position share their noise,
@@ -119,8 +118,9 @@ class SparseDraft:
     probs: np.ndarray
 
 
-def sparse_draft(row: np.ndarray, params: SamplingParams, top_k_q: int, position: int,
-                 recent: np.ndarray = None) -> SparseDraft:
+def sparse_draft(
+    row: np.ndarray, params: SamplingParams, top_k_q: int, position: int, recent: np.ndarray = None
+) -> SparseDraft:
     """Sample from the draft's top-K renormalised distribution, with its own stream."""
     c = candidates(row, params, recent)
     ids, probs = c.ids[:top_k_q], c.probs()[:top_k_q]

@@ -14,8 +14,8 @@ class Stats:
     draft_n: int = 0
     draft_n_accepted: int = 0
     rounds: int = 0
-    draft_ms: float = 0.0        # time the engine spent waiting on the drafter
-    verify_ms: float = 0.0       # target evaluation and verification
+    draft_ms: float = 0.0  # time the engine spent waiting on the drafter
+    verify_ms: float = 0.0  # target evaluation and verification
     #: accepted-length histogram: hist[n] = rounds that kept n draft tokens.
     hist: list[int] = field(default_factory=list)
     #: by_position[i] = [drafted, accepted] at draft position i.
@@ -55,11 +55,17 @@ class Stats:
         return {
             "prompt_n": self.prompt_n,
             "prompt_ms": round(self.prompt_ms, 3),
-            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
-            "prompt_per_second": round(1000.0 * self.prompt_n / self.prompt_ms, 3) if self.prompt_ms else 0.0,
+            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3)
+            if self.prompt_n
+            else 0.0,
+            "prompt_per_second": round(1000.0 * self.prompt_n / self.prompt_ms, 3)
+            if self.prompt_ms
+            else 0.0,
             "predicted_n": self.predicted_n,
             "predicted_ms": round(self.predicted_ms, 3),
-            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
+            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3)
+            if self.predicted_n
+            else 0.0,
             "predicted_per_second": round(self.predicted_per_second, 3),
             "draft_n": self.draft_n,
             "draft_n_accepted": self.draft_n_accepted,

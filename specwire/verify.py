@@ -49,8 +49,13 @@ class Verifier:
         recent = sampling.recent_window(history, self.params)
         return sampling.coupled(row, self.params, len(history), recent)
 
-    def verify(self, rows: np.ndarray, history: Sequence[int], draft: Sequence[int],
-               sparse: Sequence[SparseDraft] | None = None) -> Verdict:
+    def verify(
+        self,
+        rows: np.ndarray,
+        history: Sequence[int],
+        draft: Sequence[int],
+        sparse: Sequence[SparseDraft] | None = None,
+    ) -> Verdict:
         """Decide one round.
 
         rows: (k + 1, V) target logits; row i predicts position len(history) + i,
@@ -60,7 +65,9 @@ class Verifier:
         assert rows.shape[0] >= k + 1, (rows.shape, k)
         if self.mode is VerifyMode.REJECTION and k:
             if sparse is None or len(sparse) != k:
-                raise ValueError("rejection verification needs the draft's sparse q for every token")
+                raise ValueError(
+                    "rejection verification needs the draft's sparse q for every token"
+                )
             return self._rejection(rows, history, draft, sparse)
         ctx = list(history)
         for i, d in enumerate(draft):
@@ -70,16 +77,21 @@ class Verifier:
             ctx.append(d)
         return Verdict(k, self.sample(rows[k], ctx))
 
-    def _rejection(self, rows: np.ndarray, history: Sequence[int], draft: Sequence[int],
-                   sparse: Sequence[SparseDraft]) -> Verdict:
+    def _rejection(
+        self,
+        rows: np.ndarray,
+        history: Sequence[int],
+        draft: Sequence[int],
+        sparse: Sequence[SparseDraft],
+    ) -> Verdict:
         params, ctx = self.params, list(history)
         for i, (x, q) in enumerate(zip(draft, sparse, strict=True)):
             pos = len(ctx)
             c = sampling.candidates(rows[i], params, sampling.recent_window(ctx, params))
-            p = c.probs()                                   # (n,) target probs over c.ids
+            p = c.probs()  # (n,) target probs over c.ids
             p_x = _prob_of(c.ids, p, x)
             q_x = _prob_of(q.ids, q.probs.astype(np.float64), x)
-            if q_x <= 0.0:                                  # a token q could not have drawn
+            if q_x <= 0.0:  # a token q could not have drawn
                 return Verdict(i, _residual_sample(c.ids, p, q, params.seed, pos))
             if rng.scalar(params.seed, rng.ACCEPT, pos) * q_x < p_x:
                 ctx.append(x)
@@ -95,15 +107,15 @@ def _prob_of(ids: np.ndarray, probs: np.ndarray, token: int) -> float:
 
 def _residual_sample(ids: np.ndarray, p: np.ndarray, q: SparseDraft, seed: int, pos: int) -> int:
     """Sample norm(max(0, p - q)) over the target's candidates. ids, p: (n,)."""
-    q_on_p = np.zeros_like(p)                               # (n,) q evaluated at ids
+    q_on_p = np.zeros_like(p)  # (n,) q evaluated at ids
     where = {int(t): j for j, t in enumerate(ids)}
     for t, qv in zip(q.ids.tolist(), q.probs.tolist(), strict=True):
         j = where.get(t)
         if j is not None:
             q_on_p[j] = qv
-    r = np.maximum(p - q_on_p, 0.0)                         # (n,) residual mass
+    r = np.maximum(p - q_on_p, 0.0)  # (n,) residual mass
     total = r.sum()
-    if total <= 0.0:                                        # p == q up to rounding
+    if total <= 0.0:  # p == q up to rounding
         r, total = p, p.sum()
     cdf = np.cumsum(r)
     u = rng.scalar(seed, rng.RESIDUAL, pos) * total

@@ -216,6 +216,68 @@ def test_sampling_and_mode_from_the_wire_are_checked() -> None:
     assert s == protocol.sampling_from_pb(protocol.sampling_to_pb(s))   # float32 fixed point
 
 
+# ============================================================================ authentication
+# First among the tests that load models: the shared node is not started yet, so these
+# nodes never run beside it.
+
+
+def test_token_authentication(target, tmp_path) -> None:
+    """A node started with --token: a target with the wrong token or none is refused at the
+    handshake (UNAUTHENTICATED, and the node logs 'refused connection'), a Session without
+    the token is refused too, and the right token drafts normally."""
+    with node_process(tmp_path, ["--token", "secret"], name="token") as n:
+        for token in ("wrong", None):
+            link = target.link(n.url, LinkSettings(token=token))
+            with pytest.raises(LinkError, match="UNAUTHENTICATED"):
+                asyncio.run(link.connect())
+            assert not link.up
+        wait_for(lambda: n.log().count("refused connection") >= 2, 10, "the node's log lines")
+        assert "wrong token" in n.log() and "missing token" in n.log()
+        with grpc.insecure_channel(n.url) as channel:
+            s = RawSession(pbg.DraftNodeStub(channel))
+            s.send(open=_sync_open(target.tokens(CODE)))
+            with pytest.raises(grpc.RpcError) as e:
+                list(s.call)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            s.close()
+        rd = target.drafter(n.url, pipelined=False, settings=LinkSettings(token="secret"))
+        try:
+            g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
+            assert run_to_end(g) == ref(target, GREEDY, 12)
+            assert g.stats.draft_n_accepted > 0 and rd.links[0].up
+        finally:
+            rd.close()
+
+
+def test_tls_and_mutual_tls(target, tmp_path) -> None:
+    """A TLS node refuses a plain-text target and serves one that trusts its CA; with
+    --tls-client-ca it also refuses targets without a client certificate or with one from
+    another CA, and drafts for one whose certificate its CA signed."""
+    c = make_certs(tmp_path)
+    tls = ["--tls-cert", c["server_cert"], "--tls-key", c["server_key"]]
+    with node_process(tmp_path, tls, name="tls") as n:
+        with pytest.raises(LinkError):
+            asyncio.run(target.link(n.url, LinkSettings(connect_timeout_s=2)).connect())
+        link = target.link(n.url, LinkSettings(tls_ca=c["ca"]))
+        asyncio.run(link.connect())
+        assert link.up and link.hello.vocab_fingerprint == target.fingerprint
+    with node_process(tmp_path, [*tls, "--tls-client-ca", c["ca"]], name="mtls") as n:
+        for settings in (LinkSettings(connect_timeout_s=2),
+                         LinkSettings(tls_ca=c["ca"], connect_timeout_s=2),
+                         LinkSettings(tls_ca=c["ca"], tls_cert=c["rogue_client_cert"],
+                                      tls_key=c["rogue_client_key"], connect_timeout_s=2)):
+            with pytest.raises(LinkError):
+                asyncio.run(target.link(n.url, settings).connect())
+        good = LinkSettings(tls_ca=c["ca"], tls_cert=c["client_cert"], tls_key=c["client_key"])
+        rd = target.drafter(n.url, pipelined=True, settings=good)
+        try:
+            g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
+            assert run_to_end(g) == ref(target, GREEDY, 12)
+            assert g.stats.draft_n_accepted > 0 and rd.links[0].up
+        finally:
+            rd.close()
+
+
 # ============================================================================ invariance
 
 RUNS = [(1, 0.01), (4, 0.0), (16, 0.01)]     # (draft length, one-way delay): both RTTs
@@ -298,16 +360,18 @@ def test_node_killed_mid_generation_then_restarted(target, node, pipelined) -> N
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 def test_stalled_node_costs_at_most_one_deadline(target, node, pipelined) -> None:
     """The link goes silent (blackhole) mid-generation: the request completes with the same
-    tokens; pipelined rounds never wait, synchronous ones wait for one sync_timeout_s
-    deadline and then stop waiting (not one deadline per round)."""
+    tokens; pipelined rounds never wait (not even one deadline), synchronous ones wait for
+    one sync_timeout_s deadline and then stop waiting (not one deadline per round)."""
     prompt, n = target.tokens(CODE), 24
     want = ref(target, GREEDY, n)
+    deadline_ms = 1000 if pipelined else 300
     with LinkEmulator("127.0.0.1", node.port) as emu:
-        rd = target.drafter(f"127.0.0.1:{emu.port}", pipelined=pipelined, sync_timeout_s=0.3)
+        rd = target.drafter(f"127.0.0.1:{emu.port}", pipelined=pipelined,
+                            sync_timeout_s=deadline_ms / 1000)
         state: dict = {}
 
         def on_step(g) -> None:
-            if "at" not in state and len(g.tokens) >= 5 and g.stats.draft_n > 0:
+            if "at" not in state and len(g.tokens) >= 4 and rd.counters["chunks"] > 0:
                 emu.blackhole = True
                 state.update(at=len(g.tokens), rounds=g.stats.rounds,
                              wait_ms=rd.counters["wait_ms"])
@@ -317,12 +381,13 @@ def test_stalled_node_costs_at_most_one_deadline(target, node, pipelined) -> Non
             assert "at" in state, "the link was never stalled"
             rounds_stalled = g.stats.rounds - state["rounds"]
             waited_ms = rd.counters["wait_ms"] - state["wait_ms"]
-            assert rounds_stalled >= 8
+            assert rounds_stalled >= 5, state
+            detail = f"{waited_ms:.0f} ms waited over {rounds_stalled} stalled rounds"
             if pipelined:
-                assert waited_ms < 250, waited_ms
+                assert waited_ms < deadline_ms, detail
             else:
-                assert rd.counters["sync_timeouts"] >= 1
-                assert waited_ms < 300 * 4, waited_ms      # one per round would be >= 2400
+                assert rd.counters["sync_timeouts"] >= 1, detail
+                assert waited_ms < deadline_ms * min(4, rounds_stalled - 1), detail
         finally:
             emu.blackhole = False
             rd.close()
@@ -510,8 +575,9 @@ class RawSession:
 
 
 def _sync_open(history: list[int], want: int = 2, **kw) -> pb.Open:
-    return pb.Open(history=history, sampling=protocol.sampling_to_pb(GREEDY),
-                   mode=pb.VERIFY_GREEDY, pipelined=False, lookahead=8, want=want, **kw)
+    kw = {"mode": pb.VERIFY_GREEDY, "lookahead": 8, **kw}
+    return pb.Open(history=history, sampling=protocol.sampling_to_pb(GREEDY), pipelined=False,
+                   want=want, **kw)
 
 
 def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node) -> None:
@@ -536,6 +602,7 @@ def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node
         (pb.Verdict(position=p, accepted=1, tokens=[1], gen=4, want=2), "of gen 4"),
         (pb.Verdict(position=p, accepted=0, tokens=[target.n_vocab], want=2), "verdict: token"),
         (pb.Verdict(position=p, accepted=0, tokens=[1] * 2000, want=2), "past the node's"),
+        (pb.Verdict(position=p, accepted=0, tokens=[1], want=10**6), "want 1000000 above 256"),
     ]
     with grpc.insecure_channel(node.url) as channel:
         stub = pbg.DraftNodeStub(channel)
@@ -587,66 +654,6 @@ def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node
         assert sum(len(c.tokens) for c in fresh) == 3
         s.close()
     assert node.alive
-
-
-# ============================================================================ authentication
-
-
-def test_token_authentication(target, tmp_path) -> None:
-    """A node started with --token: a target with the wrong token or none is refused at the
-    handshake (UNAUTHENTICATED, and the node logs 'refused connection'), a Session without
-    the token is refused too, and the right token drafts normally."""
-    with node_process(tmp_path, ["--token", "secret"], name="token") as n:
-        for token in ("wrong", None):
-            link = target.link(n.url, LinkSettings(token=token))
-            with pytest.raises(LinkError, match="UNAUTHENTICATED"):
-                asyncio.run(link.connect())
-            assert not link.up
-        wait_for(lambda: n.log().count("refused connection") >= 2, 10, "the node's log lines")
-        assert "wrong token" in n.log() and "missing token" in n.log()
-        with grpc.insecure_channel(n.url) as channel:
-            s = RawSession(pbg.DraftNodeStub(channel))
-            s.send(open=_sync_open(target.tokens(CODE)))
-            with pytest.raises(grpc.RpcError) as e:
-                list(s.call)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            s.close()
-        rd = target.drafter(n.url, pipelined=False, settings=LinkSettings(token="secret"))
-        try:
-            g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
-            assert run_to_end(g) == ref(target, GREEDY, 12)
-            assert g.stats.draft_n_accepted > 0 and rd.links[0].up
-        finally:
-            rd.close()
-
-
-def test_tls_and_mutual_tls(target, tmp_path) -> None:
-    """A TLS node refuses a plain-text target and serves one that trusts its CA; with
-    --tls-client-ca it also refuses targets without a client certificate or with one from
-    another CA, and drafts for one whose certificate its CA signed."""
-    c = make_certs(tmp_path)
-    tls = ["--tls-cert", c["server_cert"], "--tls-key", c["server_key"]]
-    with node_process(tmp_path, tls, name="tls") as n:
-        with pytest.raises(LinkError):
-            asyncio.run(target.link(n.url, LinkSettings(connect_timeout_s=2)).connect())
-        link = target.link(n.url, LinkSettings(tls_ca=c["ca"]))
-        asyncio.run(link.connect())
-        assert link.up and link.hello.vocab_fingerprint == target.fingerprint
-    with node_process(tmp_path, [*tls, "--tls-client-ca", c["ca"]], name="mtls") as n:
-        for settings in (LinkSettings(connect_timeout_s=2),
-                         LinkSettings(tls_ca=c["ca"], connect_timeout_s=2),
-                         LinkSettings(tls_ca=c["ca"], tls_cert=c["rogue_client_cert"],
-                                      tls_key=c["rogue_client_key"], connect_timeout_s=2)):
-            with pytest.raises(LinkError):
-                asyncio.run(target.link(n.url, settings).connect())
-        good = LinkSettings(tls_ca=c["ca"], tls_cert=c["client_cert"], tls_key=c["client_key"])
-        rd = target.drafter(n.url, pipelined=True, settings=good)
-        try:
-            g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
-            assert run_to_end(g) == ref(target, GREEDY, 12)
-            assert g.stats.draft_n_accepted > 0 and rd.links[0].up
-        finally:
-            rd.close()
 
 
 # ============================================================================ sessions

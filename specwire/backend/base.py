@@ -17,7 +17,7 @@ class BackendError(RuntimeError):
 
 
 class Backend(Protocol):
-    name: str          # file name, for messages and /v1/models
+    name: str  # file name, for messages and /v1/models
     n_vocab: int
     n_ctx: int
 
@@ -39,7 +39,9 @@ class Backend(Protocol):
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the KV cache (rollback after a rejection)."""
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]: ...
 
     def detokenize(self, tokens: Sequence[int]) -> bytes: ...
 

@@ -12,6 +12,7 @@ contexts, e.g. one per sequence on a draft node.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -32,8 +33,17 @@ except ImportError as e:  # pragma: no cover - the package is a hard dependency
 
 log = logging.getLogger(__name__)
 
-_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
-               "iq4_nl": 20, "bf16": 30}
+_GGML_TYPES = {
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "iq4_nl": 20,
+    "bf16": 30,
+}
 _init_lock = threading.Lock()
 _initialised = False
 
@@ -42,7 +52,9 @@ _initialised = False
 def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     # ggml levels: 2 info, 3 warn, 4 error, 5 continuation. llama.cpp is chatty; keep problems.
     if level in (3, 4) and text:
-        log.log(logging.ERROR if level >= 4 else logging.DEBUG, text.decode(errors="replace").rstrip())
+        log.log(
+            logging.ERROR if level >= 4 else logging.DEBUG, text.decode(errors="replace").rstrip()
+        )
 
 
 def _init() -> None:
@@ -98,10 +110,12 @@ class Model:
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
                 n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            p = self._pieces[token] = buf.raw[:max(n, 0)]
+            p = self._pieces[token] = buf.raw[: max(n, 0)]
         return p
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         data = text.encode("utf-8")
         cap = len(data) + 8
         buf = (C.llama_token * cap)()
@@ -171,15 +185,19 @@ class LlamaBackend:
         cp.n_threads_batch = params.n_threads_batch or params.n_threads
         cp.type_k = _GGML_TYPES[params.type_k]
         cp.type_v = _GGML_TYPES[params.type_v]
-        cp.flash_attn_type = (C.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn
-                              else C.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        cp.flash_attn_type = (
+            C.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if params.flash_attn
+            else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         cp.no_perf = True
         # Rolling back a sliding-window cache is only exact when it keeps every position.
         cp.swa_full = True
         self.ctx = C.llama_init_from_model(self.model.ptr, cp)
         if not self.ctx:
-            raise BackendError(f"llama.cpp could not create a context (-c {params.n_ctx}) "
-                               f"for {params.path}")
+            raise BackendError(
+                f"llama.cpp could not create a context (-c {params.n_ctx}) for {params.path}"
+            )
         self.n_ctx = int(C.llama_n_ctx(self.ctx))
         self.mem = C.llama_get_memory(self.ctx)
         self._cap = params.n_batch
@@ -218,7 +236,7 @@ class LlamaBackend:
         done = 0
         while done < n:
             m = min(self._cap, n - done)
-            chunk = tokens[done:done + m]
+            chunk = tokens[done : done + m]
             last_chunk = done + m == n
             self._tok[:m] = chunk
             self._pos[:m] = np.arange(self.n_past, self.n_past + m)
@@ -228,9 +246,11 @@ class LlamaBackend:
             self._batch.n_tokens = m
             rc = C.llama_decode(self.ctx, self._batch)
             if rc != 0:
-                self.truncate(self.n_past)   # drop whatever the failed batch left behind
-                raise BackendError(f"llama_decode failed ({rc}) on {m} tokens at position "
-                                   f"{self.n_past} in {self.name}")
+                self.truncate(self.n_past)  # drop whatever the failed batch left behind
+                raise BackendError(
+                    f"llama_decode failed ({rc}) on {m} tokens at position "
+                    f"{self.n_past} in {self.name}"
+                )
             self._tokens.extend(chunk)
             done += m
         rows = {"all": n, "last": 1, "none": 0}[logits]
@@ -247,7 +267,9 @@ class LlamaBackend:
             n = 0
         del self._tokens[n:]
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         return self.model.tokenize(text, add_special, parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:
@@ -269,10 +291,8 @@ class LlamaBackend:
             self.ctx = None
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def check_pair(target: Model, draft: Model) -> None:
@@ -282,4 +302,5 @@ def check_pair(target: Model, draft: Model) -> None:
         raise BackendError(
             f"incompatible models: the target {target.path} (vocabulary {target.n_vocab} tokens, "
             f"fingerprint {ft}) and the draft {draft.path} (vocabulary {draft.n_vocab} tokens, "
-            f"fingerprint {fd}) do not share a tokenizer")
+            f"fingerprint {fd}) do not share a tokenizer"
+        )

@@ -89,8 +89,9 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     stream = TextStream(target.detokenize)
     for new in gen:
+        piece = stream.push(new)
         if not a.json:
-            sys.stdout.write(stream.push(new))
+            sys.stdout.write(piece)
             sys.stdout.flush()
     text = stream.text()
     st = gen.stats

@@ -105,6 +105,8 @@ class DraftSession:
         """The branch rule (see specwire.proto)."""
         if v.position != len(self.committed):
             raise ProtocolError(f"verdict at position {v.position}, expected {len(self.committed)}")
+        if v.want > 256:     # the limit check_open puts on Open.want
+            raise ProtocolError(f"verdict: want {v.want} above 256")
         a = v.accepted
         if a > self.sent or (a and v.gen != self.gen):
             raise ProtocolError(f"verdict accepts {a} tokens of gen {v.gen}; "

@@ -1,0 +1,83 @@
+"""`specwire generate` end to end, and its answers to bad input: one line, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specwire import models
+from specwire.backend.base import BackendError
+from specwire.backend.llama import check_pair, load_model
+from specwire.config import ModelParams
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specwire", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def other_vocab(tmp_path_factory) -> Path:
+    """The bundled draft with one token's text changed: same size, another tokenizer."""
+    src = models.default_draft()
+    data = bytearray(src.read_bytes())
+    at = data.find(b"<unused5>")
+    assert at > 0 and data.count(b"<unused5>") == 1
+    data[at:at + 9] = b"<unusedX>"
+    out = tmp_path_factory.mktemp("vocab") / "other-vocab.gguf"
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_generate_json_reports_llama_server_timings() -> None:
+    r = run("generate", "def add(a, b):", "-n", "12", "--temp", "0", "--json", "-c", "256")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["tokens"]) == 12 and isinstance(out["text"], str) and out["text"]
+    t = out["timings"]
+    for key in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second",
+                "draft_n", "draft_n_accepted"):
+        assert key in t, key
+    assert t["predicted_n"] == 12 and t["draft_n"] >= t["draft_n_accepted"] >= 0
+
+
+def test_generate_streams_text_then_stats() -> None:
+    r = run("generate", "def add(a, b):", "-n", "8", "--temp", "0", "--draft-ngram", "-c", "256")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    for label in ("draft_n", "draft_n_accepted", "tokens/s", "histogram"):
+        assert label in r.stderr
+
+
+def test_incompatible_pair_is_refused_naming_both_files(other_vocab: Path) -> None:
+    target = load_model(ModelParams(str(models.default_target())))
+    with pytest.raises(BackendError) as e:
+        check_pair(target, load_model(ModelParams(str(other_vocab))))
+    assert str(models.default_target()) in str(e.value) and str(other_vocab) in str(e.value)
+    r = run("generate", "x", "-n", "4", "-md", str(other_vocab), "-c", "256")
+    assert r.returncode == 2
+    assert "incompatible models" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["x", "-m", "/no/such/model.gguf"], "model file not found"),
+    (["x", "-m", "pyproject.toml"], "not a GGUF"),
+    (["x", "--temp", "-1"], "--temp"),
+    (["x", "--top-p", "1.5"], "--top-p"),
+    (["x", "--draft-max", "1000"], "--draft-max"),
+    (["x", "-n", "-3"], "-n"),
+    (["x", "-c", "256", "-n", "1000"], "exceeds the context"),
+    (["x", "--verify", "sideways"], "--verify"),
+    (["--messages", "not json"], "--messages"),
+    (["x", "--file", "/no/such/prompt.txt"], "--file"),
+    ([], "give exactly one"),
+])
+def test_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
+    r = run("generate", *args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
