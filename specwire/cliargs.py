@@ -89,9 +89,11 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
     d.add_argument("--draft-policy", choices=["fixed", "adaptive"], default="fixed")
     d.add_argument(
         "--draft-mode",
-        choices=["pipelined", "sync"],
-        default="pipelined",
-        help="remote drafting: work ahead of the verdicts, or wait for each",
+        choices=["auto", "pipelined", "sync"],
+        default="auto",
+        help="pipelined: the drafter works ahead while the target verifies; sync: each waits "
+        "for the other (llama.cpp's way). auto: pipelined for a draft node, and for a local "
+        "draft model when -t + -td fit the cores",
     )
     d.add_argument(
         "--draft-token",

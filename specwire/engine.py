@@ -77,8 +77,9 @@ class Generation:
         policy = make_policy(req.draft.policy, req.draft.n_max)
         prompt = req.prompt
         if len(prompt) + (1 if req.n_predict else 0) > target.n_ctx:
-            raise ConfigError(f"prompt: {len(prompt)} tokens do not fit the context of "
-                              f"{target.n_ctx} (-c)")
+            raise ConfigError(
+                f"prompt: {len(prompt)} tokens do not fit the context of {target.n_ctx} (-c)"
+            )
         if req.n_predict == 0:
             self.stop_type = "limit"
             return
@@ -90,6 +91,7 @@ class Generation:
             first = verifier.sample(rows[-1], prompt)
             t1 = time.perf_counter()
             st.prompt_n, st.prompt_ms = len(prompt) - kept, 1000 * (t1 - t0)
+            decode0 = getattr(target, "decode_s", 0.0)
             history = [*prompt, first]
             new = self._emit([first])
             if new:
@@ -117,7 +119,7 @@ class Generation:
                 st.verify_ms += 1000 * (tc - tb)
                 st.record_round(len(draft), verdict.accepted)
                 policy.observe(len(draft), verdict.accepted, tb - ta, tc - tb)
-                appended = [*draft.tokens[:verdict.accepted], verdict.token]
+                appended = [*draft.tokens[: verdict.accepted], verdict.token]
                 new = self._emit(appended)
                 history.extend(new)
                 if new:
@@ -126,6 +128,7 @@ class Generation:
                     drafter.learn(history, verdict.accepted, len(appended))
             st.predicted_n = len(self.tokens)
             st.predicted_ms = 1000 * (time.perf_counter() - t1)
+            st.target_decode_ms = 1000 * (getattr(target, "decode_s", 0.0) - decode0)
         finally:
             st.drafter = drafter.stats()
             drafter.end()

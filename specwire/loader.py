@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from specwire.backend.base import BackendError
 from specwire.cliargs import CliError, draft_model_params, target_params
@@ -54,8 +55,21 @@ def build_drafter(a: argparse.Namespace, target, check_pair, load_model) -> Draf
         from specwire.wire.client import make_remote_drafter
         return make_remote_drafter(urls, a, target)
     from specwire.backend.llama import LlamaBackend
-    from specwire.drafters.model import ModelDrafter
     dparams = draft_model_params(a, resolve_draft(a.model_draft))
     dmodel = load_model(dparams)
     check_pair(target.model, dmodel)
-    return ModelDrafter(LlamaBackend(dparams, dmodel))
+    backend = LlamaBackend(dparams, dmodel)
+    if local_mode(a) == "pipelined":
+        from specwire.drafters.threaded import ThreadedDrafter
+        return ThreadedDrafter(backend)
+    from specwire.drafters.model import ModelDrafter
+    return ModelDrafter(backend)
+
+
+def local_mode(a: argparse.Namespace) -> str:
+    """A local draft works ahead on its own thread only when a core is free for it."""
+    mode = getattr(a, "draft_mode", "auto")
+    if mode != "auto":
+        return mode
+    cores = os.cpu_count() or 1
+    return "pipelined" if a.threads + a.threads_draft <= cores else "sync"

@@ -16,6 +16,7 @@ class Stats:
     rounds: int = 0
     draft_ms: float = 0.0  # time the engine spent waiting on the drafter
     verify_ms: float = 0.0  # target evaluation and verification
+    target_decode_ms: float = 0.0  # of which inside the target's llama_decode
     #: accepted-length histogram: hist[n] = rounds that kept n draft tokens.
     hist: list[int] = field(default_factory=list)
     #: by_position[i] = [drafted, accepted] at draft position i.
@@ -81,5 +82,6 @@ class Stats:
             "by_position": [list(x) for x in self.by_position],
             "draft_ms": round(self.draft_ms, 3),
             "verify_ms": round(self.verify_ms, 3),
+            "target_decode_ms": round(self.target_decode_ms, 3),
             "drafter": dict(self.drafter),
         }

@@ -246,7 +246,8 @@ def test_plots_are_written(tmp_path: Path) -> None:
 def test_bench_flags_quick_lists_and_errors(tmp_path: Path) -> None:
     a = _parse(bench_cmd, ["bench", "--quick", "--out", str(tmp_path)])
     s = bench_cmd.settings_from_args(a)
-    assert (s.prompts, s.limit, s.n_predict, s.modes) == ("code", 6, 64, ["plain", "local"])
+    quick = ("code", 6, 64, ["plain", "local", "local-pipelined"])
+    assert (s.prompts, s.limit, s.n_predict, s.modes) == quick
     assert a.temp == 0.0 and a.threads == 1 and a.threads_draft == 1
     a = _parse(bench_cmd, ["bench", "--quick", "-n", "16", "--modes", "ngram,remote-sync",
                            "--rtt", "0.2ms,2,20ms", "--bandwidth", "1gbit,inf",

@@ -1,7 +1,8 @@
 """The invariance contract on the real bundled models: a draft never changes the output.
 
 Greedy and seeded sampling must give the target's own tokens, token for token,
-whatever the drafter (the target itself, another quant, n-gram, random tokens)
+whatever the drafter (the target itself, another quant, the same quant drafting on
+its own thread while the target verifies, n-gram, random tokens)
 and whatever the draft length. llama.cpp does not promise bit-identical logits
 across batch sizes; if a near-tie ever flips a token between a batched
 verification and plain decoding, `explain_mismatch` prints both logit rows'
@@ -17,9 +18,10 @@ import pytest
 from specwire import models
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import DraftParams, ModelParams, SamplingParams
-from specwire.drafters.base import Draft
 from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram import NgramDrafter
+from specwire.drafters.random import RandomDrafter
+from specwire.drafters.threaded import ThreadedDrafter
 from specwire.engine import Engine, Request
 
 PROMPTS = {
@@ -31,30 +33,6 @@ N_PREDICT = 24
 DRAFT_LENGTHS = (1, 2, 4, 8, 16)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=1234)
 GREEDY = SamplingParams(temperature=0.0)
-
-
-class RandomDrafter:
-    """Proposes uniformly random tokens: nothing should ever be accepted."""
-
-    name = "random"
-
-    def __init__(self, n_vocab: int, seed: int = 0) -> None:
-        self.n_vocab, self.rng = n_vocab, np.random.default_rng(seed)
-
-    def begin(self, prompt, sampling, params) -> None:
-        pass
-
-    def propose(self, history, max_n: int) -> Draft:
-        return Draft([int(t) for t in self.rng.integers(0, self.n_vocab, max_n)])
-
-    def learn(self, history, accepted: int, appended: int) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +49,7 @@ def drafters(target):
         "self": ModelDrafter(LlamaBackend(target.params, target.model)),
         "q2k": ModelDrafter(ctx(str(models.default_draft()))),
         "q4km": ModelDrafter(ctx(str(models.ensure_model("base")))),
+        "threaded": ThreadedDrafter(ctx(str(models.default_draft()))),
         "ngram": NgramDrafter(),
         "random": RandomDrafter(target.n_vocab),
     }
@@ -111,7 +90,7 @@ def explain_mismatch(target, prompt: str, ref: list[int], got: list[int]) -> str
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("drafter", ["self", "q2k", "q4km", "ngram", "random"])
+@pytest.mark.parametrize("drafter", ["self", "q2k", "q4km", "threaded", "ngram", "random"])
 def test_same_tokens_for_every_draft_length(target, drafters, plain, drafter, prompt, sampling):
     ref = plain[(prompt, sampling.temperature)]
     assert len(ref) == N_PREDICT

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -210,6 +211,7 @@ class LlamaBackend:
             self._batch.seq_id[i][0] = 0
         self._nseq[:] = 1
         self._tokens: list[int] = []
+        self.decode_s = 0.0          # time inside llama_decode, to measure our own overhead
 
     # -- the Backend protocol ------------------------------------------------
 
@@ -244,7 +246,9 @@ class LlamaBackend:
             if logits == "last" and last_chunk:
                 self._out[m - 1] = 1
             self._batch.n_tokens = m
+            t0 = time.perf_counter()
             rc = C.llama_decode(self.ctx, self._batch)
+            self.decode_s += time.perf_counter() - t0
             if rc != 0:
                 self.truncate(self.n_past)  # drop whatever the failed batch left behind
                 raise BackendError(

@@ -1,8 +1,10 @@
 """The drafter behind each benchmark mode, and what it needs around it.
 
 plain             no drafter (the reference every speedup is measured against)
-local             the draft model in this process
+local             the draft model in this process, alternating with the target (llama.cpp's way)
+local-pipelined   the draft model on a thread of this process, drafting while the target verifies
 ngram             prompt lookup, no model
+random            uniformly random tokens: the cost of a useless drafter
 remote-sync       a draft node in its own process, over an emulated link, each side waiting
 remote-pipelined  the same node, drafting ahead of the verdicts
 llama-server      an unmodified llama-server (--llama-server URL), over an emulated link
@@ -33,10 +35,11 @@ from specwire.bench.runner import Config
 from specwire.cliargs import CliError, draft_model_params
 from specwire.netemu import LinkEmulator
 
-MODES = ("plain", "local", "remote-sync", "remote-pipelined", "ngram", "llama-server")
+MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
+         "random", "llama-server")
 REMOTE_MODES = ("remote-sync", "remote-pipelined", "llama-server")
 #: Modes that run the draft model (and so need its speed for the plan prediction).
-MODEL_MODES = ("local", "remote-sync", "remote-pipelined")
+MODEL_MODES = ("local", "local-pipelined", "remote-sync", "remote-pipelined")
 NODE_START_TIMEOUT_S = 180.0
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
@@ -162,8 +165,12 @@ class Drafters:
     @contextlib.contextmanager
     def build(self, cfg: Config) -> Iterator[tuple[Any, LinkEmulator | None]]:
         """(drafter, emulator or None) for one configuration; remote ones closed after."""
-        if cfg.mode in ("plain", "local", "ngram"):
-            yield self._in_process(cfg.mode), None
+        if cfg.mode in ("plain", "local", "local-pipelined", "ngram", "random"):
+            drafter = self._in_process(cfg.mode)
+            try:
+                yield drafter, None
+            finally:
+                drafter.end()
             return
         emu = self._emulator(cfg.mode)
         emu.one_way_s = (cfg.rtt_s or 0.0) / 2
@@ -182,9 +189,15 @@ class Drafters:
         if mode == "local":
             from specwire.drafters.model import ModelDrafter
             return ModelDrafter(self.draft_backend())
+        if mode == "local-pipelined":
+            from specwire.drafters.threaded import ThreadedDrafter
+            return ThreadedDrafter(self.draft_backend())
         if mode == "ngram":
             from specwire.drafters.ngram import NgramDrafter
             return NgramDrafter()
+        if mode == "random":
+            from specwire.drafters.random import RandomDrafter
+            return RandomDrafter(self.target.n_vocab)
         from specwire.drafters.base import NoDrafter
         return NoDrafter()
 

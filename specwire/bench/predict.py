@@ -27,7 +27,7 @@ models its draftless rounds (the "race" after a miss), so f is not applied.
 
 Mode mapping: local and ngram are plan's `local` (an n-gram's "draft speed"
 is its measured lookup time per token), remote-sync and llama-server are
-`synchronous`, remote-pipelined is `pipelined`.
+`synchronous`, remote-pipelined and local-pipelined (a link of no delay) are `pipelined`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ from specwire.policy import expected_tokens
 RATE_BY_MODE: dict[str, tuple[str, RateFn]] = {
     "local": ("local", local_rate),
     "ngram": ("local", local_rate),
+    "random": ("local", local_rate),
     "remote-sync": ("synchronous", sync_rate),
     "llama-server": ("synchronous", sync_rate),
+    "local-pipelined": ("pipelined", pipelined_rate),
     "remote-pipelined": ("pipelined", pipelined_rate),
 }
 #: Stand-in speed for a drafter whose drafting took no measurable time.

@@ -24,7 +24,7 @@ from specwire.cliargs import (
 )
 from specwire.netemu import parse_bandwidth, parse_duration
 
-QUICK = {"prompts": "code", "limit": 6, "n_predict": 64, "modes": "plain,local"}
+QUICK = {"prompts": "code", "limit": 6, "n_predict": 64, "modes": "plain,local,local-pipelined"}
 DEFAULTS = {"prompts": "code,prose,qa", "limit": None, "n_predict": None, "modes": "plain,local"}
 
 

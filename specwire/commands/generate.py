@@ -117,4 +117,15 @@ def format_stats(st, drafter: str) -> str:
         f"draft_n_accepted {st.draft_n_accepted} ({100 * st.acceptance:.1f}%)",
         f"rounds           {st.rounds}, mean accepted length {st.mean_accepted:.2f}",
         f"accepted-length histogram  {hist or '-'}",
+        *overhead_line(st),
     ])
+
+
+def overhead_line(st) -> list[str]:
+    """Share of decoding time spent outside llama.cpp, where target and draft alternate."""
+    if "decode_ms" not in st.drafter and st.draft_n:
+        return []          # the draft runs on its own thread or machine: not additive
+    inside = st.target_decode_ms + st.drafter.get("decode_ms", 0.0)
+    if st.predicted_ms <= 0 or inside <= 0:
+        return []
+    return [f"outside llama.cpp {100 * (1 - inside / st.predicted_ms):.1f}% of decoding time"]

@@ -30,9 +30,12 @@ class ModelDrafter:
         self.sampling = SamplingParams(temperature=0.0)
         self.params = DraftParams()
         self._drafted = 0
+        self._decode0 = 0.0
 
     def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams) -> None:
         self.sampling, self.params = sampling_, params
+        self._drafted = 0
+        self._decode0 = getattr(self.backend, "decode_s", 0.0)
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         return self.draft_from(history, max_n)
@@ -80,4 +83,6 @@ class ModelDrafter:
         pass
 
     def stats(self) -> dict[str, float]:
-        return {"drafted": float(self._drafted)}
+        """Counters since begin(): tokens drafted, ms inside the draft's llama_decode."""
+        decode_ms = 1000 * (getattr(self.backend, "decode_s", 0.0) - self._decode0)
+        return {"drafted": float(self._drafted), "decode_ms": decode_ms}

@@ -55,7 +55,7 @@ class NgramDrafter:
         for end in range(max(common, 1), len(history)):
             for n in range(self.n_min, self.n_max + 1):
                 if end - n >= 0:
-                    self._index[tuple(history[end - n:end])] = end
+                    self._index[tuple(history[end - n : end])] = end
         self._seen = list(history[:-1]) if len(history) > 1 else []
         # The n-grams ending at the last token are indexed on the next call, so
         # a lookup never finds the suffix itself.
@@ -65,14 +65,16 @@ class NgramDrafter:
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(history) < n:
                 continue
-            start = self._index.get(tuple(history[len(history) - n:]))
+            start = self._index.get(tuple(history[len(history) - n :]))
             if start is not None:
-                tokens = list(history[start:start + max_n])
+                tokens = list(history[start : start + max_n])
                 self._drafted += len(tokens)
                 if self._point_q:
                     one = np.ones(1, dtype=np.float32)
-                    return Draft(tokens, [SparseDraft(t, np.array([t], dtype=np.int64), one.copy())
-                                          for t in tokens])
+                    return Draft(
+                        tokens,
+                        [SparseDraft(t, np.array([t], dtype=np.int64), one.copy()) for t in tokens],
+                    )
                 return Draft(tokens)
         return Draft()
 

@@ -38,8 +38,9 @@ class LinkSettings:
 class Link:
     """A channel to one draft node, with exponential backoff after failures."""
 
-    def __init__(self, url: str, settings: LinkSettings, fingerprint: str, n_vocab: int,
-                 target_name: str) -> None:
+    def __init__(
+        self, url: str, settings: LinkSettings, fingerprint: str, n_vocab: int, target_name: str
+    ) -> None:
         self.url = url.removeprefix("grpc://")
         if ":" not in self.url:
             raise LinkError(f"--draft-url {url}: expected HOST:PORT")
@@ -66,19 +67,22 @@ class Link:
         return self.up or time.monotonic() >= self.retry_at
 
     def _make_channel(self) -> grpc.aio.Channel:
-        opts = [("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
-                ("grpc.enable_retries", 0),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000)]
+        opts = [
+            ("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
+            ("grpc.enable_retries", 0),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         s = self.settings
         if not s.tls_ca:
             return grpc.aio.insecure_channel(self.url, options=opts)
         ca = _read(s.tls_ca)
         cert = _read(s.tls_cert) if s.tls_cert else None
         key = _read(s.tls_key) if s.tls_key else None
-        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
-                                             certificate_chain=cert)
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        )
         return grpc.aio.secure_channel(self.url, creds, options=opts)
 
     async def connect(self) -> None:
@@ -88,31 +92,40 @@ class Link:
         if self.channel is None:
             self.channel = self._make_channel()
             self.stub = pbg.DraftNodeStub(self.channel)
-        req = pb.HelloRequest(protocol_version=protocol.PROTOCOL_VERSION,
-                              vocab_fingerprint=self.fingerprint, n_vocab=self.n_vocab,
-                              target_model=self.target_name)
+        req = pb.HelloRequest(
+            protocol_version=protocol.PROTOCOL_VERSION,
+            vocab_fingerprint=self.fingerprint,
+            n_vocab=self.n_vocab,
+            target_model=self.target_name,
+        )
         t0 = time.perf_counter()
         try:
-            reply = await self.stub.Hello(req, timeout=self.settings.connect_timeout_s,
-                                          metadata=self.metadata())
+            reply = await self.stub.Hello(
+                req, timeout=self.settings.connect_timeout_s, metadata=self.metadata()
+            )
         except grpc.aio.AioRpcError as e:
             self.failed(f"{e.code().name}: {e.details()}")
             raise LinkError(self.last_error) from None
         self.rtt_s = time.perf_counter() - t0
         self._check(reply)
         self.hello, self.up, self.failures = reply, True, 0
-        log.info("draft node %s: %s, handshake %.1f ms", self.url, reply.draft_model,
-                 1000 * self.rtt_s)
+        log.info(
+            "draft node %s: %s, handshake %.1f ms", self.url, reply.draft_model, 1000 * self.rtt_s
+        )
 
     def _check(self, r: pb.HelloReply) -> None:
         if r.protocol_version != protocol.PROTOCOL_VERSION:
-            self._refuse(f"incompatible draft node {self.url}: protocol {r.protocol_version}, "
-                         f"this target speaks {protocol.PROTOCOL_VERSION}")
+            self._refuse(
+                f"incompatible draft node {self.url}: protocol {r.protocol_version}, "
+                f"this target speaks {protocol.PROTOCOL_VERSION}"
+            )
         if r.vocab_fingerprint != self.fingerprint or r.n_vocab != self.n_vocab:
-            self._refuse(f"incompatible models: the target {self.target_name} (vocabulary "
-                         f"{self.n_vocab} tokens, fingerprint {self.fingerprint}) and the draft "
-                         f"{r.draft_model} at {self.url} (vocabulary {r.n_vocab} tokens, "
-                         f"fingerprint {r.vocab_fingerprint}) do not share a tokenizer")
+            self._refuse(
+                f"incompatible models: the target {self.target_name} (vocabulary "
+                f"{self.n_vocab} tokens, fingerprint {self.fingerprint}) and the draft "
+                f"{r.draft_model} at {self.url} (vocabulary {r.n_vocab} tokens, "
+                f"fingerprint {r.vocab_fingerprint}) do not share a tokenizer"
+            )
 
     def _refuse(self, msg: str) -> None:
         self.failed(msg, backoff_s=3600.0)

@@ -43,9 +43,18 @@ class LlamaServerDrafter:
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         if time.monotonic() < self._retry_at or max_n <= 0:
             return Draft()
-        body = json.dumps({"prompt": list(history), "n_predict": max_n, "temperature": 0.0,
-                           "top_k": 1, "cache_prompt": True, "return_tokens": True,
-                           "stream": False, "samplers": ["top_k"]}).encode()
+        body = json.dumps(
+            {
+                "prompt": list(history),
+                "n_predict": max_n,
+                "temperature": 0.0,
+                "top_k": 1,
+                "cache_prompt": True,
+                "return_tokens": True,
+                "stream": False,
+                "samplers": ["top_k"],
+            }
+        ).encode()
         t0 = time.perf_counter()
         try:
             tokens = self._post(body)

@@ -33,7 +33,7 @@ class NodeSettings:
     token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    tls_client_ca: str | None = None     # mutual TLS: require client certificates from this CA
+    tls_client_ca: str | None = None  # mutual TLS: require client certificates from this CA
     max_sessions: int = 8
 
 
@@ -51,27 +51,38 @@ class DraftNodeService(pbg.DraftNodeServicer):
         meta = dict(context.invocation_metadata() or ())
         got = meta.get(protocol.AUTH_HEADER, "")
         if not hmac.compare_digest(got.encode(), f"Bearer {want}".encode()):
-            log.warning("refused connection from %s: %s", context.peer(),
-                        "missing token" if not got else "wrong token")
+            log.warning(
+                "refused connection from %s: %s",
+                context.peer(),
+                "missing token" if not got else "wrong token",
+            )
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "draft node: bad or missing token")
 
     async def Hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:  # noqa: N802
         await self._authorize(context)
         if request.protocol_version != protocol.PROTOCOL_VERSION:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"protocol version {request.protocol_version} not supported "
-                                f"(this node speaks {protocol.PROTOCOL_VERSION})")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol version {request.protocol_version} not supported "
+                f"(this node speaks {protocol.PROTOCOL_VERSION})",
+            )
         return pb.HelloReply(
             protocol_version=protocol.PROTOCOL_VERSION,
-            vocab_fingerprint=self.model.fingerprint(), n_vocab=self.model.n_vocab,
-            draft_model=self.model.name, modes=["greedy", "coupled", "rejection"],
-            n_ctx=self.settings.model.n_ctx, max_sessions=self.settings.max_sessions)
+            vocab_fingerprint=self.model.fingerprint(),
+            n_vocab=self.model.n_vocab,
+            draft_model=self.model.name,
+            modes=["greedy", "coupled", "rejection"],
+            n_ctx=self.settings.model.n_ctx,
+            max_sessions=self.settings.max_sessions,
+        )
 
     async def Session(self, request_iterator, context):  # noqa: N802
         await self._authorize(context)
         if self._sem.locked():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"draft node busy: {self.settings.max_sessions} sessions open")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"draft node busy: {self.settings.max_sessions} sessions open",
+            )
         async with self._sem:
             self.sessions_open += 1
             self.sessions_total += 1
@@ -144,30 +155,38 @@ def _credentials(s: NodeSettings) -> grpc.ServerCredentials | None:
     if s.tls_client_ca:
         with open(s.tls_client_ca, "rb") as f:
             ca = f.read()
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                       require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 async def serve(settings: NodeSettings, ready: asyncio.Event | None = None) -> None:
     """Run a draft node until cancelled."""
     model = load_model(settings.model)
-    model.fingerprint()                      # computed once, before the first Hello
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),
-    ])
+    model.fingerprint()  # computed once, before the first Hello
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
     service = DraftNodeService(settings, model)
     pbg.add_DraftNodeServicer_to_server(service, server)
     address = f"{settings.host}:{settings.port}"
     creds = _credentials(settings)
-    port = (server.add_secure_port(address, creds) if creds
-            else server.add_insecure_port(address))
+    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()
-    log.info("draft node serving %s on %s:%d (%s, token %s)", model.name, settings.host, port,
-             "TLS" if creds else "plain text", "required" if settings.token else "off")
+    log.info(
+        "draft node serving %s on %s:%d (%s, token %s)",
+        model.name,
+        settings.host,
+        port,
+        "TLS" if creds else "plain text",
+        "required" if settings.token else "off",
+    )
     print(f"specwire draft node listening on {settings.host}:{port}", flush=True)
     if ready is not None:
         ready.set()

@@ -18,14 +18,17 @@ from specwire.sampling import SparseDraft
 from specwire.wire import specwire_pb2 as pb
 
 PROTOCOL_VERSION = 1
-MAX_CHUNK_TOKENS = 256          # tokens in one draft chunk
-MAX_Q_K = 256                   # sparse q entries per token
-MAX_HISTORY = 1 << 20           # tokens in an Open message
+MAX_CHUNK_TOKENS = 256  # tokens in one draft chunk
+MAX_Q_K = 256  # sparse q entries per token
+MAX_HISTORY = 1 << 20  # tokens in an Open message
 MAX_MESSAGE_BYTES = 16 << 20
 AUTH_HEADER = "authorization"
 
-_MODES = {VerifyMode.GREEDY: pb.VERIFY_GREEDY, VerifyMode.COUPLED: pb.VERIFY_COUPLED,
-          VerifyMode.REJECTION: pb.VERIFY_REJECTION}
+_MODES = {
+    VerifyMode.GREEDY: pb.VERIFY_GREEDY,
+    VerifyMode.COUPLED: pb.VERIFY_COUPLED,
+    VerifyMode.REJECTION: pb.VERIFY_REJECTION,
+}
 _MODES_BACK = {v: k for k, v in _MODES.items()}
 
 
@@ -45,16 +48,29 @@ def mode_from_pb(value: int) -> VerifyMode:
 
 
 def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
-    return pb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                       repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n, seed=s.seed)
+    return pb.Sampling(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        min_p=s.min_p,
+        repeat_penalty=s.repeat_penalty,
+        repeat_last_n=s.repeat_last_n,
+        seed=s.seed,
+    )
 
 
 def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
     """float32 on the wire: round-trip through it so both ends filter identically."""
     try:
-        return SamplingParams(temperature=_f32(m.temperature), top_k=m.top_k, top_p=_f32(m.top_p),
-                              min_p=_f32(m.min_p), repeat_penalty=_f32(m.repeat_penalty),
-                              repeat_last_n=m.repeat_last_n, seed=m.seed)
+        return SamplingParams(
+            temperature=_f32(m.temperature),
+            top_k=m.top_k,
+            top_p=_f32(m.top_p),
+            min_p=_f32(m.min_p),
+            repeat_penalty=_f32(m.repeat_penalty),
+            repeat_last_n=m.repeat_last_n,
+            seed=m.seed,
+        )
     except ConfigError as e:
         raise ProtocolError(f"sampling settings: {e}") from None
 
@@ -92,8 +108,9 @@ def check_chunk(m: pb.DraftChunk, n_vocab: int, max_position: int) -> Chunk:
     if len(m.tokens) > MAX_CHUNK_TOKENS:
         raise ProtocolError(f"chunk of {len(m.tokens)} tokens (limit {MAX_CHUNK_TOKENS})")
     if m.start + len(m.tokens) > max_position:
-        raise ProtocolError(f"chunk at positions {m.start}..{m.start + len(m.tokens)} "
-                            f"beyond {max_position}")
+        raise ProtocolError(
+            f"chunk at positions {m.start}..{m.start + len(m.tokens)} beyond {max_position}"
+        )
     tokens = check_tokens(m.tokens, n_vocab, "draft chunk")
     sparse = None
     if m.q_k or m.q_ids or m.q_probs:
@@ -106,8 +123,9 @@ def _check_sparse(m: pb.DraftChunk, tokens: list[int], n_vocab: int) -> list[Spa
     if not 1 <= k <= MAX_Q_K:
         raise ProtocolError(f"q_k {k} outside 1..{MAX_Q_K}")
     if len(m.q_ids) != k * len(tokens) or len(m.q_probs) != k * len(tokens):
-        raise ProtocolError(f"q arrays of {len(m.q_ids)}/{len(m.q_probs)} entries, "
-                            f"expected {k * len(tokens)}")
+        raise ProtocolError(
+            f"q arrays of {len(m.q_ids)}/{len(m.q_probs)} entries, expected {k * len(tokens)}"
+        )
     ids = np.asarray(check_tokens(m.q_ids, n_vocab, "q_ids"), dtype=np.int64).reshape(-1, k)
     probs = np.asarray(m.q_probs, dtype=np.float32).reshape(-1, k)
     out = []
@@ -135,8 +153,9 @@ def check_open(m: pb.Open, n_vocab: int, n_ctx: int) -> None:
     if not m.history:
         raise ProtocolError("open: empty history")
     if len(m.history) > min(MAX_HISTORY, n_ctx):
-        raise ProtocolError(f"open: history of {len(m.history)} tokens exceeds the node's "
-                            f"context ({n_ctx})")
+        raise ProtocolError(
+            f"open: history of {len(m.history)} tokens exceeds the node's context ({n_ctx})"
+        )
     check_tokens(m.history, n_vocab, "open history")
     if m.lookahead > 256 or m.want > 256 or m.top_k_q > MAX_Q_K:
         raise ProtocolError("open: lookahead, want or top_k_q above 256")

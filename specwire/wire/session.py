@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 class DraftSession:
     """Drafts for one sequence; `send` is called from the drafting thread."""
 
-    def __init__(self, backend: Backend, open_msg: pb.Open,
-                 send: Callable[[pb.DraftMessage], None]) -> None:
+    def __init__(
+        self, backend: Backend, open_msg: pb.Open, send: Callable[[pb.DraftMessage], None]
+    ) -> None:
         protocol.check_open(open_msg, backend.n_vocab, backend.n_ctx)
         self.backend, self.send = backend, send
         sampling = protocol.sampling_from_pb(open_msg.sampling)
@@ -39,16 +40,17 @@ class DraftSession:
         # Pipelined drafting runs on a core the target does not use: stopping at
         # --draft-p-min would only idle it, so it applies to synchronous drafts alone.
         p_min = 0.0 if self.pipelined else open_msg.p_min
-        params = DraftParams(n_max=min(64, self.lookahead), p_min=p_min, mode=self.mode,
-                             top_k_q=self.q_k)
+        params = DraftParams(
+            n_max=min(64, self.lookahead), p_min=p_min, mode=self.mode, top_k_q=self.q_k
+        )
         self.drafter = ModelDrafter(backend)
         self.drafter.begin(open_msg.history, sampling, params)
         self.committed: list[int] = list(open_msg.history)
-        self.branch: list[int] = []     # drafted beyond `committed`, on branch `gen`
+        self.branch: list[int] = []  # drafted beyond `committed`, on branch `gen`
         self.gen = 0
-        self.sent = 0                   # branch tokens already sent
+        self.sent = 0  # branch tokens already sent
         self.budget = self.lookahead if self.pipelined else open_msg.want
-        self.stalled = False            # p_min ended the branch; wait for a verdict
+        self.stalled = False  # p_min ended the branch; wait for a verdict
         self._inbox: collections.deque[pb.Verdict] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -105,12 +107,13 @@ class DraftSession:
         """The branch rule (see specwire.proto)."""
         if v.position != len(self.committed):
             raise ProtocolError(f"verdict at position {v.position}, expected {len(self.committed)}")
-        if v.want > 256:     # the limit check_open puts on Open.want
+        if v.want > 256:  # the limit check_open puts on Open.want
             raise ProtocolError(f"verdict: want {v.want} above 256")
         a = v.accepted
         if a > self.sent or (a and v.gen != self.gen):
-            raise ProtocolError(f"verdict accepts {a} tokens of gen {v.gen}; "
-                                f"sent {self.sent} of gen {self.gen}")
+            raise ProtocolError(
+                f"verdict accepts {a} tokens of gen {v.gen}; sent {self.sent} of gen {self.gen}"
+            )
         tokens = protocol.check_tokens(v.tokens, self.backend.n_vocab, "verdict")
         if len(self.committed) + a + len(tokens) > self.backend.n_ctx:
             raise ProtocolError("verdict runs past the node's context")
@@ -125,7 +128,7 @@ class DraftSession:
         if not self.pipelined:
             self.budget = v.want
             if len(self.branch) > self.budget:
-                del self.branch[self.budget:]
+                del self.branch[self.budget :]
                 self.sent = min(self.sent, self.budget)
         self.stalled = False
 

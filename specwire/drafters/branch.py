@@ -1,0 +1,233 @@
+"""The target's side of a drafter that works ahead: on another machine, or on a thread.
+
+A draft node (specwire/wire/session.py) drafts a *branch* of tokens past the
+last verdict and streams it in chunks tagged with a branch number `gen`. This
+class keeps the newest branch and, each round, hands the engine the part that
+extends the committed history; every buffered token is checked against the
+history by content, so a stale, reordered or lying chunk can only be ignored,
+never change an output token. Subclasses say how messages travel: over gRPC
+(RemoteDrafter) or by a function call to a DraftSession in this process
+(ThreadedDrafter).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.drafters.base import Draft
+from specwire.wire import protocol
+from specwire.wire import specwire_pb2 as pb
+from specwire.wire.protocol import ProtocolError
+
+log = logging.getLogger("specwire.branch")
+
+
+class BranchDrafter:
+    """Pipelined (never waits) or synchronous (waits for `want` tokens, with a deadline)."""
+
+    name = "branch"
+
+    def __init__(
+        self, n_vocab: int, pipelined: bool = True, lookahead: int = 0, sync_timeout_s: float = 1.0
+    ) -> None:
+        self.n_vocab, self.pipelined, self.lookahead = n_vocab, pipelined, lookahead
+        self.sync_timeout_s = sync_timeout_s
+        self._cv = threading.Condition()
+        self._session = 0  # bumps at every open: older chunks are ignored
+        self._history: list[int] = []
+        self._told = 0  # committed tokens the drafter knows
+        self._sampling = SamplingParams()
+        self._params = DraftParams()
+        self._active = False
+        self._late = False  # sync mode: the drafter missed a deadline; stop waiting
+        self._want = 0
+        self._reset_buffer()
+        self.counters: dict[str, float] = {
+            "bytes_up": 0,
+            "bytes_down": 0,
+            "chunks": 0,
+            "tokens_received": 0,
+            "stale_chunks": 0,
+            "dropped_peers": 0,
+            "reconnects": 0,
+            "wait_ms": 0.0,
+            "sync_timeouts": 0,
+        }
+
+    # -- what a transport provides ------------------------------------------------
+
+    def _live(self) -> bool:
+        """A session is open and can take verdicts."""
+        raise NotImplementedError
+
+    def _post(self, msg: pb.TargetMessage) -> None:
+        """Deliver a verdict or close message to the drafter."""
+        raise NotImplementedError
+
+    def _open(self, session: int, history: list[int]) -> None:
+        """Start a session with this history; chunks come back through _on_chunk."""
+        raise NotImplementedError
+
+    def _revive(self) -> None:
+        """Called while no session is live: reconnect if it is time."""
+
+    # -- Drafter protocol (engine thread) -----------------------------------------
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        self._sampling, self._params = protocol.wire_sampling(sampling), params
+        self._history = list(prompt)
+        self._active, self._late, self._want = True, False, params.n_max
+        self._start(list(prompt))
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        self._history = history if isinstance(history, list) else list(history)
+        if not self._live():
+            self._revive()
+            return Draft()
+        self._tell(history, 0)  # tokens the drafter has not heard of (the first one)
+        deadline = None if self.pipelined or self._late else time.monotonic() + self.sync_timeout_s
+        t0 = time.perf_counter()
+        with self._cv:
+            while True:
+                draft, complete = self._usable(history, max_n)
+                if complete or deadline is None or not self._live():
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.counters["sync_timeouts"] += 1
+                    self._late = True
+                    log.warning(
+                        "drafter %s missed the %.0f ms deadline; not waiting for it "
+                        "until it catches up",
+                        self.name,
+                        1000 * self.sync_timeout_s,
+                    )
+                    break
+                self._cv.wait(left)
+        self.counters["wait_ms"] += 1000 * (time.perf_counter() - t0)
+        return draft
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        self._tell(history, accepted)
+
+    def end(self) -> None:
+        self._active = False
+        with self._cv:
+            self._session += 1
+        if self._live():
+            self._post(pb.TargetMessage(close=pb.Close()))
+        self._detach()
+
+    def stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.counters.items()}
+
+    # -- verdicts -------------------------------------------------------------------
+
+    def _tell(self, history: Sequence[int], accepted: int) -> None:
+        """Send the verdict for history[told:]: `accepted` branch tokens, then the target's own."""
+        if not self._live() or len(history) <= self._told:
+            return
+        position, self._told = self._told, len(history)
+        own = list(history[position + accepted :])
+        with self._cv:
+            self._done = False  # the drafter works again after a verdict
+            gen = max(self._gen, 0)
+        v = pb.Verdict(position=position, accepted=accepted, tokens=own, gen=gen, want=self._want)
+        self._post(pb.TargetMessage(verdict=v))
+
+    def _start(self, history: list[int]) -> None:
+        self._told = len(history)
+        with self._cv:
+            self._session += 1
+            self._reset_buffer()
+            session = self._session
+        self._detach()
+        self._open(session, history)
+
+    def _detach(self) -> None:
+        """Forget the current session (a transport may override to release it)."""
+
+    def _open_msg(self, history: list[int]) -> pb.Open:
+        p, mode = self._params, self._params.mode
+        if self._sampling.greedy:
+            mode = VerifyMode.GREEDY
+        return pb.Open(
+            history=history,
+            sampling=protocol.sampling_to_pb(self._sampling),
+            mode=protocol.mode_to_pb(mode),
+            pipelined=self.pipelined,
+            lookahead=self.lookahead or 2 * max(1, p.n_max),
+            want=self._want,
+            p_min=p.p_min,
+            top_k_q=p.top_k_q,
+        )
+
+    # -- the buffer of received draft tokens (under self._cv) ---------------------
+
+    def _reset_buffer(self) -> None:
+        self._gen = -1  # gen of the buffered branch
+        self._dead_gen = -1  # gens up to this one disagree with the history
+        self._buf_start = 0  # absolute position of _buf[0]
+        self._buf: list[int] = []
+        self._sparse: list | None = None
+        self._done = False  # the drafter stopped after _buf (p_min or budget)
+
+    def _usable(self, history: Sequence[int], max_n: int) -> tuple[Draft, bool]:
+        """Tokens of the current branch that extend history; and whether to stop waiting."""
+        n = len(history)
+        if self._gen < 0 or self._gen <= self._dead_gen:
+            return Draft(), False
+        off = n - self._buf_start
+        if off < 0:
+            return Draft(), False
+        if off > len(self._buf):  # the drafter is behind the history: wait for its next gen
+            return Draft(), self._done
+        if self._buf[:off] != list(history[self._buf_start : n]):
+            self._dead_gen = self._gen
+            return Draft(), False
+        # Trim what the history has confirmed: the check is O(new tokens) per round.
+        del self._buf[:off]
+        if self._sparse is not None:
+            del self._sparse[:off]
+        self._buf_start = n
+        tokens = self._buf[:max_n]
+        sparse = None if self._sparse is None else self._sparse[:max_n]
+        complete = len(tokens) >= min(max_n, self._want) or self._done
+        return Draft(tokens, sparse), complete
+
+    def _on_chunk(self, session: int, m: pb.DraftChunk) -> None:
+        """A chunk arrived (transport thread). Raises ProtocolError for a broken peer."""
+        c = protocol.check_chunk(
+            m, self.n_vocab, len(self._history) + 4 * protocol.MAX_CHUNK_TOKENS
+        )
+        with self._cv:
+            if session != self._session:
+                self.counters["stale_chunks"] += 1
+                return
+            self.counters["chunks"] += 1
+            self.counters["tokens_received"] += len(c.tokens)
+            if c.gen < self._gen or c.gen <= self._dead_gen:
+                self.counters["stale_chunks"] += 1
+                return
+            if c.gen > self._gen:
+                self._gen, self._buf_start, self._buf = c.gen, c.start, []
+                self._sparse = [] if c.sparse is not None else None
+            elif c.start != self._buf_start + len(self._buf):
+                raise ProtocolError(
+                    f"chunk of gen {c.gen} at {c.start}, expected "
+                    f"{self._buf_start + len(self._buf)}"
+                )
+            self._buf.extend(c.tokens)
+            if c.sparse is not None and self._sparse is not None:
+                self._sparse.extend(c.sparse)
+            self._done = c.done
+            self._late = False
+            self._cv.notify_all()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()

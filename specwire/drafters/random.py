@@ -1,0 +1,40 @@
+"""The worst drafter there is: uniformly random tokens, never accepted.
+
+Benchmarks use it to show what a useless drafter costs (the adaptive policy
+should bring that near zero); tests use it to show that a draft that is always
+wrong cannot change a single output token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specwire.config import DraftParams, SamplingParams
+from specwire.drafters.base import Draft
+
+
+class RandomDrafter:
+    name = "random"
+
+    def __init__(self, n_vocab: int, seed: int = 0) -> None:
+        self.n_vocab = n_vocab
+        self._rng = np.random.default_rng(seed)     # its own generator, never the global one
+        self._drafted = 0
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        pass
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        self._drafted += max_n
+        return Draft([int(t) for t in self._rng.integers(0, self.n_vocab, max_n)])
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {"drafted": float(self._drafted)}

@@ -1,0 +1,64 @@
+"""A draft model on its own thread in this process, working ahead like a draft node.
+
+llama.cpp's own speculative decoding alternates: draft k tokens, then verify,
+so on a machine with a spare core one core always waits. Here the draft node's
+session logic (wire/session.py) runs on a thread of this process, messages
+are passed by function call instead of gRPC, and the engine takes the branch
+through the same BranchDrafter as a remote node: the draft drafts while the
+target verifies (llama.cpp releases the GIL inside decode).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from specwire.backend.base import Backend
+from specwire.drafters.branch import BranchDrafter
+from specwire.wire import specwire_pb2 as pb
+from specwire.wire.protocol import ProtocolError
+from specwire.wire.session import DraftSession
+
+log = logging.getLogger("specwire.threaded")
+
+
+class ThreadedDrafter(BranchDrafter):
+    """A local draft model that drafts concurrently with the target's verification."""
+
+    def __init__(self, backend: Backend, pipelined: bool = True, lookahead: int = 0) -> None:
+        super().__init__(backend.n_vocab, pipelined, lookahead)
+        self.backend = backend
+        self.name = f"threaded:{backend.name}"
+        self._draft_session: DraftSession | None = None
+
+    def _live(self) -> bool:
+        s = self._draft_session
+        return s is not None and s.error is None
+
+    def _post(self, msg: pb.TargetMessage) -> None:
+        s = self._draft_session
+        if s is None:
+            return
+        if msg.WhichOneof("kind") == "verdict":
+            s.push(msg.verdict)
+        else:
+            s.close()
+
+    def _open(self, session: int, history: list[int]) -> None:
+        def deliver(m: pb.DraftMessage) -> None:
+            if m.WhichOneof("kind") == "chunk":
+                try:
+                    self._on_chunk(session, m.chunk)
+                except ProtocolError as e:   # a bug, not a peer: say so loudly
+                    log.error("threaded drafter sent a bad chunk: %s", e)
+            else:
+                log.error("threaded drafter failed: %s", m.error.message)
+                self._wake()
+
+        self._draft_session = DraftSession(self.backend, self._open_msg(history), deliver)
+        self._draft_session.start()
+
+    def _detach(self) -> None:
+        s, self._draft_session = self._draft_session, None
+        if s is not None:
+            s.close()
+            s.thread.join()
