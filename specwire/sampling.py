@@ -16,6 +16,9 @@ import numpy as np
 from specwire import rng
 from specwire.config import SamplingParams
 
+#: Candidates llama.cpp's draft sampler keeps before it applies p_min.
+P_MIN_TOP_K = 10
+
 
 @dataclass(slots=True)
 class Candidates:
@@ -100,10 +103,16 @@ def coupled(
     return int(c.ids[np.argmax(c.scaled + g)])
 
 
-def top_prob(row: np.ndarray) -> float:
-    """Probability of the most likely token at temperature 1 (for --draft-p-min)."""
-    m = float(row.max())
-    return 1.0 / float(np.exp(row - m, dtype=np.float32).sum(dtype=np.float64))
+def top_prob(row: np.ndarray, k: int = P_MIN_TOP_K) -> float:
+    """The draft's confidence for --draft-p-min, as llama.cpp computes it.
+
+    llama.cpp's draft sampler keeps the top 10 candidates and compares the first
+    one's softmax probability among them with p_min; same here, so the flag
+    means what llama.cpp users expect (and the partition is cheaper than a
+    softmax over a 262k vocabulary).
+    """
+    top = np.partition(row, -k)[-k:].astype(np.float64)
+    return 1.0 / float(np.exp(top - top.max()).sum())
 
 
 @dataclass(slots=True)
