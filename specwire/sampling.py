@@ -111,6 +111,7 @@ def top_prob(row: np.ndarray, k: int = P_MIN_TOP_K) -> float:
     means what llama.cpp users expect (and the partition is cheaper than a
     softmax over a 262k vocabulary).
     """
+    k = min(k, row.shape[0])
     top = np.partition(row, -k)[-k:].astype(np.float64)
     return 1.0 / float(np.exp(top - top.max()).sum())
 

@@ -157,9 +157,16 @@ def test_greedy_is_the_argmax_and_coupled_is_greedy_at_temperature_zero() -> Non
 
 
 def test_top_prob_is_the_largest_softmax_probability() -> None:
-    """top_prob (for --draft-p-min) is max softmax at temperature 1."""
+    """top_prob (for --draft-p-min) is max softmax at temperature 1 over <= 10 candidates."""
     row = _logits(PROBS) + np.float32(3.0)
     assert sampling.top_prob(row) == pytest.approx(0.5, rel=1e-6)
+
+
+def test_top_prob_counts_only_the_top_ten_like_llama_cpp() -> None:
+    """llama.cpp's draft sampler keeps 10 candidates before comparing with p_min."""
+    probs = np.array([0.4] + [0.05] * 9 + [0.01] * 10)          # 20 tokens
+    row = _logits(probs / probs.sum())
+    assert sampling.top_prob(row) == pytest.approx(0.4 / (0.4 + 9 * 0.05), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------- rng
