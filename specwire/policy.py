@@ -44,11 +44,11 @@ class AdaptivePolicy:
 
     n_max: int
     alpha: float = 0.15
-    accepted: float = 3.0  # pseudo-counts: start optimistic, a = 0.75
-    rejected: float = 1.0
+    accepted: float = 1.5  # pseudo-counts: start optimistic (a = 0.75), learn fast
+    rejected: float = 0.5
     draft_s: float = 0.0  # per draft token
     verify_s: dict[int, float] = field(default_factory=dict)  # batch size -> seconds
-    probe_every: int = 16  # rounds at k = 0 between one-token probes
+    probe_every: int = 32  # rounds at k = 0 between one-token probes
     idle_rounds: int = 0
 
     @property
