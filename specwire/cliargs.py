@@ -57,8 +57,11 @@ def add_draft_model_args(d: argparse._ActionsContainer) -> None:
     d.add_argument("-ngld", "--n-gpu-layers-draft", type=int, default=0)
     d.add_argument("-ctkd", "--cache-type-k-draft", default="f16")
     d.add_argument("-ctvd", "--cache-type-v-draft", default="f16")
+    d.add_argument("-fad", "--flash-attn-draft", action="store_true", help="draft flash attention")
     d.add_argument(
-        "--seed-draft", type=int, default=None, help="draft model seed (default: --seed)"
+        "--seed-draft", type=int, default=None,
+        help="the draft's own sampling seed (default: --seed, which couples draft and target "
+        "for the most accepted tokens; output is the target's either way)"
     )
 
 
@@ -142,6 +145,7 @@ def draft_params(a: argparse.Namespace) -> DraftParams:
         top_k_q=a.draft_top_k,
         policy=a.draft_policy,
         enabled=enabled,
+        seed=getattr(a, "seed_draft", None),
     )
 
 
@@ -157,12 +161,10 @@ def target_params(a: argparse.Namespace, path: str) -> ModelParams:
         type_k=a.cache_type_k,
         type_v=a.cache_type_v,
         flash_attn=a.flash_attn,
-        seed=getattr(a, "seed", 0),
     )
 
 
 def draft_model_params(a: argparse.Namespace, path: str) -> ModelParams:
-    seed = a.seed_draft if a.seed_draft is not None else getattr(a, "seed", 0)
     return _build(
         ModelParams,
         path=path,
@@ -172,7 +174,7 @@ def draft_model_params(a: argparse.Namespace, path: str) -> ModelParams:
         n_gpu_layers=a.n_gpu_layers_draft,
         type_k=a.cache_type_k_draft,
         type_v=a.cache_type_v_draft,
-        seed=seed,
+        flash_attn=getattr(a, "flash_attn_draft", False),
     )
 
 

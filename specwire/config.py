@@ -87,6 +87,9 @@ class DraftParams:
             plain step instead (0 = always verify what there is).
     p_min:  the drafter stops a draft when its top probability falls below this.
     top_k_q: size of the sparse draft distribution sent in rejection mode (TK-SLT).
+    seed:   the draft's own sampling seed. By default the draft samples with the
+            request's seed, which couples it to the target (highest acceptance);
+            another seed still gives the target's exact output, with fewer accepts.
     policy: "fixed" (always n_max) or "adaptive" (expected tokens/s, see policy.py).
     """
 
@@ -97,6 +100,7 @@ class DraftParams:
     top_k_q: int = 8
     policy: str = "fixed"
     enabled: bool = True
+    seed: int | None = None  # the draft's own sampling seed; None: the request's (coupled)
 
     def __post_init__(self) -> None:
         _check(0 <= self.n_max <= 64, "draft_max", f"must be in [0, 64], got {self.n_max}")
@@ -112,6 +116,8 @@ class DraftParams:
             "draft_policy",
             f"must be 'fixed' or 'adaptive', got {self.policy!r}",
         )
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**64, "seed_draft", f"must be in [0, 2^64), got {self.seed}")
         if not isinstance(self.mode, VerifyMode):
             try:
                 object.__setattr__(self, "mode", VerifyMode(self.mode))
@@ -137,7 +143,6 @@ class ModelParams:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = False
-    seed: int = 0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

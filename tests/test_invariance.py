@@ -131,3 +131,17 @@ def test_rejection_mode_is_deterministic_per_seed(target, drafters):
     (a, st), (b, _) = run(), run()
     assert a == b and len(a) == N_PREDICT
     assert st.draft_n > 0 and st.draft_n_accepted > 0
+
+
+def test_a_draft_seed_of_its_own_keeps_the_output_and_costs_acceptance(target, drafters):
+    """--seed-draft: the draft samples with its own noise; the target's output is unchanged,
+    but the coupling (and so acceptance) is lost."""
+    def run(seed):
+        tokens = target.tokenize(PROMPTS["prose"])
+        dp = DraftParams(n_max=4, p_min=0.0, seed=seed)
+        gen = Engine(target, drafters["self"]).generate(Request(tokens, N_PREDICT, SEEDED, dp))
+        return gen.run(), gen.stats
+    shared, st_shared = run(None)
+    own, st_own = run(SEEDED.seed + 1)
+    assert own == shared == generate(target, None, PROMPTS["prose"], SEEDED).tokens
+    assert st_own.acceptance < st_shared.acceptance, (st_own.to_dict(), st_shared.to_dict())

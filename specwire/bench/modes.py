@@ -127,7 +127,8 @@ def node_argv(a: argparse.Namespace, draft_path: str) -> list[str]:
     return [sys.executable, "-m", "specwire", "draft", "-m", draft_path,
             "--host", "127.0.0.1", "--port", "0", "--max-sessions", "2",
             "-c", str(a.ctx_size_draft or a.ctx_size), "-td", str(a.threads_draft),
-            "-tbd", str(a.threads_batch_draft), "-s", str(a.seed)]
+            "-tbd", str(a.threads_batch_draft),
+            *(["-s", str(a.seed_draft)] if a.seed_draft is not None else [])]
 
 
 # --------------------------------------------------------------------------- drafters

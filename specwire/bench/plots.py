@@ -60,8 +60,8 @@ def speedup_vs_draft_length(records: Sequence[dict], path: Path) -> Path:
     for name, pts in sorted(lines.items()):
         xs, ys = zip(*sorted(pts), strict=True)
         ax.plot(xs, ys, marker="o", label=name)
-    for name, s in sorted(levels.items()):
-        ax.axhline(s, linestyle="--", linewidth=1, label=name)
+    for (name, s), style in zip(sorted(levels.items()), _LEVEL_STYLES * 4, strict=False):
+        ax.axhline(s, linewidth=1, label=name, **style)
     return _finish(fig, ax, path, bool(lines or levels), "no drafting mode in this run")
 
 
@@ -87,8 +87,8 @@ def speedup_vs_rtt(records: Sequence[dict], path: Path) -> Path:
     rtts = sorted({x for p in lines.values() for x, _ in p})
     if len(rtts) > 1 and rtts[0] > 0:
         _log_axis_at(ax, rtts)
-    for name, s in sorted(levels.items()):
-        ax.axhline(s, linestyle="--", linewidth=1, label=name)
+    for (name, s), style in zip(sorted(levels.items()), _LEVEL_STYLES * 4, strict=False):
+        ax.axhline(s, linewidth=1, label=name, **style)
     return _finish(fig, ax, path, bool(lines), "no remote mode in this run (try --modes "
                    "remote-sync,remote-pipelined --rtt 0.2ms,2ms,20ms)")
 
@@ -139,3 +139,8 @@ def _finish(fig, ax, path: Path, has_data: bool, note: str) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+#: Reference levels (modes without a swept axis): each its own colour and dash.
+_LEVEL_STYLES = [{"color": c, "linestyle": ls} for c, ls in
+                 (("tab:green", "--"), ("tab:red", "-."), ("tab:purple", ":"), ("tab:brown", "--"))]

@@ -17,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=7070)
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context per sequence")
-    p.add_argument("-s", "--seed", type=int, default=0)
+    p.add_argument("-s", "--seed", type=int, default=None,
+                   help="this node's sampling seed for every session (default: each target's "
+                   "--seed, which couples the draft to the target)")
     p.add_argument("--max-sessions", type=int, default=8, help="sequences served at once")
     p.add_argument("--token", default=os.environ.get("SPECWIRE_TOKEN"),
                    help="shared secret required from targets (env SPECWIRE_TOKEN)")
@@ -47,7 +49,7 @@ def run(a: argparse.Namespace) -> int:
     params = draft_model_params(a, resolve_draft(a.model))
     settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
-                            max_sessions=a.max_sessions)
+                            max_sessions=a.max_sessions, seed=a.seed)
     try:
         asyncio.run(serve(settings))
     except BackendError as e:

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft
@@ -155,9 +156,10 @@ class BranchDrafter:
         p, mode = self._params, self._params.mode
         if self._sampling.greedy:
             mode = VerifyMode.GREEDY
+        sampling = self._sampling if p.seed is None else replace(self._sampling, seed=p.seed)
         return pb.Open(
             history=history,
-            sampling=protocol.sampling_to_pb(self._sampling),
+            sampling=protocol.sampling_to_pb(sampling),
             mode=protocol.mode_to_pb(mode),
             pipelined=self.pipelined,
             lookahead=self.lookahead or 2 * max(1, p.n_max),

@@ -9,6 +9,7 @@ missing suffix, draft.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from specwire import sampling
 from specwire.backend.base import Backend, sync_prefix
@@ -33,6 +34,8 @@ class ModelDrafter:
         self._decode0 = 0.0
 
     def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams) -> None:
+        if params.seed is not None:
+            sampling_ = replace(sampling_, seed=params.seed)
         self.sampling, self.params = sampling_, params
         self._drafted = 0
         self._decode0 = getattr(self.backend, "decode_s", 0.0)

@@ -35,6 +35,7 @@ class NodeSettings:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # mutual TLS: require client certificates from this CA
     max_sessions: int = 8
+    seed: int | None = None  # overrides each target's sampling seed for this node's drafts
 
 
 class DraftNodeService(pbg.DraftNodeServicer):
@@ -138,7 +139,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
     def _open(self, open_msg: pb.Open, send) -> DraftSession:
         backend = LlamaBackend(self.settings.model, self.model)
         try:
-            return DraftSession(backend, open_msg, send)
+            return DraftSession(backend, open_msg, send, seed=self.settings.seed)
         except Exception:
             backend.close()
             raise

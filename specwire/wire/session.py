@@ -13,6 +13,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from specwire.backend.base import Backend
 from specwire.config import DraftParams
@@ -28,11 +29,17 @@ class DraftSession:
     """Drafts for one sequence; `send` is called from the drafting thread."""
 
     def __init__(
-        self, backend: Backend, open_msg: pb.Open, send: Callable[[pb.DraftMessage], None]
+        self,
+        backend: Backend,
+        open_msg: pb.Open,
+        send: Callable[[pb.DraftMessage], None],
+        seed: int | None = None,
     ) -> None:
         protocol.check_open(open_msg, backend.n_vocab, backend.n_ctx)
         self.backend, self.send = backend, send
         sampling = protocol.sampling_from_pb(open_msg.sampling)
+        if seed is not None:  # the node's own --seed wins over the target's
+            sampling = replace(sampling, seed=seed)
         self.mode = protocol.mode_from_pb(open_msg.mode)
         self.pipelined = open_msg.pipelined
         self.lookahead = max(1, open_msg.lookahead)
