@@ -7,7 +7,7 @@ message naming the field, never deep inside the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 
 
@@ -143,7 +143,6 @@ class ModelParams:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = False
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "model", "a path is required")

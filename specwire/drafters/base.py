@@ -47,16 +47,17 @@ class Drafter(Protocol):
         """Cumulative figures the drafter measured (ms of network wait, bytes...)."""
 
 
-class NoDrafter:
-    """Plain decoding: proposes nothing."""
+class StatelessDrafter:
+    """A drafter that keeps no per-sequence state: begin, learn and end do nothing.
 
-    name = "none"
+    Subclasses propose, and count what they proposed in `drafted`.
+    """
+
+    name = "stateless"
+    drafted = 0
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
         pass
-
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        return Draft()
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
         pass
@@ -65,4 +66,13 @@ class NoDrafter:
         pass
 
     def stats(self) -> dict[str, float]:
-        return {}
+        return {"drafted": float(self.drafted)} if self.drafted else {}
+
+
+class NoDrafter(StatelessDrafter):
+    """Plain decoding: proposes nothing."""
+
+    name = "none"
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        return Draft()

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.base import Draft
+from specwire.drafters.base import Draft, StatelessDrafter
 from specwire.sampling import SparseDraft
 
 
-class NgramDrafter:
+class NgramDrafter(StatelessDrafter):
     """Matches the longest suffix of n_max..n_min tokens seen earlier in the history.
 
     An index maps each n-gram to the position just after its latest earlier
@@ -31,7 +31,6 @@ class NgramDrafter:
         self.n_max, self.n_min = n_max, n_min
         self._index: dict[tuple[int, ...], int] = {}
         self._seen: list[int] = []
-        self._drafted = 0
         self._point_q = False
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
@@ -68,7 +67,7 @@ class NgramDrafter:
             start = self._index.get(tuple(history[len(history) - n :]))
             if start is not None:
                 tokens = list(history[start : start + max_n])
-                self._drafted += len(tokens)
+                self.drafted += len(tokens)
                 if self._point_q:
                     one = np.ones(1, dtype=np.float32)
                     return Draft(
@@ -78,11 +77,3 @@ class NgramDrafter:
                 return Draft(tokens)
         return Draft()
 
-    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
-
-    def stats(self) -> dict[str, float]:
-        return {"drafted": float(self._drafted)}

@@ -11,30 +11,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.base import Draft
+from specwire.drafters.base import Draft, StatelessDrafter
 
 
-class RandomDrafter:
+class RandomDrafter(StatelessDrafter):
     name = "random"
 
     def __init__(self, n_vocab: int, seed: int = 0) -> None:
         self.n_vocab = n_vocab
         self._rng = np.random.default_rng(seed)     # its own generator, never the global one
-        self._drafted = 0
-
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
-        pass
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        self._drafted += max_n
+        self.drafted += max_n
         return Draft([int(t) for t in self._rng.integers(0, self.n_vocab, max_n)])
 
-    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
-
-    def stats(self) -> dict[str, float]:
-        return {"drafted": float(self._drafted)}
