@@ -240,6 +240,9 @@ def test_token_authentication(target, tmp_path) -> None:
                 list(s.call)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             s.close()
+            with pytest.raises(grpc.RpcError) as e:
+                list(pbg.DraftNodeStub(channel).Ping(iter([pb.PingMessage(seq=1)])))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         rd = target.drafter(n.url, pipelined=False, settings=LinkSettings(token="secret"))
         try:
             g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
@@ -653,6 +656,22 @@ def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node
         assert [(c.gen, c.start) for c in fresh][0] == (1, p + 4)
         assert sum(len(c.tokens) for c in fresh) == 3
         s.close()
+    assert node.alive
+
+
+def test_ping_echoes_after_its_hold_and_refuses_a_long_one(node) -> None:
+    """Ping answers each message with its seq after hold_us of work on the node; a hold
+    above one second is refused (INVALID_ARGUMENT) rather than tying up a node thread."""
+    with grpc.insecure_channel(node.url) as channel:
+        stub = pbg.DraftNodeStub(channel)
+        t0 = time.perf_counter()
+        pongs = list(stub.Ping(iter([pb.PingMessage(seq=i, hold_us=20_000) for i in (7, 8)])))
+        assert [p.seq for p in pongs] == [7, 8]
+        assert time.perf_counter() - t0 >= 0.04
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Ping(iter([pb.PingMessage(seq=1, hold_us=1_000_001)])))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "hold_us above 1 s" in e.value.details()
     assert node.alive
 
 

@@ -8,23 +8,33 @@ mode, rounds alternating so that machine noise hits both alike. The difference
 of the medians is the link's overhead per round (serialisation, gRPC, thread
 hand-offs); loopback adds no emulated delay.
 
+A third measurement in the same rounds splits that overhead: the node's Ping
+echo, held on the node as long as a local draft takes, is the least that one
+gRPC message exchange costs after that much idle time (grpcio's own threads
+waking up). What remains is specwire's: checks, buffers and its thread hand-offs.
+
     python -m specwire.bench.link_overhead [-k 4] [--rounds 60]
 """
 
 from __future__ import annotations
 
 import argparse
+import queue
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import grpc
+
 from specwire import models
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.bench.modes import DraftNode
 from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.drafters.model import ModelDrafter
+from specwire.wire import specwire_pb2 as pb
+from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.client import RemoteDrafter
 from specwire.wire.link import Link, LinkSettings
 
@@ -43,18 +53,40 @@ def measure(k: int, rounds: int, port: int = 0) -> dict[str, float]:
         link = Link(url, LinkSettings(), target.vocab_fingerprint(), target.n_vocab, target.name)
         remote = RemoteDrafter([link], target.n_vocab, pipelined=False, sync_timeout_s=5.0)
         try:
-            return _alternate(target, local, remote, k, rounds)
+            with grpc.insecure_channel(url) as channel:
+                return _alternate(target, local, remote, _Pinger(channel), k, rounds)
         finally:
             remote.close()
 
 
-def _alternate(target, local, remote, k: int, rounds: int) -> dict[str, float]:
+class _Pinger:
+    """One Ping stream: send a ping held hold_s on the node, wait for its pong."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._sent: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies = pbg.DraftNodeStub(channel).Ping(iter(self._sent.get, None))
+        self._seq = 0
+
+    def __call__(self, hold_s: float) -> float:
+        """Seconds from sending to the pong, minus the hold."""
+        self._seq += 1
+        t0 = time.perf_counter()
+        self._sent.put(pb.PingMessage(seq=self._seq, hold_us=int(hold_s * 1e6)))
+        pong = next(self._replies)
+        assert pong.seq == self._seq
+        return time.perf_counter() - t0 - hold_s
+
+    def close(self) -> None:
+        self._sent.put(None)
+
+
+def _alternate(target, local, remote, ping, k: int, rounds: int) -> dict[str, float]:
     sp = SamplingParams(temperature=0.0)
     dp = DraftParams(n_max=k, p_min=0.0)
     history = target.tokenize(PROMPT)
     for d in (local, remote):
         d.begin(history, sp, dp)
-    times: dict[str, list[float]] = {"local": [], "remote": []}
+    times: dict[str, list[float]] = {"local": [], "remote": [], "ping": []}
     filler = target.tokenize(" x", add_special=False)[0]
     drafts = {name: d.propose(history, k) for name, d in (("local", local), ("remote", remote))}
     for _ in range(rounds):
@@ -68,11 +100,15 @@ def _alternate(target, local, remote, k: int, rounds: int) -> dict[str, float]:
             drafts[name] = d.propose(history, k)
             times[name].append(time.perf_counter() - t0)
             assert len(drafts[name]) == k, (name, len(drafts[name]))
+        times["ping"].append(ping(times["local"][-1]))
+    ping.close()
     for d in (local, remote):
         d.end()
     med = {n: 1000 * statistics.median(v) for n, v in times.items()}
+    overhead = med["remote"] - med["local"]
     return {"k": k, "rounds": rounds, "local_ms": med["local"], "remote_sync_ms": med["remote"],
-            "overhead_ms": med["remote"] - med["local"]}
+            "overhead_ms": overhead, "grpc_echo_ms": med["ping"],
+            "specwire_ms": overhead - med["ping"]}
 
 
 def _log_path() -> Path:
@@ -87,7 +123,8 @@ def main() -> None:
     r = measure(a.k, a.rounds)
     print(f"k={r['k']}, {r['rounds']} rounds: local draft {r['local_ms']:.2f} ms, remote sync "
           f"{r['remote_sync_ms']:.2f} ms (loopback), "
-          f"link overhead {r['overhead_ms']:+.2f} ms/round")
+          f"link overhead {r['overhead_ms']:+.2f} ms/round: gRPC echo after the same idle time "
+          f"{r['grpc_echo_ms']:.2f} ms, specwire's own {r['specwire_ms']:+.2f} ms")
 
 
 if __name__ == "__main__":

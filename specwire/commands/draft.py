@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
 from specwire.cliargs import CliError, add_draft_model_args, draft_model_params
@@ -51,7 +50,7 @@ def run(a: argparse.Namespace) -> int:
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                             max_sessions=a.max_sessions, seed=a.seed)
     try:
-        asyncio.run(serve(settings))
+        serve(settings)
     except BackendError as e:
         raise CliError(str(e)) from None
     except OSError as e:

@@ -1,15 +1,21 @@
-"""The draft node: a gRPC (asyncio) server holding one small model for many targets.
+"""The draft node: a gRPC server holding one small model for many targets.
 
-Each Session stream gets its own llama.cpp context over the shared weights and
-its own drafting thread (see session.py), so sequences from several targets
-are isolated from each other. The event loop only moves messages.
+Each Session stream gets its own llama.cpp context over the shared weights, so
+sequences from several targets are isolated from each other. The node runs
+grpcio's threaded server rather than grpc.aio: a session is compute, and on a
+thread per RPC a synchronous round (read verdict, draft, write chunk) happens
+on one thread. Handing each message between an event loop and a drafting
+thread cost about a millisecond per round here (bench/link_overhead.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -20,7 +26,7 @@ from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.protocol import ProtocolError
-from specwire.wire.session import DraftSession
+from specwire.wire.session import DraftSession, error_message
 
 log = logging.getLogger("specwire.node")
 
@@ -41,11 +47,9 @@ class NodeSettings:
 class DraftNodeService(pbg.DraftNodeServicer):
     def __init__(self, settings: NodeSettings, model: Model) -> None:
         self.settings, self.model = settings, model
-        self.sessions_open = 0
-        self.sessions_total = 0
-        self._sem = asyncio.Semaphore(settings.max_sessions)
+        self._slots = threading.BoundedSemaphore(settings.max_sessions)
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+    def _authorize(self, context: grpc.ServicerContext) -> None:
         want = self.settings.token
         if not want:
             return
@@ -57,12 +61,12 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 context.peer(),
                 "missing token" if not got else "wrong token",
             )
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "draft node: bad or missing token")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "draft node: bad or missing token")
 
-    async def Hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:  # noqa: N802
-        await self._authorize(context)
+    def Hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:  # noqa: N802
+        self._authorize(context)
         if request.protocol_version != protocol.PROTOCOL_VERSION:
-            await context.abort(
+            context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"protocol version {request.protocol_version} not supported "
                 f"(this node speaks {protocol.PROTOCOL_VERSION})",
@@ -77,63 +81,70 @@ class DraftNodeService(pbg.DraftNodeServicer):
             max_sessions=self.settings.max_sessions,
         )
 
-    async def Session(self, request_iterator, context):  # noqa: N802
-        await self._authorize(context)
-        if self._sem.locked():
-            await context.abort(
+    def Ping(self, request_iterator, context):  # noqa: N802
+        """Echo each ping after hold_us of busy work, as a drafting round keeps the node busy.
+
+        The time a message exchange takes depends on what the CPUs did meanwhile
+        (an idle core wakes up slower), so the hold spins rather than sleeps.
+        """
+        self._authorize(context)
+        for ping in request_iterator:
+            if ping.hold_us > 1_000_000:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ping: hold_us above 1 s")
+            until = time.perf_counter() + ping.hold_us / 1e6
+            while time.perf_counter() < until:
+                pass
+            yield pb.Pong(seq=ping.seq)
+
+    def Session(self, request_iterator, context):  # noqa: N802
+        self._authorize(context)
+        if not self._slots.acquire(blocking=False):
+            context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"draft node busy: {self.settings.max_sessions} sessions open",
             )
-        async with self._sem:
-            self.sessions_open += 1
-            self.sessions_total += 1
-            try:
-                async for msg in self._serve(request_iterator, context):
-                    yield msg
-            finally:
-                self.sessions_open -= 1
-
-    async def _serve(self, request_iterator, context):
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue[pb.DraftMessage | None] = asyncio.Queue()
-        session: DraftSession | None = None
-
-        def send(msg: pb.DraftMessage) -> None:
-            loop.call_soon_threadsafe(out.put_nowait, msg)
-
-        async def read() -> None:
-            nonlocal session
-            try:
-                async for m in request_iterator:
-                    kind = m.WhichOneof("kind")
-                    if kind == "open" and session is None:
-                        session = await loop.run_in_executor(None, self._open, m.open, send)
-                        session.start()
-                    elif kind == "verdict" and session is not None:
-                        session.push(m.verdict)
-                    elif kind == "close":
-                        break
-                    else:
-                        raise ProtocolError(f"unexpected {kind} message")
-            except ProtocolError as e:
-                log.warning("session from %s: %s", context.peer(), e)
-                out.put_nowait(pb.DraftMessage(error=pb.DraftError(message=str(e))))
-            except (asyncio.CancelledError, grpc.aio.AioRpcError):
-                pass
-            finally:
-                out.put_nowait(None)
-
-        reader = asyncio.create_task(read())
         try:
-            while (msg := await out.get()) is not None:
-                yield msg
-                if msg.WhichOneof("kind") == "error":
-                    break
+            yield from self._serve(request_iterator, context)
         finally:
-            reader.cancel()
+            self._slots.release()
+
+    def _serve(self, requests, context):
+        """Open, then drafts out and verdicts in until Close; a broken peer gets a DraftError."""
+        session: DraftSession | None = None
+        out: list[pb.DraftMessage] = []
+        try:
+            first = next(requests, None)
+            if first is None:
+                return
+            if first.WhichOneof("kind") != "open":
+                raise ProtocolError(f"unexpected {first.WhichOneof('kind')} message")
+            if first.open.pipelined:
+                outbox: queue.SimpleQueue[pb.DraftMessage | None] = queue.SimpleQueue()
+                session = self._open(first.open, outbox.put)
+                yield from _pipelined(session, outbox, requests, context)
+                return
+            session = self._open(first.open, out.append)
+            session.step(None)
+            yield from _drain(out)
+            for m in requests:
+                kind = m.WhichOneof("kind")
+                if kind == "close":
+                    break
+                if kind != "verdict":
+                    raise ProtocolError(f"unexpected {kind} message")
+                session.step(m.verdict)
+                yield from _drain(out)
+        except grpc.RpcError:
+            pass  # the target went away; nothing to tell it
+        except Exception as e:  # noqa: BLE001 - the node must survive any one session
+            log.info("session from %s ends: %s", context.peer(), e)
+            yield from _drain(out)
+            yield error_message(e)
+        finally:
             if session is not None:
                 session.close()
-                await loop.run_in_executor(None, session.thread.join)
+                if session.thread.is_alive():
+                    session.thread.join()
                 session.backend.close()
 
     def _open(self, open_msg: pb.Open, send) -> DraftSession:
@@ -143,6 +154,40 @@ class DraftNodeService(pbg.DraftNodeServicer):
         except Exception:
             backend.close()
             raise
+
+
+def _drain(out: list[pb.DraftMessage]):
+    yield from out
+    out.clear()
+
+
+def _pipelined(session: DraftSession, outbox: queue.SimpleQueue, requests, context):
+    """The session drafts on its own thread into outbox; a reader thread feeds it verdicts."""
+    context.add_callback(lambda: outbox.put(None))  # the RPC ended: stop yielding
+
+    def read() -> None:
+        try:
+            for m in requests:
+                kind = m.WhichOneof("kind")
+                if kind == "close":
+                    break
+                if kind != "verdict":
+                    outbox.put(error_message(ProtocolError(f"unexpected {kind} message")))
+                    break
+                session.push(m.verdict)
+        except grpc.RpcError:
+            pass
+        except Exception as e:  # noqa: BLE001 - reported to the peer, the node stays up
+            outbox.put(error_message(e))
+        finally:
+            outbox.put(None)
+
+    session.start()
+    threading.Thread(target=read, name="session-reader", daemon=True).start()
+    while (msg := outbox.get()) is not None:
+        yield msg
+        if msg.WhichOneof("kind") == "error":
+            break
 
 
 def _credentials(s: NodeSettings) -> grpc.ServerCredentials | None:
@@ -161,16 +206,17 @@ def _credentials(s: NodeSettings) -> grpc.ServerCredentials | None:
     )
 
 
-async def serve(settings: NodeSettings, ready: asyncio.Event | None = None) -> None:
-    """Run a draft node until cancelled."""
+def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
+    """Run a draft node until interrupted."""
     model = load_model(settings.model)
     model.fingerprint()  # computed once, before the first Hello
-    server = grpc.aio.server(
+    server = grpc.server(
+        ThreadPoolExecutor(settings.max_sessions + 4, thread_name_prefix="node-rpc"),
         options=[
             ("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     service = DraftNodeService(settings, model)
     pbg.add_DraftNodeServicer_to_server(service, server)
@@ -179,7 +225,7 @@ async def serve(settings: NodeSettings, ready: asyncio.Event | None = None) -> N
     port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
-    await server.start()
+    server.start()
     log.info(
         "draft node serving %s on %s:%d (%s, token %s)",
         model.name,
@@ -192,6 +238,6 @@ async def serve(settings: NodeSettings, ready: asyncio.Event | None = None) -> N
     if ready is not None:
         ready.set()
     try:
-        await server.wait_for_termination()
+        server.wait_for_termination()
     finally:
-        await server.stop(grace=1.0)
+        server.stop(grace=1.0).wait()

@@ -1,10 +1,11 @@
-"""One sequence on a draft node: its KV cache, its branch, its drafting thread.
+"""One sequence on a draft node: its KV cache, its branch, how it drafts.
 
-The thread drafts past the last verdict (pipelined) or exactly `want` tokens
-after each verdict (synchronous), sending tokens as it goes. Verdicts arrive
-from the gRPC reader on another thread; the drafting thread applies them
-between tokens, so the branch, the gen and the KV cache are only ever touched
-by one thread.
+Synchronous sessions draft on the caller's thread: the node's RPC thread reads a
+verdict, applies it, drafts exactly `want` tokens and writes the chunk, with no
+hand-off to another thread on the round's critical path. Pipelined sessions
+draft on their own thread past the last verdict, sending tokens as they go;
+verdicts arrive from a reader thread and are applied between tokens, so the
+branch, the gen and the KV cache are only ever touched by one thread.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ log = logging.getLogger(__name__)
 
 
 class DraftSession:
-    """Drafts for one sequence; `send` is called from the drafting thread."""
+    """Drafts for one sequence; `send` is called on the thread that drafts.
+
+    Synchronous: call `step` for the Open and each verdict. Pipelined: `start` the
+    drafting thread, then `push` verdicts and `close` it from any thread.
+    """
 
     def __init__(
         self,
@@ -64,7 +69,16 @@ class DraftSession:
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="draft-session", daemon=True)
 
-    # -- called from the gRPC reader --------------------------------------------
+    # -- synchronous: on the caller's thread --------------------------------------
+
+    def step(self, verdict: pb.Verdict | None) -> None:
+        """Apply a verdict (None right after the Open), then draft the tokens wanted."""
+        if verdict is not None:
+            self._apply(verdict)
+        if not self.stalled and len(self.branch) < self._limit():
+            self._draft_burst()
+
+    # -- pipelined: the drafting thread and what other threads call --------------
 
     def start(self) -> None:
         self.thread.start()
@@ -85,14 +99,10 @@ class DraftSession:
         try:
             while self._next_burst():
                 self._draft_burst()
-        except ProtocolError as e:
-            self.error = str(e)
-            log.warning("draft session: protocol error: %s", e)
-            self.send(pb.DraftMessage(error=pb.DraftError(message=str(e))))
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
-            self.error = f"{type(e).__name__}: {e}"
-            log.exception("draft session failed")
-            self.send(pb.DraftMessage(error=pb.DraftError(message=self.error)))
+            msg = error_message(e)
+            self.error = msg.error.message
+            self.send(msg)
 
     def _next_burst(self) -> bool:
         """Apply verdicts; wait until there is drafting to do. False when closed."""
@@ -171,3 +181,14 @@ class DraftSession:
         pending.clear()
         sparse_pending.clear()
         self.send(pb.DraftMessage(chunk=chunk))
+
+
+def error_message(e: Exception) -> pb.DraftMessage:
+    """The DraftError that ends a session: a peer's mistake, or this node's own failure."""
+    if isinstance(e, ProtocolError):
+        log.warning("draft session: protocol error: %s", e)
+        text = str(e)
+    else:
+        log.error("draft session failed", exc_info=e)
+        text = f"{type(e).__name__}: {e}"
+    return pb.DraftMessage(error=pb.DraftError(message=text))

@@ -44,6 +44,11 @@ class DraftNodeStub:
                 request_serializer=specwire_dot_wire_dot_specwire__pb2.TargetMessage.SerializeToString,
                 response_deserializer=specwire_dot_wire_dot_specwire__pb2.DraftMessage.FromString,
                 _registered_method=True)
+        self.Ping = channel.stream_stream(
+                '/specwire.v1.DraftNode/Ping',
+                request_serializer=specwire_dot_wire_dot_specwire__pb2.PingMessage.SerializeToString,
+                response_deserializer=specwire_dot_wire_dot_specwire__pb2.Pong.FromString,
+                _registered_method=True)
 
 
 class DraftNodeServicer:
@@ -63,6 +68,14 @@ class DraftNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Ping(self, request_iterator, context):
+        """Echo each Ping after holding it hold_us: the link's own cost per round,
+        measured under the same idle time as a drafting round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +88,11 @@ def add_DraftNodeServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=specwire_dot_wire_dot_specwire__pb2.TargetMessage.FromString,
                     response_serializer=specwire_dot_wire_dot_specwire__pb2.DraftMessage.SerializeToString,
+            ),
+            'Ping': grpc.stream_stream_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=specwire_dot_wire_dot_specwire__pb2.PingMessage.FromString,
+                    response_serializer=specwire_dot_wire_dot_specwire__pb2.Pong.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class DraftNode:
             '/specwire.v1.DraftNode/Session',
             specwire_dot_wire_dot_specwire__pb2.TargetMessage.SerializeToString,
             specwire_dot_wire_dot_specwire__pb2.DraftMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ping(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specwire.v1.DraftNode/Ping',
+            specwire_dot_wire_dot_specwire__pb2.PingMessage.SerializeToString,
+            specwire_dot_wire_dot_specwire__pb2.Pong.FromString,
             options,
             channel_credentials,
             insecure,
