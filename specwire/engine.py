@@ -117,7 +117,7 @@ class Generation:
                 tc = time.perf_counter()
                 st.draft_ms += 1000 * (tb - ta)
                 st.verify_ms += 1000 * (tc - tb)
-                st.record_round(len(draft), verdict.accepted)
+                st.record_round(len(draft), verdict.accepted, k)
                 policy.observe(len(draft), verdict.accepted, tb - ta, tc - tb)
                 appended = [*draft.tokens[: verdict.accepted], verdict.token]
                 new = self._emit(appended)

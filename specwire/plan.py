@@ -123,6 +123,9 @@ class PlanInputs:
     verdict_bytes: int = DEFAULT_VERDICT_BYTES
     verify: VerifyCurve = field(default_factory=VerifyCurve)
     draft_max: int = 16
+    #: draft evaluations per round beyond its k tokens (bench: the share of rounds
+    #: a draft model ended at --draft-p-min, having evaluated the declined position)
+    stop_evals: float = 0.0
 
     def __post_init__(self) -> None:
         _need(0.0 < self.target_tps < math.inf, "target_tps", "must be > 0")
@@ -132,6 +135,7 @@ class PlanInputs:
         _need(self.bandwidth_bps > 0.0, "bandwidth_bps", "must be > 0")
         _need(self.draft_bytes >= 0 and self.verdict_bytes >= 0, "bytes", "must be >= 0")
         _need(1 <= self.draft_max <= 256, "draft_max", "must be in [1, 256]")
+        _need(0.0 <= self.stop_evals <= 1.0, "stop_evals", "must be in [0, 1]")
 
     @property
     def t_s(self) -> float:
@@ -179,7 +183,7 @@ def sync_round_s(p: PlanInputs, k: int) -> float:
     """
     if k == 0:
         return p.t_s
-    return k * p.t_d + p.verify_s(k + 1) + p.rtt_s + p.transfer_s(k)
+    return (k + p.stop_evals) * p.t_d + p.verify_s(k + 1) + p.rtt_s + p.transfer_s(k)
 
 
 def sync_rate(p: PlanInputs, k: int) -> float:

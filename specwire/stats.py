@@ -14,6 +14,9 @@ class Stats:
     draft_n: int = 0
     draft_n_accepted: int = 0
     rounds: int = 0
+    #: drafting rounds whose draft came back shorter than asked (the draft model
+    #: stopped at --draft-p-min after evaluating the position it declined).
+    short_rounds: int = 0
     draft_ms: float = 0.0  # time the engine spent waiting on the drafter
     verify_ms: float = 0.0  # target evaluation and verification
     target_decode_ms: float = 0.0  # of which inside the target's llama_decode
@@ -23,8 +26,9 @@ class Stats:
     by_position: list[list[int]] = field(default_factory=list)
     drafter: dict[str, float] = field(default_factory=dict)
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, asked: int | None = None) -> None:
         self.rounds += 1
+        self.short_rounds += 0 < drafted < (asked or 0)
         self.draft_n += drafted
         self.draft_n_accepted += accepted
         if drafted:
@@ -76,6 +80,7 @@ class Stats:
         return {
             **self.timings(),
             "rounds": self.rounds,
+            "short_rounds": self.short_rounds,
             "acceptance": round(self.acceptance, 4),
             "mean_accepted": round(self.mean_accepted, 4),
             "accepted_hist": list(self.hist),

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -147,6 +148,10 @@ def test_synchronous_round_is_the_field_formula() -> None:
     assert sync_rate(p, k) == pytest.approx(expected_tokens(0.8, 4) / t)
     assert local_rate(p, k) == pytest.approx(expected_tokens(0.8, 4) / (0.08 + 0.12))
     assert sync_rate(p, 0) == local_rate(p, 0) == pipelined_rate(p, 0) == 10.0
+    # a draft that stops at --draft-p-min evaluated one more position than it drafted
+    half = replace(p, stop_evals=0.5)
+    assert sync_round_s(half, k) == pytest.approx(t + 0.5 * 0.02)
+    assert sync_round_s(half, 0) == p.t_s
 
 
 def test_round_trips_slow_synchronous_below_plain_but_never_pipelined() -> None:

@@ -124,3 +124,48 @@ def test_adaptive_recovers_when_the_drafter_becomes_good() -> None:
     _drive(p, lambda k, r: 0, 0.002, lambda n: 0.01 * (1 + 0.3 * (n - 1)))
     ks = _drive(p, lambda k, r: k, 0.0001, lambda n: 0.01 * (1 + 0.005 * (n - 1)), rounds=300)
     assert max(ks) >= 1
+
+
+def test_catch_up_work_is_not_charged_to_draft_length() -> None:
+    """The drafter's first round evaluates the whole prompt, and a round after plain steps
+    catches up on them: neither is what a draft token costs. A round costs the drafter
+    c + d k (c: evaluating the target's token and the position --draft-p-min declined);
+    the policy learns c and d and keeps drafting at the k that maximises E(k) / T(k)."""
+    gen = random.Random(11)
+    p = AdaptivePolicy(16)
+    c, d = 0.02, 0.01
+
+    def verify(n: int) -> float:
+        return 0.08 * (1 + 0.2 * (n - 1))
+
+    def rate(k: int) -> float:
+        return expected_tokens(0.9, k) / ((c + d * k if k else 0.0) + verify(k + 1))
+
+    ks, previous = [], 0
+    for r in range(300):
+        k = p.choose(16)
+        kept = 0
+        while kept < k and gen.random() < 0.9:
+            kept += 1
+        catch_up = 2.0 if (r == 0 or previous == 0) and k else 0.0
+        p.observe(k, kept, catch_up + (c + d * k if k else 0.0), verify(k + 1))
+        ks.append(k)
+        previous = k
+    assert min(ks[1:]) >= 1, ks[:20]
+    assert p.draft_cost(4) == pytest.approx(c + 4 * d, rel=0.05)
+    best = max(range(17), key=rate)
+    assert sum(rate(k) for k in ks[-100:]) / 100 >= 0.95 * rate(best)
+
+
+def test_line_fit_splits_a_round_cost_into_intercept_and_slope() -> None:
+    """y = 3 + 2x recovered from varied x; constant x charges it all to the slope."""
+    from specwire.policy import LineFit
+    f = LineFit(0.1)
+    for x in [0, 1, 2, 5, 3, 1, 4] * 5:
+        f.add(x, 3 + 2 * x)
+    assert f.coefficients() == pytest.approx((3.0, 2.0))
+    g = LineFit(0.1)
+    for _ in range(5):
+        g.add(4, 8.0)
+    assert g.coefficients() == pytest.approx((0.0, 2.0))
+    assert LineFit(0.1).coefficients() == (0.0, 0.0)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specwire.bench.modes import MODEL_MODES
 from specwire.bench.runner import Config
 from specwire.plan import PlanInputs, RateFn, VerifyCurve, local_rate, pipelined_rate, sync_rate
 from specwire.policy import expected_tokens
@@ -60,6 +61,13 @@ class Rounds:
     drafting_rounds: int
     drafted: int
     accepted: int
+    short: int = 0  # drafting rounds whose draft came back shorter than asked
+
+    @property
+    def stop_evals(self) -> float:
+        """Draft evaluations per drafting round beyond its tokens: a draft model that stops
+        at --draft-p-min has evaluated the position it then declined."""
+        return self.short / self.drafting_rounds if self.drafting_rounds else 0.0
 
     @property
     def k(self) -> int:
@@ -108,7 +116,7 @@ def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Roun
     inputs = PlanInputs(
         target_tps=plain_tps, draft_tps=min(draft_tps, _FREE_DRAFT_TPS), acceptance=a,
         rtt_s=cfg.rtt_s or 0.0, bandwidth_bps=cfg.bandwidth_bps or math.inf, verify=verify,
-        draft_max=max(k, 1))
+        draft_max=max(k, 1), stop_evals=rounds.stop_evals if cfg.mode in MODEL_MODES else 0.0)
     rate = fn(inputs, k)
     if plan_mode != "pipelined":
         empty_s = inputs.t_s + inputs.t_d + (inputs.rtt_s if plan_mode == "synchronous" else 0.0)

@@ -174,7 +174,8 @@ def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[
 def _prediction(rec: dict, cfg: Config, plain_tps: float, calib: dict) -> dict | None:
     measured = rec["tokens_per_s"]["median"] or 0.0
     rounds = predict.Rounds(rounds=rec["rounds"], drafting_rounds=sum(rec["accepted_hist"]),
-                            drafted=rec["draft_n"], accepted=rec["draft_n_accepted"])
+                            drafted=rec["draft_n"], accepted=rec["draft_n_accepted"],
+                            short=rec.get("short_rounds", 0))
     if cfg.mode in MODEL_MODES:
         draft_tps = calib["draft_tps"]
     else:
