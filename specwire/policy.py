@@ -1,17 +1,16 @@
 """Draft-length policies: how many tokens to ask the drafter for each round.
 
-`fixed` always asks for --draft-max. `adaptive` keeps online estimates of the
-acceptance rate a, the drafter's cost per round t_d(k) = c + k d and the
-target's cost to verify a batch of n tokens t_v(n), and picks the k that
-maximises expected tokens per second:
+`fixed` always asks for --draft-max. `adaptive` estimates online what a round
+yields and costs, and asks for the k that maximises expected tokens per
+second (see AdaptivePolicy). With a drafter that never stops early its model
+is the one `specwire plan` uses:
 
     E(k) = (1 - a^(k+1)) / (1 - a)        tokens per round
     T(k) = t_d(k) + t_v(k + 1)            seconds per round
 
-the same model `specwire plan` uses (see plan.py). The intercept c is what a
-round costs the drafter whatever its length: a draft model evaluates the
-target's newest token, and the position where --draft-p-min stops it; a
-synchronous remote drafter adds the round trip.
+A drafter's cost per round has a part that does not depend on k: a draft
+model evaluates the target's newest token and the position where
+--draft-p-min stops it; a synchronous remote drafter adds the round trip.
 """
 
 from __future__ import annotations
@@ -85,12 +84,20 @@ class LineFit:
 
 @dataclass(slots=True)
 class AdaptivePolicy:
-    """Online estimate of a, t_d(k) and t_v(n); chooses k by expected throughput.
+    """Online estimates of a round's yield and cost; chooses k by expected throughput.
+
+    Asked for k tokens, a drafter may stop sooner (a draft model at --draft-p-min,
+    a pipelined drafter with fewer tokens ready). So two chains are estimated:
+    the drafter goes on to a next token with probability g, and a drafted token
+    is accepted with probability a. A round asked for k then drafts
+    E[D] = g + g^2 + ... + g^k tokens, keeps (g a) + ... + (g a)^k of them plus
+    the target's own token, and costs c + d E[D] (drafter: per round and per
+    token, fitted as a line) + v0 + v1 E[D] (verification, also a line).
 
     Estimates are exponentially weighted (weight `alpha` for the newest round)
     so that the policy follows a prompt that turns from copying to free text.
-    A round that follows a round without a draft is left out of t_d: the
-    drafter first caught up with the tokens it had not seen (the prompt, or a
+    A round that follows a round without a draft is left out of the drafter's
+    cost: it first caught up with the tokens it had not seen (the prompt, or a
     stretch of plain steps), work that a steady run of rounds does not repeat.
     """
 
@@ -98,22 +105,30 @@ class AdaptivePolicy:
     alpha: float = 0.15
     accepted: float = 1.5  # pseudo-counts: start optimistic (a = 0.75), learn fast
     rejected: float = 0.5
+    continued: float = 4.0  # drafted tokens, and rounds the drafter ended early (g = 0.9)
+    stopped: float = 0.5
     draft: LineFit = field(default_factory=lambda: LineFit(0.1))  # seconds vs tokens drafted
     verify: LineFit = field(default_factory=lambda: LineFit(0.05, guess=0.1))  # s vs n - 1
-    probe_every: int = 32  # rounds at k = 0 between one-token probes
+    probe_every: int = 32  # most rounds at k = 0 between probes
     idle_rounds: int = 0
     asked: int = 0  # k of the round in progress
     warm: bool = False  # the previous round asked for a draft
 
     @property
     def acceptance(self) -> float:
+        """a: a drafted token is kept, given the ones before it were."""
         return self.accepted / (self.accepted + self.rejected)
 
-    def draft_cost(self, k: int) -> float:
-        """t_d(k) in seconds: what waiting for a k-token draft costs the target."""
-        return self.draft(k) if k > 0 else 0.0
+    @property
+    def continuation(self) -> float:
+        """g: the drafter produces a next token when asked for one more."""
+        return self.continued / (self.continued + self.stopped)
 
-    def verify_cost(self, n: int) -> float:
+    def draft_cost(self, drafted: float) -> float:
+        """Seconds the target waits for a round that drafts this many tokens."""
+        return self.draft(drafted)
+
+    def verify_cost(self, n: float) -> float:
         """t_v(n) in seconds: a line through every verification seen, so that one slow
         round at a batch size the policy then avoids cannot stick (until a second size
         is seen, each extra token is guessed at 10% of a step)."""
@@ -121,32 +136,48 @@ class AdaptivePolicy:
             return 1.0 + 0.1 * (n - 1)
         return max(self.verify(n - 1), 1e-6)
 
+    def rate(self, k: int) -> float:
+        """Expected tokens per second of a round asked for k tokens."""
+        if k == 0:
+            return 1.0 / self.verify_cost(1)
+        g, a = self.continuation, self.acceptance
+        drafted = g * expected_tokens(g, k - 1)  # g + ... + g^k
+        tokens = expected_tokens(g * a, k)  # 1 + ga + ... + (ga)^k
+        return tokens / (self.draft_cost(drafted) + self.verify_cost(1 + drafted))
+
     def choose(self, limit: int) -> int:
         self.asked = self._best(min(self.n_max, limit))
         return self.asked
 
     def _best(self, limit: int) -> int:
-        a = self.acceptance
-        best_k, best = 0, expected_tokens(a, 0) / self.verify_cost(1)
+        rates = [self.rate(k) for k in range(limit + 1)]
+        best_k = 0
         for k in range(1, limit + 1):
-            rate = expected_tokens(a, k) / (self.draft_cost(k) + self.verify_cost(k + 1))
-            if rate > best * 1.0001:
-                best_k, best = k, rate
-        if best_k == 0 and limit >= 1:
-            # Probe now and then: with k = 0 forever the estimates could never recover.
-            self.idle_rounds += 1
-            if self.idle_rounds >= self.probe_every:
-                self.idle_rounds = 0
-                return 1
-        return best_k
+            if rates[k] > rates[best_k] * 1.0001:
+                best_k = k
+        if best_k > 0 or limit == 0:
+            self.idle_rounds = 0
+            return best_k
+        # Probe now and then, or the estimates could never recover: soon when drafting
+        # looks almost worth it, rarely when it looks hopeless.
+        try_k = max(range(1, limit + 1), key=rates.__getitem__)
+        gap = 1.0 - rates[try_k] / rates[0]
+        self.idle_rounds += 1
+        if self.idle_rounds < min(self.probe_every, max(2, int(2 * self.probe_every * gap))):
+            return 0
+        self.idle_rounds = 0
+        return try_k
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         w = 1.0 - self.alpha
+        if self.asked:
+            self.continued = w * self.continued + drafted
+            self.stopped = w * self.stopped + (1 if drafted < self.asked else 0)
+            if self.warm:
+                self.draft.add(drafted, draft_s)
         if drafted:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
-        if self.asked and self.warm:
-            self.draft.add(drafted, draft_s)
         self.warm = self.asked > 0
         self.verify.add(drafted, verify_s)
 

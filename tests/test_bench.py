@@ -174,15 +174,20 @@ def test_aggregate_record() -> None:
 
 
 def test_adaptive_against_best_fixed() -> None:
-    plain = [_run("a", 10)]
+    """Set rate = all tokens over all time (a long prompt weighs more than a median
+    would give it); paired = median per-prompt ratio against that best fixed length."""
+    plain = [_run("a", 10), _run("b", 10, gen=30)]
 
-    def rec(k: int, policy: str, tps: float) -> dict:
-        return report.aggregate(Config("local", k, policy), [_run("a", tps)], plain, True)
+    def rec(k: int, policy: str, a: float, b: float) -> dict:
+        runs = [_run("a", a), _run("b", b, gen=30)]
+        return report.aggregate(Config("local", k, policy), runs, plain, True)
 
-    recs = [rec(4, "fixed", 12), rec(8, "fixed", 15), rec(8, "adaptive", 14)]
+    recs = [rec(4, "fixed", 20, 10), rec(8, "fixed", 10, 15), rec(8, "adaptive", 12, 15)]
     [row] = report.adaptive_vs_fixed(recs)
-    assert row["best_fixed_k"] == 8 and row["best_fixed_tps"] == 15
-    assert row["ratio"] == pytest.approx(14 / 15)
+    # set rates: k=4 40 tokens in 0.5 + 3 s; k=8 in 1 + 2 s; adaptive in 10/12 + 2 s
+    assert row["best_fixed_k"] == 8 and row["best_fixed_tps"] == pytest.approx(40 / 3)
+    assert row["ratio"] == pytest.approx((40 / (10 / 12 + 2)) / (40 / 3))
+    assert row["paired"] == pytest.approx((12 / 10 + 15 / 15) / 2)
 
 
 def test_counter_delta_and_digest() -> None:
@@ -274,9 +279,11 @@ def test_configurations_sweep_links_only_for_remote() -> None:
                  policies=["fixed", "adaptive"])
     cfgs = configurations(s)
     assert cfgs[0] == Config("plain")
-    assert len([c for c in cfgs if c.mode == "local"]) == 4
+    # fixed at 4 and 8, adaptive once (capped at 8)
+    local = [(c.draft_max, c.policy) for c in cfgs if c.mode == "local"]
+    assert local == [(4, "fixed"), (8, "fixed"), (8, "adaptive")]
     remote = [c for c in cfgs if c.mode == "remote-pipelined"]
-    assert len(remote) == 8 and {c.rtt_s for c in remote} == {0.001, 0.01}
+    assert len(remote) == 6 and {c.rtt_s for c in remote} == {0.001, 0.01}
     assert all(c.rtt_s is None for c in cfgs if c.mode == "local")
     assert len({c.label() for c in cfgs}) == len(cfgs)
 

@@ -169,3 +169,59 @@ def test_line_fit_splits_a_round_cost_into_intercept_and_slope() -> None:
         g.add(4, 8.0)
     assert g.coefficients() == pytest.approx((0.0, 2.0))
     assert LineFit(0.1).coefficients() == (0.0, 0.0)
+
+
+def _drive_stopping(p: AdaptivePolicy, g: float, a: float, c: float, d: float,
+                    verify: Callable[[int], float], rounds: int = 300,
+                    seed: int = 3) -> list[int]:
+    """A drafter that goes on to a next token with probability g (asked for k, it may
+    stop sooner) and costs c + d per token; each drafted token kept with probability a."""
+    gen = random.Random(seed)
+    ks = []
+    for _ in range(rounds):
+        k = p.choose(16)
+        drafted = 0
+        while drafted < k and gen.random() < g:
+            drafted += 1
+        kept = 0
+        while kept < drafted and gen.random() < a:
+            kept += 1
+        p.observe(drafted, kept, c + d * drafted if k else 0.0, verify(drafted + 1))
+        ks.append(k)
+    return ks
+
+
+def test_a_drafter_that_mostly_declines_is_not_worth_its_round_cost() -> None:
+    """Like a draft model at --draft-p-min on free text: it drafts a first token only 30% of
+    the time but every round costs it an evaluation (c = a quarter step). What it drafts is
+    kept (a = 0.9), so a policy that only looked at a would go on asking; counting the rounds
+    that ended early, drafting yields less than it costs, and the policy mostly decodes
+    plainly: its probes cost under 2% of the plain rate."""
+    g, a, c, d = 0.3, 0.9, 0.025, 0.02
+
+    def verify(n: float) -> float:
+        return 0.1 * (1 + 0.25 * (n - 1))
+
+    def true_rate(k: int) -> float:
+        if k == 0:
+            return 1 / verify(1)
+        drafted = sum(g ** i for i in range(1, k + 1))
+        return expected_tokens(g * a, k) / (c + d * drafted + verify(1 + drafted))
+
+    p = AdaptivePolicy(8)
+    ks = _drive_stopping(p, g=g, a=a, c=c, d=d, verify=verify)
+    assert p.acceptance > 0.7 and p.continuation < 0.45
+    assert max(range(9), key=true_rate) == 0
+    tail = ks[-100:]
+    assert sum(1 for k in tail if k == 0) >= 60, tail
+    assert sum(true_rate(k) for k in tail) / 100 >= 0.98 * true_rate(0)
+
+
+def test_a_free_drafter_that_often_has_nothing_ready_keeps_drafting() -> None:
+    """Like a pipelined drafter after a rejection: often nothing ready (g = 0.5), but waiting
+    costs nothing (c = d = 0) and an empty round verifies one token, as a plain step. Asking
+    costs nothing, so the policy must keep asking for long drafts."""
+    p = AdaptivePolicy(8)
+    ks = _drive_stopping(p, g=0.5, a=0.9, c=0.0, d=0.0,
+                         verify=lambda n: 0.1 * (1 + 0.1 * (n - 1)))
+    assert min(ks[-100:]) >= 4

@@ -196,33 +196,46 @@ def aggregate(cfg: Config, runs: Sequence[PromptRun], plain: Sequence[PromptRun]
 
 
 def adaptive_vs_fixed(records: Sequence[dict]) -> list[dict]:
-    """Per mode, link and prompt set: the adaptive policy against the best fixed length."""
+    """Per mode, link and prompt set: the adaptive policy against the best fixed length.
+
+    Rates are tokens/s over the whole set (tokens generated / decoding time), what a
+    user running those prompts gets; `paired` is the median over prompts of the
+    per-prompt ratio to that best fixed length, which cancels prompt-to-prompt spread.
+    """
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         if r["mode"] != "plain":
             groups[(r["mode"], r["rtt_ms"], r["bandwidth_bps"])].append(r)
     out = []
     for (mode, rtt, bw), rs in groups.items():
-        adaptive = [r for r in rs if r["policy"] == "adaptive"]
         fixed = [r for r in rs if r["policy"] == "fixed"]
-        for ad in adaptive:
-            for cat, figures in ad["by_category"].items():
-                best = _best_fixed(fixed, cat)
-                if best is None:
+        for ad in (r for r in rs if r["policy"] == "adaptive"):
+            for cat in sorted({p["category"] for p in ad["prompts"]}):
+                rated = [(set_rate(r, cat), r) for r in fixed]
+                rated = [(t, r) for t, r in rated if t]
+                mine = set_rate(ad, cat)
+                if not rated or not mine:
                     continue
-                k, tps = best
-                mine = figures["tokens_per_s_median"]
+                tps, best = max(rated, key=lambda x: x[0])
                 out.append({"mode": mode, "rtt_ms": rtt, "bandwidth_bps": bw, "category": cat,
                             "adaptive_max": ad["draft_max"], "adaptive_tps": mine,
-                            "best_fixed_k": k, "best_fixed_tps": tps,
-                            "ratio": mine / tps if mine and tps else None})
+                            "best_fixed_k": best["draft_max"], "best_fixed_tps": tps,
+                            "ratio": mine / tps, "paired": _paired(ad, best, cat)})
     return out
 
 
-def _best_fixed(fixed: Sequence[dict], cat: str) -> tuple[int, float] | None:
-    cands = [(r["draft_max"], r["by_category"][cat]["tokens_per_s_median"]) for r in fixed
-             if cat in r["by_category"] and r["by_category"][cat]["tokens_per_s_median"]]
-    return max(cands, key=lambda c: c[1]) if cands else None
+def set_rate(record: dict, category: str) -> float | None:
+    """Tokens/s over the prompts of one category: all tokens over all decoding time."""
+    ps = [p for p in record["prompts"] if p["category"] == category]
+    ms = sum(p["predicted_ms"] for p in ps)
+    return 1000.0 * sum(p["generated"] for p in ps) / ms if ms > 0 else None
+
+
+def _paired(a: dict, b: dict, category: str) -> float | None:
+    theirs = {p["id"]: p["tokens_per_s"] for p in b["prompts"] if p["category"] == category}
+    ratios = [p["tokens_per_s"] / theirs[p["id"]] for p in a["prompts"]
+              if p["category"] == category and theirs.get(p["id"])]
+    return float(np.median(ratios)) if ratios else None
 
 
 def warnings(records: Sequence[dict]) -> list[str]:
@@ -325,13 +338,15 @@ def render_summary(results: dict) -> str:
     parts = [render_table(records)]
     ad = results.get("adaptive_vs_fixed") or []
     if ad:
-        parts.append("adaptive policy against the best fixed draft length (median tokens/s):")
+        parts.append("adaptive policy against the best fixed draft length (tokens/s over the "
+                     "set; paired: median per-prompt ratio):")
         for a in ad:
             link = "" if a["rtt_ms"] is None else (f" rtt={format_ms(a['rtt_ms'] / 1000)}"
                                                    f" bw={format_bps(a['bandwidth_bps'])}")
             parts.append(f"  {a['mode']}{link} [{a['category']}]: adaptive<={a['adaptive_max']} "
                          f"{_num(a['adaptive_tps'], 0, 2)} vs k={a['best_fixed_k']} "
-                         f"{_num(a['best_fixed_tps'], 0, 2)} ({_x(a['ratio'], 0)})")
+                         f"{_num(a['best_fixed_tps'], 0, 2)} ({_x(a['ratio'], 0)}, paired "
+                         f"{_x(a['paired'], 0)})")
     errs = [abs(r["plan"]["error_pct"]) for r in records
             if r.get("plan") and r["mode"] != "plain"]
     if errs:

@@ -2,7 +2,10 @@
 
 Plain decoding always runs first, whatever --modes says: every speedup and
 the plan predictions are relative to it, and measuring it in the same run
-(same machine load, same prompts) is what makes the ratios honest.
+(same machine load, same prompts) is what makes the ratios honest. By default
+the runs interleave: each prompt runs under every configuration before the
+next prompt starts, so a shared machine's slow drift in load lands on all
+configurations alike instead of on whichever ran during it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ from typing import Any
 from specwire.bench import calibrate, plots, predict, report
 from specwire.bench.modes import MODEL_MODES, REMOTE_MODES, Drafters
 from specwire.bench.prompts import Prompt, PromptError, resolve, tokenize
-from specwire.bench.runner import Config, PromptRun, Workload, run_config
+from specwire.bench.runner import (
+    Config,
+    PromptRun,
+    Workload,
+    reset_state,
+    run_config,
+    run_prompt,
+    warm_up,
+)
 from specwire.cliargs import CliError
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 
@@ -41,10 +52,15 @@ class Settings:
     chat_template: str | None = None
     progress: bool = True
     plots: bool = True
+    interleave: bool = True
 
 
 def configurations(s: Settings) -> list[Config]:
-    """Plain first, then each mode over its sweep (links only for remote modes)."""
+    """Plain first, then each mode over its sweep (links only for remote modes).
+
+    The adaptive policy chooses its own length, so it runs once per mode and link,
+    capped at the largest --draft-max, however many fixed lengths are swept.
+    """
     out = [Config("plain")]
     for mode in s.modes:
         if mode == "plain":
@@ -53,7 +69,8 @@ def configurations(s: Settings) -> list[Config]:
             [(r, b) for r in s.rtts for b in s.bandwidths] if mode in REMOTE_MODES
             else [(None, None)])
         out += [Config(mode, k, pol, rtt, bw) for rtt, bw in links
-                for k in s.draft_max for pol in s.policies]
+                for k in s.draft_max for pol in s.policies
+                if pol == "fixed" or k == max(s.draft_max)]
     return out
 
 
@@ -133,13 +150,27 @@ def _run_all(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload
     bar = tqdm(total=len(cfgs) * len(work.prompts), unit="prompt", disable=not s.progress,
                dynamic_ncols=True, file=sys.stderr)
     stack.callback(bar.close)
-    out = []
+    if not s.interleave:
+        out = []
+        for cfg in cfgs:
+            bar.set_description(cfg.label())
+            with drafters.build(cfg) as (drafter, emu):
+                out.append(run_config(Engine(target, drafter), work, cfg, emu,
+                                      on_prompt=lambda _r: bar.update()))
+        return out
     for cfg in cfgs:
-        bar.set_description(cfg.label())
-        with drafters.build(cfg) as (drafter, emu):
-            out.append(run_config(Engine(target, drafter), work, cfg, emu,
-                                  on_prompt=lambda _r: bar.update()))
-    return out
+        bar.set_description(f"warm-up {cfg.label()}")
+        with drafters.build(cfg) as (drafter, _emu):
+            warm_up(Engine(target, drafter), work, cfg)
+    runs: list[list[PromptRun]] = [[] for _ in cfgs]
+    for i in range(len(work.prompts)):
+        for j, cfg in enumerate(cfgs):
+            bar.set_description(f"{work.prompts[i].id} {cfg.label()}")
+            with drafters.build(cfg) as (drafter, emu):
+                runs[j].append(run_prompt(Engine(target, drafter), work, cfg, i, emu))
+            bar.update()
+    reset_state(Engine(target))
+    return runs
 
 
 def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[list[PromptRun]],

@@ -62,13 +62,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="template for prompts given as chat messages (llama.cpp names)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--config-major", action="store_true",
+                   help="run each configuration over all prompts in turn (default: each prompt "
+                        "under every configuration in turn, so machine drift hits all alike)")
     add_model_args(p)
     add_sampling_args(p)
     d = p.add_argument_group("sweep (comma lists)")
     d.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", default="8",
                    help="draft lengths to sweep, e.g. 4,8 (default 8)")
     d.add_argument("--draft-policy", default="fixed",
-                   help="policies to sweep: fixed, adaptive or fixed,adaptive (default fixed)")
+                   help="policies to sweep: fixed, adaptive or fixed,adaptive (default fixed); "
+                   "adaptive runs once, capped at the largest --draft-max")
     d.add_argument("--draft-url", metavar="HOST:PORT",
                    help="a running draft node for the remote modes (default: start one with "
                    "the draft model, -md or the bundled one)")
@@ -121,7 +125,7 @@ def settings_from_args(a: argparse.Namespace):
         draft_max=_list("--draft-max", a.draft_max, _draft_len),
         policies=_list("--draft-policy", a.draft_policy, _policy),
         n_predict=pick["n_predict"], ignore_eos=a.ignore_eos, chat_template=a.chat_template,
-        progress=not a.no_progress, plots=not a.no_plots)
+        progress=not a.no_progress, plots=not a.no_plots, interleave=not a.config_major)
 
 
 def _list(flag: str, text: str, parse) -> list:
