@@ -56,7 +56,13 @@ class RemoteDrafter(BranchDrafter):
         return {link.url: float(link.up) for link in self.links}
 
     def close(self) -> None:
+        """End the session, close the channels, stop the link thread."""
         self.end()
+        closing = asyncio.run_coroutine_threadsafe(_close_all(self.links), self._loop)
+        try:
+            closing.result(timeout=2)
+        except (TimeoutError, grpc.aio.AioRpcError, OSError) as e:
+            log.debug("closing draft links: %s", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=2)
 
@@ -195,6 +201,11 @@ async def _write_all(call, out: asyncio.Queue) -> None:
         await call.done_writing()
     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
         pass
+
+
+async def _close_all(links: list[Link]) -> None:
+    for link in links:
+        await link.close()
 
 
 async def _handshake_all(links: list[Link]) -> list[str | None]:

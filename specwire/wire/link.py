@@ -71,6 +71,9 @@ class Link:
             ("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
             ("grpc.enable_retries", 0),
+            # A connection of its own: grpc would otherwise share one TCP connection among
+            # channels to the same address, and a failure of one Link would hit the others.
+            ("grpc.use_local_subchannel_pool", 1),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
@@ -112,6 +115,12 @@ class Link:
         log.info(
             "draft node %s: %s, handshake %.1f ms", self.url, reply.draft_model, 1000 * self.rtt_s
         )
+
+    async def close(self) -> None:
+        """Close the channel (its connection goes with it)."""
+        channel, self.channel, self.stub, self.up = self.channel, None, None, False
+        if channel is not None:
+            await channel.close()
 
     def _check(self, r: pb.HelloReply) -> None:
         if r.protocol_version != protocol.PROTOCOL_VERSION:
