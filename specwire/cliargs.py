@@ -89,7 +89,13 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         help="verification at temperature > 0 (greedy is used at --temp 0)",
     )
     d.add_argument("--draft-top-k", type=int, default=8, help="sparse q size in rejection mode")
-    d.add_argument("--draft-policy", choices=["fixed", "adaptive"], default="fixed")
+    d.add_argument(
+        "--draft-policy",
+        choices=["fixed", "adaptive"],
+        default="adaptive",
+        help="adaptive (default): each round the draft length with the most expected "
+        "tokens/s, up to --draft-max, 0 when drafting does not pay; fixed: --draft-max",
+    )
     d.add_argument(
         "--draft-mode",
         choices=["auto", "pipelined", "sync"],

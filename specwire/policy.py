@@ -163,7 +163,7 @@ class AdaptivePolicy:
         try_k = max(range(1, limit + 1), key=rates.__getitem__)
         gap = 1.0 - rates[try_k] / rates[0]
         self.idle_rounds += 1
-        if self.idle_rounds < min(self.probe_every, max(2, int(2 * self.probe_every * gap))):
+        if self.idle_rounds < min(self.probe_every, max(2, int(4 * self.probe_every * gap))):
             return 0
         self.idle_rounds = 0
         return try_k

@@ -34,7 +34,7 @@ from specwire.plan import VerifyCurve
 
 VERIFY_SIZES = (1, 2, 4, 8, 16)
 DRAFT_TOKENS = 32
-VERIFY_REPS = 3
+VERIFY_REPS = 7
 
 
 # --------------------------------------------------------------------------- single figures
@@ -66,24 +66,27 @@ def verify_curve(backend: Any, prompt: Sequence[int], sizes: Sequence[int] = VER
 
 def batch_times(backend: Any, prompt: Sequence[int], sizes: Sequence[int],
                 reps: int) -> dict[int, float]:
-    """Median seconds to evaluate a batch of n tokens (all logits) at the prompt's end."""
+    """Median seconds to evaluate a batch of n tokens (all logits) at the prompt's end.
+
+    The sizes take turns, rep after rep, so that a shared machine's drift in speed
+    lands on every size alike and the ratios between them stay honest.
+    """
     sizes = sorted({n for n in sizes if 0 < n <= backend.n_ctx - len(prompt)})
     backend.truncate(0)
     backend.eval(list(prompt), logits="last")
     base = backend.n_past
     filler = list(prompt) or [0]
-    out = {}
-    for n in sizes:
-        batch = [filler[i % len(filler)] for i in range(n)]
-        tries = []
-        for _ in range(reps + 1):            # the first try of each size warms up
+    tries: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(reps + 1):             # the first pass warms up
+        for n in sizes:
+            batch = [filler[i % len(filler)] for i in range(n)]
             t0 = time.perf_counter()
             backend.eval(batch, logits="all")
-            tries.append(time.perf_counter() - t0)
+            if rep:
+                tries[n].append(time.perf_counter() - t0)
             backend.truncate(base)
-        out[n] = statistics.median(tries[1:])
     backend.truncate(0)
-    return out
+    return {n: statistics.median(t) for n, t in tries.items()}
 
 
 # --------------------------------------------------------------------------- plan --measure

@@ -111,17 +111,31 @@ def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Roun
     if draft_tps is None or not draft_tps > 0.0 or verify is None:
         return None
     plan_mode, fn = RATE_BY_MODE[cfg.mode]
-    k = min(rounds.k, 256)
-    a = fit_acceptance(rounds.kept_per_round, k)
-    inputs = PlanInputs(
-        target_tps=plain_tps, draft_tps=min(draft_tps, _FREE_DRAFT_TPS), acceptance=a,
-        rtt_s=cfg.rtt_s or 0.0, bandwidth_bps=cfg.bandwidth_bps or math.inf, verify=verify,
-        draft_max=max(k, 1), stop_evals=rounds.stop_evals if cfg.mode in MODEL_MODES else 0.0)
-    rate = fn(inputs, k)
-    if plan_mode != "pipelined":
-        empty_s = inputs.t_s + inputs.t_d + (inputs.rtt_s if plan_mode == "synchronous" else 0.0)
-        rate = mixed_rate(rate, expected_tokens(a, k), rounds.share, empty_s)
-    return _result(plan_mode, k, rounds.share, rate, plain_tps, measured_tps, inputs)
+    # The plan drafts a whole number of tokens a round; bench saw a mean. Predict at the
+    # two whole numbers around it (each with its fitted a) and interpolate, so that a mean
+    # of 3.49 and one of 3.51 do not land on two different models.
+    mean = min(rounds.drafted / rounds.drafting_rounds, 256.0)
+    lo = max(1, math.floor(mean))
+    hi = max(lo, math.ceil(mean))
+    w = 0.0 if hi == lo else (mean - lo) / (hi - lo)
+    inputs = None
+    rate = 0.0
+    for k, weight in ((lo, 1.0 - w), (hi, w)):
+        if weight == 0.0:
+            continue
+        a = fit_acceptance(rounds.accepted / rounds.drafting_rounds, k)
+        inputs = PlanInputs(
+            target_tps=plain_tps, draft_tps=min(draft_tps, _FREE_DRAFT_TPS), acceptance=a,
+            rtt_s=cfg.rtt_s or 0.0, bandwidth_bps=cfg.bandwidth_bps or math.inf, verify=verify,
+            draft_max=max(k, 1),
+            stop_evals=rounds.stop_evals if cfg.mode in MODEL_MODES else 0.0)
+        r = fn(inputs, k)
+        if plan_mode != "pipelined":
+            empty_s = inputs.t_s + inputs.t_d + (
+                inputs.rtt_s if plan_mode == "synchronous" else 0.0)
+            r = mixed_rate(r, expected_tokens(a, k), rounds.share, empty_s)
+        rate += weight * r
+    return _result(plan_mode, rounds.k, rounds.share, rate, plain_tps, measured_tps, inputs)
 
 
 def mixed_rate(rate_k: float, tokens_k: float, share: float, empty_s: float) -> float:

@@ -224,9 +224,15 @@ def adaptive_vs_fixed(records: Sequence[dict]) -> list[dict]:
     return out
 
 
-def set_rate(record: dict, category: str) -> float | None:
-    """Tokens/s over the prompts of one category: all tokens over all decoding time."""
-    ps = [p for p in record["prompts"] if p["category"] == category]
+def overall_rate(record: dict) -> float | None:
+    """Tokens/s over all of a record's prompts: all tokens over all decoding time."""
+    return set_rate(record, None)
+
+
+def set_rate(record: dict, category: str | None) -> float | None:
+    """Tokens/s over the prompts of one category (None: all): all tokens over all
+    decoding time."""
+    ps = [p for p in record["prompts"] if category is None or p["category"] == category]
     ms = sum(p["predicted_ms"] for p in ps)
     return 1000.0 * sum(p["generated"] for p in ps) / ms if ms > 0 else None
 
@@ -283,7 +289,8 @@ def _finite(x):
 LEGEND = ("tok/s: median over prompts (p10-p90); speedup: ratio of medians to plain; "
           "paired: median of per-prompt ratios; accept: accepted/drafted; len: mean tokens "
           "kept per drafting round; B/tok: bytes on the wire per generated token; plan: "
-          "predicted tok/s (err% vs measured); same: tokens identical to plain")
+          "predicted tok/s over the set (err% vs the measured all tokens / all decoding "
+          "time); same: tokens identical to plain")
 
 
 def render_table(records: Sequence[dict]) -> str:

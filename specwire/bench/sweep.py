@@ -179,7 +179,8 @@ def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[
     plain = runs[0]
     lossless = sampling.greedy or draft.mode is VerifyMode.COUPLED
     records = [report.aggregate(c, r, plain, lossless) for c, r in zip(cfgs, runs, strict=True)]
-    plain_tps = records[0]["tokens_per_s"]["median"] or 0.0
+    # The plan works on rates over the whole workload: all tokens over all decoding time.
+    plain_tps = report.overall_rate(records[0]) or 0.0
     for rec, cfg in zip(records, cfgs, strict=True):
         rec["plan"] = _prediction(rec, cfg, plain_tps, calib)
     return {
@@ -194,7 +195,7 @@ def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[
                                "verify": draft.mode.value, "top_k_q": draft.top_k_q},
                      "lossless_expected": lossless},
         "calibration": {"draft_tps": calib["draft_tps"], "verify_cost": calib["verify_cost"],
-                        "plain_tps_median": plain_tps},
+                        "plain_tps_overall": plain_tps},
         "elapsed_s": elapsed_s,
         "records": records,
         "adaptive_vs_fixed": report.adaptive_vs_fixed(records),
@@ -203,7 +204,7 @@ def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[
 
 
 def _prediction(rec: dict, cfg: Config, plain_tps: float, calib: dict) -> dict | None:
-    measured = rec["tokens_per_s"]["median"] or 0.0
+    measured = report.overall_rate(rec) or 0.0
     rounds = predict.Rounds(rounds=rec["rounds"], drafting_rounds=sum(rec["accepted_hist"]),
                             drafted=rec["draft_n"], accepted=rec["draft_n_accepted"],
                             short=rec.get("short_rounds", 0))
