@@ -17,6 +17,8 @@ class Stats:
     #: drafting rounds whose draft came back shorter than asked (the draft model
     #: stopped at --draft-p-min after evaluating the position it declined).
     short_rounds: int = 0
+    #: rounds that asked the drafter for tokens (the others were plain steps by choice)
+    asked_rounds: int = 0
     draft_ms: float = 0.0  # time the engine spent waiting on the drafter
     verify_ms: float = 0.0  # target evaluation and verification
     target_decode_ms: float = 0.0  # of which inside the target's llama_decode
@@ -29,6 +31,7 @@ class Stats:
     def record_round(self, drafted: int, accepted: int, asked: int | None = None) -> None:
         self.rounds += 1
         self.short_rounds += 0 < drafted < (asked or 0)
+        self.asked_rounds += (asked or 0) > 0
         self.draft_n += drafted
         self.draft_n_accepted += accepted
         if drafted:
@@ -81,6 +84,7 @@ class Stats:
             **self.timings(),
             "rounds": self.rounds,
             "short_rounds": self.short_rounds,
+            "asked_rounds": self.asked_rounds,
             "acceptance": round(self.acceptance, 4),
             "mean_accepted": round(self.mean_accepted, 4),
             "accepted_hist": list(self.hist),

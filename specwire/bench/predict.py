@@ -62,6 +62,7 @@ class Rounds:
     drafted: int
     accepted: int
     short: int = 0  # drafting rounds whose draft came back shorter than asked
+    asked: int | None = None  # rounds that asked the drafter at all (None: every round)
 
     @property
     def stop_evals(self) -> float:
@@ -72,6 +73,12 @@ class Rounds:
     @property
     def k(self) -> int:
         return max(1, round(self.drafted / self.drafting_rounds)) if self.drafting_rounds else 0
+
+    @property
+    def asked_share(self) -> float:
+        """Rounds that asked the drafter, of all rounds; the rest were plain steps."""
+        asked = self.rounds if self.asked is None else self.asked
+        return asked / self.rounds if self.rounds else 0.0
 
     @property
     def share(self) -> float:
@@ -131,8 +138,14 @@ def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Roun
             stop_evals=rounds.stop_evals if cfg.mode in MODEL_MODES else 0.0)
         r = fn(inputs, k)
         if plan_mode != "pipelined":
-            empty_s = inputs.t_s + inputs.t_d + (
+            # A round that asked but got nothing still paid for asking; one that did not
+            # ask (the adaptive policy chose k = 0) is a plain step.
+            asked_s = inputs.t_s + inputs.t_d + (
                 inputs.rtt_s if plan_mode == "synchronous" else 0.0)
+            empty = 1.0 - rounds.share
+            asked_empty = max(0.0, rounds.asked_share - rounds.share)
+            empty_s = (asked_empty * asked_s + (empty - asked_empty) * inputs.t_s) / empty \
+                if empty > 0 else inputs.t_s
             r = mixed_rate(r, expected_tokens(a, k), rounds.share, empty_s)
         rate += weight * r
     return _result(plan_mode, rounds.k, rounds.share, rate, plain_tps, measured_tps, inputs)

@@ -207,7 +207,8 @@ def _prediction(rec: dict, cfg: Config, plain_tps: float, calib: dict) -> dict |
     measured = report.overall_rate(rec) or 0.0
     rounds = predict.Rounds(rounds=rec["rounds"], drafting_rounds=sum(rec["accepted_hist"]),
                             drafted=rec["draft_n"], accepted=rec["draft_n_accepted"],
-                            short=rec.get("short_rounds", 0))
+                            short=rec.get("short_rounds", 0),
+                            asked=rec.get("asked_rounds", rec["rounds"]))
     if cfg.mode in MODEL_MODES:
         draft_tps = calib["draft_tps"]
     else:
