@@ -40,12 +40,14 @@ class FixedPolicy:
 class LineFit:
     """Exponentially weighted least squares of y = c + d x, both kept >= 0.
 
-    Until x has varied, the split between c and d is a guess: d = guess * c when
-    `guess` is given, else all of y is slope.
+    Two pseudo-points on the prior line y = c (1 + guess x), weight `prior` each,
+    keep a fit from few or clustered points sane: one slow round at a size not seen
+    again cannot set the slope on its own, and real data outweighs them soon.
     """
 
     alpha: float
-    guess: float | None = None
+    guess: float
+    prior: float = 1.0
     w: float = 0.0
     x: float = 0.0
     y: float = 0.0
@@ -62,14 +64,13 @@ class LineFit:
         """(c, d); (0, 0) before any data."""
         if self.w == 0.0:
             return 0.0, 0.0
-        mx, my = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mx * mx
-        if var < 0.05 * max(mx * mx, 1e-9):
-            if self.guess is not None:
-                c = my / (1.0 + self.guess * mx)
-                return c, self.guess * c
-            return (0.0, my / mx) if mx > 0 else (my, 0.0)
-        d = (self.xy / self.w - mx * my) / var
+        c0 = (self.y / self.w) / (1.0 + self.guess * self.x / self.w)
+        y2 = c0 * (1.0 + 2.0 * self.guess)  # the prior's points: (0, c0) and (2, y2)
+        lam = self.prior
+        w, x, y = self.w + 2 * lam, self.x + 2 * lam, self.y + lam * (c0 + y2)
+        xx, xy = self.xx + 4 * lam, self.xy + 2 * lam * y2
+        mx, my = x / w, y / w
+        d = (xy / w - mx * my) / (xx / w - mx * mx)
         c = my - d * mx
         if d < 0.0:
             return my, 0.0
@@ -107,9 +108,14 @@ class AdaptivePolicy:
     rejected: float = 0.5
     continued: float = 4.0  # drafted tokens, and rounds the drafter ended early (g = 0.9)
     stopped: float = 0.5
-    draft: LineFit = field(default_factory=lambda: LineFit(0.1))  # seconds vs tokens drafted
-    verify: LineFit = field(default_factory=lambda: LineFit(0.05, guess=0.1))  # s vs n - 1
+    #: seconds vs tokens drafted; a prior of one evaluation per round and one per token
+    draft: LineFit = field(default_factory=lambda: LineFit(0.1, guess=1.0))
+    #: seconds vs batch size - 1; a prior of 10% of a step per extra token
+    verify: LineFit = field(default_factory=lambda: LineFit(0.05, guess=0.1, prior=0.3))
     probe_every: int = 32  # most rounds at k = 0 between probes
+    margin: float = 0.2  # how much better plain steps must look to stop drafting early on
+    settle: int = 12  # rounds that asked the drafter before the margin is dropped
+    asked_rounds: int = 0
     idle_rounds: int = 0
     asked: int = 0  # k of the round in progress
     warm: bool = False  # the previous round asked for a draft
@@ -155,6 +161,12 @@ class AdaptivePolicy:
         for k in range(1, limit + 1):
             if rates[k] > rates[best_k] * 1.0001:
                 best_k = k
+        if best_k == 0 and limit >= 1 and self.warm and self.asked_rounds < self.settle:
+            # Early on, stop drafting only when plain steps look clearly better: the first
+            # estimates are noisy, and a wrong stop costs many rounds before a probe.
+            try_k = max(range(1, limit + 1), key=rates.__getitem__)
+            if rates[try_k] * (1.0 + self.margin) >= rates[0]:
+                best_k = try_k
         if best_k > 0 or limit == 0:
             self.idle_rounds = 0
             return best_k
@@ -171,6 +183,7 @@ class AdaptivePolicy:
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         w = 1.0 - self.alpha
         if self.asked:
+            self.asked_rounds += 1
             self.continued = w * self.continued + drafted
             self.stopped = w * self.stopped + (1 if drafted < self.asked else 0)
             if self.warm:

@@ -99,15 +99,16 @@ def test_adaptive_settles_on_the_best_intermediate_k() -> None:
     assert rate(0) < 0.75 * rate(best) and rate(12) < 0.75 * rate(best)
 
 
-def test_verify_cost_interpolates_what_was_measured() -> None:
-    """t_v(n): linear through measured batch sizes, extrapolated past them."""
+def test_verify_cost_is_a_line_through_what_was_measured() -> None:
+    """t_v(n): the line through the measured batch sizes (n = 2 took 2 s, n = 6 took 6 s),
+    extrapolated past them. The prior line (10% of a step per extra token, far from this
+    one's 100%) still pulls a little: within 15%."""
     p = AdaptivePolicy(8)
-    p.observe(1, 1, 0.001, 2.0)        # n = 2 took 2 s
-    p.observe(5, 5, 0.005, 6.0)        # n = 6 took 6 s
-    assert p.verify_cost(2) == pytest.approx(2.0)
-    assert p.verify_cost(4) == pytest.approx(4.0)
-    assert p.verify_cost(10) == pytest.approx(10.0)
-    assert p.verify_cost(1) == pytest.approx(1.0)
+    for _ in range(20):
+        p.observe(1, 1, 0.001, 2.0)
+        p.observe(5, 5, 0.005, 6.0)
+    for n in (1, 2, 4, 10):
+        assert p.verify_cost(n) == pytest.approx(float(n), rel=0.15)
 
 
 def test_adaptive_respects_the_limit() -> None:
@@ -152,7 +153,7 @@ def test_catch_up_work_is_not_charged_to_draft_length() -> None:
         ks.append(k)
         previous = k
     assert min(ks[1:]) >= 1, ks[:20]
-    assert p.draft_cost(4) == pytest.approx(c + 4 * d, rel=0.05)
+    assert p.draft_cost(4) == pytest.approx(c + 4 * d, rel=0.1)
     best = max(range(17), key=rate)
     assert sum(rate(k) for k in ks[-100:]) / 100 >= 0.95 * rate(best)
 
@@ -160,15 +161,21 @@ def test_catch_up_work_is_not_charged_to_draft_length() -> None:
 def test_line_fit_splits_a_round_cost_into_intercept_and_slope() -> None:
     """y = 3 + 2x recovered from varied x; constant x charges it all to the slope."""
     from specwire.policy import LineFit
-    f = LineFit(0.1)
+    f = LineFit(0.1, guess=1.0, prior=0.0)
     for x in [0, 1, 2, 5, 3, 1, 4] * 5:
         f.add(x, 3 + 2 * x)
     assert f.coefficients() == pytest.approx((3.0, 2.0))
-    g = LineFit(0.1)
+    # one x only: the prior line y = c (1 + guess x) splits it
+    g = LineFit(0.1, guess=1.0)
     for _ in range(5):
-        g.add(4, 8.0)
-    assert g.coefficients() == pytest.approx((0.0, 2.0))
-    assert LineFit(0.1).coefficients() == (0.0, 0.0)
+        g.add(4, 10.0)
+    assert g.coefficients() == pytest.approx((2.0, 2.0))
+    # the prior's pull fades as varied data comes in
+    h = LineFit(0.1, guess=1.0)
+    for x in [0, 1, 2, 5, 3, 1, 4] * 5:
+        h.add(x, 3 + 2 * x)
+    assert h.coefficients() == pytest.approx((3.0, 2.0), rel=0.1)
+    assert LineFit(0.1, guess=1.0).coefficients() == (0.0, 0.0)
 
 
 def _drive_stopping(p: AdaptivePolicy, g: float, a: float, c: float, d: float,
