@@ -81,3 +81,14 @@ def test_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_draft_policy_defaults_to_adaptive() -> None:
+    """generate (and serve) pick each round's draft length unless told `fixed`."""
+    from specwire.cli import build_parser
+    from specwire.cliargs import draft_params
+    p = build_parser()
+    assert draft_params(p.parse_args(["generate", "x"])).policy == "adaptive"
+    fixed = p.parse_args(["generate", "x", "--draft-policy", "fixed"])
+    assert draft_params(fixed).policy == "fixed"
+    assert draft_params(p.parse_args(["serve"])).policy == "adaptive"
