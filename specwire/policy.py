@@ -161,18 +161,18 @@ class AdaptivePolicy:
         for k in range(1, limit + 1):
             if rates[k] > rates[best_k] * 1.0001:
                 best_k = k
-        if best_k == 0 and limit >= 1 and self.warm and self.asked_rounds < self.settle:
-            # Early on, stop drafting only when plain steps look clearly better: the first
-            # estimates are noisy, and a wrong stop costs many rounds before a probe.
-            try_k = max(range(1, limit + 1), key=rates.__getitem__)
-            if rates[try_k] * (1.0 + self.margin) >= rates[0]:
-                best_k = try_k
         if best_k > 0 or limit == 0:
             self.idle_rounds = 0
             return best_k
+        try_k = max(range(1, limit + 1), key=rates.__getitem__)
+        # Early on, stop drafting only when plain steps look clearly better: the first
+        # estimates are noisy, and a wrong stop costs many rounds before a probe.
+        early = self.warm and self.asked_rounds < self.settle
+        if early and rates[try_k] * (1.0 + self.margin) >= rates[0]:
+            self.idle_rounds = 0
+            return try_k
         # Probe now and then, or the estimates could never recover: soon when drafting
         # looks almost worth it, rarely when it looks hopeless.
-        try_k = max(range(1, limit + 1), key=rates.__getitem__)
         gap = 1.0 - rates[try_k] / rates[0]
         self.idle_rounds += 1
         if self.idle_rounds < min(self.probe_every, max(2, int(4 * self.probe_every * gap))):

@@ -243,13 +243,7 @@ def test_token_authentication(target, tmp_path) -> None:
             with pytest.raises(grpc.RpcError) as e:
                 list(pbg.DraftNodeStub(channel).Ping(iter([pb.PingMessage(seq=1)])))
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        rd = target.drafter(n.url, pipelined=False, settings=LinkSettings(token="secret"))
-        try:
-            g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
-            assert run_to_end(g) == ref(target, GREEDY, 12)
-            assert g.stats.draft_n_accepted > 0 and rd.links[0].up
-        finally:
-            rd.close()
+        _drafts_like_plain(target, n.url, pipelined=False, settings=LinkSettings(token="secret"))
 
 
 def test_tls_and_mutual_tls(target, tmp_path) -> None:
@@ -272,13 +266,18 @@ def test_tls_and_mutual_tls(target, tmp_path) -> None:
             with pytest.raises(LinkError):
                 asyncio.run(target.link(n.url, settings).connect())
         good = LinkSettings(tls_ca=c["ca"], tls_cert=c["client_cert"], tls_key=c["client_key"])
-        rd = target.drafter(n.url, pipelined=True, settings=good)
-        try:
-            g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
-            assert run_to_end(g) == ref(target, GREEDY, 12)
-            assert g.stats.draft_n_accepted > 0 and rd.links[0].up
-        finally:
-            rd.close()
+        _drafts_like_plain(target, n.url, pipelined=True, settings=good)
+
+
+def _drafts_like_plain(target, url: str, pipelined: bool, settings: LinkSettings) -> None:
+    """A target connected with these settings gets accepted drafts and plain's tokens."""
+    rd = target.drafter(url, pipelined=pipelined, settings=settings)
+    try:
+        g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
+        assert run_to_end(g) == ref(target, GREEDY, 12)
+        assert g.stats.draft_n_accepted > 0 and rd.links[0].up
+    finally:
+        rd.close()
 
 
 # ============================================================================ invariance

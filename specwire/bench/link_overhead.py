@@ -123,7 +123,7 @@ def main() -> None:
     r = measure(a.k, a.rounds)
     print(f"k={r['k']}, {r['rounds']} rounds: local draft {r['local_ms']:.2f} ms, remote sync "
           f"{r['remote_sync_ms']:.2f} ms (loopback), "
-          f"link overhead {r['overhead_ms']:+.2f} ms/round: gRPC echo after the same idle time "
+          f"link overhead {r['overhead_ms']:+.2f} ms/round: gRPC echo after as long busy "
           f"{r['grpc_echo_ms']:.2f} ms, specwire's own {r['specwire_ms']:+.2f} ms")
 
 

@@ -71,8 +71,13 @@ class Rounds:
         return self.short / self.drafting_rounds if self.drafting_rounds else 0.0
 
     @property
+    def mean_drafted(self) -> float:
+        """Tokens drafted per round that had a draft."""
+        return self.drafted / self.drafting_rounds if self.drafting_rounds else 0.0
+
+    @property
     def k(self) -> int:
-        return max(1, round(self.drafted / self.drafting_rounds)) if self.drafting_rounds else 0
+        return max(1, round(self.mean_drafted)) if self.drafting_rounds else 0
 
     @property
     def asked_share(self) -> float:
@@ -121,7 +126,7 @@ def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Roun
     # The plan drafts a whole number of tokens a round; bench saw a mean. Predict at the
     # two whole numbers around it (each with its fitted a) and interpolate, so that a mean
     # of 3.49 and one of 3.51 do not land on two different models.
-    mean = min(rounds.drafted / rounds.drafting_rounds, 256.0)
+    mean = min(rounds.mean_drafted, 256.0)
     lo = max(1, math.floor(mean))
     hi = max(lo, math.ceil(mean))
     w = 0.0 if hi == lo else (mean - lo) / (hi - lo)
@@ -130,7 +135,7 @@ def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Roun
     for k, weight in ((lo, 1.0 - w), (hi, w)):
         if weight == 0.0:
             continue
-        a = fit_acceptance(rounds.accepted / rounds.drafting_rounds, k)
+        a = fit_acceptance(rounds.kept_per_round, k)
         inputs = PlanInputs(
             target_tps=plain_tps, draft_tps=min(draft_tps, _FREE_DRAFT_TPS), acceptance=a,
             rtt_s=cfg.rtt_s or 0.0, bandwidth_bps=cfg.bandwidth_bps or math.inf, verify=verify,

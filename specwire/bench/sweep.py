@@ -26,7 +26,6 @@ from specwire.bench.runner import (
     Config,
     PromptRun,
     Workload,
-    reset_state,
     run_config,
     run_prompt,
     warm_up,
@@ -169,7 +168,7 @@ def _run_all(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload
             with drafters.build(cfg) as (drafter, emu):
                 runs[j].append(run_prompt(Engine(target, drafter), work, cfg, i, emu))
             bar.update()
-    reset_state(Engine(target))
+    target.truncate(0)
     return runs
 
 

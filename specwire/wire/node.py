@@ -126,13 +126,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
             session = self._open(first.open, out.append)
             session.step(None)
             yield from _drain(out)
-            for m in requests:
-                kind = m.WhichOneof("kind")
-                if kind == "close":
-                    break
-                if kind != "verdict":
-                    raise ProtocolError(f"unexpected {kind} message")
-                session.step(m.verdict)
+            for verdict in _verdicts(requests):
+                session.step(verdict)
                 yield from _drain(out)
         except grpc.RpcError:
             pass  # the target went away; nothing to tell it
@@ -161,20 +156,25 @@ def _drain(out: list[pb.DraftMessage]):
     out.clear()
 
 
+def _verdicts(requests):
+    """The verdicts after the Open, until Close; anything else is a ProtocolError."""
+    for m in requests:
+        kind = m.WhichOneof("kind")
+        if kind == "close":
+            return
+        if kind != "verdict":
+            raise ProtocolError(f"unexpected {kind} message")
+        yield m.verdict
+
+
 def _pipelined(session: DraftSession, outbox: queue.SimpleQueue, requests, context):
     """The session drafts on its own thread into outbox; a reader thread feeds it verdicts."""
     context.add_callback(lambda: outbox.put(None))  # the RPC ended: stop yielding
 
     def read() -> None:
         try:
-            for m in requests:
-                kind = m.WhichOneof("kind")
-                if kind == "close":
-                    break
-                if kind != "verdict":
-                    outbox.put(error_message(ProtocolError(f"unexpected {kind} message")))
-                    break
-                session.push(m.verdict)
+            for verdict in _verdicts(requests):
+                session.push(verdict)
         except grpc.RpcError:
             pass
         except Exception as e:  # noqa: BLE001 - reported to the peer, the node stays up
