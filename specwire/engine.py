@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from specwire.backend.base import Backend, sync_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams
 from specwire.drafters.base import Draft, Drafter, NoDrafter
-from specwire.policy import make_policy
+from specwire.policy import FixedPolicy, PolicyMemory
 from specwire.stats import Stats
 from specwire.verify import Verifier
 
@@ -74,7 +74,9 @@ class Generation:
         eng, req, st = self.engine, self.req, self.stats
         target, drafter = eng.target, eng.drafter if req.draft.enabled else eng.no_drafter
         verifier = Verifier(req.sampling, req.draft.mode)
-        policy = make_policy(req.draft.policy, req.draft.n_max)
+        # Plain requests leave the learned policies alone: they would teach them nothing.
+        policy = (eng.policies.policy(req.draft.policy, req.draft.n_max) if req.draft.enabled
+                  else FixedPolicy(0))
         prompt = req.prompt
         if len(prompt) + (1 if req.n_predict else 0) > target.n_ctx:
             raise ConfigError(
@@ -151,12 +153,19 @@ class Generation:
 
 
 class Engine:
-    """A target backend and the drafter that serves it."""
+    """A target backend, the drafter that serves it, and what its draft policy learned.
 
-    def __init__(self, target: Backend, drafter: Drafter | None = None) -> None:
+    Requests run one at a time; `policies` may be shared by engines that take
+    turns on the same target and drafter (bench rebuilds the drafter per prompt).
+    """
+
+    def __init__(
+        self, target: Backend, drafter: Drafter | None = None, policies: PolicyMemory | None = None
+    ) -> None:
         self.target = target
         self.no_drafter = NoDrafter()
         self.drafter = drafter or self.no_drafter
+        self.policies = policies if policies is not None else PolicyMemory()
 
     def generate(self, req: Request) -> Generation:
         return Generation(self, req)

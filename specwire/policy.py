@@ -29,6 +29,9 @@ def expected_tokens(a: float, k: int) -> float:
 class FixedPolicy:
     n_max: int
 
+    def start(self) -> None:
+        pass
+
     def choose(self, limit: int) -> int:
         return min(self.n_max, limit)
 
@@ -97,6 +100,8 @@ class AdaptivePolicy:
 
     Estimates are exponentially weighted (weight `alpha` for the newest round)
     so that the policy follows a prompt that turns from copying to free text.
+    They outlive a request (see PolicyMemory): the costs are the machine's, and
+    the last request's acceptance is a better first guess than a fixed prior.
     A round that follows a round without a draft is left out of the drafter's
     cost: it first caught up with the tokens it had not seen (the prompt, or a
     stretch of plain steps), work that a steady run of rounds does not repeat.
@@ -119,6 +124,10 @@ class AdaptivePolicy:
     idle_rounds: int = 0
     asked: int = 0  # k of the round in progress
     warm: bool = False  # the previous round asked for a draft
+
+    def start(self) -> None:
+        """A new sequence: keep the estimates, forget the round in progress."""
+        self.asked, self.warm, self.idle_rounds = 0, False, 0
 
     @property
     def acceptance(self) -> float:
@@ -195,5 +204,29 @@ class AdaptivePolicy:
         self.verify.add(drafted, verify_s)
 
 
-def make_policy(name: str, n_max: int) -> FixedPolicy | AdaptivePolicy:
+Policy = FixedPolicy | AdaptivePolicy
+
+
+def make_policy(name: str, n_max: int) -> Policy:
     return AdaptivePolicy(n_max) if name == "adaptive" else FixedPolicy(n_max)
+
+
+@dataclass(slots=True)
+class PolicyMemory:
+    """The policies an engine has used, kept from one request to the next.
+
+    A server learns what drafting costs on its machine and how often its drafter
+    is right once, not again at the start of every request; with 64-token
+    replies the first rounds' guesses are a tenth of the work. One policy per
+    (name, --draft-max) pair, since a request may change either.
+    """
+
+    policies: dict[tuple[str, int], Policy] = field(default_factory=dict)
+
+    def policy(self, name: str, n_max: int) -> Policy:
+        key = (name, n_max)
+        if key not in self.policies:
+            self.policies[key] = make_policy(name, n_max)
+        policy = self.policies[key]
+        policy.start()
+        return policy

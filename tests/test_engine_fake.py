@@ -179,6 +179,24 @@ def test_repeat_penalty_and_adaptive_policy_stay_lossless(kind: str) -> None:
         check_stats(gen, target)
 
 
+def test_the_adaptive_policy_outlives_a_request_and_plain_ones_leave_it_alone() -> None:
+    """A second request reuses what the first learned; a plain request does not touch it."""
+    target = FakeBackend(TARGET)
+    engine = Engine(target, make_drafter("random"))
+    adaptive = DraftParams(n_max=8, p_min=0.0, policy="adaptive")
+    engine.generate(Request(list(PROMPT), N, GREEDY, adaptive)).run()
+    (policy,) = engine.policies.policies.values()
+    learned = policy.acceptance
+    assert learned < 0.5                               # random drafts: mostly rejected
+    plain = engine.generate(Request(list(PROMPT), N, GREEDY, replace(adaptive, enabled=False)))
+    assert plain.run() == reference(GREEDY)
+    assert plain.stats.draft_n == 0 and policy.acceptance == learned
+    second = engine.generate(Request(list(PROMPT), N, GREEDY, adaptive))
+    assert second.run() == reference(GREEDY)
+    assert engine.policies.policies == {("adaptive", 8): policy}
+    assert second.stats.draft_n < 8                    # no fresh optimism: few probes
+
+
 def test_rejection_mode_is_deterministic_for_a_seed() -> None:
     """Rejection mode: same seed, same tokens; another seed, other tokens; never a token the
     target's filters drop (the junk ids); a twin drafter is almost always kept."""

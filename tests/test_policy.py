@@ -12,7 +12,13 @@ from collections.abc import Callable
 
 import pytest
 
-from specwire.policy import AdaptivePolicy, FixedPolicy, expected_tokens, make_policy
+from specwire.policy import (
+    AdaptivePolicy,
+    FixedPolicy,
+    PolicyMemory,
+    expected_tokens,
+    make_policy,
+)
 
 
 @pytest.mark.parametrize("a", [0.0, 0.3, 0.6, 0.9, 0.99])
@@ -232,3 +238,21 @@ def test_a_free_drafter_that_often_has_nothing_ready_keeps_drafting() -> None:
     ks = _drive_stopping(p, g=0.5, a=0.9, c=0.0, d=0.0,
                          verify=lambda n: 0.1 * (1 + 0.1 * (n - 1)))
     assert min(ks[-100:]) >= 4
+
+
+def test_memory_keeps_what_a_policy_learned_for_the_next_request() -> None:
+    """One policy per (name, draft-max); a new request keeps the estimates, not the round."""
+    mem = PolicyMemory()
+    p = mem.policy("adaptive", 8)
+    assert isinstance(p, AdaptivePolicy)
+    _drive(p, lambda k, r: 0, 0.002, lambda n: 0.01 * (1 + 0.3 * (n - 1)), rounds=60)
+    learned = p.acceptance
+    assert learned < 0.2
+    p.asked, p.idle_rounds = 3, 5
+    again = mem.policy("adaptive", 8)
+    assert again is p
+    assert (again.asked, again.warm, again.idle_rounds) == (0, False, 0)
+    assert again.acceptance == learned
+    assert again.choose(8) == 0                     # no fresh optimism on the next request
+    assert mem.policy("adaptive", 4) is not p
+    assert isinstance(mem.policy("fixed", 8), FixedPolicy)

@@ -10,6 +10,10 @@ policy, link). Two things would flatter speculation and are ruled out here:
 * cold start: one short warm-up generation per configuration (first call
   into llama.cpp, a new gRPC session, page faults on the weights) is run
   and thrown away.
+
+What does carry over is the adaptive policy's estimates (PolicyMemory), as
+in a server: they change which draft length is asked for, never which
+tokens come out or what any evaluation costs.
 """
 
 from __future__ import annotations

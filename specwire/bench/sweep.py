@@ -146,6 +146,7 @@ def _run_all(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload
     from tqdm import tqdm
 
     from specwire.engine import Engine
+    from specwire.policy import PolicyMemory
     bar = tqdm(total=len(cfgs) * len(work.prompts), unit="prompt", disable=not s.progress,
                dynamic_ncols=True, file=sys.stderr)
     stack.callback(bar.close)
@@ -157,16 +158,19 @@ def _run_all(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload
                 out.append(run_config(Engine(target, drafter), work, cfg, emu,
                                       on_prompt=lambda _r: bar.update()))
         return out
-    for cfg in cfgs:
+    # What an adaptive policy learns carries over between prompts of its configuration,
+    # as in config-major order (one Engine per configuration) and in a server.
+    memory = [PolicyMemory() for _ in cfgs]
+    for cfg, mem in zip(cfgs, memory, strict=True):
         bar.set_description(f"warm-up {cfg.label()}")
         with drafters.build(cfg) as (drafter, _emu):
-            warm_up(Engine(target, drafter), work, cfg)
+            warm_up(Engine(target, drafter, mem), work, cfg)
     runs: list[list[PromptRun]] = [[] for _ in cfgs]
     for i in range(len(work.prompts)):
         for j, cfg in enumerate(cfgs):
             bar.set_description(f"{work.prompts[i].id} {cfg.label()}")
             with drafters.build(cfg) as (drafter, emu):
-                runs[j].append(run_prompt(Engine(target, drafter), work, cfg, i, emu))
+                runs[j].append(run_prompt(Engine(target, drafter, memory[j]), work, cfg, i, emu))
             bar.update()
     target.truncate(0)
     return runs
