@@ -76,6 +76,10 @@ class BranchDrafter:
     def _revive(self) -> None:
         """Called while no session is live: reconnect if it is time."""
 
+    def _await(self, left_s: float) -> None:
+        """Wait, holding self._cv, for a chunk or the end of the session (or left_s)."""
+        self._cv.wait(left_s)
+
     # -- Drafter protocol (engine thread) -----------------------------------------
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
@@ -108,7 +112,7 @@ class BranchDrafter:
                         1000 * self.sync_timeout_s,
                     )
                     break
-                self._cv.wait(left)
+                self._await(left)
         self.counters["wait_ms"] += 1000 * (time.perf_counter() - t0)
         return draft
 
@@ -186,8 +190,10 @@ class BranchDrafter:
         off = n - self._buf_start
         if off < 0:
             return Draft(), False
-        if off > len(self._buf):  # the drafter is behind the history: wait for its next gen
-            return Draft(), self._done
+        if off > len(self._buf):
+            # A branch from before the last verdict (its `done` is stale too): the answer
+            # to that verdict is on its way, so a synchronous round waits for it.
+            return Draft(), False
         if self._buf[:off] != list(history[self._buf_start : n]):
             self._dead_gen = self._gen
             return Draft(), False
