@@ -471,6 +471,27 @@ def test_malformed_frames_drop_the_peer_and_leave_the_output_alone(target) -> No
             rd.close()
 
 
+def test_a_node_that_ends_every_session_is_backed_off(target) -> None:
+    """A node that greets, then ends each session right after the Open: the target backs
+    off longer each time instead of reopening every round, and decodes plainly."""
+    prompt, n = target.tokens(CODE), 24
+    hang_up = lambda o, v, state: None  # noqa: E731
+    with FakeNode(target.fingerprint, target.n_vocab, scripts=[hang_up]) as fake:
+        settings = LinkSettings(backoff_min_s=0.05, backoff_max_s=60.0)
+        rd = target.drafter(fake.url, pipelined=False, settings=settings)
+        try:
+            g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4))
+            assert run_to_end(g) == ref(target, GREEDY, n)
+            assert g.stats.draft_n == 0
+            # The pause doubles after each session, so sessions grow like log(time).
+            elapsed = g.stats.predicted_ms / 1000
+            most = 2 + math.log2(1 + elapsed / settings.backoff_min_s)
+            assert 1 <= len(fake.sessions) <= most, (len(fake.sessions), g.stats.rounds)
+            assert rd.links[0].failures >= len(fake.sessions) - 1
+        finally:
+            rd.close()
+
+
 def _continuation(target, wrong: bool, stale: bool):
     """Script: after each verdict, a fresh gen of 4 tokens from the committed position,
     either the plain continuation (right) or each token shifted by one (valid, wrong);

@@ -241,8 +241,8 @@ class FakeNode(pbg.DraftNodeServicer):
 
     Hello answers with the given fingerprint (the target's, unless a test wants
     an incompatible node). Session k plays scripts[k] (the last one repeats):
-    its frames after the Open and after every verdict. A frame given as bytes
-    goes on the wire as it is, unparsed.
+    its frames after the Open and after every verdict, or None to end the
+    session there. A frame given as bytes goes on the wire as it is, unparsed.
     """
 
     def __init__(self, fingerprint: str, n_vocab: int, model: str = "fake-draft.gguf",
@@ -310,6 +310,8 @@ class FakeNode(pbg.DraftNodeServicer):
                     record["verdicts"] += 1
                     frames = script(open_msg, m.verdict, state)
                 else:
+                    break
+                if frames is None:         # the script ends the session
                     break
                 for f in frames:
                     yield f

@@ -109,9 +109,12 @@ class RemoteDrafter(BranchDrafter):
             writer = asyncio.create_task(_write_all(call, out))
             self._out, self._call = out, call
             self._opening = False
+            drafted = False
             while session == self._session:
                 msg = await call.read()
                 if msg is grpc.aio.EOF:
+                    if session == self._session:  # the node ended a session we had not closed
+                        link.failed("the draft node ended the session")
                     break
                 if msg is None:  # grpc could not parse the frame (and logged why)
                     raise ProtocolError("undecodable frame: not a DraftMessage")
@@ -119,6 +122,9 @@ class RemoteDrafter(BranchDrafter):
                 kind = msg.WhichOneof("kind")
                 if kind == "chunk":
                     self._on_chunk(session, msg.chunk)
+                    if not drafted:
+                        drafted = True
+                        link.worked()
                 elif kind == "error":
                     raise ProtocolError(f"draft node reported: {msg.error.message}")
                 else:

@@ -111,7 +111,9 @@ class Link:
             raise LinkError(self.last_error) from None
         self.rtt_s = time.perf_counter() - t0
         self._check(reply)
-        self.hello, self.up, self.failures = reply, True, 0
+        # `failures` stays: it is reset by a session that drafts (worked()), so a node that
+        # greets and then drops every session still backs off longer each time.
+        self.hello, self.up = reply, True
         log.info(
             "draft node %s: %s, handshake %.1f ms", self.url, reply.draft_model, 1000 * self.rtt_s
         )
@@ -139,6 +141,10 @@ class Link:
     def _refuse(self, msg: str) -> None:
         self.failed(msg, backoff_s=3600.0)
         raise LinkError(msg)
+
+    def worked(self) -> None:
+        """A session on this link delivered a draft: the next failure starts a fresh backoff."""
+        self.failures = 0
 
     def failed(self, reason: str, backoff_s: float | None = None) -> None:
         """Mark the link down; retry after an exponentially growing pause."""
