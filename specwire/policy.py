@@ -105,6 +105,8 @@ class AdaptivePolicy:
     A round that follows a round without a draft is left out of the drafter's
     cost: it first caught up with the tokens it had not seen (the prompt, or a
     stretch of plain steps), work that a steady run of rounds does not repeat.
+    What a stretch of plain steps made it redo is charged to plain steps instead
+    (catch_up_cost): with a draft model, stopping to draft is not free.
     """
 
     n_max: int
@@ -117,6 +119,9 @@ class AdaptivePolicy:
     draft: LineFit = field(default_factory=lambda: LineFit(0.1, guess=1.0))
     #: seconds vs batch size - 1; a prior of 10% of a step per extra token
     verify: LineFit = field(default_factory=lambda: LineFit(0.05, guess=0.1, prior=0.3))
+    #: what a stretch of plain steps made the drafter redo: seconds, over skipped tokens
+    catch_up_s: float = 0.0
+    catch_up_tokens: float = 0.0
     probe_every: int = 32  # most rounds at k = 0 between probes
     margin: float = 0.2  # how much better plain steps must look to stop drafting early on
     settle: int = 12  # rounds that asked the drafter before the margin is dropped
@@ -124,10 +129,13 @@ class AdaptivePolicy:
     idle_rounds: int = 0
     asked: int = 0  # k of the round in progress
     warm: bool = False  # the previous round asked for a draft
+    skipped: int = 0  # tokens since the drafter was last asked in this sequence
+    begun: bool = False  # the drafter was asked in this sequence (it has the prompt)
 
     def start(self) -> None:
         """A new sequence: keep the estimates, forget the round in progress."""
         self.asked, self.warm, self.idle_rounds = 0, False, 0
+        self.skipped, self.begun = 0, False
 
     @property
     def acceptance(self) -> float:
@@ -151,10 +159,15 @@ class AdaptivePolicy:
             return 1.0 + 0.1 * (n - 1)
         return max(self.verify(n - 1), 1e-6)
 
+    def catch_up_cost(self) -> float:
+        """Seconds per plain step that the drafter spends catching up once asked again: a
+        draft model evaluates the tokens it missed; a remote or n-gram drafter, nothing."""
+        return self.catch_up_s / self.catch_up_tokens if self.catch_up_tokens else 0.0
+
     def rate(self, k: int) -> float:
         """Expected tokens per second of a round asked for k tokens."""
         if k == 0:
-            return 1.0 / self.verify_cost(1)
+            return 1.0 / (self.verify_cost(1) + self.catch_up_cost())
         g, a = self.continuation, self.acceptance
         drafted = g * expected_tokens(g, k - 1)  # g + ... + g^k
         tokens = expected_tokens(g * a, k)  # 1 + ga + ... + (ga)^k
@@ -197,6 +210,12 @@ class AdaptivePolicy:
             self.stopped = w * self.stopped + (1 if drafted < self.asked else 0)
             if self.warm:
                 self.draft.add(drafted, draft_s)
+            elif self.begun and self.skipped:  # the first round after plain steps
+                self.catch_up_s = w * self.catch_up_s + max(0.0, draft_s - self.draft(drafted))
+                self.catch_up_tokens = w * self.catch_up_tokens + self.skipped
+            self.skipped, self.begun = 0, True
+        elif self.begun:
+            self.skipped += 1
         if drafted:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)

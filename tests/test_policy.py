@@ -256,3 +256,36 @@ def test_memory_keeps_what_a_policy_learned_for_the_next_request() -> None:
     assert again.choose(8) == 0                     # no fresh optimism on the next request
     assert mem.policy("adaptive", 4) is not p
     assert isinstance(mem.policy("fixed", 8), FixedPolicy)
+
+
+def test_plain_steps_are_charged_what_the_drafter_redoes_when_drafting_resumes() -> None:
+    """A draft model that sat out m plain steps evaluates those m tokens when asked again.
+    The policy learns that cost per skipped token from rounds after a stretch of plain
+    steps (never from a sequence's first round, which evaluates the prompt) and adds it to
+    a plain step's cost; a drafter that catches up for free leaves plain steps as they are."""
+    def run(per_token: float) -> AdaptivePolicy:
+        p = AdaptivePolicy(8)
+        p.start()
+        p.asked = 4
+        p.observe(4, 4, 5.0, 0.1)                  # the prompt: seconds, not learnt
+        assert p.catch_up_cost() == 0.0
+        for _ in range(20):
+            p.asked = 0
+            for _ in range(3):                     # three plain steps
+                p.observe(0, 0, 0.0, 0.08)
+            p.asked = 2
+            p.observe(2, 2, p.draft(2) + 3 * per_token, 0.1)
+        return p
+
+    slow = run(0.01)
+    assert slow.catch_up_cost() == pytest.approx(0.01, rel=1e-6)
+    assert slow.rate(0) == pytest.approx(1 / (slow.verify_cost(1) + 0.01))
+    free = run(0.0)
+    assert free.catch_up_cost() == 0.0
+    assert free.rate(0) == pytest.approx(1 / free.verify_cost(1))
+    fresh = AdaptivePolicy(8)
+    fresh.start()
+    fresh.observe(0, 0, 0.0, 0.08)                 # plain steps before any draft: no catch-up
+    fresh.asked = 2
+    fresh.observe(2, 2, 3.0, 0.1)
+    assert fresh.catch_up_cost() == 0.0
