@@ -28,10 +28,10 @@ class Stats:
     by_position: list[list[int]] = field(default_factory=list)
     drafter: dict[str, float] = field(default_factory=dict)
 
-    def record_round(self, drafted: int, accepted: int, asked: int | None = None) -> None:
+    def record_round(self, drafted: int, accepted: int, asked: int) -> None:
         self.rounds += 1
-        self.short_rounds += 0 < drafted < (asked or 0)
-        self.asked_rounds += (asked or 0) > 0
+        self.short_rounds += 0 < drafted < asked
+        self.asked_rounds += asked > 0
         self.draft_n += drafted
         self.draft_n_accepted += accepted
         if drafted:

@@ -109,7 +109,6 @@ class RemoteDrafter(BranchDrafter):
             writer = asyncio.create_task(_write_all(call, out))
             self._out, self._call = out, call
             self._opening = False
-            drafted = False
             while session == self._session:
                 msg = await call.read()
                 if msg is grpc.aio.EOF:
@@ -122,9 +121,7 @@ class RemoteDrafter(BranchDrafter):
                 kind = msg.WhichOneof("kind")
                 if kind == "chunk":
                     self._on_chunk(session, msg.chunk)
-                    if not drafted:
-                        drafted = True
-                        link.worked()
+                    link.worked()
                 elif kind == "error":
                     raise ProtocolError(f"draft node reported: {msg.error.message}")
                 else:
