@@ -760,3 +760,25 @@ def test_bytes_per_drafted_token(target, node, pipelined, record_property) -> No
         assert per_token <= 16, f"{per_token:.1f} bytes per drafted token"
     finally:
         rd.close()
+
+
+@pytest.mark.parametrize("timing", [False, True], ids=["quiet", "timing"])
+def test_node_reports_its_drafting_time_only_when_asked(target, node, timing) -> None:
+    """Open.timing makes the node fill DraftChunk.busy_us (what link_overhead subtracts from
+    a round); without it the field stays unset, so ordinary chunks carry no extra bytes."""
+    prompt, n = target.tokens(CODE), 12
+    rd = target.drafter(node.url, pipelined=False)
+    rd.timing = timing
+    try:
+        t0 = time.perf_counter()
+        g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4))
+        assert run_to_end(g) == ref(target, GREEDY, n)
+        elapsed_ms = 1000 * (time.perf_counter() - t0)
+        busy = rd.counters["node_busy_ms"]
+        assert rd.counters["chunks"] > 0
+        if timing:
+            assert 0 < busy < elapsed_ms
+        else:
+            assert busy == 0
+    finally:
+        rd.close()

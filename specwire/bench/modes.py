@@ -15,6 +15,8 @@ interpreter, so its threads are not ours and a crash shows as a dead link.
 A LinkEmulator sits between the target and it; each configuration sets the
 emulator's one-way delay to RTT/2 and gets its own Link and RemoteDrafter,
 because a Link's channel belongs to the event loop of the drafter that made it.
+Unless --shared-cpus, the node and, while a remote mode runs, this process keep
+to disjoint halves of the CPUs, as two machines would (bench/cpus.py says why).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from specwire.bench import cpus
 from specwire.bench.runner import Config
 from specwire.cliargs import CliError, draft_model_params
 from specwire.netemu import LinkEmulator
@@ -69,8 +72,8 @@ class DraftNode:
     start() polls that file for the "listening on HOST:PORT" line.
     """
 
-    def __init__(self, argv: list[str], log_path: Path) -> None:
-        self.argv, self.log_path = argv, log_path
+    def __init__(self, argv: list[str], log_path: Path, cpu_set: set[int] | None = None) -> None:
+        self.argv, self.log_path, self.cpu_set = argv, log_path, cpu_set
         self.proc: subprocess.Popen | None = None
         self.address = ""
 
@@ -80,6 +83,8 @@ class DraftNode:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
+        if self.cpu_set is not None:
+            cpus.pin_process(self.cpu_set, self.proc.pid)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             m = _LISTENING.search(self._log_text())
@@ -148,6 +153,9 @@ class Drafters:
         self.out_dir, self.stack = out_dir, stack
         self._draft_backend: Any = None
         self._emulators: dict[str, LinkEmulator] = {}
+        # (this process's CPUs, the node's) once a node of ours runs on its own half
+        self._split = None if getattr(a, "shared_cpus", True) else cpus.halves()
+        self._node_split: tuple[set[int], set[int]] | None = None
 
     def draft_backend(self) -> Any:
         """The in-process draft model (checked against the target's vocabulary)."""
@@ -176,15 +184,17 @@ class Drafters:
         emu = self._emulator(cfg.mode)
         emu.one_way_s = (cfg.rtt_s or 0.0) / 2
         emu.bandwidth_bps = cfg.bandwidth_bps
-        drafter = (self._llama_server(emu) if cfg.mode == "llama-server"
-                   else self._remote(emu, pipelined=cfg.mode == "remote-pipelined"))
-        try:
-            yield drafter, emu
-        finally:
-            close = getattr(drafter, "close", None)
-            if callable(close):
-                close()
-            emu.cut()       # the closed drafter's channel may linger; the next one starts clean
+        ours = self._node_split[0] if self._node_split and cfg.mode != "llama-server" else None
+        with cpus.pinned(ours):
+            drafter = (self._llama_server(emu) if cfg.mode == "llama-server"
+                       else self._remote(emu, pipelined=cfg.mode == "remote-pipelined"))
+            try:
+                yield drafter, emu
+            finally:
+                close = getattr(drafter, "close", None)
+                if callable(close):
+                    close()
+                emu.cut()   # the closed drafter's channel may linger; the next one starts clean
 
     def _in_process(self, mode: str) -> Any:
         if mode == "local":
@@ -238,9 +248,11 @@ class Drafters:
         """--draft-url if given, else a node started here for the rest of the run."""
         url = getattr(self.a, "draft_url", None)
         if url is None:
-            node = self.stack.enter_context(DraftNode(node_argv(self.a, self.draft_path),
-                                                      self.out_dir / "draft-node.log"))
+            node = self.stack.enter_context(DraftNode(
+                node_argv(self.a, self.draft_path), self.out_dir / "draft-node.log",
+                self._split[1] if self._split else None))
             url = node.start()
+            self._node_split = self._split
         return split_host_port(url.removeprefix("grpc://"), "--draft-url")
 
     def _llama_server_address(self) -> tuple[str, int]:

@@ -62,6 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="template for prompts given as chat messages (llama.cpp names)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--shared-cpus", action="store_true",
+                   help="let the target and the draft node it starts share every CPU (default: "
+                        "remote modes run them on disjoint halves, as two machines would)")
     g.add_argument("--config-major", action="store_true",
                    help="run each configuration over all prompts in turn (default: each prompt "
                         "under every configuration in turn, so machine drift hits all alike)")

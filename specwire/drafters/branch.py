@@ -37,6 +37,10 @@ class BranchDrafter:
     ) -> None:
         self.n_vocab, self.pipelined, self.lookahead = n_vocab, pipelined, lookahead
         self.sync_timeout_s = sync_timeout_s
+        # Ask the node how long it worked on each chunk (DraftChunk.busy_us): what
+        # link_overhead needs to tell the link's cost from drafting. Off by default,
+        # as it adds about 4 bytes to every chunk.
+        self.timing = False
         self._cv = threading.Condition()
         self._session = 0  # bumps at every open: older chunks are ignored
         self._history: list[int] = []
@@ -56,6 +60,7 @@ class BranchDrafter:
             "dropped_peers": 0,
             "reconnects": 0,
             "wait_ms": 0.0,
+            "node_busy_ms": 0.0,
             "sync_timeouts": 0,
         }
 
@@ -170,6 +175,7 @@ class BranchDrafter:
             want=self._want,
             p_min=p.p_min,
             top_k_q=p.top_k_q,
+            timing=self.timing,
         )
 
     # -- the buffer of received draft tokens (under self._cv) ---------------------
@@ -218,6 +224,7 @@ class BranchDrafter:
                 return
             self.counters["chunks"] += 1
             self.counters["tokens_received"] += len(c.tokens)
+            self.counters["node_busy_ms"] += m.busy_us / 1000
             if c.gen < self._gen or c.gen <= self._dead_gen:
                 self.counters["stale_chunks"] += 1
                 return

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -63,6 +64,8 @@ class DraftSession:
         self.sent = 0  # branch tokens already sent
         self.budget = self.lookahead if self.pipelined else open_msg.want
         self.stalled = False  # p_min ended the branch; wait for a verdict
+        self.timing = open_msg.timing
+        self._busy_since = 0.0  # perf_counter when the work for the next chunk began
         self._inbox: collections.deque[pb.Verdict] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -73,6 +76,7 @@ class DraftSession:
 
     def step(self, verdict: pb.Verdict | None) -> None:
         """Apply a verdict (None right after the Open), then draft the tokens wanted."""
+        self._busy_since = time.perf_counter()
         if verdict is not None:
             self._apply(verdict)
         if not self.stalled and len(self.branch) < self._limit():
@@ -152,6 +156,8 @@ class DraftSession:
     def _draft_burst(self) -> None:
         """Draft until the limit, p_min, or a pending verdict; send as we go."""
         target = self._limit() - len(self.branch)
+        if self.pipelined:
+            self._busy_since = time.perf_counter()
         pending: list[int] = []
         sparse_pending: list = []
         base = self.committed + self.branch
@@ -175,6 +181,10 @@ class DraftSession:
     def _flush(self, pending: list[int], sparse_pending: list, done: bool) -> None:
         start = len(self.committed) + self.sent
         chunk = pb.DraftChunk(gen=self.gen, start=start, tokens=pending, done=done)
+        if self.timing:
+            now = time.perf_counter()
+            chunk.busy_us = min(2**32 - 1, int(1e6 * (now - self._busy_since)))
+            self._busy_since = now
         if sparse_pending:
             protocol.sparse_to_pb(chunk, sparse_pending, self.q_k)
         self.sent += len(pending)

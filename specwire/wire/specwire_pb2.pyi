@@ -65,7 +65,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("history", "sampling", "mode", "pipelined", "lookahead", "want", "p_min", "top_k_q")
+    __slots__ = ("history", "sampling", "mode", "pipelined", "lookahead", "want", "p_min", "top_k_q", "timing")
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class Open(_message.Message):
     WANT_FIELD_NUMBER: _ClassVar[int]
     P_MIN_FIELD_NUMBER: _ClassVar[int]
     TOP_K_Q_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     history: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     mode: VerifyMode
@@ -82,7 +83,8 @@ class Open(_message.Message):
     want: int
     p_min: float
     top_k_q: int
-    def __init__(self, history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., pipelined: _Optional[bool] = ..., lookahead: _Optional[int] = ..., want: _Optional[int] = ..., p_min: _Optional[float] = ..., top_k_q: _Optional[int] = ...) -> None: ...
+    timing: bool
+    def __init__(self, history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., pipelined: _Optional[bool] = ..., lookahead: _Optional[int] = ..., want: _Optional[int] = ..., p_min: _Optional[float] = ..., top_k_q: _Optional[int] = ..., timing: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("position", "accepted", "tokens", "gen", "want")
@@ -113,7 +115,7 @@ class TargetMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
 
 class DraftChunk(_message.Message):
-    __slots__ = ("gen", "start", "tokens", "q_k", "q_ids", "q_probs", "done")
+    __slots__ = ("gen", "start", "tokens", "q_k", "q_ids", "q_probs", "done", "busy_us")
     GEN_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,7 @@ class DraftChunk(_message.Message):
     Q_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    BUSY_US_FIELD_NUMBER: _ClassVar[int]
     gen: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -128,7 +131,8 @@ class DraftChunk(_message.Message):
     q_ids: _containers.RepeatedScalarFieldContainer[int]
     q_probs: _containers.RepeatedScalarFieldContainer[float]
     done: bool
-    def __init__(self, gen: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_k: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ...) -> None: ...
+    busy_us: int
+    def __init__(self, gen: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_k: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., busy_us: _Optional[int] = ...) -> None: ...
 
 class DraftError(_message.Message):
     __slots__ = ("message",)
@@ -143,3 +147,17 @@ class DraftMessage(_message.Message):
     chunk: DraftChunk
     error: DraftError
     def __init__(self, chunk: _Optional[_Union[DraftChunk, _Mapping]] = ..., error: _Optional[_Union[DraftError, _Mapping]] = ...) -> None: ...
+
+class PingMessage(_message.Message):
+    __slots__ = ("seq", "hold_us")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    HOLD_US_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    hold_us: int
+    def __init__(self, seq: _Optional[int] = ..., hold_us: _Optional[int] = ...) -> None: ...
+
+class Pong(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
