@@ -188,6 +188,20 @@ def test_adaptive_against_best_fixed() -> None:
     assert row["best_fixed_k"] == 8 and row["best_fixed_tps"] == pytest.approx(40 / 3)
     assert row["ratio"] == pytest.approx((40 / (10 / 12 + 2)) / (40 / 3))
     assert row["paired"] == pytest.approx((12 / 10 + 15 / 15) / 2)
+    # the bootstrap resamples prompts: here only {a}, {b} or {a, b} rates can come out
+    lo, hi = row["interval"]
+    only_a, only_b = 12 / 10, 15 / 15
+    assert min(only_a, only_b) <= lo <= row["ratio"] <= hi <= max(only_a, only_b)
+
+
+def test_ratio_interval_is_exact_when_every_prompt_agrees() -> None:
+    """A record 10% faster on every prompt: every resample gives 1.1, so does the interval."""
+    plain = [_run(x, 10) for x in "abcd"]
+    fast = report.aggregate(Config("local", 8, "adaptive"),
+                            [_run(x, 11) for x in "abcd"], plain, True)
+    slow = report.aggregate(Config("local", 8), plain, plain, True)
+    assert report.ratio_interval(fast, slow, "code") == pytest.approx([1.1, 1.1])
+    assert report.ratio_interval(fast, slow, "prose") is None  # no prompt in that set
 
 
 def test_counter_delta_and_digest() -> None:

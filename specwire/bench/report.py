@@ -202,6 +202,9 @@ def adaptive_vs_fixed(records: Sequence[dict]) -> list[dict]:
     Rates are tokens/s over the whole set (tokens generated / decoding time), what a
     user running those prompts gets; `paired` is the median over prompts of the
     per-prompt ratio to that best fixed length, which cancels prompt-to-prompt spread.
+    `interval` is a 90% bootstrap interval of `ratio` over the set's prompts: the
+    best fixed length is picked after the fact among noisy rates, so a ratio a
+    little under 1 whose interval holds 1 is a match this run cannot tell apart.
     """
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
@@ -221,8 +224,30 @@ def adaptive_vs_fixed(records: Sequence[dict]) -> list[dict]:
                 out.append({"mode": mode, "rtt_ms": rtt, "bandwidth_bps": bw, "category": cat,
                             "adaptive_max": ad["draft_max"], "adaptive_tps": mine,
                             "best_fixed_k": best["draft_max"], "best_fixed_tps": tps,
-                            "ratio": mine / tps, "paired": _paired(ad, best, cat)})
+                            "ratio": mine / tps, "paired": _paired(ad, best, cat),
+                            "interval": ratio_interval(ad, best, cat)})
     return out
+
+
+def ratio_interval(a: dict, b: dict, category: str, resamples: int = 2000,
+                   seed: int = 0) -> list[float] | None:
+    """90% bootstrap interval of set_rate(a) / set_rate(b), resampling prompts in pairs."""
+    theirs = {p["id"]: p for p in b["prompts"] if p["category"] == category}
+    pairs = [(p, theirs[p["id"]]) for p in a["prompts"]
+             if p["category"] == category and p["id"] in theirs]
+    if len(pairs) < 2:
+        return None
+    # (4, m): tokens and ms of a, then of b, per prompt
+    cols = np.array([[pa["generated"], pa["predicted_ms"], pb_["generated"], pb_["predicted_ms"]]
+                     for pa, pb_ in pairs], dtype=np.float64).T
+    idx = np.random.default_rng(seed).integers(0, len(pairs), (resamples, len(pairs)))
+    sums = cols[:, idx].sum(axis=2)  # (4, resamples)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = (sums[0] / sums[1]) / (sums[2] / sums[3])  # (resamples,)
+    ratios = ratios[np.isfinite(ratios)]
+    if ratios.size == 0:
+        return None
+    return [float(x) for x in np.quantile(ratios, [0.05, 0.95])]
 
 
 def overall_rate(record: dict) -> float | None:
@@ -332,6 +357,10 @@ def _signed(x: float | None, width: int) -> str:
     return f"{'-' if x is None else f'{x:+.0f}':>{width}}"
 
 
+def _interval(iv: Sequence[float] | None) -> str:
+    return f" [{iv[0]:.2f}-{iv[1]:.2f}]" if iv else ""
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}"
 
@@ -347,14 +376,15 @@ def render_summary(results: dict) -> str:
     ad = results.get("adaptive_vs_fixed") or []
     if ad:
         parts.append("adaptive policy against the best fixed draft length (tokens/s over the "
-                     "set; paired: median per-prompt ratio):")
+                     "set, its 90% bootstrap interval over prompts; paired: median per-prompt "
+                     "ratio):")
         for a in ad:
             link = "" if a["rtt_ms"] is None else (f" rtt={format_ms(a['rtt_ms'] / 1000)}"
                                                    f" bw={format_bps(a['bandwidth_bps'])}")
             parts.append(f"  {a['mode']}{link} [{a['category']}]: adaptive<={a['adaptive_max']} "
                          f"{_num(a['adaptive_tps'], 0, 2)} vs k={a['best_fixed_k']} "
-                         f"{_num(a['best_fixed_tps'], 0, 2)} ({_x(a['ratio'], 0)}, paired "
-                         f"{_x(a['paired'], 0)})")
+                         f"{_num(a['best_fixed_tps'], 0, 2)} ({_x(a['ratio'], 0)}"
+                         f"{_interval(a.get('interval'))}, paired {_x(a['paired'], 0)})")
     errs = [abs(r["plan"]["error_pct"]) for r in records
             if r.get("plan") and r["mode"] != "plain"]
     if errs:
