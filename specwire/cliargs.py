@@ -80,7 +80,9 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         "--draft-p-min",
         type=float,
         default=0.75,
-        help="stop drafting when the draft's top probability is below this",
+        help="stop drafting when the draft's top probability is below this (with "
+        "--draft-policy fixed, or a draft node; adaptive stops a local draft model by its "
+        "own rule)",
     )
     d.add_argument(
         "--verify",
@@ -94,7 +96,9 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         choices=["fixed", "adaptive"],
         default="adaptive",
         help="adaptive (default): each round the draft length with the most expected "
-        "tokens/s, up to --draft-max, 0 when drafting does not pay; fixed: --draft-max",
+        "tokens/s, up to --draft-max, 0 when drafting does not pay; a local draft model "
+        "stops where the next token, by its calibrated confidence, no longer pays; "
+        "fixed: --draft-max, stopped at --draft-p-min",
     )
     d.add_argument(
         "--draft-mode",

@@ -85,6 +85,11 @@ class Generation:
         if req.n_predict == 0:
             self.stop_type = "limit"
             return
+        # A draft model stops where the adaptive policy finds the next token not worth it.
+        stop_rule = getattr(policy, "keep_drafting", None)
+        steered = stop_rule is not None and hasattr(drafter, "stop_rule")
+        if steered:
+            drafter.stop_rule = stop_rule
         drafter.begin(prompt, req.sampling, req.draft)
         try:
             t0 = time.perf_counter()
@@ -120,7 +125,7 @@ class Generation:
                 st.draft_ms += 1000 * (tb - ta)
                 st.verify_ms += 1000 * (tc - tb)
                 st.record_round(len(draft), verdict.accepted, k)
-                policy.observe(len(draft), verdict.accepted, tb - ta, tc - tb)
+                policy.observe(len(draft), verdict.accepted, tb - ta, tc - tb, draft.confidence)
                 appended = [*draft.tokens[: verdict.accepted], verdict.token]
                 new = self._emit(appended)
                 history.extend(new)
@@ -134,6 +139,8 @@ class Generation:
         finally:
             st.drafter = drafter.stats()
             drafter.end()
+            if steered:
+                drafter.stop_rule = None
 
     def _emit(self, tokens: Sequence[int]) -> list[int]:
         """Append tokens to the output up to end-of-generation or n_predict."""

@@ -11,11 +11,20 @@ is the one `specwire plan` uses:
 A drafter's cost per round has a part that does not depend on k: a draft
 model evaluates the target's newest token and the position where
 --draft-p-min stops it; a synchronous remote drafter adds the round trip.
+
+With a draft model in this process, `adaptive` also decides where each draft
+stops, token by token, in place of --draft-p-min (AdaptivePolicy.keep_drafting).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field
+
+#: Bins of a draft model's top probability, for calibrating it against acceptance.
+CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
+_MIDS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.925, 0.97, 0.995)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -35,7 +44,8 @@ class FixedPolicy:
     def choose(self, limit: int) -> int:
         return min(self.n_max, limit)
 
-    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
+                confidence: list[float] | None = None) -> None:
         pass
 
 
@@ -107,6 +117,12 @@ class AdaptivePolicy:
     stretch of plain steps), work that a steady run of rounds does not repeat.
     What a stretch of plain steps made it redo is charged to plain steps instead
     (catch_up_cost): with a draft model, stopping to draft is not free.
+
+    Within a round, a draft model in this process asks keep_drafting before each
+    token. A draft's top probability is not the chance that the target accepts
+    the token (this pair's draft is underconfident: tokens it gives 0.6-0.75 are
+    accepted about 9 times in 10), so the policy calibrates it online, per bin
+    of confidence, from what verification kept (`hits` of `seen`).
     """
 
     n_max: int
@@ -131,6 +147,13 @@ class AdaptivePolicy:
     warm: bool = False  # the previous round asked for a draft
     skipped: int = 0  # tokens since the drafter was last asked in this sequence
     begun: bool = False  # the drafter was asked in this sequence (it has the prompt)
+    #: per confidence bin, weighted tokens verified and kept; the prior is sqrt(p)
+    #: from 2 pseudo-tokens: optimistic enough that low bins get tried and learnt
+    seen: list[float] = field(default_factory=lambda: [2.0] * len(_MIDS))
+    hits: list[float] = field(default_factory=lambda: [2.0 * math.sqrt(m) for m in _MIDS])
+    calibration_alpha: float = 0.01
+    round_rate: float = 0.0  # expected tokens/s of the round in progress
+    round_kept: float = 1.0  # P(every token drafted so far this round is kept)
 
     def start(self) -> None:
         """A new sequence: keep the estimates, forget the round in progress."""
@@ -175,7 +198,28 @@ class AdaptivePolicy:
 
     def choose(self, limit: int) -> int:
         self.asked = self._best(min(self.n_max, limit))
+        self.round_rate = self.rate(self.asked) if self.asked else 0.0
         return self.asked
+
+    def calibrated(self, confidence: float) -> float:
+        """P(the target keeps a draft token | the draft's top probability), as learnt."""
+        b = bisect.bisect_right(CONFIDENCE_EDGES, confidence)
+        return self.hits[b] / self.seen[b]
+
+    def keep_drafting(self, i: int, confidence: float) -> bool:
+        """Should a draft model propose token i (0-based) of this round, given its top
+        probability? Yes while what the token adds pays at least the round's expected
+        rate: P(it and every token before it kept) >= rate x (one more draft token + the
+        extra verification of a batch one longer)."""
+        if i == 0:
+            self.round_kept = 1.0
+        kept = self.round_kept * self.calibrated(confidence)
+        per_token = self.draft.coefficients()[1]
+        extra_s = per_token + self.verify_cost(i + 2) - self.verify_cost(i + 1)
+        if kept < self.round_rate * extra_s:
+            return False
+        self.round_kept = kept
+        return True
 
     def _best(self, limit: int) -> int:
         rates = [self.rate(k) for k in range(limit + 1)]
@@ -202,8 +246,11 @@ class AdaptivePolicy:
         self.idle_rounds = 0
         return try_k
 
-    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
+                confidence: list[float] | None = None) -> None:
         w = 1.0 - self.alpha
+        if confidence:
+            self._calibrate(confidence[:drafted], accepted)
         if self.asked:
             self.asked_rounds += 1
             self.continued = w * self.continued + drafted
@@ -221,6 +268,14 @@ class AdaptivePolicy:
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
         self.warm = self.asked > 0
         self.verify.add(drafted, verify_s)
+
+    def _calibrate(self, confidence: list[float], accepted: int) -> None:
+        """Tokens up to the first rejected one were judged; the rest were not."""
+        w = 1.0 - self.calibration_alpha
+        for j, p in enumerate(confidence[: accepted + 1]):
+            b = bisect.bisect_right(CONFIDENCE_EDGES, p)
+            self.seen[b] = w * self.seen[b] + 1.0
+            self.hits[b] = w * self.hits[b] + (1.0 if j < accepted else 0.0)
 
 
 Policy = FixedPolicy | AdaptivePolicy

@@ -197,6 +197,24 @@ def test_the_adaptive_policy_outlives_a_request_and_plain_ones_leave_it_alone() 
     assert second.stats.draft_n < 8                    # no fresh optimism: few probes
 
 
+def test_the_adaptive_policy_ends_drafts_and_learns_from_their_confidence() -> None:
+    """An adaptive request steers a draft model's stop (no --draft-p-min) and calibrates on
+    what verification kept; afterwards the drafter is back on its own rule, and a fixed
+    request at p_min 0 computes no confidences at all."""
+    target, drafter = FakeBackend(TARGET), make_drafter("other")
+    engine = Engine(target, drafter)
+    adaptive = DraftParams(n_max=8, p_min=1.0, policy="adaptive")   # p_min 1: never a draft
+    gen = engine.generate(Request(list(PROMPT), N, GREEDY, adaptive))
+    assert gen.run() == reference(GREEDY)
+    assert gen.stats.draft_n > 0 and drafter.stop_rule is None
+    (policy,) = engine.policies.policies.values()
+    assert sum(policy.seen) > 2.0 * len(policy.seen)   # tokens judged beyond the prior's
+    seen = list(policy.seen)
+    fixed = engine.generate(Request(list(PROMPT), N, GREEDY, DraftParams(n_max=8, p_min=0.0)))
+    assert fixed.run() == reference(GREEDY) and policy.seen == seen
+    assert drafter.propose([*PROMPT], 4).confidence is None
+
+
 def test_rejection_mode_is_deterministic_for_a_seed() -> None:
     """Rejection mode: same seed, same tokens; another seed, other tokens; never a token the
     target's filters drop (the junk ids); a twin drafter is almost always kept."""

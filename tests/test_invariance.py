@@ -145,3 +145,17 @@ def test_a_draft_seed_of_its_own_keeps_the_output_and_costs_acceptance(target, d
     own, st_own = run(SEEDED.seed + 1)
     assert own == shared == generate(target, None, PROMPTS["prose"], SEEDED).tokens
     assert st_own.acceptance < st_shared.acceptance, (st_own.to_dict(), st_shared.to_dict())
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+def test_adaptive_stops_keep_the_output(target, drafters, plain, prompt, sampling):
+    """The adaptive policy ends each draft where its calibrated confidence says (not at
+    --draft-p-min): drafts change length, the output must not. Policies are fresh per
+    request here, so the first rounds run on the priors."""
+    tokens = target.tokenize(PROMPTS[prompt])
+    dp = DraftParams(n_max=16, policy="adaptive")
+    drafter = drafters["q2k"]
+    gen = Engine(target, drafter).generate(Request(tokens, N_PREDICT, sampling, dp))
+    assert gen.run() == plain[(prompt, sampling.temperature)]
+    assert gen.stats.draft_n > 0 and drafter.stop_rule is None

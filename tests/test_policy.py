@@ -289,3 +289,39 @@ def test_plain_steps_are_charged_what_the_drafter_redoes_when_drafting_resumes()
     fresh.asked = 2
     fresh.observe(2, 2, 3.0, 0.1)
     assert fresh.catch_up_cost() == 0.0
+
+
+def test_calibration_learns_what_verification_keeps() -> None:
+    """Tokens are judged up to the first rejected one: a bin the draft doubts but the
+    target always keeps climbs towards 1, a confident bin that is always rejected falls."""
+    p = AdaptivePolicy(8)
+    doubted, sure = 0.65, 0.97
+    before = p.calibrated(doubted), p.calibrated(sure)
+    assert before[0] == pytest.approx(0.65 ** 0.5) and before[1] == pytest.approx(0.97 ** 0.5)
+    for _ in range(300):
+        # two doubted tokens kept, then a sure one rejected, then one never judged
+        p.observe(4, 2, 0.04, 0.1, [doubted, doubted, sure, 0.05])
+    assert p.calibrated(doubted) > 0.95
+    assert p.calibrated(sure) < 0.1
+    assert p.calibrated(0.05) == pytest.approx(0.05 ** 0.5)   # after the rejection: untouched
+
+
+def test_keep_drafting_goes_on_while_a_token_pays_the_round_rate() -> None:
+    """The stop weighs P(all kept so far) against rate x (draft + extra verify) per token,
+    so one doubtful token ends a round that already carries doubt, not a fresh one."""
+    p = AdaptivePolicy(16)
+    for _ in range(60):   # drafting 10 ms a token, verifying 100 ms + 10 ms per token
+        p.observe(4, 4, 0.004 + 0.04, 0.1 + 0.04, None)
+    p.seen = [1.0] * len(p.seen)
+    p.hits = [0.6] * len(p.hits)          # every bin: kept 60% of the time
+    assert p.choose(16) > 0 and p.round_rate > 0
+
+    def pays(i: int) -> bool:  # token i's P(all kept) against what it costs at the round rate
+        extra = p.draft.coefficients()[1] + p.verify_cost(i + 2) - p.verify_cost(i + 1)
+        return 0.6 ** (i + 1) >= p.round_rate * extra
+
+    kept = [p.keep_drafting(i, 0.5) for i in range(16)]
+    n = kept.index(False)
+    assert n >= 1 and all(kept[:n])
+    assert [pays(i) for i in range(n + 1)] == [True] * n + [False]
+    assert p.keep_drafting(0, 0.5)          # a new round starts from certainty again

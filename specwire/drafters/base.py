@@ -16,16 +16,26 @@ from specwire.sampling import SparseDraft
 
 @dataclass(slots=True)
 class Draft:
-    """Proposed continuation of the history: token ids, plus q in rejection mode."""
+    """Proposed continuation of the history: token ids, plus q in rejection mode.
+
+    confidence: a draft model's top probability for each token (llama.cpp's
+    --draft-p-min measure), where it computed one; the adaptive policy learns
+    from them how far to trust the draft.
+    """
 
     tokens: list[int] = field(default_factory=list)
     sparse: list[SparseDraft] | None = None
+    confidence: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def cut(self, n: int) -> Draft:
-        return Draft(self.tokens[:n], None if self.sparse is None else self.sparse[:n])
+        return Draft(
+            self.tokens[:n],
+            None if self.sparse is None else self.sparse[:n],
+            None if self.confidence is None else self.confidence[:n],
+        )
 
 
 class Drafter(Protocol):

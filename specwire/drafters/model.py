@@ -8,7 +8,7 @@ missing suffix, draft.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from specwire import sampling
@@ -23,6 +23,10 @@ class ModelDrafter:
     How the draft picks each token follows the verification mode: argmax for
     greedy, the shared Gumbel noise for coupled (so it proposes what the target
     would sample where the two agree), its own stream and sparse q for rejection.
+
+    Where a draft stops: at --draft-p-min (llama.cpp's rule: the next token's top
+    probability below it), or, when the engine sets `stop_rule` (the adaptive
+    policy does), wherever stop_rule(i, top probability) says no to token i.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -32,6 +36,7 @@ class ModelDrafter:
         self.params = DraftParams()
         self._drafted = 0
         self._decode0 = 0.0
+        self.stop_rule: Callable[[int, float], bool] | None = None
 
     def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams) -> None:
         if params.seed is not None:
@@ -56,11 +61,16 @@ class ModelDrafter:
         kept = sync_prefix(be, history)
         row = be.eval(history[kept:], logits="last")[-1]
         rejection = dp.mode is VerifyMode.REJECTION and not sp.greedy
-        draft = Draft(sparse=[] if rejection else None)
+        stop_rule = self.stop_rule
+        draft = Draft(sparse=[] if rejection else None,
+                      confidence=[] if stop_rule or dp.p_min > 0.0 else None)
         ctx = list(history)
         for i in range(max_n):
-            if dp.p_min > 0.0 and sampling.top_prob(row) < dp.p_min:
-                break
+            if draft.confidence is not None:
+                p = sampling.top_prob(row)
+                if not (stop_rule(i, p) if stop_rule else p >= dp.p_min):
+                    break
+                draft.confidence.append(p)
             recent = sampling.recent_window(ctx, sp)
             sd = None
             if rejection:
