@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 
 #: Bins of a draft model's top probability, for calibrating it against acceptance.
 CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
-_MIDS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.925, 0.97, 0.995)
+_MIDS = tuple((lo + hi) / 2 for lo, hi in zip((0.0, *CONFIDENCE_EDGES), (*CONFIDENCE_EDGES, 1.0),
+                                               strict=True))
+
+
+def _bin(confidence: float) -> int:
+    return bisect.bisect_right(CONFIDENCE_EDGES, confidence)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -203,7 +208,7 @@ class AdaptivePolicy:
 
     def calibrated(self, confidence: float) -> float:
         """P(the target keeps a draft token | the draft's top probability), as learnt."""
-        b = bisect.bisect_right(CONFIDENCE_EDGES, confidence)
+        b = _bin(confidence)
         return self.hits[b] / self.seen[b]
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
@@ -250,7 +255,7 @@ class AdaptivePolicy:
                 confidence: list[float] | None = None) -> None:
         w = 1.0 - self.alpha
         if confidence:
-            self._calibrate(confidence[:drafted], accepted)
+            self._calibrate(confidence, accepted)
         if self.asked:
             self.asked_rounds += 1
             self.continued = w * self.continued + drafted
@@ -273,7 +278,7 @@ class AdaptivePolicy:
         """Tokens up to the first rejected one were judged; the rest were not."""
         w = 1.0 - self.calibration_alpha
         for j, p in enumerate(confidence[: accepted + 1]):
-            b = bisect.bisect_right(CONFIDENCE_EDGES, p)
+            b = _bin(p)
             self.seen[b] = w * self.seen[b] + 1.0
             self.hits[b] = w * self.hits[b] + (1.0 if j < accepted else 0.0)
 

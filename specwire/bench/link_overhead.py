@@ -93,7 +93,7 @@ class _TcpEcho:
         """Seconds from sending to the echo, minus the hold."""
         t0 = time.perf_counter()
         self._sock.sendall(int(hold_s * 1e6).to_bytes(4, "little"))
-        if len(self._sock.recv(4)) != 4:
+        if len(self._sock.recv(4, socket.MSG_WAITALL)) != 4:
             raise OSError("tcp echo: short reply")
         return time.perf_counter() - t0 - hold_s
 
@@ -111,7 +111,7 @@ def _echo_server() -> None:
         print(server.getsockname()[1], flush=True)
         conn, _ = server.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while len(msg := conn.recv(4)) == 4:
+        while len(msg := conn.recv(4, socket.MSG_WAITALL)) == 4:
             until = time.perf_counter() + int.from_bytes(msg, "little") / 1e6
             while time.perf_counter() < until:
                 pass

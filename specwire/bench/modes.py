@@ -153,9 +153,9 @@ class Drafters:
         self.out_dir, self.stack = out_dir, stack
         self._draft_backend: Any = None
         self._emulators: dict[str, LinkEmulator] = {}
-        # (this process's CPUs, the node's) once a node of ours runs on its own half
+        # (this process's CPUs, the node's) for a node started here
         self._split = None if getattr(a, "shared_cpus", True) else cpus.halves()
-        self._node_split: tuple[set[int], set[int]] | None = None
+        self._own_node = False
 
     def draft_backend(self) -> Any:
         """The in-process draft model (checked against the target's vocabulary)."""
@@ -184,7 +184,8 @@ class Drafters:
         emu = self._emulator(cfg.mode)
         emu.one_way_s = (cfg.rtt_s or 0.0) / 2
         emu.bandwidth_bps = cfg.bandwidth_bps
-        ours = self._node_split[0] if self._node_split and cfg.mode != "llama-server" else None
+        split_here = self._split and self._own_node and cfg.mode != "llama-server"
+        ours = self._split[0] if split_here else None
         with cpus.pinned(ours):
             drafter = (self._llama_server(emu) if cfg.mode == "llama-server"
                        else self._remote(emu, pipelined=cfg.mode == "remote-pipelined"))
@@ -252,7 +253,7 @@ class Drafters:
                 node_argv(self.a, self.draft_path), self.out_dir / "draft-node.log",
                 self._split[1] if self._split else None))
             url = node.start()
-            self._node_split = self._split
+            self._own_node = True
         return split_host_port(url.removeprefix("grpc://"), "--draft-url")
 
     def _llama_server_address(self) -> tuple[str, int]:
