@@ -273,6 +273,7 @@ def _drafts_like_plain(target, url: str, pipelined: bool, settings: LinkSettings
     """A target connected with these settings gets accepted drafts and plain's tokens."""
     rd = target.drafter(url, pipelined=pipelined, settings=settings)
     try:
+        assert rd.links[0].up, "the handshake failed"
         g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
         assert run_to_end(g) == ref(target, GREEDY, 12)
         assert g.stats.draft_n_accepted > 0 and rd.links[0].up

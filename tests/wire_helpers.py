@@ -103,7 +103,12 @@ class Target:
 
     def drafter(self, url: str, pipelined: bool = True, settings: LinkSettings | None = None,
                 **kw) -> RemoteDrafter:
-        return RemoteDrafter([self.link(url, settings)], self.n_vocab, pipelined=pipelined, **kw)
+        """A drafter whose link already said Hello, as `specwire serve` builds it: a test
+        that asserts drafts were accepted must not race the handshake (TLS on a slow
+        machine can outlast a short generation)."""
+        rd = RemoteDrafter([self.link(url, settings)], self.n_vocab, pipelined=pipelined, **kw)
+        rd.handshake()
+        return rd
 
 
 @pytest.fixture(scope="module", name="target")

@@ -51,6 +51,15 @@ class RemoteDrafter(BranchDrafter):
         self._out: asyncio.Queue | None = None
         self._opening = False
 
+    def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
+        """Connect every link now (Hello), so that the first request already drafts.
+
+        Returns, per link, None or why it could not connect; a failed link is retried
+        with backoff once generation starts, as after any failure.
+        """
+        fut = asyncio.run_coroutine_threadsafe(_handshake_all(self.links), self._loop)
+        return fut.result(timeout=timeout_s)
+
     def link_state(self) -> dict[str, float]:
         """For /metrics: 1 if a link is up, per URL."""
         return {link.url: float(link.up) for link in self.links}
@@ -184,8 +193,7 @@ def make_remote_drafter(urls: list[str], a, target) -> object:
         Link(u, settings, target.vocab_fingerprint(), target.n_vocab, target.name) for u in urls
     ]
     drafter = RemoteDrafter(links, target.n_vocab, pipelined=a.draft_mode != "sync")
-    fut = asyncio.run_coroutine_threadsafe(_handshake_all(links), drafter._loop)
-    errors = fut.result(timeout=30)
+    errors = drafter.handshake()
     fatal = [e for e in errors if e and e.startswith("incompatible")]
     if fatal:
         drafter.close()
