@@ -81,8 +81,8 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         type=float,
         default=0.75,
         help="stop drafting when the draft's top probability is below this (with "
-        "--draft-policy fixed, or a draft node; adaptive stops a local draft model by its "
-        "own rule)",
+        "--draft-policy fixed; adaptive stops a draft model, local or a synchronous draft "
+        "node, by its own calibrated rule; pipelined drafters never stop early)",
     )
     d.add_argument(
         "--verify",
@@ -96,8 +96,9 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         choices=["fixed", "adaptive"],
         default="adaptive",
         help="adaptive (default): each round the draft length with the most expected "
-        "tokens/s, up to --draft-max, 0 when drafting does not pay; a local draft model "
-        "stops where the next token, by its calibrated confidence, no longer pays; "
+        "tokens/s, up to --draft-max, 0 when drafting does not pay; a draft model (local, "
+        "or a synchronous draft node) stops where the next token, by its calibrated "
+        "confidence, no longer pays; "
         "fixed: --draft-max, stopped at --draft-p-min",
     )
     d.add_argument(

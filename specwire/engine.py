@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from specwire.backend.base import Backend, sync_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams
 from specwire.drafters.base import Draft, Drafter, NoDrafter
-from specwire.policy import FixedPolicy, PolicyMemory
+from specwire.policy import AdaptivePolicy, FixedPolicy, PolicyMemory
 from specwire.stats import Stats
 from specwire.verify import Verifier
 
@@ -86,10 +86,9 @@ class Generation:
             self.stop_type = "limit"
             return
         # A draft model stops where the adaptive policy finds the next token not worth it.
-        stop_rule = getattr(policy, "keep_drafting", None)
-        steered = stop_rule is not None and hasattr(drafter, "stop_rule")
-        if steered:
-            drafter.stop_rule = stop_rule
+        steer = getattr(drafter, "steer", None) if isinstance(policy, AdaptivePolicy) else None
+        if steer is not None:
+            steer(policy)
         drafter.begin(prompt, req.sampling, req.draft)
         try:
             t0 = time.perf_counter()
@@ -139,8 +138,8 @@ class Generation:
         finally:
             st.drafter = drafter.stats()
             drafter.end()
-            if steered:
-                drafter.stop_rule = None
+            if steer is not None:
+                steer(None)
 
     def _emit(self, tokens: Sequence[int]) -> list[int]:
         """Append tokens to the output up to end-of-generation or n_predict."""

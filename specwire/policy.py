@@ -12,14 +12,19 @@ A drafter's cost per round has a part that does not depend on k: a draft
 model evaluates the target's newest token and the position where
 --draft-p-min stops it; a synchronous remote drafter adds the round trip.
 
-With a draft model in this process, `adaptive` also decides where each draft
-stops, token by token, in place of --draft-p-min (AdaptivePolicy.keep_drafting).
+With a draft model, `adaptive` also decides where each draft stops, token by
+token, in place of --draft-p-min: while P(every token so far is kept) stays
+above stop_threshold(), by the draft's confidence calibrated against what
+verification kept (Calibration). A draft model in this process asks
+keep_drafting; a synchronous draft node calibrates on its own verdicts and is
+sent the threshold (specwire.wire.session).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 #: Bins of a draft model's top probability, for calibrating it against acceptance.
@@ -30,6 +35,55 @@ _MIDS = tuple((lo + hi) / 2 for lo, hi in zip((0.0, *CONFIDENCE_EDGES), (*CONFID
 
 def _bin(confidence: float) -> int:
     return bisect.bisect_right(CONFIDENCE_EDGES, confidence)
+
+
+@dataclass(slots=True)
+class Calibration:
+    """P(the target keeps a draft token | the draft's top probability), learnt per bin.
+
+    A draft's top probability is not that chance (this pair's draft is underconfident:
+    tokens it gives 0.6-0.75 are kept about 9 times in 10), so it is counted: per bin,
+    weighted tokens judged (`seen`) and kept (`hits`). The prior is sqrt(p) from 2
+    pseudo-tokens, optimistic enough that low bins get tried and learnt. A draft node's
+    sessions share one, updated from several threads without a lock: a lost update
+    only slows learning.
+    """
+
+    alpha: float = 0.01
+    seen: list[float] = field(default_factory=lambda: [2.0] * len(_MIDS))
+    hits: list[float] = field(default_factory=lambda: [2.0 * math.sqrt(m) for m in _MIDS])
+
+    def __call__(self, confidence: float) -> float:
+        b = _bin(confidence)
+        return self.hits[b] / self.seen[b]
+
+    def learn(self, confidence: Sequence[float], kept: int) -> None:
+        """The first `kept` tokens were kept and the next one, if any, was not; tokens
+        after a rejection were never judged and teach nothing."""
+        w = 1.0 - self.alpha
+        for j, p in enumerate(confidence[: kept + 1]):
+            b = _bin(p)
+            self.seen[b] = w * self.seen[b] + 1.0
+            self.hits[b] = w * self.hits[b] + (1.0 if j < kept else 0.0)
+
+
+@dataclass(slots=True)
+class CalibratedStop:
+    """A draft's stop rule: propose token i while P(it and every token before it in this
+    draft are kept) >= threshold. Called with i = 0, 1, ... and each token's confidence."""
+
+    calibration: Calibration
+    threshold: float = 0.0
+    kept: float = 1.0  # P(every token proposed so far in this draft is kept)
+
+    def __call__(self, i: int, confidence: float) -> bool:
+        if i == 0:
+            self.kept = 1.0
+        kept = self.kept * self.calibration(confidence)
+        if kept < self.threshold:
+            return False
+        self.kept = kept
+        return True
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -124,10 +178,7 @@ class AdaptivePolicy:
     (catch_up_cost): with a draft model, stopping to draft is not free.
 
     Within a round, a draft model in this process asks keep_drafting before each
-    token. A draft's top probability is not the chance that the target accepts
-    the token (this pair's draft is underconfident: tokens it gives 0.6-0.75 are
-    accepted about 9 times in 10), so the policy calibrates it online, per bin
-    of confidence, from what verification kept (`hits` of `seen`).
+    token; the policy calibrates its confidence from what verification kept.
     """
 
     n_max: int
@@ -152,13 +203,12 @@ class AdaptivePolicy:
     warm: bool = False  # the previous round asked for a draft
     skipped: int = 0  # tokens since the drafter was last asked in this sequence
     begun: bool = False  # the drafter was asked in this sequence (it has the prompt)
-    #: per confidence bin, weighted tokens verified and kept; the prior is sqrt(p)
-    #: from 2 pseudo-tokens: optimistic enough that low bins get tried and learnt
-    seen: list[float] = field(default_factory=lambda: [2.0] * len(_MIDS))
-    hits: list[float] = field(default_factory=lambda: [2.0 * math.sqrt(m) for m in _MIDS])
-    calibration_alpha: float = 0.01
+    calibration: Calibration = field(default_factory=Calibration)
+    stop: CalibratedStop = field(init=False)
     round_rate: float = 0.0  # expected tokens/s of the round in progress
-    round_kept: float = 1.0  # P(every token drafted so far this round is kept)
+
+    def __post_init__(self) -> None:
+        self.stop = CalibratedStop(self.calibration)
 
     def start(self) -> None:
         """A new sequence: keep the estimates, forget the round in progress."""
@@ -206,25 +256,21 @@ class AdaptivePolicy:
         self.round_rate = self.rate(self.asked) if self.asked else 0.0
         return self.asked
 
-    def calibrated(self, confidence: float) -> float:
-        """P(the target keeps a draft token | the draft's top probability), as learnt."""
-        b = _bin(confidence)
-        return self.hits[b] / self.seen[b]
+    def stop_threshold(self) -> float:
+        """The least P(every token so far is kept) for which one more draft token pays:
+        the round's expected rate x (one more draft token + the extra verification of a
+        batch one longer). Both costs are lines, so the threshold holds for every i.
+        Before a round is chosen (a draft node's Open), the rate of a full-length round."""
+        rate = self.round_rate or self.rate(self.n_max)
+        per_token = self.draft.coefficients()[1]
+        return rate * (per_token + self.verify_cost(2) - self.verify_cost(1))
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
         """Should a draft model propose token i (0-based) of this round, given its top
-        probability? Yes while what the token adds pays at least the round's expected
-        rate: P(it and every token before it kept) >= rate x (one more draft token + the
-        extra verification of a batch one longer)."""
+        probability? Yes while P(it and every token before it kept) >= stop_threshold."""
         if i == 0:
-            self.round_kept = 1.0
-        kept = self.round_kept * self.calibrated(confidence)
-        per_token = self.draft.coefficients()[1]
-        extra_s = per_token + self.verify_cost(i + 2) - self.verify_cost(i + 1)
-        if kept < self.round_rate * extra_s:
-            return False
-        self.round_kept = kept
-        return True
+            self.stop.threshold = self.stop_threshold()
+        return self.stop(i, confidence)
 
     def _best(self, limit: int) -> int:
         rates = [self.rate(k) for k in range(limit + 1)]
@@ -255,7 +301,7 @@ class AdaptivePolicy:
                 confidence: list[float] | None = None) -> None:
         w = 1.0 - self.alpha
         if confidence:
-            self._calibrate(confidence, accepted)
+            self.calibration.learn(confidence, accepted)
         if self.asked:
             self.asked_rounds += 1
             self.continued = w * self.continued + drafted
@@ -273,14 +319,6 @@ class AdaptivePolicy:
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
         self.warm = self.asked > 0
         self.verify.add(drafted, verify_s)
-
-    def _calibrate(self, confidence: list[float], accepted: int) -> None:
-        """Tokens up to the first rejected one were judged; the rest were not."""
-        w = 1.0 - self.calibration_alpha
-        for j, p in enumerate(confidence[: accepted + 1]):
-            b = _bin(p)
-            self.seen[b] = w * self.seen[b] + 1.0
-            self.hits[b] = w * self.hits[b] + (1.0 if j < accepted else 0.0)
 
 
 Policy = FixedPolicy | AdaptivePolicy

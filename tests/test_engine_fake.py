@@ -208,10 +208,10 @@ def test_the_adaptive_policy_ends_drafts_and_learns_from_their_confidence() -> N
     assert gen.run() == reference(GREEDY)
     assert gen.stats.draft_n > 0 and drafter.stop_rule is None
     (policy,) = engine.policies.policies.values()
-    assert sum(policy.seen) > 2.0 * len(policy.seen)   # tokens judged beyond the prior's
-    seen = list(policy.seen)
+    seen = list(policy.calibration.seen)
+    assert sum(seen) > 2.0 * len(seen)                 # tokens judged beyond the prior's
     fixed = engine.generate(Request(list(PROMPT), N, GREEDY, DraftParams(n_max=8, p_min=0.0)))
-    assert fixed.run() == reference(GREEDY) and policy.seen == seen
+    assert fixed.run() == reference(GREEDY) and policy.calibration.seen == seen
     assert drafter.propose([*PROMPT], 4).confidence is None
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from specwire.policy import (
     AdaptivePolicy,
+    CalibratedStop,
+    Calibration,
     FixedPolicy,
     PolicyMemory,
     expected_tokens,
@@ -295,15 +297,16 @@ def test_calibration_learns_what_verification_keeps() -> None:
     """Tokens are judged up to the first rejected one: a bin the draft doubts but the
     target always keeps climbs towards 1, a confident bin that is always rejected falls."""
     p = AdaptivePolicy(8)
+    cal = p.calibration
     doubted, sure = 0.65, 0.97
-    before = p.calibrated(doubted), p.calibrated(sure)
+    before = cal(doubted), cal(sure)
     assert before[0] == pytest.approx(0.65 ** 0.5) and before[1] == pytest.approx(0.97 ** 0.5)
     for _ in range(300):
         # two doubted tokens kept, then a sure one rejected, then one never judged
         p.observe(4, 2, 0.04, 0.1, [doubted, doubted, sure, 0.05])
-    assert p.calibrated(doubted) > 0.95
-    assert p.calibrated(sure) < 0.1
-    assert p.calibrated(0.05) == pytest.approx(0.05 ** 0.5)   # after the rejection: untouched
+    assert cal(doubted) > 0.95
+    assert cal(sure) < 0.1
+    assert cal(0.05) == pytest.approx(0.05 ** 0.5)   # after the rejection: untouched
 
 
 def test_keep_drafting_goes_on_while_a_token_pays_the_round_rate() -> None:
@@ -312,8 +315,8 @@ def test_keep_drafting_goes_on_while_a_token_pays_the_round_rate() -> None:
     p = AdaptivePolicy(16)
     for _ in range(60):   # drafting 10 ms a token, verifying 100 ms + 10 ms per token
         p.observe(4, 4, 0.004 + 0.04, 0.1 + 0.04, None)
-    p.seen = [1.0] * len(p.seen)
-    p.hits = [0.6] * len(p.hits)          # every bin: kept 60% of the time
+    p.calibration.seen = [1.0] * len(p.calibration.seen)
+    p.calibration.hits = [0.6] * len(p.calibration.hits)     # every bin: kept 60% of the time
     assert p.choose(16) > 0 and p.round_rate > 0
 
     def pays(i: int) -> bool:  # token i's P(all kept) against what it costs at the round rate
@@ -325,3 +328,19 @@ def test_keep_drafting_goes_on_while_a_token_pays_the_round_rate() -> None:
     assert n >= 1 and all(kept[:n])
     assert [pays(i) for i in range(n + 1)] == [True] * n + [False]
     assert p.keep_drafting(0, 0.5)          # a new round starts from certainty again
+    # What a draft node is sent: the same rule as one threshold on P(all kept so far).
+    stop = CalibratedStop(p.calibration, p.stop_threshold())
+    assert [stop(i, 0.5) for i in range(16)] == kept
+
+
+def test_calibrated_stop_follows_its_threshold() -> None:
+    """CalibratedStop multiplies calibrated chances along a draft: a threshold of 0 never
+    stops, one above any chance stops before the first token, and each draft (i = 0)
+    starts again from certainty."""
+    cal = Calibration()
+    cal.seen, cal.hits = [1.0] * len(cal.seen), [0.5] * len(cal.hits)
+    assert all(CalibratedStop(cal, 0.0)(i, 0.9) for i in range(64))
+    assert not CalibratedStop(cal, 0.51)(0, 0.9)
+    stop = CalibratedStop(cal, 0.2)
+    assert [stop(i, 0.9) for i in range(4)] == [True, True, False, False]
+    assert stop(0, 0.9) and stop.kept == 0.5

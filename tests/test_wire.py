@@ -197,6 +197,8 @@ def test_check_open_accepts_a_well_formed_open() -> None:
     ({"p_min": math.nan}, "p_min nan outside"),
     ({"p_min": 1.5}, "p_min 1.5 outside"),
     ({"p_min": -0.25}, "p_min -0.25 outside"),
+    ({"keep_min": math.nan}, "keep_min nan outside"),
+    ({"keep_min": 1.5}, "keep_min 1.5 outside"),
 ])
 def test_check_open_refuses_malformed_opens(fields: dict, message: str) -> None:
     """Each malformed Open raises ProtocolError naming the field."""
@@ -627,6 +629,8 @@ def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node
         (pb.Verdict(position=p, accepted=0, tokens=[target.n_vocab], want=2), "verdict: token"),
         (pb.Verdict(position=p, accepted=0, tokens=[1] * 2000, want=2), "past the node's"),
         (pb.Verdict(position=p, accepted=0, tokens=[1], want=10**6), "want 1000000 above 256"),
+        (pb.Verdict(position=p, accepted=0, tokens=[1], want=2, keep_min=math.inf),
+         "keep_min inf outside"),
     ]
     with grpc.insecure_channel(node.url) as channel:
         stub = pbg.DraftNodeStub(channel)
@@ -678,6 +682,57 @@ def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node
         assert sum(len(c.tokens) for c in fresh) == 3
         s.close()
     assert node.alive
+
+
+def test_a_calibrated_session_stops_where_the_target_says(target, node) -> None:
+    """A synchronous Open with `calibrated` stops drafts by keep_min instead of p_min: at a
+    tiny keep_min the node drafts all it is asked for, though p_min 1 alone would stop it
+    before the first token; at keep_min 1, which no calibrated chance reaches, it drafts
+    nothing. A verdict's keep_min moves the threshold; one without keeps it."""
+    history = target.tokens(CODE)
+    p = len(history)
+
+    def drafted(s: RawSession) -> list[int]:
+        return [t for c in s.chunks_until_done() for t in c.tokens]
+
+    with grpc.insecure_channel(node.url) as channel:
+        stub = pbg.DraftNodeStub(channel)
+        s = RawSession(stub)
+        s.send(open=_sync_open(history, want=4, p_min=1.0))
+        assert drafted(s) == []
+        s.close()
+        s = RawSession(stub)
+        s.send(open=_sync_open(history, want=4, p_min=1.0, calibrated=True, keep_min=1e-6))
+        first = drafted(s)
+        assert len(first) == 4
+        s.send(verdict=pb.Verdict(position=p, accepted=4, tokens=[first[0]], gen=0, want=4,
+                                  keep_min=1.0))
+        assert drafted(s) == []
+        s.send(verdict=pb.Verdict(position=p + 5, accepted=0, tokens=[first[1]], want=4))
+        assert drafted(s) == []
+        s.send(verdict=pb.Verdict(position=p + 6, accepted=0, tokens=[first[2]], want=4,
+                                  keep_min=1e-6))
+        assert len(drafted(s)) == 4
+        s.close()
+    assert node.alive
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_adaptive_sync_drafts_stop_on_the_node_and_keep_the_output(target, node,
+                                                                    sampling) -> None:
+    """Under the adaptive policy a synchronous node stops each draft by the calibrated rule
+    (the target sends the threshold, the node calibrates on its verdicts) and is asked for
+    the policy's k: draft lengths change, the output must not, request after request."""
+    prompt, n = target.tokens(CODE), 24
+    rd = target.drafter(node.url, pipelined=False)
+    engine = Engine(target.backend, rd)
+    try:
+        for _ in range(2):
+            g = engine.generate(request(prompt, n, sampling, 16, policy="adaptive"))
+            assert run_to_end(g) == ref(target, sampling, n)
+            assert g.stats.draft_n > 0 and rd.counters["dropped_peers"] == 0
+    finally:
+        rd.close()
 
 
 def test_ping_echoes_after_its_hold_and_refuses_a_long_one(node) -> None:

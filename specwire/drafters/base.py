@@ -1,7 +1,9 @@
 """The drafter protocol: two methods, propose and learn, inside a begin/end pair.
 
 Local model, n-gram and remote drafters all implement it, so the engine loop is
-the same in one process and across the network.
+the same in one process and across the network. A drafter that can stop a draft
+by the adaptive policy's rule also has `steer(policy | None)`, which the engine
+calls around an adaptive request.
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ class BranchDrafter:
         self._active = False
         self._late = False  # sync mode: the drafter missed a deadline; stop waiting
         self._want = 0
+        self._accepted = 0  # synchronous: branch tokens kept in the first round not yet told
+        self._told_round = True  # no round has ended since the last verdict
+        self._policy = None  # an adaptive policy steering synchronous drafts (see steer)
+        self._keep_min = 0.0  # the stop threshold the drafter was last told
         self._reset_buffer()
         self.counters: dict[str, float] = {
             "bytes_up": 0,
@@ -93,12 +97,22 @@ class BranchDrafter:
         self._active, self._late, self._want = True, False, params.n_max
         self._start(list(prompt))
 
+    def steer(self, policy) -> None:
+        """Under an adaptive policy, synchronous drafts stop by its calibrated rule: the
+        drafter is told the policy's threshold and judges its confidence itself. (A
+        pipelined drafter drafts on its own core and is never stopped early.)"""
+        self._policy = policy
+
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         self._history = history if isinstance(history, list) else list(history)
+        if not self.pipelined:
+            self._want = max_n
         if not self._live():
             self._revive()
             return Draft()
-        self._tell(history, 0)  # tokens the drafter has not heard of (the first one)
+        # The verdict on what the drafter has not heard of (the first token; in synchronous
+        # mode, every round since it was last asked), with this round's k.
+        self._tell(history, self._accepted)
         deadline = None if self.pipelined or self._late else time.monotonic() + self.sync_timeout_s
         t0 = time.perf_counter()
         with self._cv:
@@ -122,7 +136,13 @@ class BranchDrafter:
         return draft
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
-        self._tell(history, accepted)
+        """Pipelined: send the verdict now, the drafter is at work. Synchronous: keep it
+        for the next propose, which knows how many tokens to ask for (the adaptive k, 0
+        for rounds that skip the drafter); it waits for the verdict either way."""
+        if self.pipelined:
+            self._tell(history, accepted)
+        elif len(history) > self._told and self._told_round:
+            self._accepted, self._told_round = accepted, False
 
     def end(self) -> None:
         self._active = False
@@ -142,15 +162,25 @@ class BranchDrafter:
         if not self._live() or len(history) <= self._told:
             return
         position, self._told = self._told, len(history)
+        self._accepted, self._told_round = 0, True
         own = list(history[position + accepted :])
         with self._cv:
             self._done = False  # the drafter works again after a verdict
             gen = max(self._gen, 0)
         v = pb.Verdict(position=position, accepted=accepted, tokens=own, gen=gen, want=self._want)
+        if self._calibrated():
+            # Four bytes, sent only when the threshold moved by more than 5%.
+            keep_min = self._policy.stop_threshold()
+            if abs(keep_min - self._keep_min) > 0.05 * self._keep_min:
+                v.keep_min = self._keep_min = min(1.0, max(keep_min, 1e-6))
         self._post(pb.TargetMessage(verdict=v))
+
+    def _calibrated(self) -> bool:
+        return not self.pipelined and self._policy is not None
 
     def _start(self, history: list[int]) -> None:
         self._told = len(history)
+        self._accepted, self._told_round = 0, True
         with self._cv:
             self._session += 1
             self._reset_buffer()
@@ -176,7 +206,15 @@ class BranchDrafter:
             p_min=p.p_min,
             top_k_q=p.top_k_q,
             timing=self.timing,
+            calibrated=self._calibrated(),
+            keep_min=self._open_keep_min(),
         )
+
+    def _open_keep_min(self) -> float:
+        if not self._calibrated():
+            return 0.0
+        self._keep_min = min(1.0, max(self._policy.stop_threshold(), 0.0))
+        return self._keep_min
 
     # -- the buffer of received draft tokens (under self._cv) ---------------------
 

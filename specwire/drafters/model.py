@@ -26,7 +26,8 @@ class ModelDrafter:
 
     Where a draft stops: at --draft-p-min (llama.cpp's rule: the next token's top
     probability below it), or, when the engine sets `stop_rule` (the adaptive
-    policy does), wherever stop_rule(i, top probability) says no to token i.
+    policy does, through `steer`), wherever stop_rule(i, top probability) says no to
+    token i.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -37,6 +38,10 @@ class ModelDrafter:
         self._drafted = 0
         self._decode0 = 0.0
         self.stop_rule: Callable[[int, float], bool] | None = None
+
+    def steer(self, policy) -> None:
+        """Stop drafts where the adaptive policy says (None: at --draft-p-min again)."""
+        self.stop_rule = policy.keep_drafting if policy is not None else None
 
     def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams) -> None:
         if params.seed is not None:

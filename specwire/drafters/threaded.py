@@ -14,6 +14,7 @@ import logging
 
 from specwire.backend.base import Backend
 from specwire.drafters.branch import BranchDrafter
+from specwire.policy import Calibration
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.protocol import ProtocolError
 from specwire.wire.session import DraftSession
@@ -29,6 +30,7 @@ class ThreadedDrafter(BranchDrafter):
         self.backend = backend
         self.name = f"threaded:{backend.name}"
         self._draft_session: DraftSession | None = None
+        self.calibration = Calibration()  # for synchronous sessions of adaptive requests
 
     def _live(self) -> bool:
         s = self._draft_session
@@ -54,7 +56,8 @@ class ThreadedDrafter(BranchDrafter):
                 log.error("threaded drafter failed: %s", m.error.message)
                 self._wake()
 
-        self._draft_session = DraftSession(self.backend, self._open_msg(history), deliver)
+        self._draft_session = DraftSession(self.backend, self._open_msg(history), deliver,
+                                           calibration=self.calibration)
         self._draft_session.start()
 
     def _detach(self) -> None:

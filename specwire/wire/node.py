@@ -22,6 +22,7 @@ import grpc
 
 from specwire.backend.llama import LlamaBackend, Model, load_model
 from specwire.config import ModelParams
+from specwire.policy import Calibration
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
@@ -47,6 +48,8 @@ class NodeSettings:
 class DraftNodeService(pbg.DraftNodeServicer):
     def __init__(self, settings: NodeSettings, model: Model) -> None:
         self.settings, self.model = settings, model
+        # What verdicts taught about the draft's confidence, kept across sessions.
+        self.calibration = Calibration()
         self._slots = threading.BoundedSemaphore(settings.max_sessions)
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
@@ -145,7 +148,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
     def _open(self, open_msg: pb.Open, send) -> DraftSession:
         backend = LlamaBackend(self.settings.model, self.model)
         try:
-            return DraftSession(backend, open_msg, send, seed=self.settings.seed)
+            return DraftSession(backend, open_msg, send, seed=self.settings.seed,
+                                calibration=self.calibration)
         except Exception:
             backend.close()
             raise

@@ -159,8 +159,13 @@ def check_open(m: pb.Open, n_vocab: int, n_ctx: int) -> None:
     check_tokens(m.history, n_vocab, "open history")
     if m.lookahead > 256 or m.want > 256 or m.top_k_q > MAX_Q_K:
         raise ProtocolError("open: lookahead, want or top_k_q above 256")
-    if not (math.isfinite(m.p_min) and 0.0 <= m.p_min <= 1.0):
-        raise ProtocolError(f"open: p_min {m.p_min} outside [0, 1]")
+    for name in ("p_min", "keep_min"):
+        check_probability(getattr(m, name), f"open: {name}")
+
+
+def check_probability(x: float, what: str) -> None:
+    if not (math.isfinite(x) and 0.0 <= x <= 1.0):
+        raise ProtocolError(f"{what} {x} outside [0, 1]")
 
 
 def message_bytes(msg) -> int:

@@ -6,6 +6,11 @@ hand-off to another thread on the round's critical path. Pipelined sessions
 draft on their own thread past the last verdict, sending tokens as they go;
 verdicts arrive from a reader thread and are applied between tokens, so the
 branch, the gen and the KV cache are only ever touched by one thread.
+
+A synchronous session of an adaptive target stops its drafts by the calibrated
+rule (specwire.policy.CalibratedStop) instead of --draft-p-min: the target sends
+the threshold, and the node calibrates its draft's confidence on the verdicts it
+receives, which say which of its tokens the target kept.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import replace
 from specwire.backend.base import Backend
 from specwire.config import DraftParams
 from specwire.drafters.model import ModelDrafter
+from specwire.policy import CalibratedStop, Calibration
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.protocol import ProtocolError
@@ -40,6 +46,7 @@ class DraftSession:
         open_msg: pb.Open,
         send: Callable[[pb.DraftMessage], None],
         seed: int | None = None,
+        calibration: Calibration | None = None,
     ) -> None:
         protocol.check_open(open_msg, backend.n_vocab, backend.n_ctx)
         self.backend, self.send = backend, send
@@ -50,16 +57,21 @@ class DraftSession:
         self.pipelined = open_msg.pipelined
         self.lookahead = max(1, open_msg.lookahead)
         self.q_k = max(1, open_msg.top_k_q)
-        # Pipelined drafting runs on a core the target does not use: stopping at
-        # --draft-p-min would only idle it, so it applies to synchronous drafts alone.
-        p_min = 0.0 if self.pipelined else open_msg.p_min
+        # Pipelined drafting runs on a core the target does not use: stopping early
+        # would only idle it, so p_min and the calibrated stop are for synchronous drafts.
+        self.stop = None
+        if open_msg.calibrated and not self.pipelined:
+            self.stop = CalibratedStop(calibration or Calibration(), open_msg.keep_min)
+        p_min = 0.0 if self.pipelined or self.stop else open_msg.p_min
         params = DraftParams(
             n_max=min(64, self.lookahead), p_min=p_min, mode=self.mode, top_k_q=self.q_k
         )
         self.drafter = ModelDrafter(backend)
+        self.drafter.stop_rule = self.stop
         self.drafter.begin(open_msg.history, sampling, params)
         self.committed: list[int] = list(open_msg.history)
         self.branch: list[int] = []  # drafted beyond `committed`, on branch `gen`
+        self.confidence: list[float] = []  # calibrated sessions: per branch token
         self.gen = 0
         self.sent = 0  # branch tokens already sent
         self.budget = self.lookahead if self.pipelined else open_msg.want
@@ -130,6 +142,7 @@ class DraftSession:
             raise ProtocolError(f"verdict at position {v.position}, expected {len(self.committed)}")
         if v.want > 256:  # the limit check_open puts on Open.want
             raise ProtocolError(f"verdict: want {v.want} above 256")
+        protocol.check_probability(v.keep_min, "verdict: keep_min")
         a = v.accepted
         if a > self.sent or (a and v.gen != self.gen):
             raise ProtocolError(
@@ -138,20 +151,35 @@ class DraftSession:
         tokens = protocol.check_tokens(v.tokens, self.backend.n_vocab, "verdict")
         if len(self.committed) + a + len(tokens) > self.backend.n_ctx:
             raise ProtocolError("verdict runs past the node's context")
+        if self.stop is not None:
+            self._calibrate(a, tokens)
+            if v.keep_min:
+                self.stop.threshold = v.keep_min
         rest = self.branch[a:]
         self.committed += self.branch[:a] + tokens
         n = len(tokens)
         if len(rest) >= n and rest[:n] == tokens:
             self.branch = rest[n:]
+            del self.confidence[: a + n]
             self.sent = max(0, self.sent - a - n)
         else:
-            self.branch, self.sent, self.gen = [], 0, self.gen + 1
+            self.branch, self.confidence, self.sent, self.gen = [], [], 0, self.gen + 1
         if not self.pipelined:
             self.budget = v.want
             if len(self.branch) > self.budget:
                 del self.branch[self.budget :]
+                del self.confidence[self.budget :]
                 self.sent = min(self.sent, self.budget)
         self.stalled = False
+
+    def _calibrate(self, accepted: int, tokens: list[int]) -> None:
+        """Judge the sent branch against what the verdict commits: its first `accepted`
+        tokens were kept, and the next one is judged by whether the target's own token
+        is the same (the target may not have verified it; where it did, greedy and
+        coupled verification keep exactly the tokens that agree)."""
+        judged = self.confidence[: min(self.sent, accepted + 1)]
+        agrees = accepted < self.sent and tokens[:1] == self.branch[accepted : accepted + 1]
+        self.stop.calibration.learn(judged, accepted + 1 if agrees else accepted)
 
     def _draft_burst(self) -> None:
         """Draft until the limit, p_min, or a pending verdict; send as we go."""
@@ -172,6 +200,8 @@ class DraftSession:
             return not self._inbox
 
         result = self.drafter.draft_from(base, target, on_token=on_token)
+        if self.stop is not None:
+            self.confidence += result.confidence or []
         stopped_by_pmin = len(result) < target and not self._inbox
         self.stalled = stopped_by_pmin
         done = stopped_by_pmin or len(self.branch) >= self._limit()

@@ -65,7 +65,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("history", "sampling", "mode", "pipelined", "lookahead", "want", "p_min", "top_k_q", "timing")
+    __slots__ = ("history", "sampling", "mode", "pipelined", "lookahead", "want", "p_min", "top_k_q", "timing", "calibrated", "keep_min")
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,8 @@ class Open(_message.Message):
     P_MIN_FIELD_NUMBER: _ClassVar[int]
     TOP_K_Q_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_FIELD_NUMBER: _ClassVar[int]
+    KEEP_MIN_FIELD_NUMBER: _ClassVar[int]
     history: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     mode: VerifyMode
@@ -84,21 +86,25 @@ class Open(_message.Message):
     p_min: float
     top_k_q: int
     timing: bool
-    def __init__(self, history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., pipelined: _Optional[bool] = ..., lookahead: _Optional[int] = ..., want: _Optional[int] = ..., p_min: _Optional[float] = ..., top_k_q: _Optional[int] = ..., timing: _Optional[bool] = ...) -> None: ...
+    calibrated: bool
+    keep_min: float
+    def __init__(self, history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., pipelined: _Optional[bool] = ..., lookahead: _Optional[int] = ..., want: _Optional[int] = ..., p_min: _Optional[float] = ..., top_k_q: _Optional[int] = ..., timing: _Optional[bool] = ..., calibrated: _Optional[bool] = ..., keep_min: _Optional[float] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("position", "accepted", "tokens", "gen", "want")
+    __slots__ = ("position", "accepted", "tokens", "gen", "want", "keep_min")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GEN_FIELD_NUMBER: _ClassVar[int]
     WANT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_MIN_FIELD_NUMBER: _ClassVar[int]
     position: int
     accepted: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     gen: int
     want: int
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., gen: _Optional[int] = ..., want: _Optional[int] = ...) -> None: ...
+    keep_min: float
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., gen: _Optional[int] = ..., want: _Optional[int] = ..., keep_min: _Optional[float] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ()
