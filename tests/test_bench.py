@@ -144,7 +144,8 @@ def test_aggregate_record() -> None:
     runs = [
         _run("a", 20, sha="1", drafted=8, accepted=6, hist=[0, 1, 0, 1], rounds=4,
              by_pos=[[2, 2], [2, 2], [2, 1], [2, 1]], draft_ms=100.0, verify_ms=300.0,
-             link=(300, 500), drafter={"bytes_up": 200.0, "bytes_down": 400.0}),
+             link=(300, 500), drafter={"bytes_up": 200.0, "bytes_down": 400.0,
+                                        "bytes_open": 80.0, "tokens_received": 10.0}),
         _run("b", 15, sha="X", cat="qa", drafted=4, accepted=1, hist=[1, 1], rounds=3,
              by_pos=[[2, 1], [1, 0]], draft_ms=10.0, verify_ms=500.0, link=(100, 100)),
     ]
@@ -167,6 +168,8 @@ def test_aggregate_record() -> None:
     assert sum(r["time"]["fraction"].values()) == pytest.approx(1.0)
     assert r["bytes"]["link_per_token"] == pytest.approx(1000 / 20)
     assert r["bytes"]["drafter_per_token"] == pytest.approx(600 / 20)
+    assert r["bytes"]["drafter_per_drafted_token"] == pytest.approx(600 / 10)
+    assert r["bytes"]["drafter_per_drafted_token_after_open"] == pytest.approx(520 / 10)
     assert r["by_category"]["qa"]["speedup"]["paired_median"] == pytest.approx(1.5)
     assert report.warnings([r]) and "b" in report.warnings([r])[0]
     table = report.render_table([r])

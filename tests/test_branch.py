@@ -7,6 +7,8 @@ latest verdict, never an empty draft taken from a stale branch's `done`.
 
 from __future__ import annotations
 
+import pytest
+
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.branch import BranchDrafter
 from specwire.wire import specwire_pb2 as pb
@@ -67,3 +69,54 @@ def test_a_branch_that_disagrees_with_the_history_is_not_used() -> None:
     d.waits = 0
     assert d.propose(history, 2).tokens == [11, 12]   # gen 0 said 8 where 30 stands: dead
     assert d.waits == 2
+
+
+class Steering:
+    """What BranchDrafter reads of an adaptive policy: its stop threshold."""
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def stop_threshold(self) -> float:
+        return self.threshold
+
+
+def test_a_synchronous_verdict_waits_for_the_next_request_and_carries_its_k() -> None:
+    """Rounds that skip the drafter post nothing; the next request for a draft sends one
+    verdict for all of them (the kept branch tokens of the first, then the target's own)
+    with that round's k as `want` when it changed. Under an adaptive policy the Open and the
+    verdicts carry its threshold, a verdict only when it moved by more than 15%."""
+    d = ScriptedDrafter()
+    policy = Steering(0.3)
+    d.steer(policy)
+    d.begin(PROMPT, SamplingParams(temperature=0.0), DraftParams(n_max=8, p_min=0.75))
+    opened = d._open_msg(list(PROMPT))
+    assert opened.calibrated and opened.keep_min == pytest.approx(0.3) and opened.want == 8
+    d.script = [_chunk(0, 4, [7, 8, 9])]
+    assert d.propose([*PROMPT, 7], 3).tokens == [8, 9]         # the answer to Open, behind
+    d.learn([*PROMPT, 7, 8, 40], 1, 2)                        # 8 kept, then the target's 40
+    d.learn([*PROMPT, 7, 8, 40, 41], 0, 1)                    # two plain steps, k = 0
+    d.learn([*PROMPT, 7, 8, 40, 41, 42], 0, 1)
+    assert [m.WhichOneof("kind") for m in d.sent] == ["verdict"]   # only the first token's
+    policy.threshold = 0.34                                   # within 15%: not sent
+    d.script = [_chunk(1, 9, [50, 51])]
+    assert d.propose([*PROMPT, 7, 8, 40, 41, 42], 2).tokens == [50, 51]
+    v = d.sent[-1].verdict
+    assert (v.position, v.accepted, list(v.tokens), v.want) == (5, 1, [40, 41, 42], 2)
+    assert v.keep_min == 0.0
+    d.learn([*PROMPT, 7, 8, 40, 41, 42, 50, 60], 1, 2)
+    policy.threshold = 0.5
+    d.script = [_chunk(2, 11, [61])]
+    assert d.propose([*PROMPT, 7, 8, 40, 41, 42, 50, 60], 1).tokens == [61]
+    v = d.sent[-1].verdict
+    assert (v.position, v.accepted, list(v.tokens), v.want) == (9, 1, [60], 1)
+    assert v.keep_min == pytest.approx(0.5)
+    d.learn([*PROMPT, 7, 8, 40, 41, 42, 50, 60, 70], 0, 1)   # 61 rejected: the target's 70
+    d.script = [_chunk(3, 12, [80])]
+    assert d.propose([*PROMPT, 7, 8, 40, 41, 42, 50, 60, 70], 1).tokens == [80]
+    v = d.sent[-1].verdict        # nothing kept, k unchanged: neither gen nor want is sent
+    assert (v.position, v.accepted, list(v.tokens)) == (11, 0, [70])
+    assert v.keep_min == 0.0 and v.ByteSize() == 5     # position 2 bytes, tokens 3
+    assert (v.gen, v.want) == (0, 0)
+    d.steer(None)
+    assert not d._open_msg(list(PROMPT)).calibrated

@@ -557,8 +557,9 @@ def test_incompatible_node_is_refused_at_connect(target) -> None:
         with pytest.raises(CliError, match="incompatible models") as e:
             make_remote_drafter([fake.url], args, target.backend)
         assert target.backend.name in str(e.value) and "llama-2-7b-draft.gguf" in str(e.value)
-    with (FakeNode(target.fingerprint, target.n_vocab, protocol_version=2) as fake,
-          pytest.raises(LinkError, match="incompatible draft node .*protocol 2")):
+    other = protocol.PROTOCOL_VERSION + 1
+    with (FakeNode(target.fingerprint, target.n_vocab, protocol_version=other) as fake,
+          pytest.raises(LinkError, match=f"incompatible draft node .*protocol {other}")):
         asyncio.run(target.link(fake.url).connect())
 
 
@@ -586,14 +587,12 @@ class RawSession:
             chunks.append(msg.chunk)
         pytest.fail(f"stream ended without a DraftError after {len(chunks)} chunks")
 
-    def chunks_until_done(self) -> list[pb.DraftChunk]:
-        chunks = []
+    def answer(self) -> list[pb.DraftChunk]:
+        """The chunk answering the Open or a verdict: a synchronous session sends one."""
         for msg in self.call:
             assert msg.WhichOneof("kind") == "chunk", msg
-            chunks.append(msg.chunk)
-            if msg.chunk.done:
-                return chunks
-        pytest.fail("stream ended before a done chunk")
+            return [msg.chunk]
+        pytest.fail("stream ended before an answer")
 
     def close(self) -> None:
         self._q.put(None)
@@ -656,7 +655,7 @@ def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node
         for verdict, message in bad_verdicts:
             s = RawSession(stub)
             s.send(open=_sync_open(history, want=2))
-            drafted = s.chunks_until_done()
+            drafted = s.answer()
             assert sum(len(c.tokens) for c in drafted) == 2
             s.send(verdict=verdict)
             _, got = s.until_error()
@@ -669,15 +668,15 @@ def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node
         # disagreeing starts gen 1 at the committed position.
         s = RawSession(stub)
         s.send(open=_sync_open(history, want=4))
-        first = [t for c in s.chunks_until_done() for t in c.tokens]
+        first = [t for c in s.answer() for t in c.tokens]
         assert len(first) == 4 and all(0 <= t < target.n_vocab for t in first)
         s.send(verdict=pb.Verdict(position=p, accepted=2, tokens=[first[2]], gen=0, want=3))
-        kept = s.chunks_until_done()
+        kept = s.answer()
         assert [(c.gen, c.start) for c in kept][0] == (0, p + 4)
         assert sum(len(c.tokens) for c in kept) == 2
         other = (first[3] + 1) % target.n_vocab
         s.send(verdict=pb.Verdict(position=p + 3, accepted=0, tokens=[other], gen=0, want=3))
-        fresh = s.chunks_until_done()
+        fresh = s.answer()
         assert [(c.gen, c.start) for c in fresh][0] == (1, p + 4)
         assert sum(len(c.tokens) for c in fresh) == 3
         s.close()
@@ -693,7 +692,7 @@ def test_a_calibrated_session_stops_where_the_target_says(target, node) -> None:
     p = len(history)
 
     def drafted(s: RawSession) -> list[int]:
-        return [t for c in s.chunks_until_done() for t in c.tokens]
+        return [t for c in s.answer() for t in c.tokens]
 
     with grpc.insecure_channel(node.url) as channel:
         stub = pbg.DraftNodeStub(channel)
@@ -814,6 +813,31 @@ def test_bytes_per_drafted_token(target, node, pipelined, record_property) -> No
               f"{per_verified:.1f} per verified one")
         assert g.stats.draft_n > 0 and drafted >= g.stats.draft_n
         assert per_token <= 16, f"{per_token:.1f} bytes per drafted token"
+    finally:
+        rd.close()
+
+
+def test_bytes_both_ways_per_drafted_token_under_the_adaptive_policy(target, node,
+                                                                      record_property) -> None:
+    """Synchronous greedy drafting at the default policy: the verdicts and the chunks
+    together, the prompt's Open aside, cost about 15 bytes per drafted token here (the
+    issue's goal is 16; `specwire bench` measures it on 64-token replies). Each round costs
+    a verdict and a chunk, about 34 bytes with gRPC's framing, so it takes the calibrated
+    stop's two or more tokens a round: at --draft-p-min 0.75 (1.5 a round) it is about 21.
+    The bound leaves room for draft lengths that follow this machine's timings."""
+    prompt, n = target.tokens(CODE), 32
+    rd = target.drafter(node.url, pipelined=False)
+    engine = Engine(target.backend, rd)
+    try:
+        for _ in range(2):                         # the second request on learned estimates
+            before = dict(rd.counters)
+            g = engine.generate(request(prompt, n, GREEDY, 8, policy="adaptive"))
+            assert run_to_end(g) == ref(target, GREEDY, n)
+        c = {k: rd.counters[k] - before[k] for k in before}
+        both = (c["bytes_up"] - c["bytes_open"] + c["bytes_down"]) / max(1, c["tokens_received"])
+        record_property("bytes_both_ways_per_drafted_token", both)
+        print(f"{c}: {both:.1f} bytes per drafted token, both ways, the Open aside")
+        assert c["tokens_received"] > 0 and both <= 18, f"{both:.1f} bytes per drafted token"
     finally:
         rd.close()
 

@@ -35,6 +35,7 @@ import pytest
 from specwire.backend.llama import LlamaBackend
 from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.engine import Engine, Generation, Request
+from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.client import RemoteDrafter
@@ -251,7 +252,8 @@ class FakeNode(pbg.DraftNodeServicer):
     """
 
     def __init__(self, fingerprint: str, n_vocab: int, model: str = "fake-draft.gguf",
-                 scripts: Sequence[Script] = (), protocol_version: int = 1) -> None:
+                 scripts: Sequence[Script] = (),
+                 protocol_version: int = protocol.PROTOCOL_VERSION) -> None:
         self.fingerprint, self.n_vocab, self.model = fingerprint, n_vocab, model
         self.protocol_version = protocol_version
         self.scripts = list(scripts)

@@ -133,15 +133,24 @@ def time_split(cfg: Config, runs: Sequence[PromptRun]) -> dict:
 
 
 def wire_bytes(runs: Sequence[PromptRun]) -> dict:
-    """Bytes per generated token: as the link emulator counted them, and as the drafter did."""
+    """Bytes per generated token: as the link emulator counted them (HTTP/2 included), and
+    as the drafter did (gRPC messages); and the drafter's per token it received, both
+    directions, with and without the Opens that carry the prompts."""
     gen = sum(r.generated for r in runs)
     up, down = sum(r.link_bytes_up for r in runs), sum(r.link_bytes_down for r in runs)
-    d_up = sum(r.stats.get("drafter", {}).get("bytes_up", 0.0) for r in runs)
-    d_down = sum(r.stats.get("drafter", {}).get("bytes_down", 0.0) for r in runs)
+
+    def drafter(key: str) -> float:
+        return sum(r.stats.get("drafter", {}).get(key, 0.0) for r in runs)
+
+    d_up, d_down, d_open = drafter("bytes_up"), drafter("bytes_down"), drafter("bytes_open")
+    drafted = drafter("tokens_received")
     return {"link_up": up, "link_down": down,
             "link_per_token": (up + down) / gen if gen else None,
-            "drafter_up": d_up, "drafter_down": d_down,
-            "drafter_per_token": (d_up + d_down) / gen if gen else None}
+            "drafter_up": d_up, "drafter_down": d_down, "drafter_open": d_open,
+            "drafter_per_token": (d_up + d_down) / gen if gen else None,
+            "drafter_per_drafted_token": (d_up + d_down) / drafted if drafted else None,
+            "drafter_per_drafted_token_after_open":
+                (d_up - d_open + d_down) / drafted if drafted else None}
 
 
 def by_category(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None) -> dict:

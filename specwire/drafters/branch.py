@@ -26,6 +26,9 @@ from specwire.wire.protocol import ProtocolError
 
 log = logging.getLogger("specwire.branch")
 
+#: How far the adaptive policy's stop threshold moves before a verdict carries it again.
+KEEP_MIN_SLACK = 0.15
+
 
 class BranchDrafter:
     """Pipelined (never waits) or synchronous (waits for `want` tokens, with a deadline)."""
@@ -50,6 +53,7 @@ class BranchDrafter:
         self._active = False
         self._late = False  # sync mode: the drafter missed a deadline; stop waiting
         self._want = 0
+        self._want_told = 0  # the want the drafter last heard
         self._accepted = 0  # synchronous: branch tokens kept in the first round not yet told
         self._told_round = True  # no round has ended since the last verdict
         self._policy = None  # an adaptive policy steering synchronous drafts (see steer)
@@ -58,6 +62,7 @@ class BranchDrafter:
         self.counters: dict[str, float] = {
             "bytes_up": 0,
             "bytes_down": 0,
+            "bytes_open": 0,  # the part of bytes_up spent on Opens (the prompt's tokens)
             "chunks": 0,
             "tokens_received": 0,
             "stale_chunks": 0,
@@ -167,11 +172,19 @@ class BranchDrafter:
         with self._cv:
             self._done = False  # the drafter works again after a verdict
             gen = max(self._gen, 0)
-        v = pb.Verdict(position=position, accepted=accepted, tokens=own, gen=gen, want=self._want)
+        # Fields that say nothing new stay unset, as protobuf then sends no byte for them:
+        # gen when no token is accepted, want when it is unchanged or the drafter pipelined.
+        v = pb.Verdict(position=position, accepted=accepted, tokens=own)
+        if accepted:
+            v.gen = gen
+        if not self.pipelined and self._want != self._want_told:
+            v.want = self._want_told = self._want
         if self._calibrated():
-            # Four bytes, sent only when the threshold moved by more than 5%.
+            # Five bytes, sent only when the threshold moved by more than KEEP_MIN_SLACK: it
+            # moves a little every round, while a draft's P(all kept) falls by a bin's
+            # calibrated chance (0.6-0.97) per token, so a smaller change seldom moves a stop.
             keep_min = self._policy.stop_threshold()
-            if abs(keep_min - self._keep_min) > 0.05 * self._keep_min:
+            if abs(keep_min - self._keep_min) > KEEP_MIN_SLACK * self._keep_min:
                 v.keep_min = self._keep_min = min(1.0, max(keep_min, 1e-6))
         self._post(pb.TargetMessage(verdict=v))
 
@@ -202,13 +215,17 @@ class BranchDrafter:
             mode=protocol.mode_to_pb(mode),
             pipelined=self.pipelined,
             lookahead=self.lookahead or 2 * max(1, p.n_max),
-            want=self._want,
+            want=self._open_want(),
             p_min=p.p_min,
             top_k_q=p.top_k_q,
             timing=self.timing,
             calibrated=self._calibrated(),
             keep_min=self._open_keep_min(),
         )
+
+    def _open_want(self) -> int:
+        self._want_told = self._want
+        return self._want
 
     def _open_keep_min(self) -> float:
         if not self._calibrated():
@@ -277,7 +294,7 @@ class BranchDrafter:
             self._buf.extend(c.tokens)
             if c.sparse is not None and self._sparse is not None:
                 self._sparse.extend(c.sparse)
-            self._done = c.done
+            self._done = c.done or not self.pipelined  # a synchronous chunk is whole
             self._late = False
             self._cv.notify_all()
 

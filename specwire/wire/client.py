@@ -113,6 +113,7 @@ class RemoteDrafter(BranchDrafter):
             out: asyncio.Queue = asyncio.Queue()
             first = pb.TargetMessage(open=self._open_msg(history))
             self.counters["bytes_up"] += protocol.message_bytes(first)
+            self.counters["bytes_open"] += protocol.message_bytes(first)
             out.put_nowait(first)
             call = link.stub.Session(metadata=link.metadata())
             writer = asyncio.create_task(_write_all(call, out))

@@ -17,7 +17,7 @@ from specwire.config import ConfigError, SamplingParams, VerifyMode
 from specwire.sampling import SparseDraft
 from specwire.wire import specwire_pb2 as pb
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_CHUNK_TOKENS = 256  # tokens in one draft chunk
 MAX_Q_K = 256  # sparse q entries per token
 MAX_HISTORY = 1 << 20  # tokens in an Open message

@@ -165,7 +165,7 @@ class DraftSession:
         else:
             self.branch, self.confidence, self.sent, self.gen = [], [], 0, self.gen + 1
         if not self.pipelined:
-            self.budget = v.want
+            self.budget = v.want or self.budget
             if len(self.branch) > self.budget:
                 del self.branch[self.budget :]
                 del self.confidence[self.budget :]
@@ -210,7 +210,9 @@ class DraftSession:
 
     def _flush(self, pending: list[int], sparse_pending: list, done: bool) -> None:
         start = len(self.committed) + self.sent
-        chunk = pb.DraftChunk(gen=self.gen, start=start, tokens=pending, done=done)
+        # A synchronous chunk is the whole answer to its verdict: no `done` to send.
+        chunk = pb.DraftChunk(gen=self.gen, start=start, tokens=pending,
+                              done=done and self.pipelined)
         if self.timing:
             now = time.perf_counter()
             chunk.busy_us = min(2**32 - 1, int(1e6 * (now - self._busy_since)))
