@@ -1,18 +1,20 @@
 """The remote drafter: the target's side of the draft link (gRPC transport).
 
 The branch bookkeeping lives in drafters/branch.py; this file moves messages.
-A background asyncio thread owns the gRPC channel; the engine thread only reads
-a buffer of received draft tokens under a lock and queues verdicts. In
-pipelined mode `propose` never waits: it takes whatever checked tokens extend
-the committed history, possibly none, and the engine then runs a plain
-decoding step. A dead, slow or hostile node therefore costs the target at most
-a lock and a list slice per round.
+Each session has a thread of its own that reads the node's chunks from a
+blocking gRPC stream into a buffer; the engine thread only reads that buffer
+under a lock and queues verdicts (handshakes run on a background asyncio
+thread). In pipelined mode `propose` never waits: it takes whatever checked
+tokens extend the committed history, possibly none, and the engine then runs a
+plain decoding step. A dead, slow or hostile node therefore costs the target at
+most a lock and a list slice per round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 
 import grpc
@@ -47,8 +49,8 @@ class RemoteDrafter(BranchDrafter):
             target=self._loop.run_forever, name="draft-link", daemon=True
         )
         self._thread.start()
-        self._call = None  # the live Session stream, owned by the loop
-        self._out: asyncio.Queue | None = None
+        self._call: grpc.Call | None = None  # the live Session stream
+        self._out: queue.SimpleQueue | None = None  # its messages to send; None ends it
         self._opening = False
 
     def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
@@ -84,11 +86,12 @@ class RemoteDrafter(BranchDrafter):
         out = self._out
         if out is not None:
             self.counters["bytes_up"] += protocol.message_bytes(msg)
-            self._loop.call_soon_threadsafe(out.put_nowait, msg)
+            out.put(msg)
 
     def _open(self, session: int, history: list[int]) -> None:
         self._opening = True
-        asyncio.run_coroutine_threadsafe(self._run_session(session, history), self._loop)
+        threading.Thread(target=self._run_session, args=(session, history),
+                         name="draft-session", daemon=True).start()
 
     def _revive(self) -> None:
         """After a failure, reopen on the first link whose backoff has passed."""
@@ -102,31 +105,26 @@ class RemoteDrafter(BranchDrafter):
         """Forget the current stream; ending its request queue lets it finish."""
         out, self._out, self._call = self._out, None, None
         if out is not None:
-            self._loop.call_soon_threadsafe(out.put_nowait, None)
+            out.put(None)
 
-    async def _run_session(self, session: int, history: list[int]) -> None:
-        link, call, writer = None, None, None
+    def _run_session(self, session: int, history: list[int]) -> None:
+        """One Session stream, on its own thread: send the Open, then read chunks."""
+        link, call = None, None
         try:
-            link = await self._pick_link()
+            link = asyncio.run_coroutine_threadsafe(self._pick_link(), self._loop).result()
             if link is None or session != self._session:
                 return
-            out: asyncio.Queue = asyncio.Queue()
+            out: queue.SimpleQueue = queue.SimpleQueue()
             first = pb.TargetMessage(open=self._open_msg(history))
             self.counters["bytes_up"] += protocol.message_bytes(first)
             self.counters["bytes_open"] += protocol.message_bytes(first)
-            out.put_nowait(first)
-            call = link.stub.Session(metadata=link.metadata())
-            writer = asyncio.create_task(_write_all(call, out))
+            out.put(first)
+            call = link.session_stub().Session(iter(out.get, None), metadata=link.metadata())
             self._out, self._call = out, call
             self._opening = False
-            while session == self._session:
-                msg = await call.read()
-                if msg is grpc.aio.EOF:
-                    if session == self._session:  # the node ended a session we had not closed
-                        link.failed("the draft node ended the session")
+            for msg in call:
+                if session != self._session:
                     break
-                if msg is None:  # grpc could not parse the frame (and logged why)
-                    raise ProtocolError("undecodable frame: not a DraftMessage")
                 self.counters["bytes_down"] += protocol.message_bytes(msg)
                 kind = msg.WhichOneof("kind")
                 if kind == "chunk":
@@ -136,25 +134,33 @@ class RemoteDrafter(BranchDrafter):
                     raise ProtocolError(f"draft node reported: {msg.error.message}")
                 else:
                     raise ProtocolError("draft message with neither a chunk nor an error")
+            else:
+                if session == self._session:  # the node ended a session we had not closed
+                    link.failed("the draft node ended the session")
         except ProtocolError as e:
-            self.counters["dropped_peers"] += 1
-            log.warning("dropping draft node %s: %s", link.url if link else "?", e)
-            if link is not None:
-                link.failed(str(e))
-        except (grpc.aio.AioRpcError, LinkError, OSError) as e:
-            if link is not None and session == self._session:
+            self._drop(link, str(e))
+        except grpc.RpcError as e:
+            if _undecodable(e):
+                self._drop(link, "undecodable frame: not a DraftMessage")
+            elif link is not None and session == self._session:
                 link.failed(_rpc_reason(e))
-        except asyncio.CancelledError:
-            pass
+        except (LinkError, OSError) as e:
+            if link is not None and session == self._session:
+                link.failed(str(e))
         finally:
-            if writer is not None:
-                writer.cancel()
             if call is not None:
                 call.cancel()
             if session == self._session:
                 self._out, self._call = None, None
                 self._opening = False
             self._wake()
+
+    def _drop(self, link: Link | None, reason: str) -> None:
+        """A node that broke the protocol: disconnect it and back off."""
+        self.counters["dropped_peers"] += 1
+        log.warning("dropping draft node %s: %s", link.url if link else "?", reason)
+        if link is not None:
+            link.failed(reason)
 
     async def _pick_link(self) -> Link | None:
         """The fastest healthy link, connecting (Hello) where needed."""
@@ -169,9 +175,15 @@ class RemoteDrafter(BranchDrafter):
 
 
 def _rpc_reason(e: BaseException) -> str:
-    if isinstance(e, grpc.aio.AioRpcError):
+    if isinstance(e, grpc.aio.AioRpcError | grpc.Call):
         return f"{e.code().name}: {e.details()}"
     return str(e)
+
+
+def _undecodable(e: grpc.RpcError) -> bool:
+    """grpcio ends a blocking call whose response it could not parse with INTERNAL."""
+    return (isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.INTERNAL
+            and "deserializ" in (e.details() or "").lower())
 
 
 def make_remote_drafter(urls: list[str], a, target) -> object:
@@ -203,16 +215,6 @@ def make_remote_drafter(urls: list[str], a, target) -> object:
         if e:
             log.warning("draft node %s not reachable yet (%s); decoding plainly until it is", u, e)
     return drafter
-
-
-async def _write_all(call, out: asyncio.Queue) -> None:
-    """Forward queued messages to the stream; None half-closes it."""
-    try:
-        while (m := await out.get()) is not None:
-            await call.write(m)
-        await call.done_writing()
-    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-        pass
 
 
 async def _close_all(links: list[Link]) -> None:
