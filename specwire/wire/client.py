@@ -54,13 +54,19 @@ class RemoteDrafter(BranchDrafter):
         self._opening = False
 
     def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
-        """Connect every link now (Hello), so that the first request already drafts.
+        """Connect every link now (Hello, and the connection its sessions use), so that the
+        first request already drafts.
 
         Returns, per link, None or why it could not connect; a failed link is retried
         with backoff once generation starts, as after any failure.
         """
         fut = asyncio.run_coroutine_threadsafe(_handshake_all(self.links), self._loop)
-        return fut.result(timeout=timeout_s)
+        errors = fut.result(timeout=timeout_s)
+        for link, error in zip(self.links, errors, strict=True):
+            if error is None and not link.connect_sessions(link.settings.connect_timeout_s):
+                log.warning("draft node %s: no session connection after %.1f s", link.url,
+                            link.settings.connect_timeout_s)
+        return errors
 
     def link_state(self) -> dict[str, float]:
         """For /metrics: 1 if a link is up, per URL."""
@@ -103,7 +109,8 @@ class RemoteDrafter(BranchDrafter):
 
     def _detach(self) -> None:
         """Forget the current stream; ending its request queue lets it finish."""
-        out, self._out, self._call = self._out, None, None
+        with self._cv:
+            out, self._out, self._call = self._out, None, None
         if out is not None:
             out.put(None)
 
@@ -111,7 +118,11 @@ class RemoteDrafter(BranchDrafter):
         """One Session stream, on its own thread: send the Open, then read chunks."""
         link, call = None, None
         try:
-            link = asyncio.run_coroutine_threadsafe(self._pick_link(), self._loop).result()
+            picking = asyncio.run_coroutine_threadsafe(self._pick_link(), self._loop)
+            # Every link's handshake has its own timeout; this one only guards against a
+            # loop already stopped by close().
+            link = picking.result(timeout=5 + sum(x.settings.connect_timeout_s
+                                                  for x in self.links))
             if link is None or session != self._session:
                 return
             out: queue.SimpleQueue = queue.SimpleQueue()
@@ -120,8 +131,10 @@ class RemoteDrafter(BranchDrafter):
             self.counters["bytes_open"] += protocol.message_bytes(first)
             out.put(first)
             call = link.session_stub().Session(iter(out.get, None), metadata=link.metadata())
-            self._out, self._call = out, call
-            self._opening = False
+            with self._cv:  # a newer session may have started meanwhile: it owns _out then
+                if session != self._session:
+                    return
+                self._out, self._call, self._opening = out, call, False
             for msg in call:
                 if session != self._session:
                     break
@@ -144,15 +157,15 @@ class RemoteDrafter(BranchDrafter):
                 self._drop(link, "undecodable frame: not a DraftMessage")
             elif link is not None and session == self._session:
                 link.failed(_rpc_reason(e))
-        except (LinkError, OSError) as e:
+        except (LinkError, OSError, TimeoutError) as e:
             if link is not None and session == self._session:
                 link.failed(str(e))
         finally:
             if call is not None:
                 call.cancel()
-            if session == self._session:
-                self._out, self._call = None, None
-                self._opening = False
+            with self._cv:
+                if session == self._session:
+                    self._out, self._call, self._opening = None, None, False
             self._wake()
 
     def _drop(self, link: Link | None, reason: str) -> None:

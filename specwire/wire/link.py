@@ -84,6 +84,18 @@ class Link:
                 self._session_channel = self._make_channel(grpc)
             return pbg.DraftNodeStub(self._session_channel)
 
+    def connect_sessions(self, timeout_s: float) -> bool:
+        """Open the session channel's connection now (a TLS handshake of its own), so that
+        the first session does not wait for it; False if it is not ready in time."""
+        self.session_stub()
+        with self._lock:
+            channel = self._session_channel
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            return False
+        return True
+
     def _drop_session_channel(self) -> None:
         with self._lock:
             channel, self._session_channel = self._session_channel, None
