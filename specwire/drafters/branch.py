@@ -54,8 +54,9 @@ class BranchDrafter:
         self._late = False  # sync mode: the drafter missed a deadline; stop waiting
         self._want = 0
         self._want_told = 0  # the want the drafter last heard
-        self._accepted = 0  # synchronous: branch tokens kept in the first round not yet told
-        self._told_round = True  # no round has ended since the last verdict
+        # Synchronous: branch tokens kept in the first round since the last verdict, None
+        # while no round has ended since it.
+        self._accepted: int | None = None
         self._policy = None  # an adaptive policy steering synchronous drafts (see steer)
         self._keep_min = 0.0  # the stop threshold the drafter was last told
         self._reset_buffer()
@@ -117,7 +118,7 @@ class BranchDrafter:
             return Draft()
         # The verdict on what the drafter has not heard of (the first token; in synchronous
         # mode, every round since it was last asked), with this round's k.
-        self._tell(history, self._accepted)
+        self._tell(history, self._accepted or 0)
         deadline = None if self.pipelined or self._late else time.monotonic() + self.sync_timeout_s
         t0 = time.perf_counter()
         with self._cv:
@@ -146,8 +147,8 @@ class BranchDrafter:
         for rounds that skip the drafter); it waits for the verdict either way."""
         if self.pipelined:
             self._tell(history, accepted)
-        elif len(history) > self._told and self._told_round:
-            self._accepted, self._told_round = accepted, False
+        elif len(history) > self._told and self._accepted is None:
+            self._accepted = accepted
 
     def end(self) -> None:
         self._active = False
@@ -167,7 +168,7 @@ class BranchDrafter:
         if not self._live() or len(history) <= self._told:
             return
         position, self._told = self._told, len(history)
-        self._accepted, self._told_round = 0, True
+        self._accepted = None
         own = list(history[position + accepted :])
         with self._cv:
             self._done = False  # the drafter works again after a verdict
@@ -193,7 +194,7 @@ class BranchDrafter:
 
     def _start(self, history: list[int]) -> None:
         self._told = len(history)
-        self._accepted, self._told_round = 0, True
+        self._accepted = None
         with self._cv:
             self._session += 1
             self._reset_buffer()

@@ -127,8 +127,9 @@ class RemoteDrafter(BranchDrafter):
                 return
             out: queue.SimpleQueue = queue.SimpleQueue()
             first = pb.TargetMessage(open=self._open_msg(history))
-            self.counters["bytes_up"] += protocol.message_bytes(first)
-            self.counters["bytes_open"] += protocol.message_bytes(first)
+            n = protocol.message_bytes(first)
+            self.counters["bytes_up"] += n
+            self.counters["bytes_open"] += n
             out.put(first)
             call = link.session_stub().Session(iter(out.get, None), metadata=link.metadata())
             with self._cv:  # a newer session may have started meanwhile: it owns _out then
