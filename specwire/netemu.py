@@ -233,6 +233,10 @@ class LinkEmulator:
     bytes on the wire. ``cut()`` resets all live connections; setting ``blackhole``
     stalls delivery in both directions (bytes are still read and held, and flow again,
     in order, once it is cleared) to emulate a hung peer or a partition.
+
+    ``extra_ports`` are relayed over the same emulated link, each listened on at its
+    own number (a draft node's synchronous port, which the node advertises by number):
+    give a ``listen_host`` other than the upstream's then, such as 127.0.0.2.
     """
 
     def __init__(
@@ -243,6 +247,7 @@ class LinkEmulator:
         bandwidth_bps: float | None = None,
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
+        extra_ports: tuple[int, ...] = (),
     ) -> None:
         self.upstream_host = upstream_host
         self.upstream_port = upstream_port
@@ -253,10 +258,11 @@ class LinkEmulator:
         self.bytes_up = 0
         self.bytes_down = 0
         self._listen_port = listen_port
+        self.extra_ports = extra_ports
         self._port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._conns: set[_Connection] = set()
 
     # -- live-settable link parameters -------------------------------------------------
@@ -363,15 +369,19 @@ class LinkEmulator:
             loop.close()
 
     async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.listen_host, self._listen_port)
-        self._port = self._server.sockets[0].getsockname()[1]
+        for listen, upstream in ((self._listen_port, self.upstream_port),
+                                 *((p, p) for p in self.extra_ports)):
+            server = await asyncio.start_server(
+                lambda r, w, port=upstream: self._handle(r, w, port), self.listen_host, listen)
+            self._servers.append(server)
+        self._port = self._servers[0].sockets[0].getsockname()[1]
 
     async def _close(self) -> None:
-        """Close the listener and every connection, then let cancelled tasks unwind."""
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        """Close the listeners and every connection, then let cancelled tasks unwind."""
+        for server in self._servers:
+            server.close()
+            await server.wait_closed()
+        self._servers.clear()
         await self._cut()
         current = asyncio.current_task()
         pending = [t for t in asyncio.all_tasks() if t is not current]
@@ -384,11 +394,12 @@ class LinkEmulator:
             conn.abort()
         await asyncio.sleep(0)  # let the aborted pumps observe their cancellation
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      port: int) -> None:
         """Per accepted client: dial upstream, then relay until done or aborted."""
         _set_nodelay(writer)
         try:
-            upstream = await asyncio.open_connection(self.upstream_host, self.upstream_port)
+            upstream = await asyncio.open_connection(self.upstream_host, port)
         except OSError:
             writer.transport.abort()  # refuse like an unreachable server would
             return

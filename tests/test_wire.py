@@ -18,8 +18,10 @@ import asyncio
 import math
 import queue
 import random
+import socket
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import grpc
@@ -51,6 +53,7 @@ from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.client import make_remote_drafter
+from specwire.wire.http2 import Connection, H2Error
 from specwire.wire.link import LinkError, LinkSettings
 from specwire.wire.protocol import ProtocolError
 
@@ -245,6 +248,13 @@ def test_token_authentication(target, tmp_path) -> None:
             with pytest.raises(grpc.RpcError) as e:
                 list(pbg.DraftNodeStub(channel).Ping(iter([pb.PingMessage(seq=1)])))
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(f"127.0.0.1:{n.sync_port}") as channel:  # the sync port too
+            s = RawSession(pbg.DraftNodeStub(channel))
+            s.send(open=_sync_open(target.tokens(CODE)))
+            with pytest.raises(grpc.RpcError) as e:
+                list(s.call)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            s.close()
         _drafts_like_plain(target, n.url, pipelined=False, settings=LinkSettings(token="secret"))
 
 
@@ -269,6 +279,7 @@ def test_tls_and_mutual_tls(target, tmp_path) -> None:
                 asyncio.run(target.link(n.url, settings).connect())
         good = LinkSettings(tls_ca=c["ca"], tls_cert=c["client_cert"], tls_key=c["client_key"])
         _drafts_like_plain(target, n.url, pipelined=True, settings=good)
+        _drafts_like_plain(target, n.url, pipelined=False, settings=good)  # the sync port
 
 
 def _drafts_like_plain(target, url: str, pipelined: bool, settings: LinkSettings) -> None:
@@ -279,6 +290,7 @@ def _drafts_like_plain(target, url: str, pipelined: bool, settings: LinkSettings
         g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 12, GREEDY, 4))
         assert run_to_end(g) == ref(target, GREEDY, 12)
         assert g.stats.draft_n_accepted > 0 and rd.links[0].up
+        assert rd.counters["sync_port_sessions"] == (0 if pipelined else 1)
     finally:
         rd.close()
 
@@ -296,8 +308,8 @@ def test_output_equals_plain_decoding_over_the_link(target, node, pipelined, sam
     (for greedy: drafts proposed and accepted in every run; seeded: in the runs together)."""
     prompt, n = target.tokens(CODE), 24
     want = ref(target, sampling, n)
-    with LinkEmulator("127.0.0.1", node.port) as emu:
-        rd = target.drafter(f"127.0.0.1:{emu.port}", pipelined=pipelined)
+    with node.emulator() as emu:
+        rd = target.drafter(f"127.0.0.2:{emu.port}", pipelined=pipelined)
         try:
             drafted = accepted = 0
             for n_max, one_way in RUNS:
@@ -313,6 +325,7 @@ def test_output_equals_plain_decoding_over_the_link(target, node, pipelined, sam
             assert drafted > 0 and accepted > 0
             assert emu.bytes_down > 0 and emu.bytes_up > 0     # it went through the emulator
             assert rd.counters["dropped_peers"] == 0
+            assert rd.counters["sync_port_sessions"] == (0 if pipelined else len(RUNS))
         finally:
             rd.close()
 
@@ -355,6 +368,7 @@ def test_node_killed_mid_generation_then_restarted(target, node, pipelined) -> N
         g2 = Engine(target.backend, rd).generate(request(prompt, 24, GREEDY, 4))
         assert run_to_end(g2, on_step=patient) == want[:24]
         assert rd.counters["reconnects"] >= 1
+        assert rd.counters["sync_port_sessions"] >= (0 if pipelined else 2)
         assert rd.counters["chunks"] > chunks
         assert g2.stats.draft_n > 0 and g2.stats.draft_n_accepted > 0
         assert rd.links[0].up
@@ -370,8 +384,8 @@ def test_stalled_node_costs_at_most_one_deadline(target, node, pipelined) -> Non
     prompt, n = target.tokens(CODE), 24
     want = ref(target, GREEDY, n)
     deadline_ms = 1000 if pipelined else 300
-    with LinkEmulator("127.0.0.1", node.port) as emu:
-        rd = target.drafter(f"127.0.0.1:{emu.port}", pipelined=pipelined,
+    with node.emulator() as emu:
+        rd = target.drafter(f"127.0.0.2:{emu.port}", pipelined=pipelined,
                             sync_timeout_s=deadline_ms / 1000)
         state: dict = {}
 
@@ -862,3 +876,114 @@ def test_node_reports_its_drafting_time_only_when_asked(target, node, timing) ->
             assert busy == 0
     finally:
         rd.close()
+
+
+# ============================================================================ the sync port
+
+
+def test_sync_port_serves_grpcio_clients(target, node) -> None:
+    """The node's synchronous port is gRPC as grpcio speaks it: an ordinary grpcio client
+    runs a synchronous Session there (a chunk for the Open, one per verdict); a pipelined
+    Open gets a DraftError sending it to the main port; other methods are UNIMPLEMENTED."""
+    history = target.tokens(CODE)
+    with grpc.insecure_channel(f"127.0.0.1:{node.sync_port}") as channel:
+        stub = pbg.DraftNodeStub(channel)
+        s = RawSession(stub)
+        s.send(open=_sync_open(history, want=3))
+        [c] = s.answer()
+        assert c.start == len(history) and len(c.tokens) == 3
+        s.send(verdict=pb.Verdict(position=len(history), accepted=3, gen=c.gen,
+                                  tokens=[c.tokens[0]], want=2))
+        [c2] = s.answer()
+        assert c2.start == len(history) + 4 and len(c2.tokens) == 2
+        s.send(close=pb.Close())
+        assert list(s.call) == [] and s.call.code() == grpc.StatusCode.OK
+        p = RawSession(stub)
+        p.send(open=pb.Open(history=history, sampling=protocol.sampling_to_pb(GREEDY),
+                            pipelined=True, want=2, lookahead=8))
+        _, message = p.until_error()
+        assert "main port" in message
+        p.close()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Hello(pb.HelloRequest(protocol_version=protocol.PROTOCOL_VERSION), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_unreachable_sync_port_falls_back_to_the_main_port(target, node) -> None:
+    """Behind a relay that forwards only the main port, the advertised synchronous port
+    cannot be reached: synchronous sessions run on the main port and still draft."""
+    prompt, n = target.tokens(CODE), 12
+    with LinkEmulator("127.0.0.1", node.port, listen_host="127.0.0.2") as emu:
+        rd = target.drafter(f"127.0.0.2:{emu.port}", pipelined=False)
+        try:
+            g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4))
+            assert run_to_end(g) == ref(target, GREEDY, n)
+            assert g.stats.draft_n_accepted > 0 and rd.counters["sync_port_sessions"] == 0
+            assert emu.bytes_down > 0
+        finally:
+            rd.close()
+
+
+def _hostile_sync_port(reply: Callable[[Connection, int, pb.Open], None]) -> tuple[int, Callable]:
+    """A synchronous port answering every Session with reply(conn, stream, open)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            conn = Connection(sock, client=False, max_message=1 << 20)
+            try:
+                conn.handshake(5)
+                while (stream := conn.next_request(30)) is not None:
+                    first = conn.recv_message(stream.sid, 5)
+                    reply(conn, stream.sid, pb.TargetMessage.FromString(first).open)
+            except (H2Error, TimeoutError, OSError):
+                pass
+            finally:
+                conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1], listener.close
+
+
+def _out_of_vocabulary(conn: Connection, sid: int, o: pb.Open) -> None:
+    conn.respond(sid)
+    chunk = pb.DraftChunk(gen=0, start=len(o.history), tokens=[10**7])
+    conn.send_message(sid, pb.DraftMessage(chunk=chunk).SerializeToString())
+
+
+def _not_a_draft_message(conn: Connection, sid: int, o: pb.Open) -> None:
+    conn.respond(sid)
+    conn.send_message(sid, b"\xff\xff\xff not protobuf")
+
+
+def _not_http2(conn: Connection, sid: int, o: pb.Open) -> None:
+    conn.sock.sendall(bytes(range(256)) * 4)
+
+
+@pytest.mark.parametrize("reply", [_out_of_vocabulary, _not_a_draft_message, _not_http2],
+                         ids=["out-of-vocabulary", "undecodable", "not-http2"])
+def test_hostile_sync_port_cannot_change_the_output(target, reply) -> None:
+    """A node whose synchronous port answers with tokens outside the vocabulary, bytes
+    that are not a DraftMessage, or bytes that are not HTTP/2: the target drops it
+    (dropped_peers or a failed link), survives, and produces plain decoding's tokens."""
+    port, stop = _hostile_sync_port(reply)
+    try:
+        with FakeNode(target.fingerprint, target.n_vocab, scripts=[lambda o, v, s: None],
+                      sync_port=port) as fake:
+            rd = target.drafter(fake.url, pipelined=False,
+                                settings=LinkSettings(backoff_min_s=0.05, backoff_max_s=0.1))
+            try:
+                g = Engine(target.backend, rd).generate(
+                    request(target.tokens(CODE), 12, GREEDY, 4))
+                assert run_to_end(g) == ref(target, GREEDY, 12)
+                assert rd.counters["sync_port_sessions"] >= 1
+                assert rd.counters["dropped_peers"] + rd.counters["reconnects"] >= 1
+                assert g.stats.draft_n_accepted == 0
+            finally:
+                rd.close()
+    finally:
+        stop()

@@ -35,6 +35,7 @@ import pytest
 from specwire.backend.llama import LlamaBackend
 from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.engine import Engine, Generation, Request
+from specwire.netemu import LinkEmulator
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
@@ -154,6 +155,8 @@ class NodeProcess:
     def __init__(self, log_dir: Path, args: Sequence[str] = (), port: int | None = None,
                  name: str = "node") -> None:
         self.port = port or free_port()
+        # The synchronous port stays the same across restarts, like --port.
+        self.sync_port = 0 if "--no-sync-port" in args else free_port()
         self.args = list(args)
         self.log_path = Path(log_dir) / f"{name}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
@@ -169,7 +172,7 @@ class NodeProcess:
     def start(self, timeout: float = 120.0) -> NodeProcess:
         cmd = [sys.executable, "-m", "specwire", "draft", "-m", draft_model_path(),
                "--host", "127.0.0.1", "--port", str(self.port), "-td", "1", "-c", str(N_CTX),
-               *self.args]
+               *(["--sync-port", str(self.sync_port)] if self.sync_port else []), *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SPECWIRE_TOKEN", None)
         log = open(self.log_path, "a")  # noqa: SIM115 - the child owns it
@@ -184,6 +187,11 @@ class NodeProcess:
                 raise RuntimeError(f"draft node did not start ({cmd}):\n{self.log()[-3000:]}")
             time.sleep(0.05)
         return self
+
+    def emulator(self) -> LinkEmulator:
+        """A link emulator in front of both its ports; the target dials 127.0.0.2:emu.port."""
+        return LinkEmulator("127.0.0.1", self.port, listen_host="127.0.0.2",
+                            extra_ports=(self.sync_port,) if self.sync_port else ())
 
     def log(self) -> str:
         try:
@@ -246,15 +254,16 @@ class FakeNode(pbg.DraftNodeServicer):
     """An in-process DraftNode (grpc.aio, own thread) whose sessions play scripts.
 
     Hello answers with the given fingerprint (the target's, unless a test wants
-    an incompatible node). Session k plays scripts[k] (the last one repeats):
-    its frames after the Open and after every verdict, or None to end the
-    session there. A frame given as bytes goes on the wire as it is, unparsed.
+    an incompatible node) and advertises sync_port. Session k plays scripts[k]
+    (the last one repeats): its frames after the Open and after every verdict, or
+    None to end the session there. A frame given as bytes goes on the wire as it is, unparsed.
     """
 
     def __init__(self, fingerprint: str, n_vocab: int, model: str = "fake-draft.gguf",
                  scripts: Sequence[Script] = (),
-                 protocol_version: int = protocol.PROTOCOL_VERSION) -> None:
+                 protocol_version: int = protocol.PROTOCOL_VERSION, sync_port: int = 0) -> None:
         self.fingerprint, self.n_vocab, self.model = fingerprint, n_vocab, model
+        self.sync_port = sync_port  # advertised in Hello
         self.protocol_version = protocol_version
         self.scripts = list(scripts)
         self.sessions: list[dict] = []     # per session: script index, frames sent, ended
@@ -300,7 +309,7 @@ class FakeNode(pbg.DraftNodeServicer):
         return pb.HelloReply(protocol_version=self.protocol_version,
                              vocab_fingerprint=self.fingerprint, n_vocab=self.n_vocab,
                              draft_model=self.model, modes=["greedy", "coupled", "rejection"],
-                             n_ctx=N_CTX, max_sessions=8)
+                             n_ctx=N_CTX, max_sessions=8, sync_port=self.sync_port)
 
     async def Session(self, request_iterator, context):  # noqa: N802
         index = min(len(self.sessions), len(self.scripts) - 1)

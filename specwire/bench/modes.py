@@ -45,6 +45,7 @@ REMOTE_MODES = ("remote-sync", "remote-pipelined", "llama-server")
 MODEL_MODES = ("local", "local-pipelined", "remote-sync", "remote-pipelined")
 NODE_START_TIMEOUT_S = 180.0
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_SYNC_PORT = re.compile(r"synchronous sessions on \S+:(\d+)")
 
 
 def parse_modes(text: str) -> list[str]:
@@ -76,6 +77,7 @@ class DraftNode:
         self.argv, self.log_path, self.cpu_set = argv, log_path, cpu_set
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.sync_port = 0  # its synchronous port, 0 if none
 
     def start(self, timeout_s: float = NODE_START_TIMEOUT_S) -> str:
         """Start and wait until it listens; return HOST:PORT. CliError with its log if not."""
@@ -90,6 +92,8 @@ class DraftNode:
             m = _LISTENING.search(self._log_text())
             if m:
                 self.address = f"{m.group(1)}:{m.group(2)}"
+                sync = _SYNC_PORT.search(self._log_text())
+                self.sync_port = int(sync.group(1)) if sync else 0
                 return self.address
             if self.proc.poll() is not None:
                 raise CliError(f"the draft node exited with status {self.proc.returncode} "
@@ -156,6 +160,7 @@ class Drafters:
         # (this process's CPUs, the node's) for a node started here
         self._split = None if getattr(a, "shared_cpus", True) else cpus.halves()
         self._own_node = False
+        self._sync_port = 0  # the own node's synchronous port
 
     def draft_backend(self) -> Any:
         """The in-process draft model (checked against the target's vocabulary)."""
@@ -220,7 +225,7 @@ class Drafters:
         opts = SimpleNamespace(draft_token=a.draft_token, draft_tls_ca=a.draft_tls_ca,
                                draft_tls_cert=a.draft_tls_cert, draft_tls_key=a.draft_tls_key,
                                draft_mode="pipelined" if pipelined else "sync")
-        drafter = make_remote_drafter([f"127.0.0.1:{emu.port}"], opts, self.target)
+        drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
         link = drafter.links[0]
         if not link.up:
             drafter.close()
@@ -239,7 +244,12 @@ class Drafters:
         if key not in self._emulators:
             host, port = (self._llama_server_address() if key == "llama-server"
                           else self._node_address())
-            emu = LinkEmulator(host, port)
+            # The own node's synchronous port goes over the same emulated link. Nodes
+            # advertise it by number, so the relay listens on another loopback address,
+            # where the advertised port of a --draft-url node is not reachable either.
+            sync = (self._sync_port,) if key == "node" and self._sync_port else ()
+            emu = LinkEmulator(host, port, listen_host="127.0.0.2" if key == "node"
+                               else "127.0.0.1", extra_ports=sync)
             emu.start()
             self.stack.callback(stop_emulator, emu)
             self._emulators[key] = emu
@@ -254,6 +264,7 @@ class Drafters:
                 self._split[1] if self._split else None))
             url = node.start()
             self._own_node = True
+            self._sync_port = node.sync_port
         return split_host_port(url.removeprefix("grpc://"), "--draft-url")
 
     def _llama_server_address(self) -> tuple[str, int]:

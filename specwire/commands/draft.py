@@ -15,6 +15,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-m", "--model", help="draft GGUF (default: the bundled Q2_K draft)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=7070)
+    p.add_argument("--sync-port", type=int, default=None,
+                   help="port for synchronous sessions, served without grpcio's thread "
+                   "hand-offs; targets learn it at connect (default: --port + 1; 0: any "
+                   "free port)")
+    p.add_argument("--no-sync-port", action="store_true",
+                   help="serve synchronous sessions on --port like the rest")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context per sequence")
     p.add_argument("-s", "--seed", type=int, default=None,
                    help="this node's sampling seed for every session (default: each target's "
@@ -36,6 +42,12 @@ def run(a: argparse.Namespace) -> int:
 
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in 0..65535, got {a.port}")
+    sync_port = None if a.no_sync_port else (
+        a.sync_port if a.sync_port is not None else (a.port + 1 if a.port else 0))
+    if sync_port is not None and not 0 <= sync_port <= 65535:
+        raise CliError(f"--sync-port: must be in 0..65535, got {sync_port}")
+    if sync_port and sync_port == a.port:
+        raise CliError(f"--sync-port: {sync_port} is --port already")
     if a.max_sessions < 1:
         raise CliError(f"--max-sessions: must be >= 1, got {a.max_sessions}")
     if bool(a.tls_key) and not a.tls_cert:
@@ -48,7 +60,7 @@ def run(a: argparse.Namespace) -> int:
     params = draft_model_params(a, resolve_draft(a.model))
     settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
-                            max_sessions=a.max_sessions, seed=a.seed)
+                            max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port)
     try:
         serve(settings)
     except BackendError as e:

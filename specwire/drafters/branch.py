@@ -95,6 +95,10 @@ class BranchDrafter:
         """Wait, holding self._cv, for a chunk or the end of the session (or left_s)."""
         self._cv.wait(left_s)
 
+    def _poll(self) -> None:
+        """Take in what a late synchronous drafter sent, without waiting (for transports
+        that read only when asked)."""
+
     # -- Drafter protocol (engine thread) -----------------------------------------
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
@@ -119,6 +123,8 @@ class BranchDrafter:
         # The verdict on what the drafter has not heard of (the first token; in synchronous
         # mode, every round since it was last asked), with this round's k.
         self._tell(history, self._accepted or 0)
+        if self._late:
+            self._poll()
         deadline = None if self.pipelined or self._late else time.monotonic() + self.sync_timeout_s
         t0 = time.perf_counter()
         with self._cv:

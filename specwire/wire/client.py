@@ -4,10 +4,13 @@ The branch bookkeeping lives in drafters/branch.py; this file moves messages.
 Each session has a thread of its own that reads the node's chunks from a
 blocking gRPC stream into a buffer; the engine thread only reads that buffer
 under a lock and queues verdicts (handshakes run on a background asyncio
-thread). In pipelined mode `propose` never waits: it takes whatever checked
-tokens extend the committed history, possibly none, and the engine then runs a
-plain decoding step. A dead, slow or hostile node therefore costs the target at
-most a lock and a list slice per round.
+thread). Synchronous sessions on a node with a synchronous port skip those
+threads: the engine thread writes its verdict and reads the chunk itself over
+wire/http2.py, as a round has nothing to overlap with. In pipelined mode
+`propose` never waits: it takes whatever checked tokens extend the committed
+history, possibly none, and the engine then runs a plain decoding step. A dead,
+slow or hostile node therefore costs the target at most a lock and a list slice
+per round.
 """
 
 from __future__ import annotations
@@ -16,16 +19,28 @@ import asyncio
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 
 import grpc
 
 from specwire.drafters.branch import BranchDrafter
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
+from specwire.wire.http2 import Connection, GrpcStatus, H2Error
 from specwire.wire.link import Link, LinkError, LinkSettings
 from specwire.wire.protocol import ProtocolError
 
 log = logging.getLogger("specwire.remote")
+
+
+@dataclass(slots=True)
+class _SyncCall:
+    """A Session call on a node's synchronous port; only the engine thread touches it."""
+
+    conn: Connection
+    sid: int
+    link: Link
+    closed: bool = False  # the Close went out with END_STREAM
 
 
 class RemoteDrafter(BranchDrafter):
@@ -51,6 +66,10 @@ class RemoteDrafter(BranchDrafter):
         self._thread.start()
         self._call: grpc.Call | None = None  # the live Session stream
         self._out: queue.SimpleQueue | None = None  # its messages to send; None ends it
+        self._sync: _SyncCall | None = None  # or the live call on a synchronous port
+        self._sync_conns: dict[str, Connection] = {}  # per link URL, kept across sessions
+        self._sync_lock = threading.Lock()  # one session thread at a time on those
+        self.counters["sync_port_sessions"] = 0  # sessions opened on a synchronous port
         self._opening = False
 
     def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
@@ -63,7 +82,12 @@ class RemoteDrafter(BranchDrafter):
         fut = asyncio.run_coroutine_threadsafe(_handshake_all(self.links), self._loop)
         errors = fut.result(timeout=timeout_s)
         for link, error in zip(self.links, errors, strict=True):
-            if error is None and not link.connect_sessions(link.settings.connect_timeout_s):
+            if error is not None:
+                continue
+            if self._uses_sync_port(link):
+                with self._sync_lock:
+                    self._sync_conn(link)
+            elif not link.connect_sessions(link.settings.connect_timeout_s):
                 log.warning("draft node %s: no session connection after %.1f s", link.url,
                             link.settings.connect_timeout_s)
         return errors
@@ -75,6 +99,10 @@ class RemoteDrafter(BranchDrafter):
     def close(self) -> None:
         """End the session, close the channels, stop the link thread."""
         self.end()
+        with self._sync_lock:
+            for conn in self._sync_conns.values():
+                conn.close()
+            self._sync_conns.clear()
         closing = asyncio.run_coroutine_threadsafe(_close_all(self.links), self._loop)
         try:
             closing.result(timeout=2)
@@ -86,9 +114,21 @@ class RemoteDrafter(BranchDrafter):
     # -- transport ------------------------------------------------------------------
 
     def _live(self) -> bool:
-        return self._call is not None
+        return self._call is not None or self._sync is not None
 
     def _post(self, msg: pb.TargetMessage) -> None:
+        call = self._sync
+        if call is not None:
+            data = msg.SerializeToString()
+            self.counters["bytes_up"] += len(data) + 5
+            close = msg.WhichOneof("kind") == "close"
+            try:
+                call.conn.send_message(call.sid, data, end_stream=close)
+            except H2Error as e:
+                self._sync_failed(call, str(e))
+                return
+            call.closed = close
+            return
         out = self._out
         if out is not None:
             self.counters["bytes_up"] += protocol.message_bytes(msg)
@@ -111,8 +151,117 @@ class RemoteDrafter(BranchDrafter):
         """Forget the current stream; ending its request queue lets it finish."""
         with self._cv:
             out, self._out, self._call = self._out, None, None
+            call, self._sync = self._sync, None
         if out is not None:
             out.put(None)
+        if call is not None:
+            try:
+                call.conn.abandon(call.sid) if call.closed else call.conn.reset(call.sid)
+            except H2Error as e:
+                self._sync_failed(call, str(e))
+
+    # -- the synchronous port: the engine thread reads and writes ----------------------
+
+    def _uses_sync_port(self, link: Link) -> bool:
+        return not self.pipelined and link.sync_port() != 0
+
+    def _sync_conn(self, link: Link) -> Connection | None:
+        """The link's connection to the synchronous port (under _sync_lock), made if needed;
+        None if it cannot be made (sessions then use the main port)."""
+        conn = self._sync_conns.get(link.url)
+        if conn is None or conn.closed:
+            try:
+                conn = self._sync_conns[link.url] = link.connect_sync()
+            except LinkError as e:
+                log.warning("draft node %s: %s; synchronous sessions use its main port",
+                            link.url, e)
+                return None
+        return conn
+
+    def _open_sync(self, link: Link, session: int, history: list[int]) -> bool:
+        """Open the session on the link's synchronous port (session thread); False if that
+        port cannot be reached."""
+        with self._sync_lock:
+            if session != self._session:
+                return True
+            conn = self._sync_conn(link)
+            if conn is None:
+                return False
+            first = pb.TargetMessage(open=self._open_msg(history))
+            n = protocol.message_bytes(first)
+            self.counters["bytes_up"] += n
+            self.counters["bytes_open"] += n
+            host = link.url.rsplit(":", 1)[0]
+            try:
+                sid = conn.request(protocol.SESSION_PATH, f"{host}:{link.sync_port()}",
+                                   link.metadata(), "https" if link.settings.tls_ca else "http")
+                conn.send_message(sid, first.SerializeToString())
+            except H2Error as e:
+                conn.close()
+                link.failed(str(e))
+                return True
+            with self._cv:  # a newer session may have started meanwhile: it owns the link
+                if session == self._session:
+                    self._sync, self._opening = _SyncCall(conn, sid, link), False
+                    self.counters["sync_port_sessions"] += 1
+                    return True
+            conn.reset(sid)
+            return True
+
+    def _poll(self) -> None:
+        """Take in every message that has arrived, without waiting."""
+        while (call := self._sync) is not None and self._read_sync(call, 0.0):
+            pass
+
+    def _await(self, left_s: float) -> None:
+        call = self._sync
+        if call is None:
+            super()._await(left_s)
+        else:
+            self._read_sync(call, left_s)
+
+    def _read_sync(self, call: _SyncCall, timeout_s: float) -> bool:
+        """One message of the call, waiting up to timeout_s; False if none came."""
+        try:
+            data = call.conn.recv_message(call.sid, timeout_s)
+        except TimeoutError:
+            return False
+        except (H2Error, GrpcStatus) as e:
+            self._sync_failed(call, str(e))
+            return False
+        if data is None:
+            self._sync_failed(call, "the draft node ended the session")
+            return False
+        self.counters["bytes_down"] += len(data) + 5
+        try:
+            msg = pb.DraftMessage.FromString(data)
+            kind = msg.WhichOneof("kind")
+            if kind == "error":
+                raise ProtocolError(f"draft node reported: {msg.error.message}")
+            if kind != "chunk":
+                raise ProtocolError("draft message with neither a chunk nor an error")
+            self._on_chunk(self._session, msg.chunk)
+        except ProtocolError as e:
+            self._sync_failed(call, str(e), dropped=True)
+            return False
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError
+            self._sync_failed(call, "undecodable frame: not a DraftMessage", dropped=True)
+            return False
+        call.link.worked()
+        return True
+
+    def _sync_failed(self, call: _SyncCall, reason: str, dropped: bool = False) -> None:
+        """The call is over: close its connection (the next session reconnects) and mark
+        the link down, or drop a node that broke the protocol."""
+        with self._cv:
+            if self._sync is call:
+                self._sync = None
+            self._cv.notify_all()
+        call.conn.close()
+        if dropped:
+            self._drop(call.link, reason)
+        else:
+            call.link.failed(reason)
 
     def _run_session(self, session: int, history: list[int]) -> None:
         """One Session stream, on its own thread: send the Open, then read chunks."""
@@ -124,6 +273,8 @@ class RemoteDrafter(BranchDrafter):
             link = picking.result(timeout=5 + sum(x.settings.connect_timeout_s
                                                   for x in self.links))
             if link is None or session != self._session:
+                return
+            if self._uses_sync_port(link) and self._open_sync(link, session, history):
                 return
             out: queue.SimpleQueue = queue.SimpleQueue()
             first = pb.TargetMessage(open=self._open_msg(history))

@@ -8,6 +8,8 @@ naming it, never as garbage tokens later.
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ import grpc
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
+from specwire.wire.http2 import Connection, H2Error
 
 log = logging.getLogger("specwire.remote")
 
@@ -89,6 +92,31 @@ class Link:
         except grpc.FutureTimeoutError:
             return False
         return True
+
+    def sync_port(self) -> int:
+        """The node's synchronous port (wire/sync_server.py), 0 if it has none."""
+        return self.hello.sync_port if self.hello is not None else 0
+
+    def connect_sync(self) -> Connection:
+        """A connection to the node's synchronous port: TCP, TLS as configured, HTTP/2.
+
+        Raises LinkError with the reason; the caller then uses the main port.
+        """
+        host = self.url.rsplit(":", 1)[0].strip("[]")
+        port, s = self.sync_port(), self.settings
+        try:
+            sock = socket.create_connection((host, port), timeout=s.connect_timeout_s)
+            if s.tls_ca:
+                ctx = ssl.create_default_context(cafile=s.tls_ca)
+                if s.tls_cert:
+                    ctx.load_cert_chain(s.tls_cert, s.tls_key)
+                ctx.set_alpn_protocols(["h2"])
+                sock = ctx.wrap_socket(sock, server_hostname=host)
+            conn = Connection(sock, client=True, max_message=protocol.MAX_MESSAGE_BYTES)
+            conn.handshake(s.connect_timeout_s)
+        except (OSError, H2Error) as e:
+            raise LinkError(f"sync port {host}:{port}: {e}") from None
+        return conn
 
     def _sessions(self) -> grpc.Channel:
         """The blocking channel for sessions, made when first needed."""

@@ -28,6 +28,7 @@ from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.protocol import ProtocolError
 from specwire.wire.session import DraftSession, error_message
+from specwire.wire.sync_server import SyncServer, tls_context
 
 log = logging.getLogger("specwire.node")
 
@@ -42,6 +43,7 @@ class NodeSettings:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # mutual TLS: require client certificates from this CA
     max_sessions: int = 8
+    sync_port: int | None = None  # the synchronous port (0: any free one; None: none)
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
 
 
@@ -51,6 +53,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
         # What verdicts taught about the draft's confidence, kept across sessions.
         self.calibration = Calibration()
         self._slots = threading.BoundedSemaphore(settings.max_sessions)
+        self.sync_port = 0  # advertised in Hello once the sync server listens
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         want = self.settings.token
@@ -82,6 +85,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
             modes=["greedy", "coupled", "rejection"],
             n_ctx=self.settings.model.n_ctx,
             max_sessions=self.settings.max_sessions,
+            sync_port=self.sync_port,
         )
 
     def Ping(self, request_iterator, context):  # noqa: N802
@@ -229,6 +233,7 @@ def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
     port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
+    sync = _sync_server(settings, service)
     server.start()
     log.info(
         "draft node serving %s on %s:%d (%s, token %s)",
@@ -238,10 +243,28 @@ def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
         "TLS" if creds else "plain text",
         "required" if settings.token else "off",
     )
+    if sync is not None:
+        print(f"specwire draft node: synchronous sessions on {settings.host}:{sync.port}",
+              flush=True)
     print(f"specwire draft node listening on {settings.host}:{port}", flush=True)
     if ready is not None:
         ready.set()
     try:
         server.wait_for_termination()
     finally:
+        if sync is not None:
+            sync.close()
         server.stop(grace=1.0).wait()
+
+
+def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServer | None:
+    if settings.sync_port is None:
+        return None
+    tls = None
+    if settings.tls_cert:
+        tls = tls_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    sync = SyncServer(service, settings.host, settings.sync_port, tls,
+                      max_connections=4 * settings.max_sessions)
+    service.sync_port = sync.port
+    sync.start()
+    return sync

@@ -23,6 +23,7 @@ MAX_Q_K = 256  # sparse q entries per token
 MAX_HISTORY = 1 << 20  # tokens in an Open message
 MAX_MESSAGE_BYTES = 16 << 20
 AUTH_HEADER = "authorization"
+SESSION_PATH = f"/{pb.DESCRIPTOR.services_by_name['DraftNode'].full_name}/Session"
 
 _MODES = {
     VerifyMode.GREEDY: pb.VERIFY_GREEDY,

@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecwire/wire/specwire.proto\x12\x0bspecwire.v1\"j\n\x0cHelloRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07n_vocab\x18\x03 \x01(\r\x12\x14\n\x0ctarget_model\x18\x04 \x01(\t\"\x9b\x01\n\nHelloReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07n_vocab\x18\x03 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x04 \x01(\t\x12\r\n\x05modes\x18\x05 \x03(\t\x12\r\n\x05n_ctx\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\"\x89\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x16\n\x0erepeat_penalty\x18\x05 \x01(\x02\x12\x15\n\rrepeat_last_n\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\xf1\x01\n\x04Open\x12\x0f\n\x07history\x18\x01 \x03(\x05\x12\'\n\x08sampling\x18\x02 \x01(\x0b\x32\x15.specwire.v1.Sampling\x12%\n\x04mode\x18\x03 \x01(\x0e\x32\x17.specwire.v1.VerifyMode\x12\x11\n\tpipelined\x18\x04 \x01(\x08\x12\x11\n\tlookahead\x18\x05 \x01(\r\x12\x0c\n\x04want\x18\x06 \x01(\r\x12\r\n\x05p_min\x18\x07 \x01(\x02\x12\x0f\n\x07top_k_q\x18\x08 \x01(\r\x12\x0e\n\x06timing\x18\t \x01(\x08\x12\x12\n\ncalibrated\x18\n \x01(\x08\x12\x10\n\x08keep_min\x18\x0b \x01(\x02\"j\n\x07Verdict\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0b\n\x03gen\x18\x04 \x01(\r\x12\x0c\n\x04want\x18\x05 \x01(\r\x12\x10\n\x08keep_min\x18\x06 \x01(\x02\"\x07\n\x05\x43lose\"\x88\x01\n\rTargetMessage\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.specwire.v1.OpenH\x00\x12\'\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.specwire.v1.VerdictH\x00\x12#\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x12.specwire.v1.CloseH\x00\x42\x06\n\x04kind\"\x84\x01\n\nDraftChunk\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0b\n\x03q_k\x18\x04 \x01(\r\x12\r\n\x05q_ids\x18\x05 \x03(\x05\x12\x0f\n\x07q_probs\x18\x06 \x03(\x02\x12\x0c\n\x04\x64one\x18\x07 \x01(\x08\x12\x0f\n\x07\x62usy_us\x18\x08 \x01(\r\"\x1d\n\nDraftError\x12\x0f\n\x07message\x18\x01 \x01(\t\"j\n\x0c\x44raftMessage\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.specwire.v1.DraftChunkH\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specwire.v1.DraftErrorH\x00\x42\x06\n\x04kind\"+\n\x0bPingMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07hold_us\x18\x02 \x01(\r\"\x13\n\x04Pong\x12\x0b\n\x03seq\x18\x01 \x01(\x04*I\n\nVerifyMode\x12\x11\n\rVERIFY_GREEDY\x10\x00\x12\x12\n\x0eVERIFY_COUPLED\x10\x01\x12\x14\n\x10VERIFY_REJECTION\x10\x02\x32\xc7\x01\n\tDraftNode\x12;\n\x05Hello\x12\x19.specwire.v1.HelloRequest\x1a\x17.specwire.v1.HelloReply\x12\x44\n\x07Session\x12\x1a.specwire.v1.TargetMessage\x1a\x19.specwire.v1.DraftMessage(\x01\x30\x01\x12\x37\n\x04Ping\x12\x18.specwire.v1.PingMessage\x1a\x11.specwire.v1.Pong(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecwire/wire/specwire.proto\x12\x0bspecwire.v1\"j\n\x0cHelloRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07n_vocab\x18\x03 \x01(\r\x12\x14\n\x0ctarget_model\x18\x04 \x01(\t\"\xae\x01\n\nHelloReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07n_vocab\x18\x03 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x04 \x01(\t\x12\r\n\x05modes\x18\x05 \x03(\t\x12\r\n\x05n_ctx\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x11\n\tsync_port\x18\x08 \x01(\r\"\x89\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x16\n\x0erepeat_penalty\x18\x05 \x01(\x02\x12\x15\n\rrepeat_last_n\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\xf1\x01\n\x04Open\x12\x0f\n\x07history\x18\x01 \x03(\x05\x12\'\n\x08sampling\x18\x02 \x01(\x0b\x32\x15.specwire.v1.Sampling\x12%\n\x04mode\x18\x03 \x01(\x0e\x32\x17.specwire.v1.VerifyMode\x12\x11\n\tpipelined\x18\x04 \x01(\x08\x12\x11\n\tlookahead\x18\x05 \x01(\r\x12\x0c\n\x04want\x18\x06 \x01(\r\x12\r\n\x05p_min\x18\x07 \x01(\x02\x12\x0f\n\x07top_k_q\x18\x08 \x01(\r\x12\x0e\n\x06timing\x18\t \x01(\x08\x12\x12\n\ncalibrated\x18\n \x01(\x08\x12\x10\n\x08keep_min\x18\x0b \x01(\x02\"j\n\x07Verdict\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0b\n\x03gen\x18\x04 \x01(\r\x12\x0c\n\x04want\x18\x05 \x01(\r\x12\x10\n\x08keep_min\x18\x06 \x01(\x02\"\x07\n\x05\x43lose\"\x88\x01\n\rTargetMessage\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.specwire.v1.OpenH\x00\x12\'\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.specwire.v1.VerdictH\x00\x12#\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x12.specwire.v1.CloseH\x00\x42\x06\n\x04kind\"\x84\x01\n\nDraftChunk\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0b\n\x03q_k\x18\x04 \x01(\r\x12\r\n\x05q_ids\x18\x05 \x03(\x05\x12\x0f\n\x07q_probs\x18\x06 \x03(\x02\x12\x0c\n\x04\x64one\x18\x07 \x01(\x08\x12\x0f\n\x07\x62usy_us\x18\x08 \x01(\r\"\x1d\n\nDraftError\x12\x0f\n\x07message\x18\x01 \x01(\t\"j\n\x0c\x44raftMessage\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.specwire.v1.DraftChunkH\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specwire.v1.DraftErrorH\x00\x42\x06\n\x04kind\"+\n\x0bPingMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07hold_us\x18\x02 \x01(\r\"\x13\n\x04Pong\x12\x0b\n\x03seq\x18\x01 \x01(\x04*I\n\nVerifyMode\x12\x11\n\rVERIFY_GREEDY\x10\x00\x12\x12\n\x0eVERIFY_COUPLED\x10\x01\x12\x14\n\x10VERIFY_REJECTION\x10\x02\x32\xc7\x01\n\tDraftNode\x12;\n\x05Hello\x12\x19.specwire.v1.HelloRequest\x1a\x17.specwire.v1.HelloReply\x12\x44\n\x07Session\x12\x1a.specwire.v1.TargetMessage\x1a\x19.specwire.v1.DraftMessage(\x01\x30\x01\x12\x37\n\x04Ping\x12\x18.specwire.v1.PingMessage\x1a\x11.specwire.v1.Pong(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specwire.wire.specwire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYMODE']._serialized_start=1291
-  _globals['_VERIFYMODE']._serialized_end=1364
+  _globals['_VERIFYMODE']._serialized_start=1310
+  _globals['_VERIFYMODE']._serialized_end=1383
   _globals['_HELLOREQUEST']._serialized_start=45
   _globals['_HELLOREQUEST']._serialized_end=151
   _globals['_HELLOREPLY']._serialized_start=154
-  _globals['_HELLOREPLY']._serialized_end=309
-  _globals['_SAMPLING']._serialized_start=312
-  _globals['_SAMPLING']._serialized_end=449
-  _globals['_OPEN']._serialized_start=452
-  _globals['_OPEN']._serialized_end=693
-  _globals['_VERDICT']._serialized_start=695
-  _globals['_VERDICT']._serialized_end=801
-  _globals['_CLOSE']._serialized_start=803
-  _globals['_CLOSE']._serialized_end=810
-  _globals['_TARGETMESSAGE']._serialized_start=813
-  _globals['_TARGETMESSAGE']._serialized_end=949
-  _globals['_DRAFTCHUNK']._serialized_start=952
-  _globals['_DRAFTCHUNK']._serialized_end=1084
-  _globals['_DRAFTERROR']._serialized_start=1086
-  _globals['_DRAFTERROR']._serialized_end=1115
-  _globals['_DRAFTMESSAGE']._serialized_start=1117
-  _globals['_DRAFTMESSAGE']._serialized_end=1223
-  _globals['_PINGMESSAGE']._serialized_start=1225
-  _globals['_PINGMESSAGE']._serialized_end=1268
-  _globals['_PONG']._serialized_start=1270
-  _globals['_PONG']._serialized_end=1289
-  _globals['_DRAFTNODE']._serialized_start=1367
-  _globals['_DRAFTNODE']._serialized_end=1566
+  _globals['_HELLOREPLY']._serialized_end=328
+  _globals['_SAMPLING']._serialized_start=331
+  _globals['_SAMPLING']._serialized_end=468
+  _globals['_OPEN']._serialized_start=471
+  _globals['_OPEN']._serialized_end=712
+  _globals['_VERDICT']._serialized_start=714
+  _globals['_VERDICT']._serialized_end=820
+  _globals['_CLOSE']._serialized_start=822
+  _globals['_CLOSE']._serialized_end=829
+  _globals['_TARGETMESSAGE']._serialized_start=832
+  _globals['_TARGETMESSAGE']._serialized_end=968
+  _globals['_DRAFTCHUNK']._serialized_start=971
+  _globals['_DRAFTCHUNK']._serialized_end=1103
+  _globals['_DRAFTERROR']._serialized_start=1105
+  _globals['_DRAFTERROR']._serialized_end=1134
+  _globals['_DRAFTMESSAGE']._serialized_start=1136
+  _globals['_DRAFTMESSAGE']._serialized_end=1242
+  _globals['_PINGMESSAGE']._serialized_start=1244
+  _globals['_PINGMESSAGE']._serialized_end=1287
+  _globals['_PONG']._serialized_start=1289
+  _globals['_PONG']._serialized_end=1308
+  _globals['_DRAFTNODE']._serialized_start=1386
+  _globals['_DRAFTNODE']._serialized_end=1585
 # @@protoc_insertion_point(module_scope)

@@ -29,7 +29,7 @@ class HelloRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., n_vocab: _Optional[int] = ..., target_model: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("protocol_version", "vocab_fingerprint", "n_vocab", "draft_model", "modes", "n_ctx", "max_sessions")
+    __slots__ = ("protocol_version", "vocab_fingerprint", "n_vocab", "draft_model", "modes", "n_ctx", "max_sessions", "sync_port")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     N_VOCAB_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class HelloReply(_message.Message):
     MODES_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_PORT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     vocab_fingerprint: str
     n_vocab: int
@@ -44,7 +45,8 @@ class HelloReply(_message.Message):
     modes: _containers.RepeatedScalarFieldContainer[str]
     n_ctx: int
     max_sessions: int
-    def __init__(self, protocol_version: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., n_vocab: _Optional[int] = ..., draft_model: _Optional[str] = ..., modes: _Optional[_Iterable[str]] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+    sync_port: int
+    def __init__(self, protocol_version: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., n_vocab: _Optional[int] = ..., draft_model: _Optional[str] = ..., modes: _Optional[_Iterable[str]] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sync_port: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")

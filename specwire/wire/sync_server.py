@@ -1,0 +1,160 @@
+"""The draft node's synchronous port: Session calls served on the connection's own thread.
+
+A synchronous round is one verdict in and one chunk out, and its cost is the
+target's wait. grpcio's server hands each message between its poller and a
+handler thread; here the thread that owns a connection reads the verdict,
+drafts and writes the chunk (wire/http2.py says why that matters). It speaks
+the same gRPC as the main port, so any gRPC client can use it, and it serves
+only synchronous Session calls: one at a time per connection (it advertises
+MAX_CONCURRENT_STREAMS 1). Pipelined sessions, Hello and Ping stay on the main
+port, where several streams share a connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from specwire.wire import protocol
+from specwire.wire import specwire_pb2 as pb
+from specwire.wire.http2 import Connection, H2Error, Stream
+from specwire.wire.protocol import ProtocolError
+
+log = logging.getLogger("specwire.node")
+
+HANDSHAKE_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 3600.0  # a target silent this long is gone
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Context:
+    """What DraftNodeService.Session asks of grpcio's ServicerContext."""
+
+    def __init__(self, stream: Stream, peer: str) -> None:
+        self._metadata = tuple((k, v) for k, v in stream.headers if not k.startswith(":"))
+        self._peer = peer
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise _Abort(code, details)
+
+
+class SyncServer:
+    """Listens on its own port; one thread per connection, connections bounded."""
+
+    def __init__(self, service, host: str, port: int, tls: ssl.SSLContext | None,
+                 max_connections: int) -> None:
+        self.service, self.tls = service, tls
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self.port = self._sock.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._thread = threading.Thread(target=self._accept, name="sync-accept", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self._sock.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                log.warning("refused connection from %s:%d on the sync port: too many", *addr[:2])
+                sock.close()
+                continue
+            threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"),
+                             name="sync-conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        conn = None
+        try:
+            if self.tls is not None:
+                sock.settimeout(HANDSHAKE_TIMEOUT_S)
+                sock = self.tls.wrap_socket(sock, server_side=True)
+            conn = Connection(sock, client=False, max_message=protocol.MAX_MESSAGE_BYTES,
+                              max_streams=1)
+            conn.handshake(HANDSHAKE_TIMEOUT_S)
+            while (stream := conn.next_request(IDLE_TIMEOUT_S)) is not None:
+                self._call(conn, stream, peer)
+        except (ssl.SSLError, H2Error, TimeoutError, OSError) as e:
+            log.warning("sync connection from %s closed: %s", peer, e)
+        finally:
+            if conn is not None:
+                conn.close()
+            else:
+                sock.close()
+            self._slots.release()
+
+    def _call(self, conn: Connection, stream: Stream, peer: str) -> None:
+        """One Session call; H2Error out of here ends the connection."""
+        headers = dict(stream.headers)
+        if headers.get(":path") != protocol.SESSION_PATH:
+            conn.finish(stream.sid, grpc.StatusCode.UNIMPLEMENTED.value[0],
+                        f"this port serves only synchronous {protocol.SESSION_PATH} calls",
+                        headers_sent=False)
+            return
+        if not headers.get("content-type", "").startswith("application/grpc") or \
+                headers.get("grpc-encoding", "identity") != "identity":
+            conn.finish(stream.sid, grpc.StatusCode.UNIMPLEMENTED.value[0],
+                        "expected content-type application/grpc without compression",
+                        headers_sent=False)
+            return
+        sent = False
+        calls = self.service.Session(_requests(conn, stream.sid), _Context(stream, peer))
+        try:
+            for msg in calls:
+                if not sent:
+                    conn.respond(stream.sid)
+                    sent = True
+                conn.send_message(stream.sid, msg.SerializeToString())
+        except _Abort as e:
+            conn.finish(stream.sid, e.code.value[0], e.details, headers_sent=sent)
+            return
+        finally:
+            calls.close()
+        if stream.reset is None:
+            conn.finish(stream.sid, 0, headers_sent=sent)
+
+
+def _requests(conn: Connection, sid: int) -> Iterator[pb.TargetMessage]:
+    """The call's messages; a pipelined Open is refused (it belongs on the main port)."""
+    first = True
+    while (data := conn.recv_message(sid, IDLE_TIMEOUT_S)) is not None:
+        try:
+            msg = pb.TargetMessage.FromString(data)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
+            raise ProtocolError("undecodable frame: not a TargetMessage") from None
+        if first and msg.WhichOneof("kind") == "open" and msg.open.pipelined:
+            raise ProtocolError("pipelined sessions are served on the node's main port")
+        first = False
+        yield msg
+
+
+def tls_context(cert: str, key: str | None, client_ca: str | None) -> ssl.SSLContext:
+    """TLS as the main port serves it, with HTTP/2 negotiated by ALPN as gRPC requires."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key or cert)
+    ctx.set_alpn_protocols(["h2"])
+    if client_ca:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(client_ca)
+    return ctx
