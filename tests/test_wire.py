@@ -238,23 +238,18 @@ def test_token_authentication(target, tmp_path) -> None:
             assert not link.up
         wait_for(lambda: n.log().count("refused connection") >= 2, 10, "the node's log lines")
         assert "wrong token" in n.log() and "missing token" in n.log()
+        for url in (n.url, f"127.0.0.1:{n.sync_port}"):     # the main port and the sync port
+            with grpc.insecure_channel(url) as channel:
+                s = RawSession(pbg.DraftNodeStub(channel))
+                s.send(open=_sync_open(target.tokens(CODE)))
+                with pytest.raises(grpc.RpcError) as e:
+                    list(s.call)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                s.close()
         with grpc.insecure_channel(n.url) as channel:
-            s = RawSession(pbg.DraftNodeStub(channel))
-            s.send(open=_sync_open(target.tokens(CODE)))
-            with pytest.raises(grpc.RpcError) as e:
-                list(s.call)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            s.close()
             with pytest.raises(grpc.RpcError) as e:
                 list(pbg.DraftNodeStub(channel).Ping(iter([pb.PingMessage(seq=1)])))
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with grpc.insecure_channel(f"127.0.0.1:{n.sync_port}") as channel:  # the sync port too
-            s = RawSession(pbg.DraftNodeStub(channel))
-            s.send(open=_sync_open(target.tokens(CODE)))
-            with pytest.raises(grpc.RpcError) as e:
-                list(s.call)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            s.close()
         _drafts_like_plain(target, n.url, pipelined=False, settings=LinkSettings(token="secret"))
 
 
