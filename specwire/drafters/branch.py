@@ -181,7 +181,9 @@ class BranchDrafter:
             gen = max(self._gen, 0)
         # Fields that say nothing new stay unset, as protobuf then sends no byte for them:
         # gen when no token is accepted, want when it is unchanged or the drafter pipelined.
-        v = pb.Verdict(position=position, accepted=accepted, tokens=own)
+        msg = pb.TargetMessage(verdict={"position": position, "accepted": accepted,
+                                        "tokens": own})
+        v = msg.verdict  # filled in place: a Verdict built apart is copied into the message
         if accepted:
             v.gen = gen
         if not self.pipelined and self._want != self._want_told:
@@ -193,7 +195,7 @@ class BranchDrafter:
             keep_min = self._policy.stop_threshold()
             if abs(keep_min - self._keep_min) > KEEP_MIN_SLACK * self._keep_min:
                 v.keep_min = self._keep_min = min(1.0, max(keep_min, 1e-6))
-        self._post(pb.TargetMessage(verdict=v))
+        self._post(msg)
 
     def _calibrated(self) -> bool:
         return not self.pipelined and self._policy is not None

@@ -10,6 +10,7 @@ thread cost about a millisecond per round here (bench/link_overhead.py).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import queue
@@ -104,6 +105,34 @@ class DraftNodeService(pbg.DraftNodeServicer):
             yield pb.Pong(seq=ping.seq)
 
     def Session(self, request_iterator, context):  # noqa: N802
+        with self._admitted(context):
+            yield from self._serve(request_iterator, context)
+
+    def serve_sync(self, requests, send, context) -> None:
+        """A synchronous Session for a transport that writes from the calling thread (the
+        sync port, wire/sync_server.py): each chunk goes to `send` as it is drafted, with no
+        generator between the session and the socket."""
+        with self._admitted(context):
+            session: DraftSession | None = None
+            try:
+                first = _first_open(requests)
+                if first is None:
+                    return
+                if first.pipelined:
+                    raise ProtocolError("pipelined sessions are served on the node's main port")
+                session = self._open(first, send)
+                session.step(None)
+                for verdict in _verdicts(requests):
+                    session.step(verdict)
+            except Exception as e:  # noqa: BLE001 - the node must survive any one session
+                log.info("session from %s ends: %s", context.peer(), e)
+                send(error_message(e))
+            finally:
+                _close(session)
+
+    @contextlib.contextmanager
+    def _admitted(self, context):
+        """The token checked, and one of --max-sessions slots held for the block."""
         self._authorize(context)
         if not self._slots.acquire(blocking=False):
             context.abort(
@@ -111,7 +140,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 f"draft node busy: {self.settings.max_sessions} sessions open",
             )
         try:
-            yield from self._serve(request_iterator, context)
+            yield
         finally:
             self._slots.release()
 
@@ -120,17 +149,15 @@ class DraftNodeService(pbg.DraftNodeServicer):
         session: DraftSession | None = None
         out: list[pb.DraftMessage] = []
         try:
-            first = next(requests, None)
+            first = _first_open(requests)
             if first is None:
                 return
-            if first.WhichOneof("kind") != "open":
-                raise ProtocolError(f"unexpected {first.WhichOneof('kind')} message")
-            if first.open.pipelined:
+            if first.pipelined:
                 outbox: queue.SimpleQueue[pb.DraftMessage | None] = queue.SimpleQueue()
-                session = self._open(first.open, outbox.put)
+                session = self._open(first, outbox.put)
                 yield from _pipelined(session, outbox, requests, context)
                 return
-            session = self._open(first.open, out.append)
+            session = self._open(first, out.append)
             session.step(None)
             yield from _drain(out)
             for verdict in _verdicts(requests):
@@ -143,11 +170,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
             yield from _drain(out)
             yield error_message(e)
         finally:
-            if session is not None:
-                session.close()
-                if session.thread.is_alive():
-                    session.thread.join()
-                session.backend.close()
+            _close(session)
 
     def _open(self, open_msg: pb.Open, send) -> DraftSession:
         backend = LlamaBackend(self.settings.model, self.model)
@@ -157,6 +180,24 @@ class DraftNodeService(pbg.DraftNodeServicer):
         except Exception:
             backend.close()
             raise
+
+
+def _first_open(requests) -> pb.Open | None:
+    """The session's Open, which must come first; None if the stream ended before it."""
+    first = next(requests, None)
+    if first is None:
+        return None
+    if first.WhichOneof("kind") != "open":
+        raise ProtocolError(f"unexpected {first.WhichOneof('kind')} message")
+    return first.open
+
+
+def _close(session: DraftSession | None) -> None:
+    if session is not None:
+        session.close()
+        if session.thread.is_alive():
+            session.thread.join()
+        session.backend.close()
 
 
 def _drain(out: list[pb.DraftMessage]):

@@ -211,8 +211,9 @@ class DraftSession:
     def _flush(self, pending: list[int], sparse_pending: list, done: bool) -> None:
         start = len(self.committed) + self.sent
         # A synchronous chunk is the whole answer to its verdict: no `done` to send.
-        chunk = pb.DraftChunk(gen=self.gen, start=start, tokens=pending,
-                              done=done and self.pipelined)
+        msg = pb.DraftMessage(chunk={"gen": self.gen, "start": start, "tokens": pending,
+                                     "done": done and self.pipelined})
+        chunk = msg.chunk  # filled in place: a chunk built apart is copied into the message
         if self.timing:
             now = time.perf_counter()
             chunk.busy_us = min(2**32 - 1, int(1e6 * (now - self._busy_since)))
@@ -222,7 +223,7 @@ class DraftSession:
         self.sent += len(pending)
         pending.clear()
         sparse_pending.clear()
-        self.send(pb.DraftMessage(chunk=chunk))
+        self.send(msg)
 
 
 def error_message(e: Exception) -> pb.DraftMessage:

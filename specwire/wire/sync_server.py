@@ -5,9 +5,9 @@ target's wait. grpcio's server hands each message between its poller and a
 handler thread; here the thread that owns a connection reads the verdict,
 drafts and writes the chunk (wire/http2.py says why that matters). It speaks
 the same gRPC as the main port, so any gRPC client can use it, and it serves
-only synchronous Session calls: one at a time per connection (it advertises
-MAX_CONCURRENT_STREAMS 1). Pipelined sessions, Hello and Ping stay on the main
-port, where several streams share a connection.
+only synchronous Session calls (DraftNodeService.serve_sync), one at a time per
+connection (it advertises MAX_CONCURRENT_STREAMS 1). Pipelined sessions, Hello
+and Ping stay on the main port, where several streams share a connection.
 """
 
 from __future__ import annotations
@@ -119,34 +119,30 @@ class SyncServer:
                         headers_sent=False)
             return
         sent = False
-        calls = self.service.Session(_requests(conn, stream.sid), _Context(stream, peer))
+
+        def send(msg: pb.DraftMessage) -> None:
+            nonlocal sent
+            if not sent:
+                conn.respond(stream.sid)
+                sent = True
+            conn.send_message(stream.sid, msg.SerializeToString())
+
         try:
-            for msg in calls:
-                if not sent:
-                    conn.respond(stream.sid)
-                    sent = True
-                conn.send_message(stream.sid, msg.SerializeToString())
+            self.service.serve_sync(_requests(conn, stream.sid), send, _Context(stream, peer))
         except _Abort as e:
             conn.finish(stream.sid, e.code.value[0], e.details, headers_sent=sent)
             return
-        finally:
-            calls.close()
         if stream.reset is None:
             conn.finish(stream.sid, 0, headers_sent=sent)
 
 
 def _requests(conn: Connection, sid: int) -> Iterator[pb.TargetMessage]:
-    """The call's messages; a pipelined Open is refused (it belongs on the main port)."""
-    first = True
+    """The call's messages, until the target ends it."""
     while (data := conn.recv_message(sid, IDLE_TIMEOUT_S)) is not None:
         try:
-            msg = pb.TargetMessage.FromString(data)
+            yield pb.TargetMessage.FromString(data)
         except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
             raise ProtocolError("undecodable frame: not a TargetMessage") from None
-        if first and msg.WhichOneof("kind") == "open" and msg.open.pipelined:
-            raise ProtocolError("pipelined sessions are served on the node's main port")
-        first = False
-        yield msg
 
 
 def tls_context(cert: str, key: str | None, client_ca: str | None) -> ssl.SSLContext:
