@@ -275,6 +275,13 @@ def test_tls_and_mutual_tls(target, tmp_path) -> None:
         good = LinkSettings(tls_ca=c["ca"], tls_cert=c["client_cert"], tls_key=c["client_key"])
         _drafts_like_plain(target, n.url, pipelined=True, settings=good)
         _drafts_like_plain(target, n.url, pipelined=False, settings=good)  # the sync port
+        with grpc.insecure_channel(f"127.0.0.1:{n.sync_port}") as channel:  # plain text: no
+            s = RawSession(pbg.DraftNodeStub(channel))
+            s.send(open=_sync_open(target.tokens(CODE)))
+            with pytest.raises(grpc.RpcError) as e:
+                list(s.call)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            s.close()
 
 
 def _drafts_like_plain(target, url: str, pipelined: bool, settings: LinkSettings) -> None:
@@ -323,6 +330,31 @@ def test_output_equals_plain_decoding_over_the_link(target, node, pipelined, sam
             assert rd.counters["sync_port_sessions"] == (0 if pipelined else len(RUNS))
         finally:
             rd.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_rejection_mode_over_the_link(target, node, pipelined) -> None:
+    """Rejection verification over the link, where each drafted token travels with its
+    sparse top-K q: drafts are accepted and the output has the requested length; a
+    synchronous node's drafts are seeded and sized by the target, so two runs give the
+    same tokens."""
+    prompt, n = target.tokens(PROSE), 24
+
+    def run(rd) -> tuple[list[int], object]:
+        g = Engine(target.backend, rd).generate(
+            request(prompt, n, SEEDED, 4, p_min=0.0, mode="rejection"))
+        return run_to_end(g), g.stats
+
+    rd = target.drafter(node.url, pipelined=pipelined)
+    try:
+        (a, st), (b, _) = run(rd), run(rd)
+        assert len(a) == len(b) == n and all(0 <= t < target.n_vocab for t in a + b)
+        assert st.draft_n > 0 and st.draft_n_accepted > 0
+        if not pipelined:
+            assert a == b and rd.counters["sync_port_sessions"] == 2
+        assert rd.counters["dropped_peers"] == 0
+    finally:
+        rd.close()
 
 
 # ============================================================================ faults
