@@ -83,6 +83,19 @@ def test_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--port", "70000"], "--port"),
+    (["--sync-port", "70000"], "--sync-port"),
+    (["--port", "7070", "--sync-port", "7070"], "is --port already"),
+    (["--max-sessions", "0"], "--max-sessions"),
+])
+def test_draft_node_bad_flags_are_one_clear_line(args: list[str], needle: str) -> None:
+    r = run("draft", *args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_draft_policy_defaults_to_adaptive() -> None:
     """generate (and serve) pick each round's draft length unless told `fixed`."""
     from specwire.cli import build_parser
