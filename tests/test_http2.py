@@ -204,3 +204,19 @@ def test_ping_is_answered(grpcio_server) -> None:
     finally:
         conn.close()
         raw.close()
+
+
+def test_arrival_forecast_brackets_the_answers_it_learned() -> None:
+    """ArrivalForecast learns a per-token wait and its deviation; its polling window holds
+    the mean wait for the tokens asked, starts after the request was sent, and is absent
+    before anything was learned or when nothing is asked."""
+    from specwire.wire.client import ArrivalForecast
+
+    f = ArrivalForecast()
+    assert f.window(100.0, 2) is None
+    for waited in (0.020, 0.022, 0.018, 0.021, 0.019) * 4:
+        f.learn(waited, 2)
+    start, end = f.window(100.0, 2)
+    assert 100.0 < start < 100.020 < end < 100.040
+    assert f.window(100.0, 0) is None
+    assert abs(f.per_token_s - 0.010) < 0.001

@@ -168,7 +168,10 @@ def _alternate(target, local, remote, echoes, k: int, rounds: int) -> dict[str, 
     for d in (local, remote):
         d.end()
     med = {n: 1000 * statistics.median(v) for n, v in times.items()}
-    return {"k": k, "rounds": rounds, "local_ms": med["local"], "remote_sync_ms": med["remote"],
+    polled = remote.counters["polled_answers"] / rounds
+    return {"k": k, "rounds": rounds, "polled": polled,
+            "poll_ms": remote.counters["poll_ms"] / rounds,
+            "local_ms": med["local"], "remote_sync_ms": med["remote"],
             "overhead_ms": med["link"], "round_trip_ms": med["tcp"],
             "beyond_round_trip_ms": med["link"] - med["tcp"], "grpc_echo_ms": med["ping"],
             "specwire_ms": med["link"] - med["ping"]}
@@ -195,7 +198,9 @@ def main() -> None:
           f"  link (remote round - node's drafting) {r['overhead_ms']:.2f} ms = round trip "
           f"itself (raw TCP ping-pong) {r['round_trip_ms']:.2f} ms + beyond it "
           f"{r['beyond_round_trip_ms']:+.2f} ms\n"
-          f"  gRPC echo {r['grpc_echo_ms']:.2f} ms; the link beyond it {r['specwire_ms']:+.2f} ms")
+          f"  gRPC echo {r['grpc_echo_ms']:.2f} ms; the link beyond it {r['specwire_ms']:+.2f} ms\n"
+          f"  answers that came while the target polled: {100 * r['polled']:.0f}%, polling "
+          f"{r['poll_ms']:.2f} ms a round")
 
 
 if __name__ == "__main__":

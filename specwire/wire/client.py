@@ -19,6 +19,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -41,6 +42,38 @@ class _SyncCall:
     sid: int
     link: Link
     closed: bool = False  # the Close went out with END_STREAM
+    sent_at: float = 0.0  # time.monotonic() when the last verdict went out
+    asked: int = 0  # tokens it asked for; 0 once its answer came
+
+
+@dataclass(slots=True)
+class ArrivalForecast:
+    """When a synchronous answer should arrive, learned as TCP learns its round trip (a
+    moving mean and mean deviation, here per requested token), so that the engine thread
+    can sleep until just before it and busy-poll across it (http2.Connection._fill).
+
+    The window is kept narrow: its width is the CPU it costs, and an answer outside it
+    costs only the ordinary wake-up.
+    """
+
+    per_token_s: float = 0.0
+    dev_s: float = 0.0
+    margin_s: float = 0.0005
+
+    def window(self, sent_at: float, tokens: int) -> tuple[float, float] | None:
+        if not self.per_token_s or not tokens:
+            return None
+        mid = sent_at + self.per_token_s * tokens
+        spread = self.dev_s * tokens + self.margin_s
+        return mid - spread, mid + 3 * spread
+
+    def learn(self, waited_s: float, tokens: int) -> None:
+        sample = waited_s / tokens
+        if not self.per_token_s:
+            self.per_token_s, self.dev_s = sample, sample / 4
+            return
+        self.dev_s += 0.25 * (abs(sample - self.per_token_s) - self.dev_s)
+        self.per_token_s += 0.125 * (sample - self.per_token_s)
 
 
 class RemoteDrafter(BranchDrafter):
@@ -70,6 +103,9 @@ class RemoteDrafter(BranchDrafter):
         self._sync_conns: dict[str, Connection] = {}  # per link URL, kept across sessions
         self._sync_lock = threading.Lock()  # one session thread at a time on those
         self.counters["sync_port_sessions"] = 0  # sessions opened on a synchronous port
+        self.counters["polled_answers"] = 0  # synchronous answers that came while polling
+        self.counters["poll_ms"] = 0.0  # time spent busy-polling for them
+        self.forecast: ArrivalForecast | None = ArrivalForecast()  # None: never busy-poll
         self._opening = False
 
     def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
@@ -128,6 +164,7 @@ class RemoteDrafter(BranchDrafter):
                 self._sync_failed(call, str(e))
                 return
             call.closed = close
+            call.sent_at, call.asked = time.monotonic(), self._want
             return
         out = self._out
         if out is not None:
@@ -210,7 +247,7 @@ class RemoteDrafter(BranchDrafter):
 
     def _poll(self) -> None:
         """Take in every message that has arrived, without waiting."""
-        while (call := self._sync) is not None and self._read_sync(call, 0.0):
+        while (call := self._sync) is not None and self._read_sync(call, 0.0, spin=False):
             pass
 
     def _await(self, left_s: float) -> None:
@@ -220,10 +257,13 @@ class RemoteDrafter(BranchDrafter):
         else:
             self._read_sync(call, left_s)
 
-    def _read_sync(self, call: _SyncCall, timeout_s: float) -> bool:
-        """One message of the call, waiting up to timeout_s; False if none came."""
+    def _read_sync(self, call: _SyncCall, timeout_s: float, spin: bool = True) -> bool:
+        """One message of the call, waiting up to timeout_s (busy-polling across the
+        answer's forecast arrival); False if none came."""
+        forecast = self.forecast if spin and call.asked else None
+        window = forecast.window(call.sent_at, call.asked) if forecast else None
         try:
-            data = call.conn.recv_message(call.sid, timeout_s)
+            data = call.conn.recv_message(call.sid, timeout_s, window)
         except TimeoutError:
             return False
         except (H2Error, GrpcStatus) as e:
@@ -232,7 +272,14 @@ class RemoteDrafter(BranchDrafter):
         if data is None:
             self._sync_failed(call, "the draft node ended the session")
             return False
+        now = time.monotonic()
         self.counters["bytes_down"] += len(data) + 5
+        if forecast is not None:
+            forecast.learn(now - call.sent_at, call.asked)
+        if window is not None and now > window[0]:
+            self.counters["polled_answers"] += now <= window[1]
+            self.counters["poll_ms"] += 1000 * (min(now, window[1]) - window[0])
+        call.asked = 0
         try:
             msg = pb.DraftMessage.FromString(data)
             kind = msg.WhichOneof("kind")
@@ -371,6 +418,8 @@ def make_remote_drafter(urls: list[str], a, target) -> object:
         Link(u, settings, target.vocab_fingerprint(), target.n_vocab, target.name) for u in urls
     ]
     drafter = RemoteDrafter(links, target.n_vocab, pipelined=a.draft_mode != "sync")
+    if getattr(a, "draft_no_poll", False):
+        drafter.forecast = None
     errors = drafter.handshake()
     fatal = [e for e in errors if e and e.startswith("incompatible")]
     if fatal:
