@@ -18,7 +18,7 @@ The same draft model drafting in this process gives each round its hold.
 As on two machines, this process and the node keep to disjoint halves of the
 CPUs (bench/cpus.py); --shared-cpus measures them sharing every CPU instead.
 
-    python -m specwire.bench.link_overhead [-k 4] [--rounds 60] [--shared-cpus]
+    python -m specwire.bench.link_overhead [-k 4] [--rounds 60] [--shared-cpus] [--no-poll]
 """
 
 from __future__ import annotations
@@ -49,14 +49,15 @@ from specwire.wire.link import Link, LinkSettings
 PROMPT = "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
 
 
-def measure(k: int, rounds: int, port: int = 0, split: bool = True) -> dict:
+def measure(k: int, rounds: int, port: int = 0, split: bool = True, poll: bool = True) -> dict:
     halves = cpus.halves() if split else None
     with cpus.pinned(halves[0] if halves else None):
-        r = _measure(k, rounds, port, halves[1] if halves else None)
+        r = _measure(k, rounds, port, halves[1] if halves else None, poll)
     return {**r, "cpus": "split" if halves else "shared"}
 
 
-def _measure(k: int, rounds: int, port: int, node_cpus: set[int] | None) -> dict[str, float]:
+def _measure(k: int, rounds: int, port: int, node_cpus: set[int] | None,
+             poll: bool) -> dict[str, float]:
     draft_path = str(models.default_draft())
     target = LlamaBackend(ModelParams(str(models.default_target()), n_ctx=1024))
     dparams = ModelParams(draft_path, n_ctx=1024)
@@ -68,6 +69,8 @@ def _measure(k: int, rounds: int, port: int, node_cpus: set[int] | None) -> dict
         link = Link(url, LinkSettings(), target.vocab_fingerprint(), target.n_vocab, target.name)
         remote = RemoteDrafter([link], target.n_vocab, pipelined=False, sync_timeout_s=5.0)
         remote.timing = True
+        if not poll:
+            remote.forecast = None
         try:
             with grpc.insecure_channel(url) as channel:
                 echoes = {"ping": _Pinger(channel), "tcp": tcp}
@@ -187,12 +190,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--shared-cpus", action="store_true",
                    help="let this process and the node share every CPU")
+    p.add_argument("--no-poll", action="store_true",
+                   help="the target sleeps until each draft arrives (as --draft-no-poll)")
     p.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.echo_server:
         _echo_server()
         return
-    r = measure(a.k, a.rounds, split=not a.shared_cpus)
+    r = measure(a.k, a.rounds, split=not a.shared_cpus, poll=not a.no_poll)
     print(f"k={r['k']}, {r['rounds']} rounds, CPUs {r['cpus']}, medians per round: local draft "
           f"{r['local_ms']:.2f} ms, remote sync {r['remote_sync_ms']:.2f} ms (loopback)\n"
           f"  link (remote round - node's drafting) {r['overhead_ms']:.2f} ms = round trip "
