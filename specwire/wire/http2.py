@@ -19,6 +19,7 @@ message size), and a violation raises H2Error naming it.
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import time
@@ -266,6 +267,7 @@ class Connection:
         if spin is not None and time.monotonic() < spin[1]:
             data = self._recv(min(spin[0], deadline))
             while data is None and time.monotonic() < min(spin[1], deadline):
+                os.sched_yield()  # lets this process's other threads have the GIL and the core
                 data = self._recv(None)
         if data is None:
             data = self._recv(deadline)
