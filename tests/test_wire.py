@@ -239,13 +239,7 @@ def test_token_authentication(target, tmp_path) -> None:
         wait_for(lambda: n.log().count("refused connection") >= 2, 10, "the node's log lines")
         assert "wrong token" in n.log() and "missing token" in n.log()
         for url in (n.url, f"127.0.0.1:{n.sync_port}"):     # the main port and the sync port
-            with grpc.insecure_channel(url) as channel:
-                s = RawSession(pbg.DraftNodeStub(channel))
-                s.send(open=_sync_open(target.tokens(CODE)))
-                with pytest.raises(grpc.RpcError) as e:
-                    list(s.call)
-                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                s.close()
+            _session_refused(target, url, grpc.StatusCode.UNAUTHENTICATED)
         with grpc.insecure_channel(n.url) as channel:
             with pytest.raises(grpc.RpcError) as e:
                 list(pbg.DraftNodeStub(channel).Ping(iter([pb.PingMessage(seq=1)])))
@@ -275,13 +269,19 @@ def test_tls_and_mutual_tls(target, tmp_path) -> None:
         good = LinkSettings(tls_ca=c["ca"], tls_cert=c["client_cert"], tls_key=c["client_key"])
         _drafts_like_plain(target, n.url, pipelined=True, settings=good)
         _drafts_like_plain(target, n.url, pipelined=False, settings=good)  # the sync port
-        with grpc.insecure_channel(f"127.0.0.1:{n.sync_port}") as channel:  # plain text: no
-            s = RawSession(pbg.DraftNodeStub(channel))
-            s.send(open=_sync_open(target.tokens(CODE)))
-            with pytest.raises(grpc.RpcError) as e:
-                list(s.call)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            s.close()
+        # Plain text against the TLS sync port.
+        _session_refused(target, f"127.0.0.1:{n.sync_port}", grpc.StatusCode.UNAVAILABLE)
+
+
+def _session_refused(target, url: str, code: grpc.StatusCode) -> None:
+    """A synchronous Session opened at url with a plain-text channel fails with code."""
+    with grpc.insecure_channel(url) as channel:
+        s = RawSession(pbg.DraftNodeStub(channel))
+        s.send(open=_sync_open(target.tokens(CODE)))
+        with pytest.raises(grpc.RpcError) as e:
+            list(s.call)
+        assert e.value.code() == code
+        s.close()
 
 
 def _drafts_like_plain(target, url: str, pipelined: bool, settings: LinkSettings) -> None:
