@@ -89,10 +89,11 @@ class DraftNode:
             cpus.pin_process(self.cpu_set, self.proc.pid)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            m = _LISTENING.search(self._log_text())
+            text = self._log_text()
+            m = _LISTENING.search(text)
             if m:
                 self.address = f"{m.group(1)}:{m.group(2)}"
-                sync = _SYNC_PORT.search(self._log_text())
+                sync = _SYNC_PORT.search(text)
                 self.sync_port = int(sync.group(1)) if sync else 0
                 return self.address
             if self.proc.poll() is not None:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from specwire.drafters.branch import BranchDrafter
 from specwire.wire import protocol
@@ -224,14 +225,11 @@ class RemoteDrafter(BranchDrafter):
             conn = self._sync_conn(link)
             if conn is None:
                 return False
-            first = pb.TargetMessage(open=self._open_msg(history))
-            n = protocol.message_bytes(first)
-            self.counters["bytes_up"] += n
-            self.counters["bytes_open"] += n
-            host = link.url.rsplit(":", 1)[0]
+            first = self._first_message(history)
+            host, port = link.sync_address()
             try:
-                sid = conn.request(protocol.SESSION_PATH, f"{host}:{link.sync_port()}",
-                                   link.metadata(), "https" if link.settings.tls_ca else "http")
+                sid = conn.request(protocol.SESSION_PATH, f"{host}:{port}", link.metadata(),
+                                   "https" if link.settings.tls_ca else "http")
                 conn.send_message(sid, first.SerializeToString())
             except H2Error as e:
                 conn.close()
@@ -281,20 +279,13 @@ class RemoteDrafter(BranchDrafter):
             self.counters["poll_ms"] += 1000 * (min(now, window[1]) - window[0])
         call.asked = 0
         try:
-            msg = pb.DraftMessage.FromString(data)
-            kind = msg.WhichOneof("kind")
-            if kind == "error":
-                raise ProtocolError(f"draft node reported: {msg.error.message}")
-            if kind != "chunk":
-                raise ProtocolError("draft message with neither a chunk nor an error")
-            self._on_chunk(self._session, msg.chunk)
+            self._take(self._session, pb.DraftMessage.FromString(data), call.link)
+        except DecodeError:
+            self._sync_failed(call, "undecodable frame: not a DraftMessage", dropped=True)
+            return False
         except ProtocolError as e:
             self._sync_failed(call, str(e), dropped=True)
             return False
-        except Exception:  # noqa: BLE001 - protobuf's DecodeError
-            self._sync_failed(call, "undecodable frame: not a DraftMessage", dropped=True)
-            return False
-        call.link.worked()
         return True
 
     def _sync_failed(self, call: _SyncCall, reason: str, dropped: bool = False) -> None:
@@ -324,11 +315,7 @@ class RemoteDrafter(BranchDrafter):
             if self._uses_sync_port(link) and self._open_sync(link, session, history):
                 return
             out: queue.SimpleQueue = queue.SimpleQueue()
-            first = pb.TargetMessage(open=self._open_msg(history))
-            n = protocol.message_bytes(first)
-            self.counters["bytes_up"] += n
-            self.counters["bytes_open"] += n
-            out.put(first)
+            out.put(self._first_message(history))
             call = link.session_stub().Session(iter(out.get, None), metadata=link.metadata())
             with self._cv:  # a newer session may have started meanwhile: it owns _out then
                 if session != self._session:
@@ -338,14 +325,7 @@ class RemoteDrafter(BranchDrafter):
                 if session != self._session:
                     break
                 self.counters["bytes_down"] += protocol.message_bytes(msg)
-                kind = msg.WhichOneof("kind")
-                if kind == "chunk":
-                    self._on_chunk(session, msg.chunk)
-                    link.worked()
-                elif kind == "error":
-                    raise ProtocolError(f"draft node reported: {msg.error.message}")
-                else:
-                    raise ProtocolError("draft message with neither a chunk nor an error")
+                self._take(session, msg, link)
             else:
                 if session == self._session:  # the node ended a session we had not closed
                     link.failed("the draft node ended the session")
@@ -366,6 +346,24 @@ class RemoteDrafter(BranchDrafter):
                 if session == self._session:
                     self._out, self._call, self._opening = None, None, False
             self._wake()
+
+    def _take(self, session: int, msg: pb.DraftMessage, link: Link) -> None:
+        """A message from the node, either transport; ProtocolError for a broken peer."""
+        kind = msg.WhichOneof("kind")
+        if kind == "error":
+            raise ProtocolError(f"draft node reported: {msg.error.message}")
+        if kind != "chunk":
+            raise ProtocolError("draft message with neither a chunk nor an error")
+        self._on_chunk(session, msg.chunk)
+        link.worked()
+
+    def _first_message(self, history: list[int]) -> pb.TargetMessage:
+        """The session's Open, counted as bytes sent."""
+        first = pb.TargetMessage(open=self._open_msg(history))
+        n = protocol.message_bytes(first)
+        self.counters["bytes_up"] += n
+        self.counters["bytes_open"] += n
+        return first
 
     def _drop(self, link: Link | None, reason: str) -> None:
         """A node that broke the protocol: disconnect it and back off."""

@@ -39,6 +39,7 @@ SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 4, 5
 NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL = \
     0x0, 0x1, 0x3, 0x6, 0x7, 0x8
 
+RESPONSE_HEADERS = [(":status", "200"), ("content-type", "application/grpc")]
 MAX_FRAME = 16384  # the largest frame we accept (HTTP/2's default, never raised)
 MAX_HEADER_BLOCK = 65536
 WINDOW = 1 << 30  # what we let the peer send before it hears from us
@@ -145,20 +146,18 @@ class Connection:
 
     def respond(self, sid: int) -> None:
         """Server: the response headers that precede its messages."""
-        self._send_headers(sid, [(":status", "200"), ("content-type", "application/grpc")],
-                           end_stream=False)
+        self._send_headers(sid, RESPONSE_HEADERS, end_stream=False)
 
     def finish(self, sid: int, code: int = 0, message: str = "", headers_sent: bool = True) -> None:
         """Server: end a call with its status (trailers; trailers-only if nothing was sent)."""
-        head = [] if headers_sent else [(":status", "200"), ("content-type", "application/grpc")]
-        trailers = [*head, ("grpc-status", str(code))]
+        trailers = [*([] if headers_sent else RESPONSE_HEADERS), ("grpc-status", str(code))]
         if message:
             trailers.append(("grpc-message", _percent_encode(message)))
         self._send_headers(sid, trailers, end_stream=True)
         self._forget(sid)
 
     def send_message(self, sid: int, payload: bytes, end_stream: bool = False,
-                     timeout_s: float = 10.0) -> None:
+                     timeout_s: float = SEND_TIMEOUT_S) -> None:
         """One gRPC message; waits for flow-control credit if the peer has granted too little."""
         data = b"\0" + len(payload).to_bytes(4, "big") + payload
         deadline = time.monotonic() + timeout_s

@@ -97,13 +97,16 @@ class Link:
         """The node's synchronous port (wire/sync_server.py), 0 if it has none."""
         return self.hello.sync_port if self.hello is not None else 0
 
+    def sync_address(self) -> tuple[str, int]:
+        """(host, port) of the synchronous port: the URL's host, the port Hello gave."""
+        return self.url.rsplit(":", 1)[0].strip("[]"), self.sync_port()
+
     def connect_sync(self) -> Connection:
         """A connection to the node's synchronous port: TCP, TLS as configured, HTTP/2.
 
         Raises LinkError with the reason; the caller then uses the main port.
         """
-        host = self.url.rsplit(":", 1)[0].strip("[]")
-        port, s = self.sync_port(), self.settings
+        (host, port), s = self.sync_address(), self.settings
         try:
             sock = socket.create_connection((host, port), timeout=s.connect_timeout_s)
             if s.tls_ca:

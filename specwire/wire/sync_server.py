@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
@@ -95,7 +96,7 @@ class SyncServer:
             conn.handshake(HANDSHAKE_TIMEOUT_S)
             while (stream := conn.next_request(IDLE_TIMEOUT_S)) is not None:
                 self._call(conn, stream, peer)
-        except (ssl.SSLError, H2Error, TimeoutError, OSError) as e:
+        except (H2Error, OSError) as e:  # OSError covers TLS errors and timeouts
             log.warning("sync connection from %s closed: %s", peer, e)
         finally:
             if conn is not None:
@@ -140,9 +141,10 @@ def _requests(conn: Connection, sid: int) -> Iterator[pb.TargetMessage]:
     """The call's messages, until the target ends it."""
     while (data := conn.recv_message(sid, IDLE_TIMEOUT_S)) is not None:
         try:
-            yield pb.TargetMessage.FromString(data)
-        except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
+            msg = pb.TargetMessage.FromString(data)
+        except DecodeError:
             raise ProtocolError("undecodable frame: not a TargetMessage") from None
+        yield msg
 
 
 def tls_context(cert: str, key: str | None, client_ca: str | None) -> ssl.SSLContext:
