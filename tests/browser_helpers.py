@@ -123,7 +123,8 @@ class Browser:
 
     def screenshot(self, path: Path) -> Path:
         """The whole page as PNG."""
-        height = int(self.js("document.documentElement.scrollHeight") or self.size[1])
+        height = int(self.js("Math.ceil(document.body.getBoundingClientRect().height)")
+                     or self.size[1])
         r = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True,
                       clip={"x": 0, "y": 0, "width": self.size[0], "height": height, "scale": 1})
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -120,3 +120,28 @@ def test_no_webui_means_404() -> None:
         assert httpx.get(url + "/health").status_code == 200
     assert build_parser().parse_args(["serve", "--no-webui"]).webui is False
     assert build_parser().parse_args(["serve"]).webui is True
+
+
+def test_an_unreachable_draft_node_shows_down_with_its_error() -> None:
+    from test_server import _free_port
+
+    from specwire.wire.client import RemoteDrafter
+    from specwire.wire.link import Link, LinkSettings
+
+    url = f"127.0.0.1:{_free_port()}"           # nothing listens there
+    link = Link(url, LinkSettings(connect_timeout_s=0.5), "toy", 128, "toy.gguf")
+    drafter = RemoteDrafter([link], 128, pipelined=False)
+    assert drafter.handshake() != [None]
+    s = ServerSettings(sampling=SamplingParams(temperature=0.0))
+    try:
+        with serve_app(create_app(Engine(ToyBackend(delay=0.001), drafter), s)) as base:
+            r = httpx.post(base + "/completion", json={"prompt": "abc", "n_predict": 5},
+                           timeout=30)
+            assert r.status_code == 200 and r.json()["timings"]["draft_n"] == 0
+            nodes = httpx.get(base + "/stats.json").json()["nodes"]
+    finally:
+        drafter.close()
+    assert len(nodes) == 1
+    node = nodes[0]
+    assert (node["slot"], node["url"], node["up"], node["rtt_ms"]) == (0, url, False, None)
+    assert node["failures"] >= 1 and node["error"]

@@ -1,17 +1,23 @@
-"""The live page in a real browser: headless Chromium against `specwire serve` on the bundled pair.
+"""The live page in a real browser: headless Chromium against `specwire serve` on the bundled
+pair, its draft on a `specwire draft` node in another process (as on two boxes).
 
 The page must ask for the API key and show nothing before it has it, then show
-the server's figures, and show them change after a request (one made by the
-test, one typed into the page's chat box). The screenshot is kept as a test
-artefact: $PYTEST_ARTIFACTS/webui.png, else tests/artifacts/webui.png.
+the server's figures and its draft node, and show the figures change after a
+request (one made by the test, one typed into the page's chat box). The
+screenshot is kept as a test artefact: $PYTEST_ARTIFACTS/webui.png, else
+tests/artifacts/webui.png.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,28 +36,53 @@ pytestmark = [pytest.mark.slow,
                                  reason="needs Debian's chromium (.ci/run installs it)")]
 
 
+def _start(args: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "specwire", *args], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _wait_listening(proc: subprocess.Popen, port: int, log, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"draft node exited ({proc.returncode}):\n{log.read().decode()[-3000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.2)
+    pytest.fail("the draft node did not listen")
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     from specwire import models
     models.default_target()
     models.default_draft()
-    port = _free_port()
-    cmd = [sys.executable, "-m", "specwire", "serve", "--port", str(port), "-t", "1", "-td", "1",
-           "-c", "1024", "--api-key", KEY]
+    node_port, port = _free_port(), _free_port()
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with tempfile.TemporaryFile() as node_log, tempfile.TemporaryFile() as log:
+        node = _start(["draft", "--port", str(node_port), "--sync-port", "0", "-td", "1",
+                       "-c", "1024"], node_log)
         try:
-            _wait_healthy(proc, url, log)
-            yield url
-        finally:
-            proc.terminate()
+            _wait_listening(node, node_port, node_log)
+            proc = _start(["serve", "--port", str(port), "-t", "1", "-c", "1024",
+                           "--api-key", KEY, "--draft-url", f"127.0.0.1:{node_port}"], log)
             try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                _wait_healthy(proc, url, log)
+                yield url
+            finally:
+                _stop(proc)
+        finally:
+            _stop(node)
 
 
 def _text(b: Browser, element_id: str) -> str:
@@ -81,6 +112,10 @@ def test_live_page_asks_for_the_key_then_shows_figures_that_change(server: str) 
         assert "gemma-3-270m-f32.gguf" in _text(b, "about")
         assert _tiles(b)["served"] == "0" and _tiles(b)["tps"] == "—"
         assert b.js("document.querySelectorAll('#recent tr').length") == 0
+        node = str(b.wait_for("document.querySelector('#nodes .node') && "
+                              "document.querySelector('#nodes .node').innerText"))
+        assert " · up · slot 0" in node and "gemma-3-270m-q2_k-q4e.gguf" in node
+        assert re.search(r"handshake round trip\s+[\d.]+ ms", node), node
 
         r = httpx.post(server + "/completion", headers=AUTH, timeout=120,
                        json={"prompt": "def fibonacci(n):", "n_predict": 32, "temperature": 0})
