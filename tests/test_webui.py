@@ -8,6 +8,8 @@ against `specwire serve` on the bundled models.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from test_server import ToyBackend, serve_app
@@ -67,7 +69,11 @@ def test_stats_json_agrees_with_metrics_and_lists_requests() -> None:
         plain = httpx.post(url + "/completion", timeout=30,
                            json={"prompt": "q", "n_predict": 10, "speculative": False}).json()
         assert plain["timings"]["draft_n"] == 0
-        s = httpx.get(url + "/stats.json").json()
+        # a slot records a generation's figures just after its reply goes out
+        deadline = time.monotonic() + 5
+        while (s := httpx.get(url + "/stats.json").json())["speed"]["tokens_predicted"] < 50 \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
         e = Exposition.parse(httpx.get(url + "/metrics").text)
     assert s["speed"]["tokens_predicted"] == e.total("tokens_predicted_total") == 50
     assert s["drafts"]["drafted"] == e.total("draft_tokens_total") > 0
