@@ -48,7 +48,15 @@ class Command:
 
     @property
     def words(self) -> list[str]:
-        return shlex.split(self.text)
+        """The command's own words: leading VAR=value settings dropped, and anything after a
+        pipe, redirection or list operator, which belongs to another command."""
+        words = shlex.split(self.text)
+        while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):
+            words.pop(0)
+        for i, w in enumerate(words):
+            if w in {"|", "||", ";", "&&"} or re.match(r"\d?[<>]", w):
+                return words[:i]
+        return words
 
     @property
     def program(self) -> list[str]:
