@@ -140,6 +140,7 @@ def test_renamed_flags_in_bench_and_plan() -> None:
     assert parse("bench", "--spec-draft-n-max", "4,8").draft_max == "4,8"
     assert parse("plan", "--spec-draft-model", "d.gguf").model_draft == "d.gguf"
     assert parse("plan", "-ot", "exps=CPU").override_tensor == ["exps=CPU"]
+    assert parse("plan", "--spec-draft-n-max", "6").draft_max == "6"
 
 
 @pytest.mark.parametrize("value, kind", [
