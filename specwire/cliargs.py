@@ -67,22 +67,25 @@ def add_draft_model_args(d: argparse._ActionsContainer, plain: bool = False) -> 
     d.add_argument("-cd", "--ctx-size-draft", type=int, default=0, help="draft context (0: = -c)")
     d.add_argument(*names("-td", "--threads-draft", "--spec-draft-threads",
                           plain_names=("-t", "--threads")),
-                   dest="threads_draft", type=int, default=1, help="draft threads")
+                   dest="threads_draft", type=int, default=1, metavar="N", help="draft threads")
     d.add_argument(*names("-tbd", "--threads-batch-draft", "--spec-draft-threads-batch",
                           plain_names=("-tb", "--threads-batch")),
-                   dest="threads_batch_draft", type=int, default=0)
+                   dest="threads_batch_draft", type=int, default=0, metavar="N")
     d.add_argument(*names("-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft",
                           "--spec-draft-ngl", plain_names=("-ngl", "--n-gpu-layers")),
-                   dest="n_gpu_layers_draft", type=int, default=0)
+                   dest="n_gpu_layers_draft", type=int, default=0, metavar="N",
+                   help="draft layers on the GPU")
     d.add_argument(*names("-ctkd", "--cache-type-k-draft", "--spec-draft-type-k",
                           plain_names=("-ctk", "--cache-type-k")),
-                   dest="cache_type_k_draft", default="f16")
+                   dest="cache_type_k_draft", default="f16", metavar="TYPE")
     d.add_argument(*names("-ctvd", "--cache-type-v-draft", "--spec-draft-type-v",
                           plain_names=("-ctv", "--cache-type-v")),
-                   dest="cache_type_v_draft", default="f16")
+                   dest="cache_type_v_draft", default="f16", metavar="TYPE")
     if plain:
-        d.add_argument("-b", "--batch-size", dest="batch_size_draft", type=int, default=512)
-        d.add_argument("-ub", "--ubatch-size", dest="ubatch_size_draft", type=int, default=512)
+        d.add_argument("-b", "--batch-size", dest="batch_size_draft", type=int, default=512,
+                       metavar="N")
+        d.add_argument("-ub", "--ubatch-size", dest="ubatch_size_draft", type=int, default=512,
+                       metavar="N", help="physical batch size (at most -b)")
     cliplacement.add_draft_placement_args(d, plain)
     d.add_argument(
         "--seed-draft", type=int, default=None,

@@ -118,36 +118,48 @@ def _copy_tokenizer(reader, writer) -> None:
         writer.add_key_value(name, field.contents(), vtype, sub)
 
 
-def _weights(spec: MoeSpec, n_vocab: int):
-    """(name, array) in llama.cpp's naming; numpy shapes are ggml's dims reversed."""
-    rng = np.random.default_rng(spec.seed)
+def _layout(spec: MoeSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], float | None, type]]:
+    """(name, numpy shape, std or None for ones, dtype) of each tensor, in writing order.
+
+    llama.cpp's naming; numpy shapes are ggml's dims reversed.
+    """
     d, ff, e = spec.n_embd, spec.n_ff, spec.n_expert
-    hd = d // spec.n_head
-    kv = hd * spec.n_head_kv
-
-    def normal(*shape: int, std: float) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
-
-    yield "token_embd.weight", normal(n_vocab, d, std=1.0).astype(np.float16)
+    kv = d // spec.n_head * spec.n_head_kv
+    f32 = np.float32
+    out: list[tuple[str, tuple[int, ...], float | None, type]] = [
+        ("token_embd.weight", (n_vocab, d), 1.0, np.float16)]
     for i in range(spec.n_layer):
         b = f"blk.{i}"
-        yield f"{b}.attn_norm.weight", np.ones(d, dtype=np.float32)
-        yield f"{b}.attn_q.weight", normal(d, d, std=d ** -0.5)
-        yield f"{b}.attn_k.weight", normal(kv, d, std=d ** -0.5)
-        yield f"{b}.attn_v.weight", normal(kv, d, std=d ** -0.5)
-        yield f"{b}.attn_output.weight", normal(d, d, std=d ** -0.5)
-        yield f"{b}.ffn_norm.weight", np.ones(d, dtype=np.float32)
-        yield f"{b}.ffn_gate_inp.weight", normal(e, d, std=1.0)
-        yield f"{b}.ffn_gate_exps.weight", normal(e, ff, d, std=d ** -0.5)
-        yield f"{b}.ffn_up_exps.weight", normal(e, ff, d, std=d ** -0.5)
-        yield f"{b}.ffn_down_exps.weight", normal(e, d, ff, std=ff ** -0.5)
-    yield "output_norm.weight", np.ones(d, dtype=np.float32)
-    yield "output.weight", normal(n_vocab, d, std=spec.logit_std * d ** -0.5)
+        out += [
+            (f"{b}.attn_norm.weight", (d,), None, f32),
+            (f"{b}.attn_q.weight", (d, d), d ** -0.5, f32),
+            (f"{b}.attn_k.weight", (kv, d), d ** -0.5, f32),
+            (f"{b}.attn_v.weight", (kv, d), d ** -0.5, f32),
+            (f"{b}.attn_output.weight", (d, d), d ** -0.5, f32),
+            (f"{b}.ffn_norm.weight", (d,), None, f32),
+            (f"{b}.ffn_gate_inp.weight", (e, d), 1.0, f32),
+            (f"{b}.ffn_gate_exps.weight", (e, ff, d), d ** -0.5, f32),
+            (f"{b}.ffn_up_exps.weight", (e, ff, d), d ** -0.5, f32),
+            (f"{b}.ffn_down_exps.weight", (e, d, ff), ff ** -0.5, f32),
+        ]
+    out += [("output_norm.weight", (d,), None, f32),
+            ("output.weight", (n_vocab, d), spec.logit_std * d ** -0.5, f32)]
+    return out
 
 
-def tensor_names(path: str | Path) -> list[str]:
-    """The tensor names in a GGUF (what an -ot pattern is matched against)."""
-    return [t.name for t in _gguf().GGUFReader(path).tensors]
+def _weights(spec: MoeSpec, n_vocab: int):
+    """(name, array): normal weights from the spec's seed, norms at one."""
+    rng = np.random.default_rng(spec.seed)
+    for name, shape, std, dtype in _layout(spec, n_vocab):
+        if std is None:
+            yield name, np.ones(shape, dtype=np.float32)
+        else:
+            yield name, (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
+
+
+def tensor_names(spec: MoeSpec = MoeSpec()) -> list[str]:
+    """The tensor names the MoE file holds (what an -ot pattern is matched against)."""
+    return [name for name, *_ in _layout(spec, 0)]
 
 
 def _gguf():

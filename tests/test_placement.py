@@ -332,11 +332,15 @@ def load_with_log(argv: list[str], path: Path):
 @pytest.mark.slow
 def test_moe_is_a_moe_with_the_gemma_vocabulary(moe) -> None:
     from specwire import models, moe_fixture
-    from specwire.backend.llama import check_pair, load_model
+    from specwire.backend.llama import check_pair, llama_log, load_model
     from specwire.config import ModelParams
-    names = moe_fixture.tensor_names(moe.target)
+    names = moe_fixture.tensor_names()
     assert sum(bool(re.search(EXPS, n)) for n in names) == 3 * moe_fixture.MoeSpec().n_layer
-    target = load_model(ModelParams(str(moe.target)))
+    with llama_log() as lines:
+        # -ngl 1: a cache key no other test loads, so llama.cpp loads (and logs) it here
+        target = load_model(ModelParams(str(moe.target), n_gpu_layers=1))
+    # the file holds exactly the tensors tensor_names() lists (the -ot tests match against it)
+    assert any(re.search(rf"\b{len(names)} tensors\b", x) for x in lines), lines[:5]
     check_pair(target, load_model(ModelParams(str(moe.draft))))
     check_pair(target, load_model(ModelParams(str(models.default_draft()))))
 
@@ -352,7 +356,7 @@ def test_moe_is_a_moe_with_the_gemma_vocabulary(moe) -> None:
 def test_overrides_land_on_exactly_the_tensors_named(moe, argv, pattern) -> None:
     from specwire import moe_fixture
     _model, backend, lines = load_with_log(argv, moe.target)
-    want = {n for n in moe_fixture.tensor_names(moe.target) if re.search(pattern, n)}
+    want = {n for n in moe_fixture.tensor_names() if re.search(pattern, n)}
     got = overridden(lines)
     assert want and set(got) == want, sorted(set(got) ^ want)
     assert set(got.values()) <= {"CPU", "CPU_REPACK"}
