@@ -207,6 +207,15 @@ def test_draft_node_bad_override_is_one_line(fake_gguf: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("cmd", [["bench", "--quick", "--no-progress"], ["plan", "--measure"]])
+def test_bench_and_plan_check_both_placements_before_loading(fake_gguf: Path, cmd, tmp_path):
+    r = run(*cmd, "-m", str(fake_gguf), "-md", str(fake_gguf), "-otd", "x=NOPE",
+            *(["--out", str(tmp_path)] if cmd[0] == "bench" else []))
+    assert r.returncode == 2, r.stderr
+    assert "-otd: unknown buffer type 'NOPE' in x=NOPE; available: CPU" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_bench_refuses_spec_type() -> None:
     r = run("bench", "--spec-type", "ngram-simple")
     assert r.returncode == 2 and "--spec-type: not a bench flag" in r.stderr, r.stderr
@@ -426,6 +435,15 @@ def test_moe_output_is_the_same_with_a_draft(moe_engines, prompt, seeded) -> Non
         drafted += gen.stats.draft_n
     assert 0 < accepted < drafted, (accepted, drafted)   # some accepted, some rejected
     assert moe_generate(cpu_moe_target, draft, prompt, sampling).tokens == ref
+
+
+@pytest.mark.slow
+def test_models_command_builds_and_names_the_moe(moe) -> None:
+    r = run("models", "--no-progress", "make-moe")
+    assert r.returncode == 0 and str(moe.target) in r.stdout and str(moe.draft) in r.stdout
+    for role, path in (("moe", moe.target), ("moe-draft", moe.draft)):
+        r = run("models", "--no-progress", "path", role)
+        assert r.returncode == 0 and r.stdout.strip() == str(path), r.stderr
 
 
 @pytest.mark.slow

@@ -151,6 +151,7 @@ def measure(a: argparse.Namespace) -> Measurement:
     """Load the pair, then the four figures (target and draft one after the other)."""
     from specwire.backend.base import BackendError
     from specwire.backend.llama import LlamaBackend, check_pair, load_model
+    from specwire.backend.placement import check
     from specwire.bench import prompts as prompt_sets
     from specwire.bench.runner import Config, Workload, run_config
     from specwire.cliargs import CliError, draft_model_params, target_params
@@ -164,8 +165,11 @@ def measure(a: argparse.Namespace) -> Measurement:
         raise CliError("--measure-limit and --measure-n must be >= 1")
     try:
         plist = prompt_sets.resolve(a.measure_prompts, a.measure_limit)
-        target = LlamaBackend(target_params(a, resolve_target(a.model)))
+        tparams = target_params(a, resolve_target(a.model))
         dparams = draft_model_params(a, resolve_draft(a.model_draft))
+        check(tparams.placement)                        # both, before either loads
+        check(dparams.placement, draft_flag_names())
+        target = LlamaBackend(tparams)
         dmodel = load_model(dparams, draft_flag_names())
         check_pair(target.model, dmodel)
         draft = LlamaBackend(dparams, dmodel)
