@@ -36,11 +36,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
-#: Flags the README names that come with the deploy branch (issue 12); strict, so that this
-#: list must be emptied once they are here.
-PENDING = {("serve", "-ot"), ("serve", "--numa"), ("draft", "-ngl")}
-
-
 @dataclass(frozen=True, slots=True)
 class Command:
     text: str
@@ -122,10 +117,7 @@ def _help_cases(blocks: list[list[Command]], where: str) -> list:
         if not cmd.program or (where == "README" and cmd.kind() != "help"):
             continue
         for flag in dict.fromkeys(cmd.flags):
-            sub = cmd.program[-1]
-            marks = [pytest.mark.xfail(strict=True, reason="comes with the deploy branch")] \
-                if (sub, flag) in PENDING else []
-            cases.append(pytest.param(cmd.program, flag, marks=marks,
+            cases.append(pytest.param(cmd.program, flag,
                                       id=f"{where}:{' '.join(cmd.program)} {flag}"))
     return cases
 
