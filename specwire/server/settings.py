@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specwire.config import DraftParams, SamplingParams
+from specwire.server.limits import MAX_BODY_BYTES
 
 
 @dataclass(slots=True, frozen=True)
@@ -18,6 +19,7 @@ class ServerSettings:
     api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
     queue_size:    requests allowed to wait for a slot; one more is refused with 429.
     n_predict:     the server's cap on tokens per request (-1: up to the context size).
+    max_body:      bytes a request body may have; more is refused with 413 (limits.py).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -27,3 +29,4 @@ class ServerSettings:
     api_key: str | None = None
     queue_size: int = 16
     n_predict: int = -1
+    max_body: int = MAX_BODY_BYTES
