@@ -75,6 +75,7 @@ HOSTILE = [
      b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', 400, "messages[0].content"),
     ("/v1/completions", b'{"prompt": "z", "model": "\\ud800"}', 400, "model"),
     ("/tokenize", b'{"content": "\\udc00"}', 400, "content"),
+    ("/completion", b'{"prompt": "z", "x": {"\\ud800": 1}}', 400, "x.<key>"),
     ("/completion", b'{"prompt": "z", "top_k": 4294967296}', 400, "top_k"),
     ("/completion", b'{"prompt": "z", "top_k": 2147483648}', 400, "top_k"),
     ("/completion", b'{"prompt": "z", "repeat_last_n": 2147483648}', 400, "repeat_last_n"),

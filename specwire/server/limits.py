@@ -112,7 +112,7 @@ def check_value(value: Any) -> None:
                               f"{_short(where)}")
         if isinstance(v, dict):
             for k, x in v.items():
-                _check_str(k, f"{where}.{k}" if where else "a key")
+                _check_str(k, f"{where}.<key>" if where else "a key")
                 path = f"{where}.{k}" if where else k
                 if isinstance(x, dict | list):
                     stack.append((x, path, depth + 1))
