@@ -163,17 +163,22 @@ _longest: dict[int, int] = {}
 
 
 def longest_token_bytes(backend: Any) -> int:
-    """The most input bytes one token of this vocabulary stands for: its printed piece or
-    its raw text (SentencePiece writes a space as 3-byte "\u2581"), computed once."""
+    """The most input bytes one token of this vocabulary stands for, computed once.
+
+    A llama.cpp vocabulary's raw token text is never shorter than what the token
+    prints: SentencePiece writes a space as the 3-byte "\u2581", byte-level BPE each
+    byte as a 1-2 byte character, byte-fallback tokens as "<0x41>". Reading it
+    leaves the detokenizer's cache of pieces alone; other backends are asked for
+    their pieces.
+    """
     n = _longest.get(id(backend))
     if n is None:
         text = getattr(getattr(backend, "model", None), "token_text", None)
-        n = 1
-        for t in range(backend.n_vocab):
-            n = max(n, len(backend.detokenize([t])))
-            if text is not None:
-                n = max(n, len(text(t).encode("utf-8", "replace")))
-        _longest[id(backend)] = n
+        if text is not None:
+            n = max(len(text(t).encode("utf-8", "replace")) for t in range(backend.n_vocab))
+        else:
+            n = max(len(backend.detokenize([t])) for t in range(backend.n_vocab))
+        _longest[id(backend)] = n = max(n, 1)
     return n
 
 

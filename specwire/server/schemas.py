@@ -225,7 +225,9 @@ def prompt_tokens(value: Any, backend: Any, name: str = "prompt") -> list[int]:
         raise bad_request(f"{name}: must be a string or an array of token ids, got {_kind(value)}")
     if not value:
         raise bad_request(f"{name}: is empty")
-    check_fits_bound(sum(map(_is_int, value)), backend.n_ctx)
+    check_fits_bound(sum(map(_is_int, value)) + sum(limits.fewest_tokens(x, backend)
+                                                    for x in value if isinstance(x, str)),
+                     backend.n_ctx)
     if sum(isinstance(x, str) for x in value) > 1 and not any(_is_int(x) for x in value):
         raise bad_request(f"{name}: several prompts in one request are not supported; "
                           "send one request per prompt")
