@@ -224,3 +224,16 @@ def test_calibrations_are_bounded_least_recent_first() -> None:
     assert cal.get(("h", "1")) is first       # used again: now the most recent
     cal.get(("h", "3"))                         # forgets ("h", "2")
     assert len(cal) == 2 and cal.get(("h", "1")) is first
+
+
+def test_metrics_port_flag_is_checked() -> None:
+    import argparse
+
+    from specwire.cliargs import CliError
+    from specwire.commands import draft
+
+    parser = argparse.ArgumentParser()
+    draft.register(parser.add_subparsers())
+    args = parser.parse_args(["draft", "--metrics-port", "70000"])
+    with pytest.raises(CliError, match="--metrics-port"):
+        args.func(args)

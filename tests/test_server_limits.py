@@ -147,3 +147,17 @@ def test_metrics_histograms_process_and_python_figures(toy_url) -> None:
     for key in ("specwire:tokens_predicted_total", "specwire:time_to_first_token_seconds_count",
                 'specwire:requests_finished_total{outcome="limit"}'):
         assert live[key] == figures[key], key
+
+
+def test_max_body_flag_is_checked() -> None:
+    import argparse
+
+    from specwire.cliargs import CliError
+    from specwire.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "-m", "/nonexistent.gguf", "--max-body", "0"])
+    with pytest.raises(CliError, match="--max-body"):
+        args.func(args)
+    assert parser.parse_args(["serve"]).max_body == 8 << 20

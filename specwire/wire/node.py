@@ -55,9 +55,10 @@ class NodeSettings:
 #: A call must send its first message (a Session's Open, a ping) this soon, and a Ping
 #: stream each next ping: a silent peer would otherwise hold an admission slot for ever.
 HANDSHAKE_S = 10.0
-#: An open session whose target sends nothing for this long is ended (a target verifies a
-#: round in far less; a node's slot is not held for one that went away without a word).
-SESSION_IDLE_S = 300.0
+#: An open session whose target sends nothing for this long is ended, so that a target gone
+#: without a word does not hold a slot. Generous: the target evaluates its prompt after the
+#: Open, before its first verdict, and a long prompt on a large CPU model takes minutes.
+SESSION_IDLE_S = 900.0
 #: The longest a ping may hold a node thread busy (a drafting round of 64 tokens of a
 #: small model takes tens of milliseconds); it holds an admission slot meanwhile.
 MAX_PING_HOLD_US = 100_000
@@ -73,7 +74,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
         # What verdicts taught about the draft's confidence, kept across sessions, per target.
         self.calibrations = Calibrations(MAX_CALIBRATIONS)
         self._slots = threading.BoundedSemaphore(settings.max_sessions)
-        self._in_use = 0
+        self._in_use = 0  # admitted calls open now (for /metrics)
+        self._in_use_lock = threading.Lock()
         self.watchdog = Watchdog()
         self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
                                    lambda: len(self.calibrations))
@@ -171,12 +173,14 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"draft node busy: {self.settings.max_sessions} sessions open",
             )
-        self._in_use += 1
+        with self._in_use_lock:
+            self._in_use += 1
         self.metrics.call(method)
         try:
             yield
         finally:
-            self._in_use -= 1
+            with self._in_use_lock:
+                self._in_use -= 1
             self._slots.release()
 
     def _serve(self, requests, context):
