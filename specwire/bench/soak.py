@@ -198,12 +198,16 @@ def _resources(target: dict[str, float], node: dict[str, float] | None) -> dict:
            "target_open_fds": target["process_open_fds"],
            "target_contexts_open": target.get('specwire:contexts_open{side="target"}', 0.0),
            "requests_processing": target.get("specwire:requests_processing", 0.0),
-           "requests_deferred": target.get("specwire:requests_deferred", 0.0)}
+           "requests_deferred": target.get("specwire:requests_deferred", 0.0),
+           "draft_tokens": target.get("specwire:draft_tokens_total", 0.0),
+           "draft_tokens_accepted": target.get("specwire:draft_tokens_accepted_total", 0.0)}
     if node is not None:
         out |= {"node_rss_mb": node["process_resident_memory_bytes"] / 2**20,
                 "node_open_fds": node["process_open_fds"],
                 "node_contexts_open": node.get('specwire:contexts_open{side="node"}', 0.0),
-                "node_slots_in_use": node.get("specwire:node_slots_in_use", 0.0)}
+                "node_slots_in_use": node.get("specwire:node_slots_in_use", 0.0),
+                "node_sessions_since_restart": node.get(
+                    'specwire:node_calls_total{method="Session"}', 0.0)}
     return out
 
 
