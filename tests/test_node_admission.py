@@ -24,7 +24,8 @@ from specwire.wire import node as node_mod
 from specwire.wire import protocol, sync_server
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.node import Calibrations, NodeSettings, RunningNode
+from specwire.wire.calibrations import Calibrations
+from specwire.wire.node import NodeSettings, RunningNode
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 0.5

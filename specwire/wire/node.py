@@ -16,7 +16,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,10 +23,10 @@ import grpc
 
 from specwire.backend.llama import LlamaBackend, Model, load_model, open_contexts
 from specwire.config import ModelParams
-from specwire.policy import Calibration
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
+from specwire.wire.calibrations import Calibrations, target_key
 from specwire.wire.node_metrics import NodeMetrics
 from specwire.wire.protocol import ProtocolError
 from specwire.wire.session import DraftSession, error_message
@@ -238,37 +237,6 @@ class DraftNodeService(pbg.DraftNodeServicer):
         except Exception:
             backend.close()
             raise
-
-
-def target_key(context) -> tuple[str, str]:
-    """Whose calibration a session uses: the peer's address without its port, and the
-    target's id (protocol.TARGET_HEADER, random per target process) when it sends one."""
-    peer = context.peer()   # "ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"; the sync port: "1.2.3.4:5678"
-    if peer.startswith(("ipv4:", "ipv6:")):
-        peer = peer[5:]
-    host = peer.rsplit(":", 1)[0].strip("[]")
-    meta = dict(context.invocation_metadata() or ())
-    return host, str(meta.get(protocol.TARGET_HEADER, ""))[:64]
-
-
-class Calibrations:
-    """One Calibration per target, the least recently used forgotten past `limit`."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._by_key: OrderedDict[tuple[str, str], Calibration] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[str, str]) -> Calibration:
-        with self._lock:
-            c = self._by_key.pop(key, None) or Calibration()
-            self._by_key[key] = c
-            while len(self._by_key) > self.limit:
-                self._by_key.popitem(last=False)
-            return c
-
-    def __len__(self) -> int:
-        return len(self._by_key)
 
 
 def _first_open(requests) -> pb.Open | None:
