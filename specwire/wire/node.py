@@ -58,9 +58,11 @@ HANDSHAKE_S = 10.0
 #: without a word does not hold a slot. Generous: the target evaluates its prompt after the
 #: Open, before its first verdict, and a long prompt on a large CPU model takes minutes.
 SESSION_IDLE_S = 900.0
-#: The longest a ping may hold a node thread busy (a drafting round of 64 tokens of a
-#: small model takes tens of milliseconds); it holds an admission slot meanwhile.
-MAX_PING_HOLD_US = 100_000
+#: The longest one ping may hold a node thread busy (bench/link_overhead holds each as
+#: long as a drafting round took, which on a loaded machine can pass 100 ms). What bounds
+#: the spinning is admission: a Ping stream holds one of --max-sessions slots, as a
+#: drafting session does, so pings can keep no more cores busy than sessions could.
+MAX_PING_HOLD_US = 1_000_000
 #: Targets whose calibration the node keeps; the least recently seen is forgotten first.
 MAX_CALIBRATIONS = 64
 #: The main port closes connections that have had no call this long.
