@@ -9,6 +9,7 @@ must have the OpenAI-style body, and a stream must not carry a server error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import ROOT, _free_port, _wait_healthy
+from wire_helpers import node_process
 
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("SPECWIRE_FUZZ_EXAMPLES", "150"))
@@ -102,14 +104,26 @@ def _raw_bodies() -> st.SearchStrategy[bytes]:
                          b'{"prompt": "hi", "seed": 1e999}', b"\xef\xbb\xbf{}", b"null"]))
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
+@pytest.fixture(scope="module", params=["local-draft", "draft-node"])
+def server(request, tmp_path_factory) -> Iterator[str]:
+    """The bundled pair, drafting in-process, or through a draft node (sampling settings
+    then cross the link as protobuf fields: what they cannot hold must be a 400 first)."""
     from specwire import models
     models.default_target()
     models.default_draft()
+    with contextlib.ExitStack() as stack:
+        draft = []
+        if request.param == "draft-node":
+            node = stack.enter_context(node_process(tmp_path_factory.mktemp("fuzz-node")))
+            draft = ["--draft-url", node.url]
+        yield stack.enter_context(_serve(draft))
+
+
+@contextlib.contextmanager
+def _serve(draft: list[str]) -> Iterator[str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "specwire", "serve", "--port", str(port), "-t", "1", "-td", "1",
-           "-c", "256", "-n", "4", "--queue-size", "8", "--max-body", str(1 << 20)]
+           "-c", "256", "-n", "4", "--queue-size", "8", "--max-body", str(1 << 20), *draft]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
