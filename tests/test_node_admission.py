@@ -16,9 +16,10 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
-from wire_helpers import CODE, GREEDY, draft_model_path, wait_for
+from wire_helpers import CODE, GREEDY, Target, draft_model_path, request, run_to_end, wait_for
 
 from specwire.config import ModelParams
+from specwire.engine import Engine
 from specwire.server.metrics import parse_figures
 from specwire.wire import node as node_mod
 from specwire.wire import protocol, sync_server
@@ -40,8 +41,8 @@ def start_node(monkeypatch) -> Iterator:
     started: list[RunningNode] = []
 
     def start(**kw) -> RunningNode:
-        settings = NodeSettings(model=ModelParams(draft_model_path(), n_ctx=512), port=0,
-                                sync_port=0, metrics_port=0, **kw)
+        kw = {"sync_port": 0, "metrics_port": 0, **kw}
+        settings = NodeSettings(model=ModelParams(draft_model_path(), n_ctx=512), port=0, **kw)
         started.append(node_mod.start(settings))
         return started[-1]
 
@@ -238,3 +239,22 @@ def test_metrics_port_flag_is_checked() -> None:
     args = parser.parse_args(["draft", "--metrics-port", "70000"])
     with pytest.raises(CliError, match="--metrics-port"):
         args.func(args)
+
+
+def test_idle_connections_close_and_targets_carry_on(start_node, monkeypatch) -> None:
+    """The main port closes a connection with no call (grpc.max_connection_idle_ms): a
+    target's next request reconnects by itself and still gets its drafts accepted."""
+    monkeypatch.setattr(node_mod, "IDLE_CONNECTION_MS", 500)
+    node = start_node(sync_port=None)
+    target = Target()
+    rd = target.drafter(f"127.0.0.1:{node.port}", pipelined=False)
+    try:
+        engine = Engine(target.backend, rd)
+        prompt = target.tokens(CODE)
+        for _ in range(2):
+            g = engine.generate(request(prompt, 16, GREEDY))
+            assert run_to_end(g) == target.plain(prompt, GREEDY, 16)
+            assert g.stats.draft_n_accepted > 0
+            time.sleep(2.0)                 # the node drops the idle connection meanwhile
+    finally:
+        rd.close()
