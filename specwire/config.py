@@ -29,6 +29,10 @@ class VerifyMode(StrEnum):
     REJECTION = "rejection"
 
 
+#: llama.cpp keeps top_k and repeat_last_n in int32, and the draft link as (u)int32.
+INT32_MAX = 2**31 - 1
+
+
 def _check(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{name}: {msg}")
@@ -57,7 +61,8 @@ class SamplingParams:
             "temperature",
             f"must be in [0, 100], got {self.temperature}",
         )
-        _check(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")
+        _check(0 <= self.top_k <= INT32_MAX, "top_k",
+               f"must be in [0, {INT32_MAX}], got {self.top_k}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(
@@ -66,7 +71,9 @@ class SamplingParams:
             f"must be in (0, 10], got {self.repeat_penalty}",
         )
         _check(
-            self.repeat_last_n >= -1, "repeat_last_n", f"must be >= -1, got {self.repeat_last_n}"
+            -1 <= self.repeat_last_n <= INT32_MAX,
+            "repeat_last_n",
+            f"must be in [-1, {INT32_MAX}], got {self.repeat_last_n}",
         )
         _check(0 <= self.seed < 2**64, "seed", f"must be in [0, 2^64), got {self.seed}")
 

@@ -36,14 +36,15 @@ def _app(**settings):
 
 def test_exposition_reads_back_what_metrics_writes() -> None:
     m = Metrics()
+    m.watch(lambda: {"processing": 1, "deferred": 2, "capacity": 8, "slots": 1},
+            lambda: [(0, {'node "a"\\b': 1.0})])
     st = Stats(prompt_n=5, prompt_ms=10.0, predicted_n=9, predicted_ms=300.0, draft_ms=40.0,
                verify_ms=200.0, drafter={"wait_ms": 25.0})
     st.record_round(4, 3, 4)
     st.record_round(2, 0, 4)
     m.record(0, st, 9)
     m.request("/completion")
-    text = m.render({"processing": 1, "deferred": 2, "capacity": 8, "slots": 1},
-                    [(0, {'node "a"\\b': 1.0})])
+    text = m.render().decode()
     e = Exposition.parse(text)
     assert e.total("tokens_predicted_total") == 9
     assert e.total("tokens_predicted_seconds_total") == pytest.approx(0.3)

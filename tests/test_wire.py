@@ -777,7 +777,7 @@ def test_adaptive_sync_drafts_stop_on_the_node_and_keep_the_output(target, node,
 
 def test_ping_echoes_after_its_hold_and_refuses_a_long_one(node) -> None:
     """Ping answers each message with its seq after hold_us of work on the node; a hold
-    above one second is refused (INVALID_ARGUMENT) rather than tying up a node thread."""
+    above MAX_PING_HOLD_US is refused (INVALID_ARGUMENT) rather than tying up a node thread."""
     with grpc.insecure_channel(node.url) as channel:
         stub = pbg.DraftNodeStub(channel)
         t0 = time.perf_counter()
@@ -787,7 +787,7 @@ def test_ping_echoes_after_its_hold_and_refuses_a_long_one(node) -> None:
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Ping(iter([pb.PingMessage(seq=1, hold_us=1_000_001)])))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "hold_us above 1 s" in e.value.details()
+        assert "hold_us above" in e.value.details()
     assert node.alive
 
 

@@ -218,6 +218,20 @@ def _set_flash_attn(cp: ctypes.Structure, mode: str) -> None:
         placement.set_field(cp, "flash_attn", mode == "on", "-fa")
 
 
+_contexts = 0  # llama.cpp contexts alive in this process (GET /metrics: specwire:contexts_open)
+_contexts_lock = threading.Lock()
+
+
+def open_contexts() -> int:
+    return _contexts
+
+
+def _count_context(delta: int) -> None:
+    global _contexts
+    with _contexts_lock:
+        _contexts += delta
+
+
 class LlamaBackend:
     """One llama.cpp context = one sequence's KV cache, with rows only where asked."""
 
@@ -245,6 +259,7 @@ class LlamaBackend:
             raise BackendError(
                 f"llama.cpp could not create a context (-c {params.n_ctx}) for {params.path}"
             )
+        _count_context(+1)
         self.n_ctx = int(C.llama_n_ctx(self.ctx))
         self.mem = C.llama_get_memory(self.ctx)
         self._cap = params.n_batch
@@ -339,6 +354,7 @@ class LlamaBackend:
             C.llama_batch_free(self._batch)
             C.llama_free(self.ctx)
             self.ctx = None
+            _count_context(-1)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown

@@ -25,7 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-s", "--seed", type=int, default=None,
                    help="this node's sampling seed for every session (default: each target's "
                    "--seed, which couples the draft to the target)")
-    p.add_argument("--max-sessions", type=int, default=8, help="sequences served at once")
+    p.add_argument("--max-sessions", type=int, default=8,
+                   help="sequences served at once (Ping streams count too)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus figures on http://HOST:PORT/metrics: open contexts, "
+                   "admitted calls, refusals, memory (0: any free port; default: off)")
     p.add_argument("--token", default=os.environ.get("SPECWIRE_TOKEN"),
                    help="shared secret required from targets (env SPECWIRE_TOKEN)")
     p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
@@ -48,6 +52,8 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--sync-port: must be in 0..65535, got {sync_port}")
     if sync_port and sync_port == a.port:
         raise CliError(f"--sync-port: {sync_port} is --port already")
+    if a.metrics_port is not None and not 0 <= a.metrics_port <= 65535:
+        raise CliError(f"--metrics-port: must be in 0..65535, got {a.metrics_port}")
     if a.max_sessions < 1:
         raise CliError(f"--max-sessions: must be >= 1, got {a.max_sessions}")
     if bool(a.tls_key) and not a.tls_cert:
@@ -60,7 +66,8 @@ def run(a: argparse.Namespace) -> int:
     params = draft_model_params(a, resolve_draft(a.model))
     settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
-                            max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port)
+                            max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
+                            metrics_port=a.metrics_port)
     try:
         serve(settings)
     except BackendError as e:

@@ -22,6 +22,9 @@ from specwire.cliargs import (
 
 log = logging.getLogger("specwire.serve")
 
+#: limits.MAX_BODY_BYTES, repeated so that `--help` needs no FastAPI import.
+MAX_BODY_BYTES = 8 << 20
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -48,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests that may wait for a slot; more are refused with 429")
     g.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="most tokens per request (-1: up to the context size)")
+    g.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, metavar="BYTES",
+                   help="largest request body; more is refused with 413 (default 8 MiB: a "
+                   "full 1M-token context as token ids)")
     add_model_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -68,13 +74,16 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--queue-size: must be >= 0, got {a.queue_size}")
     if a.n_predict < -1:
         raise CliError(f"-n: must be >= -1, got {a.n_predict}")
+    if a.max_body < 1:
+        raise CliError(f"--max-body: must be >= 1, got {a.max_body}")
     if a.chat_template and a.chat_template not in chat.TEMPLATES and not (
             "{{" in a.chat_template or "{%" in a.chat_template):
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
                        f"{', '.join(sorted(chat.TEMPLATES))} (or a Jinja template)")
     settings = ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
                               chat_template=a.chat_template, api_key=a.api_key or None,
-                              queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui)
+                              queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui,
+                              max_body=a.max_body)
     engines = [build_engine(a) for _ in range(a.parallel)]
     sock = _listen(a.host, a.port)
     app = create_app(engines, settings)

@@ -4,7 +4,8 @@ Endpoints
   GET  /health                       {"status": "ok"} (never needs the API key)
   GET  /v1/models, /models           the served model (its alias, or the file name)
   GET  /props                        default generation settings, slots, chat template
-  GET  /metrics                      Prometheus text (see metrics.py)
+  GET  /metrics                      Prometheus text (see metrics.py; the same figures as
+                                     Python numbers: app.state.metrics.figures())
   POST /completion, /completions     llama-server's completion (prompt: text or token ids)
   POST /v1/completions               OpenAI text completion
   POST /v1/chat/completions          OpenAI chat completion (the GGUF's chat template or
@@ -31,14 +32,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from specwire import chat
 from specwire.engine import Engine
-from specwire.server import schemas
+from specwire.server import limits, schemas
 from specwire.server.errors import ApiError, install_handlers
-from specwire.server.metrics import Metrics
+from specwire.server.metrics import CONTENT_TYPE, Metrics
 from specwire.server.responses import Dialect, LlamaCompletion, OpenAIChat, OpenAICompletion
 from specwire.server.settings import ServerSettings
 from specwire.server.slots import Chunk, Done, Event, Failed, Job, QueueFull, Result, Scheduler
@@ -73,13 +74,14 @@ def create_app(engine: Engine | Sequence[Engine],
     chat.template_for(engines[0].target, settings.chat_template)  # an unknown name fails now
     metrics = Metrics()
     scheduler = Scheduler(engines, settings.queue_size, metrics)
+    metrics.watch(scheduler.state, scheduler.link_states)
     target = engines[0].target
     names = model_names(target, settings.alias)
     started = int(time.time())
     recent = RecentRequests()
 
     def exposition() -> str:
-        return metrics.render(scheduler.state(), scheduler.link_states())
+        return metrics.render().decode()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -135,20 +137,24 @@ def create_app(engine: Engine | Sequence[Engine],
                 "chat_template": source, "queue_size": settings.queue_size}
 
     @api.get("/metrics")
-    async def metrics_text() -> PlainTextResponse:
-        return PlainTextResponse(exposition(),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics_text() -> Response:
+        return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE)
 
     # -- tokens ------------------------------------------------------------------------------
 
+    async def read_json(request: Request) -> dict:
+        """The body within --max-body, parsed off the event loop (a large one takes a while)."""
+        raw = await limits.read_body(request, settings.max_body)
+        return await run_in_threadpool(schemas.parse_json, raw)
+
     @api.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        body = schemas.parse_json(await request.body())
+        body = await read_json(request)
         return await run_in_threadpool(schemas.tokenize, body, target)
 
     @api.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        body = schemas.parse_json(await request.body())
+        body = await read_json(request)
         return await run_in_threadpool(schemas.detokenize, body, target)
 
     # -- generation --------------------------------------------------------------------------
@@ -156,10 +162,11 @@ def create_app(engine: Engine | Sequence[Engine],
     async def generate(request: Request, endpoint: str,
                        parse: Callable[[dict], schemas.Completion],
                        dialect: type[Dialect]) -> Response:
-        body = schemas.parse_json(await request.body())
-        spec = await run_in_threadpool(parse, body)
-        job = Job(spec.request, spec.stops, spec.stream)
         try:
+            scheduler.check_room()    # before the body is read, parsed and tokenized
+            body = await read_json(request)
+            spec = await run_in_threadpool(parse, body)
+            job = Job(spec.request, spec.stops, spec.stream)
             scheduler.submit(job)
         except QueueFull:
             raise ApiError(429, f"the server is busy: {settings.queue_size} requests are already "

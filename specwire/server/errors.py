@@ -35,6 +35,9 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, type_: str | None = None,
                  **extra: object) -> None:
+        # A message may quote the request; what cannot be written as UTF-8 (a lone
+        # surrogate) is escaped, or answering the error would itself fail.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message = status, message
         self.type = type_ or TYPES.get(status, "invalid_request_error")

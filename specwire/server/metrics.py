@@ -1,28 +1,53 @@
-"""Prometheus counters for GET /metrics, named like llama-server's with a `specwire:` prefix.
+"""GET /metrics through prometheus_client, named like llama-server's with a `specwire:` prefix.
 
-Generations finish on worker threads and scrapes run on the event loop, so the
-counters live behind one lock. A drafter's own figures (`Drafter.stats()`) are
-cumulative over the drafter's life: they are kept as the latest snapshot per
-slot, and the network share of the drafting time is the growth of its
-`network_ms` (or `wait_ms`, the remote drafter's name for it) between
-generations. Link state comes from `drafter.link_state()` at scrape time.
+Three kinds of figures share one registry per app:
+
+* the counters and gauges of the generations (requests, tokens, draft acceptance,
+  time per round phase): kept as plain numbers behind a lock by the worker threads
+  and turned into metric families at scrape time by this collector, so their names
+  and meanings stay those of the hand-written exposition they replace;
+* histograms of time to first token, time per output token and round duration,
+  observed by the slots as tokens come out;
+* the state read at scrape time: queue, link, open llama.cpp contexts of this
+  process, and prometheus_client's process collector (resident memory, open files,
+  CPU seconds).
+
+A drafter's own figures (`Drafter.stats()`) are cumulative over the drafter's
+life: they are kept as the latest snapshot per slot, and the network share of
+the drafting time is the growth of its `network_ms` (or `wait_ms`, the remote
+drafter's name for it) between generations.
+
+`Metrics.figures()` returns the same samples as Python numbers, keyed as the
+exposition writes them (`name{label="value"}`), for pages that show them.
 """
 
 from __future__ import annotations
 
-import math
-import re
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from specwire.stats import Stats
 
 PREFIX = "specwire:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _NETWORK_KEYS = ("network_ms", "wait_ms")
+
+#: Seconds; a first token waits for the queue and the prompt, a round for one target batch.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+QueueState = Callable[[], Mapping[str, int]]
+LinkStates = Callable[[], Iterable[tuple[int, Mapping]]]
 
 
 class Metrics:
+    """The server's figures; `watch` tells it where to read the queue and the links."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()      # endpoint -> accepted requests
@@ -40,6 +65,25 @@ class Metrics:
         self.network_ms = 0.0
         self.accepted_hist: Counter[int] = Counter()
         self._drafter: dict[int, dict[str, float]] = {}
+        self._queue: QueueState = dict
+        self._links: LinkStates = list
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+        ProcessCollector(registry=self.registry)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Seconds from a request's arrival in the queue to its first token.",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Per request: seconds per generated token after the first.",
+                              buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.round_time = Histogram(PREFIX + "round_duration_seconds",
+                                    "Seconds per speculative round (draft, link, one target "
+                                    "batch), as the slot sees it.",
+                                    buckets=TOKEN_BUCKETS, registry=self.registry)
+
+    def watch(self, queue: QueueState, links: LinkStates) -> None:
+        """Where scrapes read the queue's state and the draft links' (the scheduler)."""
+        self._queue, self._links = queue, links
 
     # -- updates ---------------------------------------------------------------------------
 
@@ -82,105 +126,121 @@ class Metrics:
 
     # -- exposition ------------------------------------------------------------------------
 
-    def render(self, queue: Mapping[str, int], links: Iterable[tuple[int, Mapping]] = ()) -> str:
+    def render(self) -> bytes:
         """The Prometheus text format (version 0.0.4)."""
+        return generate_latest(self.registry)
+
+    def figures(self) -> dict[str, float]:
+        """Every sample now, as Python numbers: {'specwire:requests_total{endpoint="/completion"}':
+        3.0, 'process_resident_memory_bytes': ..., ...}."""
+        return {_key(s.name, s.labels): s.value for m in self.registry.collect()
+                for s in m.samples}
+
+    def families(self) -> Iterator[Metric]:
+        """The generation figures and the scrape-time state, as metric families."""
         with self._lock:
-            out = _Writer()
-            out.metric("requests_total", "counter", "Requests accepted, per endpoint.",
-                       [({"endpoint": k}, v) for k, v in sorted(self.requests.items())])
-            out.metric("requests_rejected_total", "counter",
-                       "Requests refused with 429 because the queue was full.",
-                       [({}, self.rejected)])
-            out.metric("requests_finished_total", "counter",
-                       "Requests by how they ended: eos, limit, word, cancelled (client gone), "
-                       "failed.", [({"outcome": k}, v) for k, v in sorted(self.outcomes.items())])
-            out.metric("prompt_tokens_total", "counter", "Prompt tokens evaluated.",
-                       [({}, self.prompt_tokens)])
-            out.metric("prompt_seconds_total", "counter", "Prompt evaluation time.",
-                       [({}, self.prompt_ms / 1000)])
-            out.metric("tokens_predicted_total", "counter", "Generated tokens.",
-                       [({}, self.predicted_tokens)])
-            out.metric("tokens_predicted_seconds_total", "counter", "Generation time.",
-                       [({}, self.predicted_ms / 1000)])
-            out.metric("draft_tokens_total", "counter", "Draft tokens proposed and verified.",
-                       [({}, self.draft_tokens)])
-            out.metric("draft_tokens_accepted_total", "counter", "Draft tokens the target kept.",
-                       [({}, self.accepted_tokens)])
+            yield _counter("requests", "Requests accepted, per endpoint.", "endpoint",
+                           sorted(self.requests.items()))
+            yield _counter("requests_rejected", "Requests refused with 429 because the queue "
+                           "was full.", None, [((), self.rejected)])
+            yield _counter("requests_finished", "Requests by how they ended: eos, limit, word, "
+                           "cancelled (client gone), failed.", "outcome",
+                           sorted(self.outcomes.items()))
+            yield _counter("prompt_tokens", "Prompt tokens evaluated.", None,
+                           [((), self.prompt_tokens)])
+            yield _counter("prompt_seconds", "Prompt evaluation time.", None,
+                           [((), self.prompt_ms / 1000)])
+            yield _counter("tokens_predicted", "Generated tokens.", None,
+                           [((), self.predicted_tokens)])
+            yield _counter("tokens_predicted_seconds", "Generation time.", None,
+                           [((), self.predicted_ms / 1000)])
+            yield _counter("draft_tokens", "Draft tokens proposed and verified.", None,
+                           [((), self.draft_tokens)])
+            yield _counter("draft_tokens_accepted", "Draft tokens the target kept.", None,
+                           [((), self.accepted_tokens)])
             acceptance = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-            out.metric("draft_acceptance_ratio", "gauge",
-                       "Accepted / proposed draft tokens since start.", [({}, acceptance)])
-            out.metric("draft_rounds_total", "counter",
-                       "Speculative rounds (one target batch each).",
-                       [({}, self.rounds)])
-            out.metric("draft_accepted_length_total", "counter",
-                       "Rounds with a draft, by how many draft tokens were kept.",
-                       [({"accepted": str(n)}, c) for n, c in sorted(self.accepted_hist.items())])
+            yield _gauge("draft_acceptance_ratio", "Accepted / proposed draft tokens since "
+                         "start.", (), [((), acceptance)])
+            yield _counter("draft_rounds", "Speculative rounds (one target batch each).", None,
+                           [((), self.rounds)])
+            yield _counter("draft_accepted_length", "Rounds with a draft, by how many draft "
+                           "tokens were kept.", "accepted",
+                           [(str(n), c) for n, c in sorted(self.accepted_hist.items())])
             network = min(self.network_ms, self.draft_ms)
             phases = {"draft": self.draft_ms - network, "network": network,
                       "verify": self.verify_ms}
-            out.metric("round_seconds_total", "counter",
-                       "Time in each phase of the rounds: drafting (local work), waiting on the "
-                       "draft link (network), target verification.",
-                       [({"phase": k}, v / 1000) for k, v in phases.items()])
-            out.metric("round_ms_avg", "gauge", "Mean milliseconds per round in each phase.",
-                       [({"phase": k}, v / self.rounds if self.rounds else 0.0)
-                        for k, v in phases.items()])
-            stats = [({"slot": str(s), "name": k}, v)
-                     for s, snap in sorted(self._drafter.items()) for k, v in sorted(snap.items())]
-            out.metric("drafter_stat", "gauge",
-                       "The drafter's own cumulative figures, as of its last generation.", stats)
-        out.metric("draft_link_up", "gauge", "1 when the link to a draft node is usable.",
-                   [({"slot": str(s), "link": str(k)}, float(v))
-                    for s, state in links for k, v in state.items() if _is_number(v)])
-        out.metric("requests_processing", "gauge", "Requests being generated.",
-                   [({}, queue.get("processing", 0))])
-        out.metric("requests_deferred", "gauge", "Requests waiting in the queue.",
-                   [({}, queue.get("deferred", 0))])
-        out.metric("queue_capacity", "gauge", "Most requests that may wait (--queue-size).",
-                   [({}, queue.get("capacity", 0))])
-        out.metric("slots_total", "gauge", "Engines serving requests (-np).",
-                   [({}, queue.get("slots", 0))])
-        return out.text()
+            yield _counter("round_seconds", "Time in each phase of the rounds: drafting (local "
+                           "work), waiting on the draft link (network), target verification.",
+                           "phase", [(k, v / 1000) for k, v in phases.items()])
+            yield _gauge("round_ms_avg", "Mean milliseconds per round in each phase.",
+                         ("phase",), [((k,), v / self.rounds if self.rounds else 0.0)
+                                      for k, v in phases.items()])
+            yield _gauge("drafter_stat", "The drafter's own cumulative figures, as of its last "
+                         "generation.", ("slot", "name"),
+                         [((str(s), k), v) for s, snap in sorted(self._drafter.items())
+                          for k, v in sorted(snap.items()) if _is_number(v)])
+        yield _gauge("draft_link_up", "1 when the link to a draft node is usable.",
+                     ("slot", "link"), [((str(s), str(k)), float(v)) for s, state in self._links()
+                                        for k, v in state.items() if _is_number(v)])
+        queue = self._queue()
+        for name, key, help_ in (("requests_processing", "processing", "Requests being "
+                                  "generated."),
+                                 ("requests_deferred", "deferred", "Requests waiting in the "
+                                  "queue."),
+                                 ("queue_capacity", "capacity", "Most requests that may wait "
+                                  "(--queue-size)."),
+                                 ("slots_total", "slots", "Engines serving requests (-np).")):
+            yield _gauge(name, help_, (), [((), queue.get(key, 0))])
+        yield _gauge("contexts_open", "llama.cpp contexts open in this process (target and "
+                     "local draft; a draft node reports its own).", ("side",),
+                     [(("target",), _open_contexts())])
 
 
-class _Writer:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
+class _Collector:
+    """prometheus_client's custom-collector interface over Metrics.families()."""
 
-    def metric(self, name: str, kind: str, help_: str,
-               samples: list[tuple[dict[str, str], float]]) -> None:
-        full = PREFIX + name
-        self.lines += [f"# HELP {full} {help_}", f"# TYPE {full} {kind}"]
-        for labels, value in samples:
-            self.lines.append(f"{full}{_labels(labels)} {_number(value)}")
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
 
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics.families()
 
 
-def _labels(labels: dict[str, str]) -> str:
+def _counter(name: str, help_: str, label: str | None,
+             samples: Iterable[tuple[object, float]]) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, help_, labels=[label] if label else [])
+    for value_label, v in samples:
+        family.add_metric([value_label] if label else [], float(v))
+    return family
+
+
+def _gauge(name: str, help_: str, labels: tuple[str, ...],
+           samples: Iterable[tuple[tuple[str, ...], float]]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + name, help_, labels=list(labels))
+    for values, v in samples:
+        family.add_metric(list(values), float(v))
+    return family
+
+
+def _open_contexts() -> int:
+    try:
+        from specwire.backend.llama import open_contexts
+    except ImportError:     # llama_cpp not installed: no contexts either
+        return 0
+    return open_contexts()
+
+
+def _key(name: str, labels: Mapping[str, str]) -> str:
     if not labels:
-        return ""
-    inner = ",".join(f'{_label_name(k)}="{_escape(v)}"' for k, v in labels.items())
-    return "{" + inner + "}"
+        return name
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{inner}}}"
 
 
-def _label_name(name: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(v: float) -> str:
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN" if math.isnan(v) else ("+Inf" if v > 0 else "-Inf")
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, int):
-        return str(v)
-    return repr(round(float(v), 6))
+def parse_figures(text: str) -> dict[str, float]:
+    """An exposition's samples keyed as `Metrics.figures` keys them (the soak's reader)."""
+    return {_key(s.name, s.labels): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples}
 
 
 def _is_number(v: object) -> bool:

@@ -23,7 +23,6 @@ Conventions, as in llama-server:
 
 from __future__ import annotations
 
-import json
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -32,8 +31,10 @@ from typing import Any
 from specwire import chat
 from specwire.config import ConfigError, DraftParams, SamplingParams
 from specwire.engine import Request
+from specwire.server import limits
 from specwire.server.errors import ApiError, bad_request
 from specwire.server.settings import ServerSettings
+from specwire.wire import protocol
 
 
 @dataclass(slots=True)
@@ -56,16 +57,8 @@ class Completion:
 
 
 def parse_json(raw: bytes) -> dict:
-    """The body as a JSON object, or a 400 that says why not."""
-    if not raw.strip():
-        raise bad_request("request body: expected a JSON object, got nothing")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body: invalid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"request body: expected a JSON object, got {_kind(body)}")
-    return body
+    """The body as a JSON object, or a 400 that says why not (see limits.py)."""
+    return limits.parse_json(raw)
 
 
 class Fields:
@@ -136,9 +129,15 @@ def sampling(f: Fields, defaults: SamplingParams) -> SamplingParams:
     if seed is not None:
         changes["seed"] = secrets.randbits(32) if seed == -1 else seed
     try:
-        return replace(defaults, **changes)
+        params = replace(defaults, **changes)
     except ConfigError as e:
         raise bad_request(str(e)) from None
+    try:   # a remote drafter gets them as float32: what rounds out of range there is refused
+        protocol.wire_sampling(params)
+    except ValueError as e:
+        raise bad_request(f"{str(e).removeprefix('sampling settings: ')} once rounded to "
+                          "float32, as the draft link carries it") from None
+    return params
 
 
 def draft(body: dict, defaults: DraftParams) -> DraftParams:
@@ -179,6 +178,9 @@ def n_predict(f: Fields, settings: ServerSettings, n_ctx: int) -> int:
     n = f.int("n_predict", "max_tokens", "max_completion_tokens", default=settings.n_predict)
     if n < -1:
         raise bad_request(f"{name}: must be >= 0, or -1 for no limit, got {n}")
+    if n > limits.INT32_MAX:
+        raise bad_request(f"{name}: must be at most {limits.INT32_MAX} (llama.cpp's int32), "
+                          f"got {n}")
     if n == -1:
         n = n_ctx
     if settings.n_predict >= 0:
@@ -191,10 +193,16 @@ def stop_strings(f: Fields) -> list[str]:
     if v is None:
         return []
     if isinstance(v, str):
-        return [v] if v else []
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return [s for s in v if s]
-    raise f.wrong("stop", "a string or an array of strings", v)
+        v = [v]
+    if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        raise f.wrong("stop", "a string or an array of strings", v)
+    if len(v) > limits.MAX_STOPS:
+        raise bad_request(f"stop: at most {limits.MAX_STOPS} strings, got {len(v)}")
+    for i, s in enumerate(v):
+        if len(s) > limits.MAX_STOP_CHARS:
+            raise bad_request(f"stop[{i}]: at most {limits.MAX_STOP_CHARS} characters, "
+                              f"got {len(s)}")
+    return [s for s in v if s]
 
 
 def prompt_tokens(value: Any, backend: Any, name: str = "prompt") -> list[int]:
@@ -211,11 +219,15 @@ def prompt_tokens(value: Any, backend: Any, name: str = "prompt") -> list[int]:
     if isinstance(value, str):
         if not value:
             raise bad_request(f"{name}: is empty")
+        check_fits_bound(limits.fewest_tokens(value, backend), backend.n_ctx)
         return backend.tokenize(value, add_special=True, parse_special=True)
     if not isinstance(value, list):
         raise bad_request(f"{name}: must be a string or an array of token ids, got {_kind(value)}")
     if not value:
         raise bad_request(f"{name}: is empty")
+    check_fits_bound(sum(map(_is_int, value)) + sum(limits.fewest_tokens(x, backend)
+                                                    for x in value if isinstance(x, str)),
+                     backend.n_ctx)
     if sum(isinstance(x, str) for x in value) > 1 and not any(_is_int(x) for x in value):
         raise bad_request(f"{name}: several prompts in one request are not supported; "
                           "send one request per prompt")
@@ -243,9 +255,19 @@ def check_token_ids(tokens: Sequence[Any], n_vocab: int, name: str) -> list[int]
 def check_fits(tokens: Sequence[int], n_predict_: int, n_ctx: int) -> None:
     needed = len(tokens) + (1 if n_predict_ else 0)
     if needed > n_ctx:
-        raise ApiError(400, f"the request exceeds the available context size: the prompt has "
-                       f"{len(tokens)} tokens and the context {n_ctx} (-c)",
-                       "exceed_context_size_error", n_prompt_tokens=len(tokens), n_ctx=n_ctx)
+        raise _exceeds(f"{len(tokens)} tokens", len(tokens), n_ctx)
+
+
+def check_fits_bound(at_least: int, n_ctx: int) -> None:
+    """The cheap check, before tokenizing: a prompt known to have more than n_ctx tokens."""
+    if at_least > n_ctx:
+        raise _exceeds(f"at least {at_least} tokens", at_least, n_ctx)
+
+
+def _exceeds(what: str, n_prompt: int, n_ctx: int) -> ApiError:
+    return ApiError(400, f"the request exceeds the available context size: the prompt has "
+                    f"{what} and the context {n_ctx} (-c)", "exceed_context_size_error",
+                    n_prompt_tokens=n_prompt, n_ctx=n_ctx)
 
 
 def refuse_unsupported(f: Fields) -> None:
@@ -310,6 +332,7 @@ def chat_completion(body: dict, backend: Any, settings: ServerSettings,
         text = chat.render_for(backend, messages, settings.chat_template)
     except ConfigError as e:
         raise bad_request(str(e)) from None
+    check_fits_bound(limits.fewest_tokens(text, backend), backend.n_ctx)
     tokens = backend.tokenize(text, add_special=False, parse_special=True)
     if not tokens:
         raise bad_request("messages: the rendered prompt is empty")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specwire.config import DraftParams, SamplingParams
+from specwire.server.limits import MAX_BODY_BYTES
 
 
 @dataclass(slots=True, frozen=True)
@@ -19,6 +20,7 @@ class ServerSettings:
     queue_size:    requests allowed to wait for a slot; one more is refused with 429.
     n_predict:     the server's cap on tokens per request (-1: up to the context size).
     webui:         serve the live page at GET / and its figures at /stats.json.
+    max_body:      bytes a request body may have; more is refused with 413 (limits.py).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -29,3 +31,4 @@ class ServerSettings:
     queue_size: int = 16
     n_predict: int = -1
     webui: bool = True
+    max_body: int = MAX_BODY_BYTES

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
+    created: float = field(default_factory=time.perf_counter)
 
     def emit(self, event: Event) -> None:
         """From the worker thread: deliver an event to the waiting request."""
@@ -105,10 +107,20 @@ class JobQueue:
         self._closed = False
         self._idle = 0          # workers blocked in get(): a job for them does not wait
 
+    def has_room(self) -> bool:
+        """Whether a job put now would be taken (racy: put decides; this saves the work
+        of parsing a request that would be refused)."""
+        with self._cv:
+            return not self._closed and self._would_wait() <= self.capacity
+
+    def _would_wait(self) -> int:
+        """Jobs left waiting, this one included, if one more were put now."""
+        n = len(self._jobs) + 1
+        return n - min(n, self._idle)
+
     def put(self, job: Job) -> None:
         with self._cv:
-            would_wait = len(self._jobs) + 1 - min(len(self._jobs) + 1, self._idle)
-            if self._closed or would_wait > self.capacity:
+            if self._closed or self._would_wait() > self.capacity:
                 raise QueueFull
             self._jobs.append(job)
             self._cv.notify()
@@ -177,8 +189,10 @@ class Slot:
         gen = engine.generate(job.request)
         text = TextStream(engine.target.detokenize)
         stops = StopMatcher(job.stops)
+        clock = _Clock(self.metrics, job.created)
         try:
             for new in gen:
+                clock.tick(len(new))
                 if job.cancelled.is_set():
                     self.metrics.outcome("cancelled")
                     return          # finally closes the generation: drafter state freed now
@@ -217,6 +231,32 @@ class Slot:
             except Exception:  # noqa: BLE001 - a drafter failing to end must not kill the slot
                 log.exception("slot %d: closing the generation failed", self.index)
             self.metrics.record(self.index, gen.stats, len(gen.tokens))
+            clock.finish()
+
+
+class _Clock:
+    """Times a generation for the histograms: its first tokens (from the job's arrival),
+    each round after them, and at the end the mean time per token after the first."""
+
+    __slots__ = ("metrics", "start", "first", "last", "n_first", "n")
+
+    def __init__(self, metrics: Metrics, arrived: float) -> None:
+        self.metrics, self.start = metrics, arrived
+        self.first = self.last = 0.0
+        self.n_first = self.n = 0
+
+    def tick(self, n_new: int) -> None:
+        now = time.perf_counter()
+        if not self.n:
+            self.metrics.ttft.observe(now - self.start)
+            self.first, self.n_first = now, n_new
+        else:
+            self.metrics.round_time.observe(now - self.last)
+        self.last, self.n = now, self.n + n_new
+
+    def finish(self) -> None:
+        if self.n > self.n_first:
+            self.metrics.tpot.observe((self.last - self.first) / (self.n - self.n_first))
 
 
 class Scheduler:
@@ -243,6 +283,12 @@ class Scheduler:
         except QueueFull:
             self.metrics.reject()
             raise
+
+    def check_room(self) -> None:
+        """QueueFull (counted) if a job submitted now would be refused."""
+        if not self.queue.has_room():
+            self.metrics.reject()
+            raise QueueFull
 
     def cancel(self, job: Job) -> None:
         """The client is gone: drop the job if waiting, else stop it before the next round."""

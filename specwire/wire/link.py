@@ -63,7 +63,8 @@ class Link:
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         tok = self.settings.token
-        return ((protocol.AUTH_HEADER, f"Bearer {tok}"),) if tok else ()
+        who = ((protocol.TARGET_HEADER, protocol.TARGET_ID),)
+        return ((protocol.AUTH_HEADER, f"Bearer {tok}"), *who) if tok else who
 
     def sort_key(self) -> tuple[int, float]:
         """Healthy links first, then the one that answered its handshake fastest."""

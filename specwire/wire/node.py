@@ -21,15 +21,17 @@ from dataclasses import dataclass
 
 import grpc
 
-from specwire.backend.llama import LlamaBackend, Model, load_model
+from specwire.backend.llama import LlamaBackend, Model, load_model, open_contexts
 from specwire.config import ModelParams
-from specwire.policy import Calibration
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
+from specwire.wire.calibrations import Calibrations, target_key
+from specwire.wire.node_metrics import NodeMetrics
 from specwire.wire.protocol import ProtocolError
 from specwire.wire.session import DraftSession, error_message
 from specwire.wire.sync_server import SyncServer, tls_context
+from specwire.wire.watchdog import Lease, Watchdog
 
 log = logging.getLogger("specwire.node")
 
@@ -46,14 +48,38 @@ class NodeSettings:
     max_sessions: int = 8
     sync_port: int | None = None  # the synchronous port (0: any free one; None: none)
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
+    metrics_port: int | None = None  # Prometheus figures (node_metrics.py; None: off)
+
+
+#: A call must send its first message (a Session's Open, a ping) this soon, and a Ping
+#: stream each next ping: a silent peer would otherwise hold an admission slot for ever.
+HANDSHAKE_S = 10.0
+#: An open session whose target sends nothing for this long is ended, so that a target gone
+#: without a word does not hold a slot. Generous: the target evaluates its prompt after the
+#: Open, before its first verdict, and a long prompt on a large CPU model takes minutes.
+SESSION_IDLE_S = 900.0
+#: The longest one ping may hold a node thread busy (bench/link_overhead holds each as
+#: long as a drafting round took, which on a loaded machine can pass 100 ms). What bounds
+#: the spinning is admission: a Ping stream holds one of --max-sessions slots, as a
+#: drafting session does, so pings can keep no more cores busy than sessions could.
+MAX_PING_HOLD_US = 1_000_000
+#: Targets whose calibration the node keeps; the least recently seen is forgotten first.
+MAX_CALIBRATIONS = 64
+#: The main port closes connections that have had no call this long.
+IDLE_CONNECTION_MS = 120_000
 
 
 class DraftNodeService(pbg.DraftNodeServicer):
     def __init__(self, settings: NodeSettings, model: Model) -> None:
         self.settings, self.model = settings, model
-        # What verdicts taught about the draft's confidence, kept across sessions.
-        self.calibration = Calibration()
+        # What verdicts taught about the draft's confidence, kept across sessions, per target.
+        self.calibrations = Calibrations(MAX_CALIBRATIONS)
         self._slots = threading.BoundedSemaphore(settings.max_sessions)
+        self._in_use = 0  # admitted calls open now (for /metrics)
+        self._in_use_lock = threading.Lock()
+        self.watchdog = Watchdog()
+        self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
+                                   lambda: len(self.calibrations))
         self.sync_port = 0  # advertised in Hello once the sync server listens
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
@@ -68,6 +94,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 context.peer(),
                 "missing token" if not got else "wrong token",
             )
+            self.metrics.refuse("token")
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "draft node: bad or missing token")
 
     def Hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:  # noqa: N802
@@ -93,26 +120,33 @@ class DraftNodeService(pbg.DraftNodeServicer):
         """Echo each ping after hold_us of busy work, as a drafting round keeps the node busy.
 
         The time a message exchange takes depends on what the CPUs did meanwhile
-        (an idle core wakes up slower), so the hold spins rather than sleeps.
+        (an idle core wakes up slower), so the hold spins rather than sleeps. A Ping
+        stream is admitted like a session (it holds one of --max-sessions slots and
+        spins a core like one), each hold is at most MAX_PING_HOLD_US, and a stream
+        silent for HANDSHAKE_S is ended.
         """
-        self._authorize(context)
-        for ping in request_iterator:
-            if ping.hold_us > 1_000_000:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ping: hold_us above 1 s")
-            until = time.perf_counter() + ping.hold_us / 1e6
-            while time.perf_counter() < until:
-                pass
-            yield pb.Pong(seq=ping.seq)
+        with self._admitted(context, "Ping"), \
+                self.watchdog.watch(HANDSHAKE_S, context.cancel) as lease:
+            for ping in request_iterator:
+                lease.feed()
+                if ping.hold_us > MAX_PING_HOLD_US:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"ping: hold_us above {MAX_PING_HOLD_US}")
+                until = time.perf_counter() + ping.hold_us / 1e6
+                while time.perf_counter() < until:
+                    pass
+                yield pb.Pong(seq=ping.seq)
+                lease.feed()
 
     def Session(self, request_iterator, context):  # noqa: N802
-        with self._admitted(context):
+        with self._admitted(context, "Session"):
             yield from self._serve(request_iterator, context)
 
     def serve_sync(self, requests, send, context) -> None:
         """A synchronous Session for a transport that writes from the calling thread (the
         sync port, wire/sync_server.py): each chunk goes to `send` as it is drafted, with no
         generator between the session and the socket."""
-        with self._admitted(context):
+        with self._admitted(context, "Session"):
             session: DraftSession | None = None
             try:
                 first = _first_open(requests)
@@ -120,7 +154,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
                     return
                 if first.pipelined:
                     raise ProtocolError("pipelined sessions are served on the node's main port")
-                session = self._open(first, send)
+                session = self._open(first, send, context)
                 session.step(None)
                 for verdict in _verdicts(requests):
                     session.step(verdict)
@@ -131,52 +165,77 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 _close(session)
 
     @contextlib.contextmanager
-    def _admitted(self, context):
+    def _admitted(self, context, method: str):
         """The token checked, and one of --max-sessions slots held for the block."""
         self._authorize(context)
         if not self._slots.acquire(blocking=False):
+            self.metrics.refuse("busy")
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"draft node busy: {self.settings.max_sessions} sessions open",
             )
+        with self._in_use_lock:
+            self._in_use += 1
+        self.metrics.call(method)
         try:
             yield
         finally:
+            with self._in_use_lock:
+                self._in_use -= 1
             self._slots.release()
 
     def _serve(self, requests, context):
         """Open, then drafts out and verdicts in until Close; a broken peer gets a DraftError."""
         session: DraftSession | None = None
         out: list[pb.DraftMessage] = []
+        lease = self.watchdog.watch(HANDSHAKE_S, context.cancel)
         try:
             first = _first_open(requests)
-            if first is None:
+            if first is None:   # the stream ended, or the watchdog ended it
+                if lease.expired:
+                    self.metrics.refuse("silent")
                 return
+            lease.timeout_s = SESSION_IDLE_S
+            lease.feed()
             if first.pipelined:
                 outbox: queue.SimpleQueue[pb.DraftMessage | None] = queue.SimpleQueue()
-                session = self._open(first, outbox.put)
-                yield from _pipelined(session, outbox, requests, context)
+                session = self._open(first, outbox.put, context)
+                yield from _pipelined(session, outbox, _verdicts(requests, lease), context)
                 return
-            session = self._open(first, out.append)
+            session = self._open(first, out.append, context)
             session.step(None)
             yield from _drain(out)
-            for verdict in _verdicts(requests):
+            for verdict in _verdicts(requests, lease):
                 session.step(verdict)
                 yield from _drain(out)
         except grpc.RpcError:
-            pass  # the target went away; nothing to tell it
+            if lease.expired:
+                self.metrics.refuse("silent")
+                log.info("session from %s ended: silent past its deadline (%s)", context.peer(),
+                         "no Open" if session is None else "no verdict")
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
             log.info("session from %s ends: %s", context.peer(), e)
             yield from _drain(out)
             yield error_message(e)
         finally:
+            lease.release()
             _close(session)
 
-    def _open(self, open_msg: pb.Open, send) -> DraftSession:
+    def _open(self, open_msg: pb.Open, send, context) -> DraftSession:
+        """Check everything the Open says, then allocate its llama.cpp context."""
+        try:
+            protocol.check_open(open_msg, self.model.n_vocab, self.settings.model.n_ctx)
+            protocol.sampling_from_pb(open_msg.sampling)
+            protocol.mode_from_pb(open_msg.mode)
+        except ProtocolError:
+            self.metrics.refuse("bad_open")
+            raise
+        calibration = self.calibrations.get(target_key(context)) if open_msg.calibrated \
+            else None
         backend = LlamaBackend(self.settings.model, self.model)
         try:
             return DraftSession(backend, open_msg, send, seed=self.settings.seed,
-                                calibration=self.calibration)
+                                calibration=calibration)
         except Exception:
             backend.close()
             raise
@@ -205,9 +264,12 @@ def _drain(out: list[pb.DraftMessage]):
     out.clear()
 
 
-def _verdicts(requests):
-    """The verdicts after the Open, until Close; anything else is a ProtocolError."""
+def _verdicts(requests, lease: Lease | None = None):
+    """The verdicts after the Open, until Close; anything else is a ProtocolError. Each
+    message moves the lease's deadline on."""
     for m in requests:
+        if lease is not None:
+            lease.feed()
         kind = m.WhichOneof("kind")
         if kind == "close":
             return
@@ -216,13 +278,13 @@ def _verdicts(requests):
         yield m.verdict
 
 
-def _pipelined(session: DraftSession, outbox: queue.SimpleQueue, requests, context):
+def _pipelined(session: DraftSession, outbox: queue.SimpleQueue, verdicts, context):
     """The session drafts on its own thread into outbox; a reader thread feeds it verdicts."""
     context.add_callback(lambda: outbox.put(None))  # the RPC ended: stop yielding
 
     def read() -> None:
         try:
-            for verdict in _verdicts(requests):
+            for verdict in verdicts:
                 session.push(verdict)
         except grpc.RpcError:
             pass
@@ -255,8 +317,25 @@ def _credentials(s: NodeSettings) -> grpc.ServerCredentials | None:
     )
 
 
-def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
-    """Run a draft node until interrupted."""
+@dataclass(slots=True)
+class RunningNode:
+    """A started node: its gRPC server, its service, its other ports."""
+
+    server: grpc.Server
+    service: DraftNodeService
+    port: int
+    sync: SyncServer | None
+    metrics_port: int | None
+
+    def stop(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+        self.service.metrics.close()
+        self.server.stop(grace=1.0).wait()
+
+
+def start(settings: NodeSettings) -> RunningNode:
+    """Load the model and start serving on every configured port (returns at once)."""
     model = load_model(settings.model)
     model.fingerprint()  # computed once, before the first Hello
     server = grpc.server(
@@ -265,6 +344,9 @@ def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
             ("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            # A connection with no call for this long is closed (one refused for its token
+            # has none); targets reconnect on their next call without noticing.
+            ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
         ],
     )
     service = DraftNodeService(settings, model)
@@ -275,6 +357,9 @@ def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     sync = _sync_server(settings, service)
+    metrics_port = None
+    if settings.metrics_port is not None:
+        metrics_port = service.metrics.serve(settings.host, settings.metrics_port)
     server.start()
     log.info(
         "draft node serving %s on %s:%d (%s, token %s)",
@@ -284,18 +369,26 @@ def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
         "TLS" if creds else "plain text",
         "required" if settings.token else "off",
     )
-    if sync is not None:
-        print(f"specwire draft node: synchronous sessions on {settings.host}:{sync.port}",
+    return RunningNode(server, service, port, sync, metrics_port)
+
+
+def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
+    """Run a draft node until interrupted."""
+    node = start(settings)
+    host = settings.host
+    if node.metrics_port is not None:
+        print(f"specwire draft node: metrics on http://{host}:{node.metrics_port}/metrics",
               flush=True)
-    print(f"specwire draft node listening on {settings.host}:{port}", flush=True)
+    if node.sync is not None:
+        print(f"specwire draft node: synchronous sessions on {host}:{node.sync.port}",
+              flush=True)
+    print(f"specwire draft node listening on {host}:{node.port}", flush=True)
     if ready is not None:
         ready.set()
     try:
-        server.wait_for_termination()
+        node.server.wait_for_termination()
     finally:
-        if sync is not None:
-            sync.close()
-        server.stop(grace=1.0).wait()
+        node.stop()
 
 
 def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServer | None:

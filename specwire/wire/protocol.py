@@ -9,6 +9,7 @@ the output; these checks make it harmless to the process.
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,9 @@ MAX_Q_K = 256  # sparse q entries per token
 MAX_HISTORY = 1 << 20  # tokens in an Open message
 MAX_MESSAGE_BYTES = 16 << 20
 AUTH_HEADER = "authorization"
+#: Call metadata naming the target process, so that a node keeps a calibration per target.
+TARGET_HEADER = "specwire-target"
+TARGET_ID = secrets.token_hex(8)  # random per process: one target, one id
 SESSION_PATH = f"/{pb.DESCRIPTOR.services_by_name['DraftNode'].full_name}/Session"
 
 _MODES = {

@@ -94,8 +94,13 @@ class SyncServer:
             conn = Connection(sock, client=False, max_message=protocol.MAX_MESSAGE_BYTES,
                               max_streams=1)
             conn.handshake(HANDSHAKE_TIMEOUT_S)
-            while (stream := conn.next_request(IDLE_TIMEOUT_S)) is not None:
-                self._call(conn, stream, peer)
+            # The first call comes soon or the connection closes; one refused for its token
+            # closes it: only a target that was let in may keep a connection idle.
+            wait_s = HANDSHAKE_TIMEOUT_S
+            while (stream := conn.next_request(wait_s)) is not None:
+                if self._call(conn, stream, peer) == grpc.StatusCode.UNAUTHENTICATED:
+                    break
+                wait_s = IDLE_TIMEOUT_S
         except (H2Error, OSError) as e:  # OSError covers TLS errors and timeouts
             log.warning("sync connection from %s closed: %s", peer, e)
         finally:
@@ -105,8 +110,9 @@ class SyncServer:
                 sock.close()
             self._slots.release()
 
-    def _call(self, conn: Connection, stream: Stream, peer: str) -> None:
-        """One Session call; H2Error out of here ends the connection."""
+    def _call(self, conn: Connection, stream: Stream, peer: str) -> grpc.StatusCode | None:
+        """One Session call; H2Error out of here ends the connection. The code it was
+        aborted with, if it was."""
         headers = dict(stream.headers)
         if headers.get(":path") != protocol.SESSION_PATH:
             conn.finish(stream.sid, grpc.StatusCode.UNIMPLEMENTED.value[0],
@@ -132,19 +138,26 @@ class SyncServer:
             self.service.serve_sync(_requests(conn, stream.sid), send, _Context(stream, peer))
         except _Abort as e:
             conn.finish(stream.sid, e.code.value[0], e.details, headers_sent=sent)
-            return
+            return e.code
         if stream.reset is None:
             conn.finish(stream.sid, 0, headers_sent=sent)
+        return None
 
 
 def _requests(conn: Connection, sid: int) -> Iterator[pb.TargetMessage]:
-    """The call's messages, until the target ends it."""
-    while (data := conn.recv_message(sid, IDLE_TIMEOUT_S)) is not None:
+    """The call's messages, until the target ends it; the first (the Open) within the
+    handshake deadline, as an admitted call holds one of the node's session slots."""
+    try:
+        data = conn.recv_message(sid, HANDSHAKE_TIMEOUT_S)
+    except TimeoutError:
+        raise ProtocolError(f"no Open within {HANDSHAKE_TIMEOUT_S:.0f} s") from None
+    while data is not None:
         try:
             msg = pb.TargetMessage.FromString(data)
         except DecodeError:
             raise ProtocolError("undecodable frame: not a TargetMessage") from None
         yield msg
+        data = conn.recv_message(sid, IDLE_TIMEOUT_S)
 
 
 def tls_context(cert: str, key: str | None, client_ca: str | None) -> ssl.SSLContext:

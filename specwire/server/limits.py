@@ -1,0 +1,192 @@
+"""What a request body may hold, checked before any work is spent on it.
+
+The body is read against a byte cap (413 past it, refused by Content-Length
+before a byte of it is read when the client declares it). The JSON is then
+parsed by the standard library with three additions, so that no body can
+reach a 500 through the parser or through what it produces:
+
+* non-finite numbers (`NaN`, `Infinity`, or a literal like 1e400 that
+  overflows a double) are refused: they are not JSON, and no field takes them;
+* integers beyond +-2^64 are refused: nothing this API takes holds more (a
+  seed is at most 2^64 - 1), and Python's own guard against quadratic
+  int/str conversion raises ValueError at 4300 digits;
+* nesting beyond MAX_DEPTH is refused (the C parser would recurse until
+  RecursionError), as are strings with lone UTF-16 surrogates: JSON escapes
+  can write "\\ud800", which Python keeps in the str and which then fails
+  at the first encode to UTF-8 (tokenizing, or writing an error message).
+
+The walk over the parsed value visits each element once; arrays of plain
+integers (token ids) are checked at C speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from fastapi import Request
+
+from specwire.config import INT32_MAX
+from specwire.server.errors import ApiError, bad_request
+
+__all__ = ["INT32_MAX", "parse_json", "read_body"]
+
+#: Default --max-body: a full 1M-token context (ModelParams' largest) written as token ids
+#: ("123456," is 7 bytes) fits, so no request the server could serve is refused.
+MAX_BODY_BYTES = 8 << 20
+MAX_DEPTH = 32
+MAX_INT = 2**64
+#: Stop strings: llama-server takes any number, OpenAI at most 4. Each is searched for in
+#: every generated piece, so their number and length bound per-token work.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 512
+#: A text prompt is refused as too long for the context, before it is tokenized, when even
+#: tokens this many times longer than the vocabulary's longest could not make it fit.
+TOKEN_BOUND_SLACK = 2
+
+
+class _Refused(ValueError):
+    """A number the parser was given that no field can hold."""
+
+
+def too_large(cap: int) -> ApiError:
+    return ApiError(413, f"request body: larger than the server's limit of {cap} bytes "
+                    "(--max-body)")
+
+
+async def read_body(request: Request, cap: int) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed `cap` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap:
+        raise too_large(cap)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise too_large(cap)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise _Refused(f"the number {text[:40]}{'...' if len(text) > 40 else ''} is out of "
+                       "range")
+    return x
+
+
+def _constant(text: str) -> Any:
+    raise _Refused(f"{text} is not a JSON value")
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object within the limits above, or a 400 that says why not."""
+    if not raw.strip():
+        raise bad_request("request body: expected a JSON object, got nothing")
+    try:
+        body = json.loads(raw, parse_float=_float, parse_constant=_constant)
+    except _Refused as e:
+        raise bad_request(f"request body: {e}") from None
+    except RecursionError:
+        raise bad_request(f"request body: nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, int digits limit
+        if "integer string conversion" in str(e):
+            raise bad_request("request body: an integer with thousands of digits; nothing "
+                              "here takes more than 20") from None
+        raise bad_request(f"request body: invalid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body: expected a JSON object, got {type(body).__name__}")
+    check_value(body)
+    return body
+
+
+def check_value(value: Any) -> None:
+    """Depth, integer range and surrogates over a parsed JSON value; a 400 names where."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 1)]
+    while stack:
+        v, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad_request(f"request body: nested deeper than {MAX_DEPTH} levels at "
+                              f"{_short(where)}")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                _check_str(k, f"{where}.<key>" if where else "a key")
+                path = f"{where}.{k}" if where else k
+                if isinstance(x, dict | list):
+                    stack.append((x, path, depth + 1))
+                else:
+                    _check_scalar(x, path)
+        elif _plain_ints(v):
+            continue
+        else:
+            for i, x in enumerate(v):
+                path = f"{where}[{i}]"
+                if isinstance(x, dict | list):
+                    stack.append((x, path, depth + 1))
+                else:
+                    _check_scalar(x, path)
+
+
+def _short(where: str) -> str:
+    return where if len(where) <= 60 else where[:57] + "..."
+
+
+def _plain_ints(v: list) -> bool:
+    """An array of integers in range (a prompt of token ids), checked without a Python loop."""
+    if not v or set(map(type, v)) != {int}:
+        return False
+    return min(v) > -MAX_INT and max(v) < MAX_INT
+
+
+def _check_scalar(x: Any, where: str) -> None:
+    if isinstance(x, str):
+        _check_str(x, where)
+    elif isinstance(x, int) and not isinstance(x, bool) and not -MAX_INT < x < MAX_INT:
+        raise bad_request(f"{_short(where)}: the integer is out of range (at most 2^64 in "
+                          "magnitude)")
+
+
+def _check_str(s: str, where: str) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{_short(where)}: contains a lone UTF-16 surrogate "
+                          f"(\\u{ord(s[e.start]):04x} at character {e.start}); "
+                          "text must be valid Unicode") from None
+
+
+_longest: dict[int, int] = {}
+
+
+def longest_token_bytes(backend: Any) -> int:
+    """The most input bytes one token of this vocabulary stands for, computed once.
+
+    A llama.cpp vocabulary's raw token text is never shorter than what the token
+    prints: SentencePiece writes a space as the 3-byte "\u2581", byte-level BPE each
+    byte as a 1-2 byte character, byte-fallback tokens as "<0x41>". Reading it
+    leaves the detokenizer's cache of pieces alone; other backends are asked for
+    their pieces.
+    """
+    n = _longest.get(id(backend))
+    if n is None:
+        text = getattr(getattr(backend, "model", None), "token_text", None)
+        if text is not None:
+            n = max(len(text(t).encode("utf-8", "replace")) for t in range(backend.n_vocab))
+        else:
+            n = max(len(backend.detokenize([t])) for t in range(backend.n_vocab))
+        _longest[id(backend)] = n = max(n, 1)
+    return n
+
+
+def fewest_tokens(text: str, backend: Any) -> int:
+    """A lower bound on the tokens `text` becomes, without tokenizing it (0: too short to
+    bound, or a backend that cannot print its tokens). Only long texts pay for the
+    vocabulary scan."""
+    size = len(text.encode("utf-8"))
+    if size <= backend.n_ctx or not hasattr(backend, "detokenize"):
+        return 0
+    return size // (TOKEN_BOUND_SLACK * longest_token_bytes(backend))

@@ -1,0 +1,49 @@
+"""A draft node's calibrations, one per target.
+
+A synchronous session of an adaptive target stops its drafts by the draft's
+confidence, calibrated on the verdicts the node receives (specwire.policy).
+Targets differ (their model, their sampling), so each keeps its own: one
+target's verdicts must not move another's stops, and a hostile peer must not
+be able to steer them. A target is known by its host and the id it sends in
+the call metadata (protocol.TARGET_HEADER, random per target process); the
+node keeps the most recently seen ones, a bounded number.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from specwire.policy import Calibration
+from specwire.wire import protocol
+
+
+def target_key(context) -> tuple[str, str]:
+    """Whose calibration a session uses: the peer's address without its port, and the
+    target's id (protocol.TARGET_HEADER, random per target process) when it sends one."""
+    peer = context.peer()   # "ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"; the sync port: "1.2.3.4:5678"
+    if peer.startswith(("ipv4:", "ipv6:")):
+        peer = peer[5:]
+    host = peer.rsplit(":", 1)[0].strip("[]")
+    meta = dict(context.invocation_metadata() or ())
+    return host, str(meta.get(protocol.TARGET_HEADER, ""))[:64]
+
+
+class Calibrations:
+    """One Calibration per target, the least recently used forgotten past `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._by_key: OrderedDict[tuple[str, str], Calibration] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str]) -> Calibration:
+        with self._lock:
+            c = self._by_key.pop(key, None) or Calibration()
+            self._by_key[key] = c
+            while len(self._by_key) > self.limit:
+                self._by_key.popitem(last=False)
+            return c
+
+    def __len__(self) -> int:
+        return len(self._by_key)

@@ -1,0 +1,84 @@
+"""The draft node's figures for Prometheus (`specwire draft --metrics-port PORT`).
+
+A target's /metrics shows its own side of the link; what the node holds for
+all its targets is only visible here: admitted calls, llama.cpp contexts
+(one per open session, so 0 when no target is drafting: a leak shows as a
+count that stays up), sessions by how they ended, refusals by reason, and
+the process collector (resident memory, open files). Served by
+prometheus_client's own HTTP server on a port of its own, without the node's
+token: the figures say nothing about what is drafted.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+PREFIX = "specwire:node_"
+
+
+class NodeMetrics:
+    """Counters updated by the RPC threads, read at scrape time."""
+
+    def __init__(self, slots_in_use: Callable[[], int], contexts: Callable[[], int],
+                 calibrations: Callable[[], int]) -> None:
+        self._lock = threading.Lock()
+        self._slots_in_use, self._contexts, self._calibrations = (slots_in_use, contexts,
+                                                                 calibrations)
+        self.calls: Counter[str] = Counter()       # admitted calls by method
+        self.refused: Counter[str] = Counter()     # reason -> calls refused or ended by the node
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._http = None
+        ProcessCollector(registry=self.registry)
+
+    def call(self, method: str) -> None:
+        with self._lock:
+            self.calls[method] += 1
+
+    def refuse(self, reason: str) -> None:
+        """'token', 'busy', 'silent' (no Open or ping in time), 'bad_open'."""
+        with self._lock:
+            self.refused[reason] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            calls = CounterMetricFamily(PREFIX + "calls", "Calls admitted, by method.",
+                                        labels=["method"])
+            for k, v in sorted(self.calls.items()):
+                calls.add_metric([k], v)
+            refused = CounterMetricFamily(PREFIX + "refused", "Calls refused or ended by the "
+                                          "node, by reason: token, busy (--max-sessions), "
+                                          "silent (no Open or ping before the deadline), "
+                                          "bad_open.", labels=["reason"])
+            for k, v in sorted(self.refused.items()):
+                refused.add_metric([k], v)
+        yield calls
+        yield refused
+        yield GaugeMetricFamily(PREFIX + "slots_in_use", "Admitted calls open now (sessions and "
+                                "pings; at most --max-sessions).", value=self._slots_in_use())
+        yield _contexts_gauge(self._contexts())
+        yield GaugeMetricFamily(PREFIX + "calibrations", "Targets whose draft calibration this "
+                                "node keeps (bounded).", value=self._calibrations())
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP exporter on a daemon thread; the port it listens on."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def _contexts_gauge(n: int) -> GaugeMetricFamily:
+    g = GaugeMetricFamily("specwire:contexts_open", "llama.cpp contexts open in this process: "
+                          "one per drafting session.", labels=["side"])
+    g.add_metric(["node"], n)
+    return g

@@ -1,0 +1,260 @@
+"""The draft node's admission: deadlines for silent peers, Ping under the session limit,
+the Open checked before a context is allocated, a calibration per target, its /metrics.
+
+An in-process node (wire.node.start) on the bundled draft model, reached over real
+sockets by grpcio's client and by raw TCP; the handshake deadlines are shortened
+so that a silent peer is dropped within a second.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+from wire_helpers import CODE, GREEDY, Target, draft_model_path, request, run_to_end, wait_for
+
+from specwire.config import ModelParams
+from specwire.engine import Engine
+from specwire.server.metrics import parse_figures
+from specwire.wire import node as node_mod
+from specwire.wire import protocol, sync_server
+from specwire.wire import specwire_pb2 as pb
+from specwire.wire import specwire_pb2_grpc as pbg
+from specwire.wire.calibrations import Calibrations
+from specwire.wire.node import NodeSettings, RunningNode
+
+pytestmark = pytest.mark.slow
+DEADLINE_S = 0.5
+TOKEN = "node-secret"
+
+
+@pytest.fixture
+def start_node(monkeypatch) -> Iterator:
+    """start_node(**settings) -> a running in-process node, stopped after the test."""
+    monkeypatch.setattr(node_mod, "HANDSHAKE_S", DEADLINE_S)
+    monkeypatch.setattr(sync_server, "HANDSHAKE_TIMEOUT_S", DEADLINE_S)
+    started: list[RunningNode] = []
+
+    def start(**kw) -> RunningNode:
+        kw = {"sync_port": 0, "metrics_port": 0, **kw}
+        settings = NodeSettings(model=ModelParams(draft_model_path(), n_ctx=512), port=0, **kw)
+        started.append(node_mod.start(settings))
+        return started[-1]
+
+    yield start
+    for n in started:
+        n.stop()
+
+
+def _figures(node: RunningNode) -> dict[str, float]:
+    return parse_figures(httpx.get(f"http://127.0.0.1:{node.metrics_port}/metrics").text)
+
+
+def _history(node: RunningNode) -> list[int]:
+    return node.service.model.tokenize(CODE)
+
+
+def _open(history: list[int], want: int = 3, **kw) -> pb.TargetMessage:
+    kw = {"mode": pb.VERIFY_GREEDY, "lookahead": 8, **kw}
+    return pb.TargetMessage(open=pb.Open(
+        history=history, sampling=protocol.sampling_to_pb(GREEDY), pipelined=False, want=want,
+        **kw))
+
+
+class Stream:
+    """A Session (or Ping) call driven by hand."""
+
+    def __init__(self, method, metadata=()) -> None:
+        self.q: queue.Queue = queue.Queue()
+        self.call = method(iter(self.q.get, None), metadata=metadata, timeout=30)
+
+    def send(self, msg) -> None:
+        self.q.put(msg)
+
+    def next(self):
+        return next(self.call)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.call.cancel()
+
+
+def test_silent_session_is_ended_and_its_slot_freed(start_node) -> None:
+    node = start_node(max_sessions=1)
+    with grpc.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+        stub = pbg.DraftNodeStub(ch)
+        silent = Stream(stub.Session)
+        t0 = time.monotonic()
+        with pytest.raises((grpc.RpcError, StopIteration)):
+            silent.next()                      # never sends its Open
+        assert time.monotonic() - t0 < DEADLINE_S + 2
+        wait_for(lambda: _figures(node).get('specwire:node_refused_total{reason="silent"}') == 1,
+                 5, "the silent session counted")
+        s = Stream(stub.Session)              # the only slot is free again
+        s.send(_open(_history(node)))
+        assert len(s.next().chunk.tokens) == 3
+        s.close()
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_silent_sync_connections_are_closed(start_node) -> None:
+    """A TCP connection that never speaks, and one that says the HTTP/2 preface and then
+    nothing, are both closed by the sync port within its handshake deadline."""
+    node = start_node()
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+    for greeting in (b"", preface):
+        with socket.create_connection(("127.0.0.1", node.sync.port)) as sock:
+            sock.sendall(greeting)
+            assert _closed_within(sock, 3 * DEADLINE_S + 2), greeting
+
+
+def test_refused_token_closes_the_sync_connection(start_node) -> None:
+    node = start_node(token=TOKEN)
+    free = node.sync._slots._value
+    with grpc.insecure_channel(f"127.0.0.1:{node.sync.port}") as ch:
+        call = pbg.DraftNodeStub(ch).Session(
+            iter([_open(_history(node))]), metadata=((protocol.AUTH_HEADER, "Bearer nope"),),
+            timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # the node let the connection go at once, not after an hour of idling
+        wait_for(lambda: node.sync._slots._value == free, 3, "the connection closed")
+    assert _figures(node)['specwire:node_refused_total{reason="token"}'] == 1
+
+
+def test_ping_is_admitted_like_a_session(start_node) -> None:
+    node = start_node(max_sessions=1)
+    with grpc.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+        stub = pbg.DraftNodeStub(ch)
+        session = Stream(stub.Session)
+        session.send(_open(_history(node)))
+        session.next()                          # the session holds the only slot
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Ping(iter([pb.PingMessage(seq=1)]), timeout=10))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        session.close()
+        wait_for(lambda: node.service._in_use == 0, 5, "the session's slot released")
+        pongs = list(stub.Ping(iter([pb.PingMessage(seq=i, hold_us=1000) for i in (4, 5)])))
+        assert [p.seq for p in pongs] == [4, 5]
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Ping(iter([pb.PingMessage(seq=1, hold_us=node_mod.MAX_PING_HOLD_US + 1)])))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        silent = Stream(stub.Ping)              # admitted, then never pings
+        with pytest.raises((grpc.RpcError, StopIteration)):
+            silent.next()
+        wait_for(lambda: node.service._in_use == 0, 5, "the silent ping's slot released")
+
+
+def test_open_is_checked_before_a_context_is_allocated(start_node, monkeypatch) -> None:
+    node = start_node()
+    allocated: list[int] = []
+    real = node_mod.LlamaBackend
+
+    def counting(*a, **kw):
+        allocated.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(node_mod, "LlamaBackend", counting)
+    history = _history(node)
+    bad = [_open([]), _open([2, node.service.model.n_vocab]), _open(history, want=10**6),
+           _open(history, mode=9), _open(history * 100),
+           pb.TargetMessage(open=pb.Open(history=history, sampling=pb.Sampling(top_p=0)))]
+    with grpc.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+        stub = pbg.DraftNodeStub(ch)
+        for msg in bad:
+            s = Stream(stub.Session)
+            s.send(msg)
+            assert s.next().WhichOneof("kind") == "error"
+            s.close()
+        assert allocated == []
+        assert _figures(node)['specwire:node_refused_total{reason="bad_open"}'] == len(bad)
+        s = Stream(stub.Session)
+        s.send(_open(history))
+        assert s.next().chunk.tokens and allocated == [1]
+        assert _figures(node)['specwire:contexts_open{side="node"}'] == 1
+        s.close()
+    wait_for(lambda: _figures(node)['specwire:contexts_open{side="node"}'] == 0, 5,
+             "the session's context freed")
+
+
+def test_calibration_is_kept_per_target(start_node) -> None:
+    """Two targets (two ids in the call metadata) each get their own calibration: what
+    one target's verdicts teach does not move the other's."""
+    node = start_node()
+    history = _history(node)
+    cal = node.service.calibrations
+    with grpc.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+        stub = pbg.DraftNodeStub(ch)
+        for who in ("target-a", "target-b"):
+            s = Stream(stub.Session, metadata=((protocol.TARGET_HEADER, who),))
+            s.send(_open(history, want=4, calibrated=True, keep_min=1e-6))
+            sent = list(s.next().chunk.tokens)
+            if who == "target-a":   # A rejects the first draft token: a lesson for A only
+                other = (sent[0] + 1) % node.service.model.n_vocab
+                s.send(pb.TargetMessage(verdict=pb.Verdict(position=len(history), accepted=0,
+                                                           tokens=[other], want=2)))
+                s.next()
+            s.close()
+    assert len(cal) == 2
+    a, b = cal.get(("127.0.0.1", "target-a")), cal.get(("127.0.0.1", "target-b"))
+    assert a is not b
+    prior = Calibrations(1).get(("x", "y"))
+    assert a.seen != prior.seen and b.seen == prior.seen
+
+
+def test_calibrations_are_bounded_least_recent_first() -> None:
+    cal = Calibrations(2)
+    first = cal.get(("h", "1"))
+    cal.get(("h", "2"))
+    assert cal.get(("h", "1")) is first       # used again: now the most recent
+    cal.get(("h", "3"))                         # forgets ("h", "2")
+    assert len(cal) == 2 and cal.get(("h", "1")) is first
+
+
+def test_metrics_port_flag_is_checked() -> None:
+    import argparse
+
+    from specwire.cliargs import CliError
+    from specwire.commands import draft
+
+    parser = argparse.ArgumentParser()
+    draft.register(parser.add_subparsers())
+    args = parser.parse_args(["draft", "--metrics-port", "70000"])
+    with pytest.raises(CliError, match="--metrics-port"):
+        args.func(args)
+
+
+def test_idle_connections_close_and_targets_carry_on(start_node, monkeypatch) -> None:
+    """The main port closes a connection with no call (grpc.max_connection_idle_ms): a
+    target's next request reconnects by itself and still gets its drafts accepted."""
+    monkeypatch.setattr(node_mod, "IDLE_CONNECTION_MS", 500)
+    node = start_node(sync_port=None)
+    target = Target()
+    rd = target.drafter(f"127.0.0.1:{node.port}", pipelined=False)
+    try:
+        engine = Engine(target.backend, rd)
+        prompt = target.tokens(CODE)
+        for _ in range(2):
+            g = engine.generate(request(prompt, 16, GREEDY))
+            assert run_to_end(g) == target.plain(prompt, GREEDY, 16)
+            assert g.stats.draft_n_accepted > 0
+            time.sleep(2.0)                 # the node drops the idle connection meanwhile
+    finally:
+        rd.close()

@@ -1,0 +1,163 @@
+"""What a request may hold (server/limits.py) and the figures of /metrics, over real HTTP.
+
+The app runs in-process under uvicorn over the toy engine of test_server.py (no
+model needed): every hostile body below must get one 4xx with an OpenAI-style
+error body naming the problem, never a 500; the server's limits answer before
+the work they guard (a full queue before the body is parsed, an obviously
+too long prompt before it is tokenized).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from test_server import SpyDrafter, ToyBackend, _ignore, _metric, _sse, serve_app
+
+from specwire.config import SamplingParams
+from specwire.engine import Engine
+from specwire.server import ServerSettings, create_app
+from specwire.server.metrics import parse_figures
+
+
+def _toy_app(**settings):
+    settings = ServerSettings(sampling=SamplingParams(temperature=0.0), **settings)
+    return create_app(Engine(ToyBackend(), SpyDrafter()), settings)
+
+
+@pytest.fixture
+def toy_url():
+    app = _toy_app(queue_size=1)
+    with serve_app(app) as url:
+        yield url, app
+
+
+def _error(r: httpx.Response, status: int) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["type"] and err["message"]
+    return err["message"]
+
+
+def test_body_over_the_cap_is_413_declared_or_streamed() -> None:
+    with serve_app(_toy_app(max_body=4096)) as url:
+        _body_over_the_cap(url)
+
+
+def _body_over_the_cap(url: str) -> None:
+    big = json.dumps({"prompt": "a" * 5000}).encode()
+    msg = _error(httpx.post(url + "/completion", content=big), 413)
+    assert "4096 bytes" in msg and "--max-body" in msg
+
+    def chunks():          # no Content-Length: the cap is counted as the body arrives
+        for i in range(0, len(big), 1000):
+            yield big[i:i + 1000]
+    assert "--max-body" in _error(httpx.post(url + "/v1/completions", content=chunks()), 413)
+    assert httpx.post(url + "/completion", json={"prompt": "z", "n_predict": 2}).status_code \
+        == 200
+
+
+HOSTILE = [
+    # (path, raw body, status, what the message must name)
+    ("/completion", b'{"prompt": "z", "n_predict": ' + b"9" * 5000 + b"}", 400, "digits"),
+    ("/completion", b"[" * 50_000 + b"]" * 50_000, 400, "nested deeper"),
+    ("/completion", b'{"prompt": "z", "x": ' + b"[" * 40 + b"]" * 40 + b"}", 400,
+     "nested deeper"),
+    ("/completion", b'{"prompt": "z", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
+    ("/completion", b'{"prompt": "z", "temperature": 1e400}', 400, "out of range"),
+    ("/completion", b'{"prompt": "z", "top_p": NaN}', 400, "NaN"),
+    ("/completion", b'{"prompt": "\\ud800 lone"}', 400, "surrogate"),
+    ("/completion", b'{"prompt": "z", "stop": ["ok", "\\udfff"]}', 400, "stop[1]"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', 400, "messages[0].content"),
+    ("/v1/completions", b'{"prompt": "z", "model": "\\ud800"}', 400, "model"),
+    ("/tokenize", b'{"content": "\\udc00"}', 400, "content"),
+    ("/completion", b'{"prompt": "z", "x": {"\\ud800": 1}}', 400, "x.<key>"),
+    ("/completion", b'{"prompt": "z", "top_k": 4294967296}', 400, "top_k"),
+    ("/completion", b'{"prompt": "z", "top_k": 2147483648}', 400, "top_k"),
+    ("/completion", b'{"prompt": "z", "repeat_last_n": 2147483648}', 400, "repeat_last_n"),
+    ("/completion", b'{"prompt": "z", "n_predict": 2147483648}', 400, "n_predict"),
+    ("/completion", b'{"prompt": "z", "seed": 18446744073709551616}', 400, "seed"),
+    ("/completion", b'{"prompt": "z", "top_p": 1e-50}', 400, "float32"),
+    ("/completion", b'{"prompt": "z", "repeat_penalty": 1e-46}', 400, "repeat_penalty"),
+    ("/completion", json.dumps({"prompt": "z", "stop": ["s"] * 17}).encode(), 400, "at most 16"),
+    ("/completion", json.dumps({"prompt": "z", "stop": "s" * 513}).encode(), 400, "stop[0]"),
+    ("/completion", json.dumps({"prompt": [5] * 5000}).encode()[:4000], 400, "invalid JSON"),
+    ("/completion", b'{"prompt": "z", "n_predict": ' + b"1" * 4000 + b"}", 400, "n_predict"),
+    ("/detokenize", b'{"tokens": [1, 18446744073709551616]}', 400, "tokens[1]"),
+]
+
+
+@pytest.mark.parametrize("path, raw, status, names", HOSTILE,
+                         ids=[f"{p}:{n}" for p, _, _, n in HOSTILE])
+def test_hostile_bodies_get_one_clear_4xx(toy_url, path: str, raw: bytes, status: int,
+                                          names: str) -> None:
+    url, _ = toy_url
+    r = httpx.post(url + path, content=raw, headers={"Content-Type": "application/json"})
+    assert names in _error(r, status)
+
+
+def test_long_prompt_refused_by_its_length_before_tokenizing() -> None:
+    """A text prompt whose bytes alone prove it cannot fit (each toy token is one byte)
+    is refused with the exceed-context error, saying "at least"; token ids likewise."""
+    with serve_app(_toy_app()) as url:
+        for prompt in ("z" * 9000, [97] * 4097):
+            r = httpx.post(url + "/completion", json={"prompt": prompt})
+            assert "at least" in _error(r, 400)
+            assert r.json()["error"]["type"] == "exceed_context_size_error"
+
+
+def test_full_queue_answers_429_before_reading_the_body(toy_url) -> None:
+    url, _ = toy_url
+    long = {"prompt": "z", "n_predict": 3000, "stream": True}
+    with httpx.stream("POST", url + "/completion", json=long, timeout=10) as running:
+        events = _sse(running.iter_lines())
+        next(events)                                     # the slot is busy
+        waiting = threading.Thread(target=lambda: _ignore(httpx.post, url + "/completion",
+                                                          json={"prompt": "z"}, timeout=0.6))
+        waiting.start()
+        deadline = time.monotonic() + 3
+        while _metric(url, "requests_deferred") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # the queue is full: refused as busy even though the body is not JSON at all
+        r = httpx.post(url + "/completion", content=b"{not json", timeout=5)
+        assert _error(r, 429) and r.json()["error"]["type"] == "rate_limit_error"
+        waiting.join()
+
+
+def test_metrics_histograms_process_and_python_figures(toy_url) -> None:
+    url, app = toy_url
+    for n in (1, 5):
+        assert httpx.post(url + "/completion", json={"prompt": "z", "n_predict": n}).json()[
+            "content"]
+    text = httpx.get(url + "/metrics").text
+    figures = parse_figures(text)
+    assert figures["specwire:time_to_first_token_seconds_count"] == 2
+    assert figures["specwire:time_per_output_token_seconds_count"] == 1   # n=1 has none
+    assert figures["specwire:round_duration_seconds_count"] == 4          # 5 tokens, 1/round
+    assert figures["specwire:requests_total{endpoint=\"/completion\"}"] == 2
+    assert figures["process_resident_memory_bytes"] > 1e6
+    assert figures["process_open_fds"] > 0
+    assert figures['specwire:contexts_open{side="target"}'] == 0          # no llama.cpp here
+    assert "# TYPE specwire:requests_total counter" in text
+    live = app.state.metrics.figures()          # the same figures as Python numbers
+    for key in ("specwire:tokens_predicted_total", "specwire:time_to_first_token_seconds_count",
+                'specwire:requests_finished_total{outcome="limit"}'):
+        assert live[key] == figures[key], key
+
+
+def test_max_body_flag_is_checked() -> None:
+    import argparse
+
+    from specwire.cliargs import CliError
+    from specwire.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "-m", "/nonexistent.gguf", "--max-body", "0"])
+    with pytest.raises(CliError, match="--max-body"):
+        args.func(args)
+    assert parser.parse_args(["serve"]).max_body == 8 << 20
