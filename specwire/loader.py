@@ -12,6 +12,7 @@ import os
 
 from specwire.backend.base import BackendError
 from specwire.cliargs import CliError, draft_model_params, target_params
+from specwire.config import ConfigError, VerifyMode
 from specwire.drafters.base import Drafter, NoDrafter
 from specwire.engine import Engine
 
@@ -41,7 +42,15 @@ def build_engine(a: argparse.Namespace) -> Engine:
         drafter = build_drafter(a, target, check_pair, load_model)
     except BackendError as e:
         raise CliError(str(e)) from None
-    return Engine(target, drafter)
+    sampled = getattr(a, "temp", 0.0) > 0
+    verify = VerifyMode(a.verify) if sampled and getattr(a, "verify", None) else None
+    try:
+        return Engine(target, drafter, verify=verify)
+    except ConfigError as e:
+        close = getattr(drafter, "close", None)
+        if close is not None:
+            close()
+        raise CliError(str(e)) from None
 
 
 def build_drafter(a: argparse.Namespace, target, check_pair, load_model) -> Drafter:
