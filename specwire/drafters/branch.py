@@ -62,7 +62,7 @@ class BranchDrafter:
         # while no round has ended since it.
         self._accepted: int | None = None
         self._policy = None  # an adaptive policy steering synchronous drafts (see steer)
-        self._fresh = 0  # chunks of the current branch received (not stale)
+        self._ahead = 0  # chunks received that start at or past the history's end
         self._useless_rounds = 0  # synchronous rounds in a row answered with nothing usable
         self._keep_min = 0.0  # the stop threshold the drafter was last told
         self._reset_buffer()
@@ -136,14 +136,15 @@ class BranchDrafter:
         t0 = time.perf_counter()
         useless = False
         with self._cv:
-            fresh, heard = self._fresh, self._heard()
+            ahead, heard = self._ahead, self._heard()
             while True:
                 draft, complete = self._usable(history, max_n)
                 if complete or deadline is None or not self._live():
                     break
-                if self._fresh != fresh:
-                    # The answer to this verdict came (an honest drafter answers each verdict
-                    # with one chunk that extends the history) and extends nothing.
+                if self._ahead != ahead:
+                    # The answer to this verdict came and extends nothing. (An answer to an
+                    # earlier message, which an honest drafter may still be sending, starts
+                    # inside the history; an answer to this one always extends it.)
                     useless = True
                     break
                 left = deadline - time.monotonic()
@@ -332,7 +333,7 @@ class BranchDrafter:
             if c.gen < self._gen or c.gen <= self._dead_gen:
                 self.counters["stale_chunks"] += 1
                 return
-            self._fresh += 1
+            self._ahead += c.start >= len(self._history)
             if c.gen > self._gen:
                 self._gen, self._buf_start, self._buf = c.gen, c.start, []
                 self._sparse = [] if c.sparse is not None else None

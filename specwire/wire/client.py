@@ -275,12 +275,13 @@ class RemoteDrafter(BranchDrafter):
             return True
 
     def _poll(self) -> None:
-        """Take in what has arrived, without waiting: at most MAX_POLLED messages, so that
-        a node streaming stale chunks cannot hold the round here."""
+        """Take in what has arrived, without waiting: at most MAX_POLLED messages. A node
+        answers each verdict once, so more waiting than that is a flood: it is dropped."""
         for _ in range(MAX_POLLED):
             call = self._sync
             if call is None or not self._read_sync(call, 0.0, spin=False):
                 return
+        self._useless(f"{MAX_POLLED} or more messages waiting in one round")
 
     def _await(self, left_s: float) -> None:
         call = self._sync
@@ -405,7 +406,7 @@ class RemoteDrafter(BranchDrafter):
         self.counters["dropped_peers"] += 1
         log.warning("dropping draft node %s: %s", link.url if link else "?", reason)
         if link is not None:
-            link.failed(reason)
+            link.failed(reason, hostile=True)
 
     async def _pick_link(self) -> Link | None:
         """The fastest healthy link, connecting (Hello) where needed."""

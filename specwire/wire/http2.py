@@ -214,8 +214,14 @@ class Connection:
             self._flush(time.monotonic() + SEND_TIMEOUT_S)
 
     def abandon(self, sid: int) -> None:
-        """Stop listening to a stream we ended: its remaining frames are dropped."""
-        self._forget(sid)
+        """Stop listening to a stream we ended: its remaining frames are dropped. If the
+        peer has not ended it yet it is reset, so that it no longer counts against the
+        peer's MAX_CONCURRENT_STREAMS (the peer read our END_STREAM first)."""
+        stream = self.streams.get(sid)
+        if stream is not None and not stream.ended:
+            self.reset(sid)
+        else:
+            self._forget(sid)
 
     def recv_message(self, sid: int, timeout_s: float,
                      spin: tuple[float, float] | None = None) -> bytes | None:
