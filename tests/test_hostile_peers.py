@@ -361,7 +361,7 @@ def test_generate_with_a_llama_server_drafter_in_rejection_mode() -> None:
     try:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         r = subprocess.run(
-            [sys.executable, "-m", "specwire", "generate", "-p", "def mean(xs):", "-n", "12",
+            [sys.executable, "-m", "specwire", "generate", "def mean(xs):", "-n", "12",
              "--draft-url", f"http://127.0.0.1:{server.server_address[1]}",
              "--verify", "rejection", "--temp", "0.8", "--seed", "7", "--json",
              "--draft-policy", "fixed", "--draft-p-min", "0"],
