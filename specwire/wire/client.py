@@ -314,7 +314,7 @@ class RemoteDrafter(BranchDrafter):
             self.counters["poll_ms"] += 1000 * (min(now, window[1]) - window[0])
         call.asked = 0
         try:
-            self._take(self._session, pb.DraftMessage.FromString(data), call.link)
+            self._take(self._session, pb.DraftMessage.FromString(data))
         except DecodeError:
             self._sync_failed(call, "undecodable frame: not a DraftMessage", dropped=True)
             return False
@@ -361,7 +361,7 @@ class RemoteDrafter(BranchDrafter):
                 if session != self._session:
                     break
                 self.counters["bytes_down"] += protocol.message_bytes(msg)
-                self._take(session, msg, link)
+                self._take(session, msg)
             else:
                 if session == self._session:  # the node ended a session we had not closed
                     link.failed("the draft node ended the session")
@@ -384,7 +384,7 @@ class RemoteDrafter(BranchDrafter):
                     self._call_link = None
             self._wake()
 
-    def _take(self, session: int, msg: pb.DraftMessage, link: Link) -> None:
+    def _take(self, session: int, msg: pb.DraftMessage) -> None:
         """A message from the node, either transport; ProtocolError for a broken peer."""
         kind = msg.WhichOneof("kind")
         if kind == "error":

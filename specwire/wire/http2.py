@@ -110,7 +110,8 @@ class Connection:
         window as large as the streams'."""
         deadline = time.monotonic() + timeout_s
         self._h2.initiate_connection()
-        self._h2.increment_flow_control_window(self.window - 65535)
+        if self.window > 65535:  # HTTP/2's initial connection window
+            self._h2.increment_flow_control_window(self.window - 65535)
         if not self.client:
             head = b""
             while len(head) < len(PREFACE):
