@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from specwire import cliplacement
 from specwire.config import ConfigError, DraftParams, ModelParams, SamplingParams, VerifyMode
 
 
@@ -26,15 +27,18 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     )
     g.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="target layers on the GPU")
     g.add_argument("-b", "--batch-size", type=int, default=512)
+    g.add_argument("-ub", "--ubatch-size", type=int, default=512,
+                   help="physical batch size (at most -b)")
     g.add_argument("-ctk", "--cache-type-k", default="f16")
     g.add_argument("-ctv", "--cache-type-v", default="f16")
-    g.add_argument("-fa", "--flash-attn", action="store_true")
+    cliplacement.add_target_placement_args(g)
     if not draft:
         return
     d = p.add_argument_group("draft")
     src = d.add_mutually_exclusive_group()
     src.add_argument(
-        "-md", "--model-draft", help="draft GGUF, in this process (default: the bundled Q2_K draft)"
+        "-md", "--model-draft", "--spec-draft-model",
+        help="draft GGUF, in this process (default: the bundled Q2_K draft)"
     )
     src.add_argument(
         "--draft-url",
@@ -46,18 +50,43 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
         "--draft-ngram", action="store_true", help="prompt-lookup n-gram drafter, no model"
     )
     src.add_argument("--no-draft", action="store_true", help="plain target decoding")
+    d.add_argument(
+        "--spec-type", default=None, metavar="TYPE",
+        help="llama.cpp's name for the drafter: draft-simple (a draft model, the default), "
+        "ngram-simple (or any ngram-*: prompt lookup), none (plain decoding)"
+    )
     add_draft_model_args(d)
     add_draft_args(d)
 
 
-def add_draft_model_args(d: argparse._ActionsContainer) -> None:
+def add_draft_model_args(d: argparse._ActionsContainer, plain: bool = False) -> None:
+    """The draft model's flags; `plain` (specwire draft): also under the target's names."""
+    def names(*draft_names: str, plain_names: tuple[str, ...] = ()) -> tuple[str, ...]:
+        return (*plain_names, *draft_names) if plain else draft_names
+
     d.add_argument("-cd", "--ctx-size-draft", type=int, default=0, help="draft context (0: = -c)")
-    d.add_argument("-td", "--threads-draft", type=int, default=1, help="draft threads")
-    d.add_argument("-tbd", "--threads-batch-draft", type=int, default=0)
-    d.add_argument("-ngld", "--n-gpu-layers-draft", type=int, default=0)
-    d.add_argument("-ctkd", "--cache-type-k-draft", default="f16")
-    d.add_argument("-ctvd", "--cache-type-v-draft", default="f16")
-    d.add_argument("-fad", "--flash-attn-draft", action="store_true", help="draft flash attention")
+    d.add_argument(*names("-td", "--threads-draft", "--spec-draft-threads",
+                          plain_names=("-t", "--threads")),
+                   dest="threads_draft", type=int, default=1, metavar="N", help="draft threads")
+    d.add_argument(*names("-tbd", "--threads-batch-draft", "--spec-draft-threads-batch",
+                          plain_names=("-tb", "--threads-batch")),
+                   dest="threads_batch_draft", type=int, default=0, metavar="N")
+    d.add_argument(*names("-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft",
+                          "--spec-draft-ngl", plain_names=("-ngl", "--n-gpu-layers")),
+                   dest="n_gpu_layers_draft", type=int, default=0, metavar="N",
+                   help="draft layers on the GPU")
+    d.add_argument(*names("-ctkd", "--cache-type-k-draft", "--spec-draft-type-k",
+                          plain_names=("-ctk", "--cache-type-k")),
+                   dest="cache_type_k_draft", default="f16", metavar="TYPE")
+    d.add_argument(*names("-ctvd", "--cache-type-v-draft", "--spec-draft-type-v",
+                          plain_names=("-ctv", "--cache-type-v")),
+                   dest="cache_type_v_draft", default="f16", metavar="TYPE")
+    if plain:
+        d.add_argument("-b", "--batch-size", dest="batch_size_draft", type=int, default=512,
+                       metavar="N")
+        d.add_argument("-ub", "--ubatch-size", dest="ubatch_size_draft", type=int, default=512,
+                       metavar="N", help="physical batch size (at most -b)")
+    cliplacement.add_draft_placement_args(d, plain)
     d.add_argument(
         "--seed-draft", type=int, default=None,
         help="the draft's own sampling seed (default: --seed, which couples draft and target "
@@ -68,6 +97,7 @@ def add_draft_model_args(d: argparse._ActionsContainer) -> None:
 def add_draft_args(d: argparse._ActionsContainer) -> None:
     d.add_argument(
         "--draft-max",
+        "--spec-draft-n-max",
         "--draft",
         "--draft-n",
         dest="draft_max",
@@ -75,9 +105,12 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         default=8,
         help="most draft tokens per round",
     )
-    d.add_argument("--draft-min", type=int, default=0, help="fewest draft tokens worth verifying")
+    d.add_argument("--draft-min", "--spec-draft-n-min", dest="draft_min", type=int, default=0,
+                   help="fewest draft tokens worth verifying")
     d.add_argument(
         "--draft-p-min",
+        "--spec-draft-p-min",
+        dest="draft_p_min",
         type=float,
         default=0.75,
         help="stop drafting when the draft's top probability is below this (with "
@@ -155,7 +188,7 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
 
 
 def draft_params(a: argparse.Namespace) -> DraftParams:
-    enabled = not getattr(a, "no_draft", False)
+    enabled = not getattr(a, "no_draft", False) and getattr(a, "spec_type", None) != "none"
     return _build(
         DraftParams,
         n_max=a.draft_max,
@@ -170,6 +203,12 @@ def draft_params(a: argparse.Namespace) -> DraftParams:
 
 
 def target_params(a: argparse.Namespace, path: str) -> ModelParams:
+    try:
+        place = cliplacement.placement(a, draft=False)
+        fa = cliplacement.flash_attn(a.flash_attn, "-fa")
+        numa = cliplacement.numa(getattr(a, "numa", None))
+    except cliplacement.PlacementError as e:
+        raise CliError(str(e)) from None
     return _build(
         ModelParams,
         path=path,
@@ -178,24 +217,64 @@ def target_params(a: argparse.Namespace, path: str) -> ModelParams:
         n_threads_batch=a.threads_batch,
         n_gpu_layers=a.n_gpu_layers,
         n_batch=a.batch_size,
+        n_ubatch=a.ubatch_size,
         type_k=a.cache_type_k,
         type_v=a.cache_type_v,
-        flash_attn=a.flash_attn,
+        flash_attn=fa,
+        placement=place,
+        numa=numa,
     )
 
 
 def draft_model_params(a: argparse.Namespace, path: str) -> ModelParams:
+    """The draft's ModelParams; --numa, --no-mmap, --mlock, -sm, -mg, -ts are the target's
+    (one process), or the node's own under the same names."""
+    try:
+        place = cliplacement.placement(a, draft=True)
+        fa = cliplacement.flash_attn(getattr(a, "flash_attn_draft", "auto"), "-fad")
+        numa = cliplacement.numa(getattr(a, "numa", None))
+    except cliplacement.PlacementError as e:
+        raise CliError(str(e)) from None
     return _build(
         ModelParams,
+        flags=DRAFT_FLAG_OF,
         path=path,
         n_ctx=a.ctx_size_draft or getattr(a, "ctx_size", 4096),
         n_threads=a.threads_draft,
         n_threads_batch=a.threads_batch_draft,
         n_gpu_layers=a.n_gpu_layers_draft,
+        n_batch=getattr(a, "batch_size_draft", 512),
+        n_ubatch=getattr(a, "ubatch_size_draft", 512),
         type_k=a.cache_type_k_draft,
         type_v=a.cache_type_v_draft,
-        flash_attn=getattr(a, "flash_attn_draft", False),
+        flash_attn=fa,
+        placement=place,
+        numa=numa,
     )
+
+
+def spec_type(a: argparse.Namespace) -> str | None:
+    """--spec-type -> "model", "ngram" or "none" (None: not given); conflicts refused."""
+    value = getattr(a, "spec_type", None)
+    if value is None:
+        return None
+    if value in ("draft", "draft-simple"):
+        kind = "model"
+    elif value.startswith("ngram"):
+        kind = "ngram"
+    elif value == "none":
+        kind = "none"
+    else:
+        raise CliError(f"--spec-type: {value!r} is not supported; specwire drafts with "
+                       "draft-simple (a draft model), ngram-* (prompt lookup) or none")
+    clash = {"--draft-ngram": getattr(a, "draft_ngram", False) and kind != "ngram",
+             "--no-draft": getattr(a, "no_draft", False) and kind != "none",
+             "--draft-url": bool(getattr(a, "draft_url", None)) and kind != "model",
+             "-md": bool(getattr(a, "model_draft", None)) and kind != "model"}
+    for flag, bad in clash.items():
+        if bad:
+            raise CliError(f"--spec-type {value} contradicts {flag}")
+    return kind
 
 
 #: settings field -> the flag that sets it, for error messages users can act on.
@@ -218,12 +297,28 @@ FLAG_OF = {
     "batch_size": "-b",
     "cache_type_k": "-ctk",
     "cache_type_v": "-ctv",
+    "ubatch_size": "-ub",
+    "flash_attn": "-fa",
+    "numa": "--numa",
+    "split_mode": "-sm",
+    "main_gpu": "-mg",
+    "tensor_split": "-ts",
+}
+#: the same for the draft model's settings.
+DRAFT_FLAG_OF = FLAG_OF | {
+    "ctx_size": "-cd",
+    "threads": "-td",
+    "threads_batch": "-tbd",
+    "n_gpu_layers": "-ngld",
+    "cache_type_k": "-ctkd",
+    "cache_type_v": "-ctvd",
+    "flash_attn": "-fad",
 }
 
 
-def _build(cls, **kw):
+def _build(cls, flags: dict[str, str] = FLAG_OF, **kw):
     try:
         return cls(**kw)
     except ConfigError as e:
         field, _, rest = str(e).partition(": ")
-        raise CliError(f"{FLAG_OF.get(field, field)}: {rest}") from None
+        raise CliError(f"{flags.get(field, field)}: {rest}") from None

@@ -130,6 +130,49 @@ class DraftParams:
         return replace(self, **changes)
 
 
+#: llama.cpp's --numa strategies (ggml_numa_strategy values), "disabled" when not given.
+NUMA_STRATEGIES = {"disabled": 0, "distribute": 1, "isolate": 2, "numactl": 3}
+#: llama.cpp's --split-mode values (llama_split_mode).
+SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+#: llama.cpp's -fa values (llama_flash_attn_type).
+FLASH_ATTN = ("auto", "on", "off")
+
+
+@dataclass(slots=True, frozen=True)
+class TensorOverride:
+    """One -ot entry: tensors whose name matches `pattern` (regex search) go to `buffer_type`."""
+
+    pattern: str
+    buffer_type: str
+
+
+@dataclass(slots=True, frozen=True)
+class Placement:
+    """Where a model's weights live and how they are read (llama.cpp's loading flags).
+
+    overrides:    -ot/--cpu-moe/--n-cpu-moe, in the order given (llama.cpp takes the
+                  first pattern that matches a tensor).
+    devices:      -dev names; None = llama.cpp's default (every GPU), () = none (-dev none).
+    tensor_split: -ts proportions per device; () = llama.cpp's default split.
+    """
+
+    overrides: tuple[TensorOverride, ...] = ()
+    devices: tuple[str, ...] | None = None
+    split_mode: str = "layer"
+    main_gpu: int = 0
+    tensor_split: tuple[float, ...] = ()
+    use_mmap: bool = True
+    use_mlock: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.split_mode in SPLIT_MODES, "split_mode",
+               f"must be one of {', '.join(SPLIT_MODES)}, got {self.split_mode!r}")
+        _check(self.main_gpu >= 0, "main_gpu", f"must be >= 0, got {self.main_gpu}")
+        _check(all(x >= 0 for x in self.tensor_split) and (
+            not self.tensor_split or sum(self.tensor_split) > 0), "tensor_split",
+            f"must be proportions >= 0, not all 0, got {list(self.tensor_split)}")
+
+
 @dataclass(slots=True, frozen=True)
 class ModelParams:
     """How one GGUF is loaded; the target and the draft each get their own."""
@@ -140,11 +183,16 @@ class ModelParams:
     n_threads_batch: int = 0  # 0 = same as n_threads
     n_gpu_layers: int = 0
     n_batch: int = 512
+    n_ubatch: int = 512       # llama.cpp's -ub: the physical batch, at most n_batch
     type_k: str = "f16"
     type_v: str = "f16"
-    flash_attn: bool = False
+    flash_attn: str = "auto"  # -fa on|off|auto
+    placement: Placement = Placement()
+    numa: str = "disabled"    # --numa: process-wide, applied before the first model loads
 
     def __post_init__(self) -> None:
+        if isinstance(self.flash_attn, bool):  # the older boolean spelling
+            object.__setattr__(self, "flash_attn", "on" if self.flash_attn else "off")
         _check(bool(self.path), "model", "a path is required")
         _check(
             16 <= self.n_ctx <= 1 << 20, "ctx_size", f"must be in [16, 1048576], got {self.n_ctx}"
@@ -163,6 +211,15 @@ class ModelParams:
         _check(
             1 <= self.n_batch <= 1 << 16, "batch_size", f"must be in [1, 65536], got {self.n_batch}"
         )
+        _check(
+            1 <= self.n_ubatch <= 1 << 16,
+            "ubatch_size",
+            f"must be in [1, 65536], got {self.n_ubatch}",
+        )
+        _check(self.flash_attn in FLASH_ATTN, "flash_attn",
+               f"must be on, off or auto, got {self.flash_attn!r}")
+        _check(self.numa in NUMA_STRATEGIES, "numa",
+               f"must be distribute, isolate or numactl, got {self.numa!r}")
         for name in ("type_k", "type_v"):
             value = getattr(self, name)
             _check(

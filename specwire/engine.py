@@ -126,6 +126,9 @@ class Generation:
                 tc = time.perf_counter()
                 st.draft_ms += 1000 * (tb - ta)
                 st.verify_ms += 1000 * (tc - tb)
+                if not draft.tokens:
+                    st.plain_steps += 1
+                    st.plain_ms += 1000 * (tc - tb)
                 st.record_round(len(draft), verdict.accepted, k)
                 policy.observe(len(draft), verdict.accepted, tb - ta, tc - tb, draft.confidence)
                 appended = [*draft.tokens[: verdict.accepted], verdict.token]

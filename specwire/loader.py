@@ -11,7 +11,8 @@ import logging
 import os
 
 from specwire.backend.base import BackendError
-from specwire.cliargs import CliError, draft_model_params, target_params
+from specwire.cliargs import CliError, draft_model_params, spec_type, target_params
+from specwire.cliplacement import draft_flag_names
 from specwire.config import ConfigError, VerifyMode
 from specwire.drafters.base import Drafter, NoDrafter
 from specwire.engine import Engine
@@ -34,12 +35,23 @@ def resolve_draft(path: str | None) -> str:
 
 
 def build_engine(a: argparse.Namespace) -> Engine:
-    """The target backend plus the drafter the flags ask for (bundled pair by default)."""
-    from specwire.backend.llama import LlamaBackend, check_pair, load_model
+    """The target backend plus the drafter the flags ask for (bundled pair by default).
+
+    Both models' placements are checked (buffer types, devices) before either loads,
+    so a bad -otd does not wait for a big target to load first.
+    """
+    from specwire.backend.llama import LlamaBackend
+    from specwire.backend.placement import check
     try:
         tparams = target_params(a, resolve_target(a.model))
+        kind = drafter_kind(a)
+        dparams = (draft_model_params(a, resolve_draft(a.model_draft)) if kind == "model"
+                   else None)
+        check(tparams.placement)
+        if dparams is not None:
+            check(dparams.placement, draft_flag_names())
         target = LlamaBackend(tparams)
-        drafter = build_drafter(a, target, check_pair, load_model)
+        drafter = build_drafter(a, kind, target, dparams)
     except BackendError as e:
         raise CliError(str(e)) from None
     sampled = getattr(a, "temp", 0.0) > 0
@@ -53,19 +65,27 @@ def build_engine(a: argparse.Namespace) -> Engine:
         raise CliError(str(e)) from None
 
 
-def build_drafter(a: argparse.Namespace, target, check_pair, load_model) -> Drafter:
-    if getattr(a, "no_draft", False):
+def drafter_kind(a: argparse.Namespace) -> str:
+    """none, ngram, remote or model (a draft model in this process)."""
+    kind = spec_type(a)
+    if getattr(a, "no_draft", False) or kind == "none":
+        return "none"
+    if getattr(a, "draft_ngram", False) or kind == "ngram":
+        return "ngram"
+    return "remote" if getattr(a, "draft_url", None) else "model"
+
+
+def build_drafter(a: argparse.Namespace, kind: str, target, dparams) -> Drafter:
+    if kind == "none":
         return NoDrafter()
-    if getattr(a, "draft_ngram", False):
+    if kind == "ngram":
         from specwire.drafters.ngram import NgramDrafter
         return NgramDrafter()
-    urls = getattr(a, "draft_url", None)
-    if urls:
+    if kind == "remote":
         from specwire.wire.client import make_remote_drafter
-        return make_remote_drafter(urls, a, target)
-    from specwire.backend.llama import LlamaBackend
-    dparams = draft_model_params(a, resolve_draft(a.model_draft))
-    dmodel = load_model(dparams)
+        return make_remote_drafter(a.draft_url, a, target)
+    from specwire.backend.llama import LlamaBackend, check_pair, load_model
+    dmodel = load_model(dparams, draft_flag_names())
     check_pair(target.model, dmodel)
     backend = LlamaBackend(dparams, dmodel)
     if local_mode(a) == "pipelined":

@@ -27,6 +27,10 @@ class Stats:
     #: by_position[i] = [drafted, accepted] at draft position i.
     by_position: list[list[int]] = field(default_factory=list)
     drafter: dict[str, float] = field(default_factory=dict)
+    #: rounds without a draft and their target time: what plain decoding costs a
+    #: token, measured in passing (the live page's plain rate)
+    plain_steps: int = 0
+    plain_ms: float = 0.0
 
     def record_round(self, drafted: int, accepted: int, asked: int) -> None:
         self.rounds += 1

@@ -19,13 +19,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from specwire.backend import placement
 from specwire.backend.base import BackendError
-from specwire.config import ModelParams
+from specwire.config import NUMA_STRATEGIES, ModelParams
 
 try:
     import llama_cpp as C
@@ -47,24 +48,55 @@ _GGML_TYPES = {
 }
 _init_lock = threading.Lock()
 _initialised = False
+_numa: str | None = None
+_log_taps: list[list[str]] = []   # lines collected by llama_log() while it runs
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    # ggml levels: 2 info, 3 warn, 4 error, 5 continuation. llama.cpp is chatty; keep problems.
-    if level in (3, 4) and text:
+    # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation. llama.cpp is chatty;
+    # keep problems, and hand every line to a llama_log() capture while one is open.
+    if not text:
+        return
+    for tap in list(_log_taps):
+        tap.append(text.decode(errors="replace"))
+    if level in (3, 4):
         log.log(
             logging.ERROR if level >= 4 else logging.DEBUG, text.decode(errors="replace").rstrip()
         )
 
 
-def _init() -> None:
-    global _initialised
+def init_backend(numa: str = "disabled") -> None:
+    """llama.cpp's process-wide setup, once: log callback, backends, --numa strategy."""
+    global _initialised, _numa
     with _init_lock:
         if not _initialised:
             C.llama_log_set(_log_callback, ctypes.c_void_p())
             C.llama_backend_init()
             _initialised = True
+        if numa != "disabled" and numa != _numa:
+            if _numa is not None:
+                raise BackendError(f"--numa {numa}: this process already runs --numa {_numa}")
+            C.llama_numa_init(NUMA_STRATEGIES[numa])
+            _numa = numa
+
+
+@contextlib.contextmanager
+def llama_log() -> Iterator[list[str]]:
+    """Collect llama.cpp's log lines (every level) while the block runs.
+
+    The callback is installed again on entry: the quantizer (models.py) hands
+    logging to llama-cpp-python's own callback when it finishes.
+    """
+    init_backend()
+    lines: list[str] = []
+    with _init_lock:
+        C.llama_log_set(_log_callback, ctypes.c_void_p())
+        _log_taps.append(lines)
+    try:
+        yield lines
+    finally:
+        _log_taps.remove(lines)
 
 
 def check_gguf(path: str) -> None:
@@ -87,6 +119,8 @@ class Model:
     n_vocab: int
     _pieces: dict
     _fingerprint: str | None = None
+    _placed: placement.Applied | None = None   # C arrays llama.cpp reads for the model's life
+    load_params: ctypes.Structure | None = None  # llama_model_params as handed to llama.cpp
 
     @property
     def name(self) -> str:
@@ -150,23 +184,38 @@ _models: dict[tuple, Model] = {}
 _models_lock = threading.Lock()
 
 
-def load_model(params: ModelParams) -> Model:
-    """Load (or reuse) the weights of a GGUF file."""
+def load_model(params: ModelParams, flags: dict[str, str] | None = None) -> Model:
+    """Load (or reuse) the weights of a GGUF file, placed as `params.placement` says.
+
+    `flags` renames the flags in error messages (the draft's -otd, -devd...).
+    """
     check_gguf(params.path)
-    _init()
-    key = (os.path.realpath(params.path), params.n_gpu_layers)
+    init_backend(params.numa)
+    key = (os.path.realpath(params.path), params.n_gpu_layers, params.placement)
     with _models_lock:
         model = _models.get(key)
         if model is None:
             mp = C.llama_model_default_params()
-            mp.n_gpu_layers = params.n_gpu_layers
+            placed = placement.apply(mp, params.placement, params.n_gpu_layers, flags)
             ptr = C.llama_model_load_from_file(params.path.encode(), mp)
             if not ptr:
                 raise BackendError(f"llama.cpp could not load the model: {params.path}")
             vocab = C.llama_model_get_vocab(ptr)
-            model = Model(params.path, ptr, vocab, int(C.llama_vocab_n_tokens(vocab)), {})
+            model = Model(params.path, ptr, vocab, int(C.llama_vocab_n_tokens(vocab)), {},
+                          _placed=placed, load_params=mp)
             _models[key] = model
         return model
+
+
+_FLASH_ATTN_TYPE = {"auto": -1, "off": 0, "on": 1}   # llama_flash_attn_type
+
+
+def _set_flash_attn(cp: ctypes.Structure, mode: str) -> None:
+    """-fa on|off|auto: the enum where the struct has it, else the older boolean."""
+    if placement.has_field(cp, "flash_attn_type"):
+        cp.flash_attn_type = _FLASH_ATTN_TYPE[mode]
+    elif mode != "auto":
+        placement.set_field(cp, "flash_attn", mode == "on", "-fa")
 
 
 class LlamaBackend:
@@ -180,20 +229,17 @@ class LlamaBackend:
         cp = C.llama_context_default_params()
         cp.n_ctx = params.n_ctx
         cp.n_batch = params.n_batch
-        cp.n_ubatch = params.n_batch
+        placement.set_field(cp, "n_ubatch", min(params.n_ubatch, params.n_batch), "-ub")
         cp.n_seq_max = 1
         cp.n_threads = params.n_threads
         cp.n_threads_batch = params.n_threads_batch or params.n_threads
         cp.type_k = _GGML_TYPES[params.type_k]
         cp.type_v = _GGML_TYPES[params.type_v]
-        cp.flash_attn_type = (
-            C.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if params.flash_attn
-            else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
+        _set_flash_attn(cp, params.flash_attn)
         cp.no_perf = True
         # Rolling back a sliding-window cache is only exact when it keeps every position.
         cp.swa_full = True
+        self.context_params = cp   # as handed to llama.cpp (tests read n_ubatch from it)
         self.ctx = C.llama_init_from_model(self.model.ptr, cp)
         if not self.ctx:
             raise BackendError(

@@ -120,7 +120,8 @@ def add_measure_args(p: argparse.ArgumentParser) -> None:
                    help="prompts used from each set (default 4)")
     g.add_argument("--measure-n", type=int, default=64, metavar="N",
                    help="tokens generated per prompt (default 64)")
-    g.add_argument("-md", "--model-draft", help="draft GGUF (default: the bundled Q2_K draft)")
+    g.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft",
+                   help="draft GGUF (default: the bundled Q2_K draft)")
     add_model_args(p, draft=False)
     add_draft_model_args(g)
 
@@ -150,9 +151,11 @@ def measure(a: argparse.Namespace) -> Measurement:
     """Load the pair, then the four figures (target and draft one after the other)."""
     from specwire.backend.base import BackendError
     from specwire.backend.llama import LlamaBackend, check_pair, load_model
+    from specwire.backend.placement import check
     from specwire.bench import prompts as prompt_sets
     from specwire.bench.runner import Config, Workload, run_config
     from specwire.cliargs import CliError, draft_model_params, target_params
+    from specwire.cliplacement import draft_flag_names
     from specwire.config import DraftParams, SamplingParams
     from specwire.drafters.model import ModelDrafter
     from specwire.engine import Engine
@@ -162,9 +165,12 @@ def measure(a: argparse.Namespace) -> Measurement:
         raise CliError("--measure-limit and --measure-n must be >= 1")
     try:
         plist = prompt_sets.resolve(a.measure_prompts, a.measure_limit)
-        target = LlamaBackend(target_params(a, resolve_target(a.model)))
+        tparams = target_params(a, resolve_target(a.model))
         dparams = draft_model_params(a, resolve_draft(a.model_draft))
-        dmodel = load_model(dparams)
+        check(tparams.placement)                        # both, before either loads
+        check(dparams.placement, draft_flag_names())
+        target = LlamaBackend(tparams)
+        dmodel = load_model(dparams, draft_flag_names())
         check_pair(target.model, dmodel)
         draft = LlamaBackend(dparams, dmodel)
     except (BackendError, prompt_sets.PromptError) as e:

@@ -36,6 +36,7 @@ from typing import Any
 from specwire.bench import cpus
 from specwire.bench.runner import Config
 from specwire.cliargs import CliError, draft_model_params
+from specwire.cliplacement import draft_flag_names, node_flags
 from specwire.netemu import LinkEmulator
 
 MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
@@ -137,7 +138,8 @@ def node_argv(a: argparse.Namespace, draft_path: str) -> list[str]:
     return [sys.executable, "-m", "specwire", "draft", "-m", draft_path,
             "--host", "127.0.0.1", "--port", "0", "--max-sessions", "2",
             "-c", str(a.ctx_size_draft or a.ctx_size), "-td", str(a.threads_draft),
-            "-tbd", str(a.threads_batch_draft),
+            "-tbd", str(a.threads_batch_draft), "-ngl", str(a.n_gpu_layers_draft),
+            "-ctk", a.cache_type_k_draft, "-ctv", a.cache_type_v_draft, *node_flags(a),
             *(["-s", str(a.seed_draft)] if a.seed_draft is not None else [])]
 
 
@@ -170,7 +172,7 @@ class Drafters:
             from specwire.backend.llama import LlamaBackend, check_pair, load_model
             try:
                 params = draft_model_params(self.a, self.draft_path)
-                model = load_model(params)
+                model = load_model(params, draft_flag_names())
                 check_pair(self.target.model, model)
                 self._draft_backend = LlamaBackend(params, model)
             except BackendError as e:

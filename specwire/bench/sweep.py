@@ -78,7 +78,9 @@ def run(a: argparse.Namespace, s: Settings, sampling: SamplingParams,
     """Run the sweep; write results.json and the plots; return the results."""
     from specwire.backend.base import BackendError
     from specwire.backend.llama import LlamaBackend
-    from specwire.cliargs import target_params
+    from specwire.backend.placement import check
+    from specwire.cliargs import draft_model_params, target_params
+    from specwire.cliplacement import draft_flag_names
     from specwire.loader import resolve_draft, resolve_target
 
     try:
@@ -91,11 +93,15 @@ def run(a: argparse.Namespace, s: Settings, sampling: SamplingParams,
     with contextlib.ExitStack() as stack:
         try:
             target_path = resolve_target(a.model)
-            target = LlamaBackend(target_params(a, target_path))
+            tparams = target_params(a, target_path)
+            needs_draft = any(c.mode in MODEL_MODES for c in cfgs)
+            draft_path = resolve_draft(a.model_draft) if needs_draft else (a.model_draft or "")
+            check(tparams.placement)                    # both, before either loads
+            if needs_draft:
+                check(draft_model_params(a, draft_path).placement, draft_flag_names())
+            target = LlamaBackend(tparams)
         except BackendError as e:
             raise CliError(str(e)) from None
-        needs_draft = any(c.mode in MODEL_MODES for c in cfgs)
-        draft_path = resolve_draft(a.model_draft) if needs_draft else (a.model_draft or "")
         work = _workload(plist, target, a, s, sampling, draft)
         drafters = Drafters(a, target, draft_path, s.out, stack)
         calib = _calibrate(cfgs, target, drafters, work)

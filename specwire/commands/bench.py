@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_sampling_args(p)
     d = p.add_argument_group("sweep (comma lists)")
-    d.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", default="8",
+    d.add_argument("--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", dest="draft_max",
+                   default="8",
                    help="draft lengths to sweep, e.g. 4,8 (default 8)")
     d.add_argument("--draft-policy", default="fixed",
                    help="policies to sweep: fixed, adaptive or fixed,adaptive (default fixed); "
@@ -112,6 +113,8 @@ def settings_from_args(a: argparse.Namespace):
             raise CliError(f"--{flag.replace('_', '-')}: not a bench flag; name the modes to "
                            "run with --modes (plain, local, remote-sync, remote-pipelined, "
                            "ngram, llama-server)")
+    if a.spec_type is not None:
+        raise CliError("--spec-type: not a bench flag; name the modes to run with --modes")
     base = QUICK if a.quick else DEFAULTS
     pick = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in base.items()}
     if pick["limit"] is not None and pick["limit"] < 1:

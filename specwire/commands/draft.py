@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
-    add_draft_model_args(p)
+    add_draft_model_args(p, plain=True)
     p.set_defaults(func=run)
 
 

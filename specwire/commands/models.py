@@ -4,6 +4,8 @@
     specwire models --verify             same, re-hashing every file (rebuilds bad ones)
     specwire models path target|draft|base|f16      print one path (prepared if needed)
     specwire models make-draft --from X.gguf --type Q2_K [--embedding-type Q4_0|none] -o Y.gguf
+    specwire models make-moe             build the tiny MoE target and its Q5_0 draft (cached)
+    specwire models path moe|moe-draft   print one of those paths (built if needed)
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specwire import models
+from specwire import models, moe_fixture
 from specwire.backend.base import BackendError
 from specwire.cliargs import CliError
 
@@ -29,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     sp = p.add_subparsers(dest="models_cmd", metavar="ACTION")
     path = sp.add_parser("path", help="print the path of one bundled model")
-    path.add_argument("role", choices=list(models.RECIPES))
+    path.add_argument("role", choices=[*models.RECIPES, *MOE_ROLES])
     md = sp.add_parser("make-draft", help="quantize a GGUF with llama.cpp's quantizer",
                        description="Requantize a GGUF (already quantized inputs allowed). "
                        f"Types: {', '.join(models.valid_qtypes())}.")
@@ -40,14 +42,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(default Q4_0: a K-quant cannot hold Gemma's 640-wide rows)")
     md.add_argument("-o", "--output", required=True, metavar="Y.gguf", help="output GGUF")
     md.add_argument("-t", "--threads", type=int, default=None, help="default: all CPUs")
+    sp.add_parser("make-moe", help="build the tiny MoE test model (Gemma tokenizer) and its "
+                  "quantized draft", description=moe_fixture.__doc__.splitlines()[0])
     p.set_defaults(func=run)
+
+
+MOE_ROLES = ("moe", "moe-draft")
 
 
 def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     try:
-        if args.models_cmd == "path":
+        if args.models_cmd == "path" and args.role in MOE_ROLES:
+            pair = moe_fixture.ensure_moe(progress=progress)
+            print(pair.target if args.role == "moe" else pair.draft)
+        elif args.models_cmd == "path":
             print(models.ensure_model(args.role, progress))
+        elif args.models_cmd == "make-moe":
+            pair = moe_fixture.ensure_moe(progress=progress)
+            for role, path in (("moe", pair.target), ("moe-draft", pair.draft)):
+                print(f"{role:<9} {path}  {models.human_size(path.stat().st_size):>10}")
         elif args.models_cmd == "make-draft":
             _make_draft(args, progress)
         else:

@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-cost", metavar="N:COST,...",
                    help="target's cost of a batch of N tokens in plain steps, e.g. 1:1,8:1.3 "
                         "(default: assumed 1 + 0.05 (N-1))")
-    p.add_argument("--draft-max", default="16", metavar="K",
+    p.add_argument("--draft-max", "--spec-draft-n-max", dest="draft_max", default="16",
+                   metavar="K",
                    help="longest draft to consider (default 16)")
     p.add_argument("--draft-bytes", default="16", metavar="B",
                    help="bytes on the wire per drafted token (default 16)")

@@ -28,13 +28,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve", help="serve the OpenAI and llama-server HTTP APIs",
         description="Serve POST /completion, /v1/completions, /v1/chat/completions, "
         "/tokenize, /detokenize and GET /health, /v1/models, /props, /metrics with "
-        "speculative decoding (bundled pair by default).")
+        "speculative decoding (bundled pair by default), and a live page at GET /.")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free port)")
     g.add_argument("--api-key", default=os.environ.get("SPECWIRE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every endpoint but /health "
-                   "(env SPECWIRE_API_KEY)")
+                   "and the web UI's page, which asks for the key (env SPECWIRE_API_KEY)")
+    g.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
+                   help="the live page at GET / (--no-webui: off, / and /stats.json are 404)")
     g.add_argument("-a", "--alias", help="model name for /v1/models (default: the file name)")
     g.add_argument("--chat-template", default=None, metavar="NAME",
                    help="chat template by llama.cpp name (chatml, gemma, llama3, llama2, "
@@ -72,7 +74,7 @@ def run(a: argparse.Namespace) -> int:
                        f"{', '.join(sorted(chat.TEMPLATES))} (or a Jinja template)")
     settings = ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
                               chat_template=a.chat_template, api_key=a.api_key or None,
-                              queue_size=a.queue_size, n_predict=a.n_predict)
+                              queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui)
     engines = [build_engine(a) for _ in range(a.parallel)]
     sock = _listen(a.host, a.port)
     app = create_app(engines, settings)
@@ -86,6 +88,8 @@ def run(a: argparse.Namespace) -> int:
     log.info("listening on http://%s:%d (target %s, drafter %s, %d slot%s, context %d)",
              host, port, target.name, drafter.name, len(engines), "s" * (len(engines) > 1),
              target.n_ctx)
+    if a.webui:
+        log.info("live page: http://%s:%d/", host, port)
     try:
         server.run(sockets=[sock])
     finally:

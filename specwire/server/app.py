@@ -10,6 +10,7 @@ Endpoints
   POST /v1/chat/completions          OpenAI chat completion (the GGUF's chat template or
                                      --chat-template)
   POST /tokenize, /detokenize        llama-server's
+  GET  /, /stats.json                the live page and its figures (webui/; --no-webui)
 
 A request is parsed and tokenized off the event loop (a thread of the pool),
 queued as a Job, and then awaited: the worker thread pushes its events onto
@@ -41,6 +42,8 @@ from specwire.server.metrics import Metrics
 from specwire.server.responses import Dialect, LlamaCompletion, OpenAIChat, OpenAICompletion
 from specwire.server.settings import ServerSettings
 from specwire.server.slots import Chunk, Done, Event, Failed, Job, QueueFull, Result, Scheduler
+from specwire.server.webui import RecentRequests
+from specwire.server.webui import install as install_webui
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,10 @@ def create_app(engine: Engine | Sequence[Engine],
     target = engines[0].target
     names = model_names(target, settings.alias)
     started = int(time.time())
+    recent = RecentRequests()
+
+    def exposition() -> str:
+        return metrics.render(scheduler.state(), scheduler.link_states())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -129,8 +136,8 @@ def create_app(engine: Engine | Sequence[Engine],
 
     @api.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
-        text = metrics.render(scheduler.state(), scheduler.link_states())
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(exposition(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -160,13 +167,15 @@ def create_app(engine: Engine | Sequence[Engine],
         metrics.request(endpoint)
         fmt = dialect(spec, names[0])
         if spec.stream:
-            return _JobStream(_sse(job, request, fmt), lambda: scheduler.cancel(job))
+            return _JobStream(_sse(job, request, fmt, lambda r: recent.record(endpoint, r)),
+                              lambda: scheduler.cancel(job))
         try:
             result = await _result(job, request)
         finally:
             scheduler.cancel(job)
         if result is None:   # the client is gone; nobody reads this
             return Response(status_code=499)
+        recent.record(endpoint, result)
         return JSONResponse(fmt.whole(result))
 
     @api.post("/completion")
@@ -189,6 +198,10 @@ def create_app(engine: Engine | Sequence[Engine],
                               lambda b: schemas.chat_completion(b, target, settings, names),
                               OpenAIChat)
 
+    if settings.webui:
+        install_webui(app, api, exposition, scheduler, recent,
+                      {"model": names[0], "drafter": engines[0].drafter.name,
+                       "slots": len(engines), "n_ctx": target.n_ctx, "started": started})
     app.include_router(api)
     return app
 
@@ -241,7 +254,8 @@ def _sse_line(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def _sse(job: Job, request: Request, fmt: Dialect) -> AsyncIterator[str]:
+async def _sse(job: Job, request: Request, fmt: Dialect,
+               on_done: Callable[[Result], None]) -> AsyncIterator[str]:
     for obj in fmt.opening():
         yield _sse_line(obj)
     async for event in _events(job, request):
@@ -250,6 +264,7 @@ async def _sse(job: Job, request: Request, fmt: Dialect) -> AsyncIterator[str]:
             if obj is not None:
                 yield _sse_line(obj)
         elif isinstance(event, Done):
+            on_done(event.result)
             for obj in fmt.closing(event.result):
                 yield _sse_line(obj)
         else:

@@ -18,6 +18,7 @@ class ServerSettings:
     api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
     queue_size:    requests allowed to wait for a slot; one more is refused with 429.
     n_predict:     the server's cap on tokens per request (-1: up to the context size).
+    webui:         serve the live page at GET / and its figures at /stats.json.
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -27,3 +28,4 @@ class ServerSettings:
     api_key: str | None = None
     queue_size: int = 16
     n_predict: int = -1
+    webui: bool = True

@@ -29,6 +29,7 @@ from specwire.engine import Engine, Request
 from specwire.server.errors import ApiError
 from specwire.server.metrics import Metrics
 from specwire.server.stops import StopMatcher
+from specwire.stats import Stats
 from specwire.textstream import TextStream
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Result:
     timings: dict
     slot: int
     drafter: str
+    stats: Stats | None = None      # the whole measurement, for the live page
 
 
 @dataclass(slots=True)
@@ -194,7 +196,8 @@ class Slot:
                 content=stops.text, tokens=list(gen.tokens), stop_type=gen.stop_type,
                 stopping_word=stops.word or "", truncated=gen.truncated,
                 tokens_evaluated=len(job.request.prompt), tokens_predicted=len(gen.tokens),
-                timings=st.timings(), slot=self.index, drafter=engine.drafter.name)))
+                timings=st.timings(), slot=self.index, drafter=engine.drafter.name,
+                stats=st)))
             self.metrics.outcome(gen.stop_type)
         except ConfigError as e:
             self.metrics.outcome("failed")
