@@ -121,7 +121,9 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         "--verify",
         choices=[m.value for m in VerifyMode],
         default="coupled",
-        help="verification at temperature > 0 (greedy is used at --temp 0)",
+        help="verification at temperature > 0 (greedy is used at --temp 0); rejection "
+        "trusts the draft's q (a remote drafter could steer the output), coupled cannot be "
+        "steered by any draft",
     )
     d.add_argument("--draft-top-k", type=int, default=8, help="sparse q size in rejection mode")
     d.add_argument(

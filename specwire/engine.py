@@ -3,7 +3,9 @@
 One round: ask the drafter for up to k tokens, evaluate [last, d1..dk] on the
 target in one batch, verify, roll the KV cache back to what was kept, tell the
 drafter. With an empty draft the round is a plain decoding step, so a drafter
-that has nothing to offer costs nothing but the call.
+that has nothing to offer costs nothing but the call. The drafter is only ever
+called through its DraftGuard (drafters/guard.py): whatever it does, the request
+goes on as plain decoding.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from specwire.backend.base import Backend, sync_prefix
-from specwire.config import ConfigError, DraftParams, SamplingParams
+from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, Drafter, NoDrafter
+from specwire.drafters.guard import DraftGuard, check_verify_mode
 from specwire.policy import AdaptivePolicy, FixedPolicy, PolicyMemory
 from specwire.stats import Stats
 from specwire.verify import Verifier
@@ -72,7 +75,7 @@ class Generation:
 
     def _run(self) -> Iterator[list[int]]:
         eng, req, st = self.engine, self.req, self.stats
-        target, drafter = eng.target, eng.drafter if req.draft.enabled else eng.no_drafter
+        target, drafter = eng.target, eng.guard if req.draft.enabled else eng.no_drafter
         verifier = Verifier(req.sampling, req.draft.mode)
         # Plain requests leave the learned policies alone: they would teach them nothing.
         policy = (eng.policies.policy(req.draft.policy, req.draft.n_max) if req.draft.enabled
@@ -169,11 +172,20 @@ class Engine:
     """
 
     def __init__(
-        self, target: Backend, drafter: Drafter | None = None, policies: PolicyMemory | None = None
+        self, target: Backend, drafter: Drafter | None = None, policies: PolicyMemory | None = None,
+        verify: VerifyMode | None = None,
     ) -> None:
+        """verify: the verification mode requests will use, if known: a drafter that cannot
+        serve it is refused here (ConfigError) rather than mid-request."""
         self.target = target
         self.no_drafter = NoDrafter()
         self.drafter = drafter or self.no_drafter
+        if verify is not None:
+            try:
+                check_verify_mode(self.drafter, verify)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        self.guard = DraftGuard(self.drafter, target.n_vocab)
         self.policies = policies if policies is not None else PolicyMemory()
 
     def generate(self, req: Request) -> Generation:

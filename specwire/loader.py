@@ -13,6 +13,7 @@ import os
 from specwire.backend.base import BackendError
 from specwire.cliargs import CliError, draft_model_params, spec_type, target_params
 from specwire.cliplacement import draft_flag_names
+from specwire.config import ConfigError, VerifyMode
 from specwire.drafters.base import Drafter, NoDrafter
 from specwire.engine import Engine
 
@@ -53,7 +54,15 @@ def build_engine(a: argparse.Namespace) -> Engine:
         drafter = build_drafter(a, kind, target, dparams)
     except BackendError as e:
         raise CliError(str(e)) from None
-    return Engine(target, drafter)
+    sampled = getattr(a, "temp", 0.0) > 0
+    verify = VerifyMode(a.verify) if sampled and getattr(a, "verify", None) else None
+    try:
+        return Engine(target, drafter, verify=verify)
+    except ConfigError as e:
+        close = getattr(drafter, "close", None)
+        if close is not None:
+            close()
+        raise CliError(str(e)) from None
 
 
 def drafter_kind(a: argparse.Namespace) -> str:

@@ -8,14 +8,18 @@ not HTTP/2 end in H2Error rather than a hang or a crash.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import hpack
 import pytest
 
-from specwire.wire.http2 import MAX_FRAME, Connection, GrpcStatus, H2Error
+from specwire.wire.grpcframe import MAX_QUEUED
+from specwire.wire.http2 import MAX_FRAME, Connection, CreditTimeout, GrpcStatus, H2Error
 
 ECHO = "/test.Echo/Echo"
 CHAT = "/test.Echo/Chat"
@@ -149,20 +153,43 @@ def _frame(kind: int, flags: int, sid: int, payload: bytes) -> bytes:
         + payload
 
 
+def _block(headers: list[tuple[str, str]]) -> bytes:
+    """A header block that leaves HPACK's dynamic table alone (never-indexed literals)."""
+    return hpack.Encoder().encode([hpack.NeverIndexedHeaderTuple(k, v) for k, v in headers])
+
+
+def _message(payload: bytes) -> bytes:
+    return b"\0" + len(payload).to_bytes(4, "big") + payload
+
+
+RESPONSE = _frame(1, 4, 1, _block([(":status", "200"), ("content-type", "application/grpc")]))
+SETTINGS_ACK = _frame(4, 1, 0, b"")
+
+
 @pytest.mark.parametrize("garbage, why", [
-    (_frame(0, 0, 1, b"\0" * (MAX_FRAME + 1)), "frame of"),
-    (_frame(0, 0, 1, b"\1\0\0\0\1x"), "compressed"),
-    (_frame(0, 0, 1, b"\0" + (LIMIT + 1).to_bytes(4, "big")), "above the limit"),
-    (_frame(4, 0, 0, b"\0\4\xff\xff\xff\xff"), "initial window"),
-    (_frame(9, 4, 1, b""), "CONTINUATION without"),
-    (_frame(1, 4, 1, b"\xff\xff\xff\xff"), "undecodable header block"),
-    (_frame(5, 4, 1, b"\0\0\0\2"), "server push"),
+    (_frame(0, 0, 1, b"\0" * (MAX_FRAME + 1)), "overlong frame"),
+    (RESPONSE + _frame(0, 0, 1, b"\1\0\0\0\1x"), "compressed"),
+    (RESPONSE + _frame(0, 0, 1, b"\0" + (LIMIT + 1).to_bytes(4, "big")), "above the limit"),
+    (_frame(4, 0, 0, b"\0\4\xff\xff\xff\xff"), "Setting 4 has invalid value"),
+    (_frame(9, 4, 1, b""), "CONTINUATION"),
+    (_frame(1, 4, 1, b"\xff\xff\xff\xff"), "decoding header block"),
+    (_frame(5, 4, 1, b"\0\0\0\2"), "push"),
+    (_frame(8, 0, 0, b"\0\0\0\0"), "non-compliant"),  # a zero WINDOW_UPDATE
+    (_frame(8, 0, 0, (2**31 - 1).to_bytes(4, "big")), "past 2147483647"),  # past 2^31-1
+    (_frame(1, 0, 1, b"") + _frame(9, 0, 1, b"") * 100, "continuation"),
+    (_frame(6, 0, 0, b"12345678") * 101, "more than 100 PING"),
+    (_frame(4, 0, 0, b"") * 51, "more than 50 SETTINGS"),
+    (_frame(3, 0, 1, b"\0\0\0\x08") + _frame(3, 0, 7, b"\0\0\0\x08") * 100,
+     "more than 100 RST_STREAM"),
+    (_frame(2, 0, 1, b"\0\0\0\3\x10") * 501, "more than 500 ignored"),
     (b"", "closed by the peer"),
 ], ids=["oversized", "compressed", "message-limit", "window", "continuation", "hpack",
-        "push", "hang-up"])
+        "push", "zero-window-update", "window-overflow", "continuation-flood", "ping-flood",
+        "settings-flood", "rst-flood", "priority-flood", "hang-up"])
 def test_broken_frames_raise_h2error(garbage: bytes, why: str) -> None:
-    """Frames outside HTTP/2 or gRPC framing, and a peer that hangs up, raise H2Error
-    naming the problem; unknown frame types before them are ignored as HTTP/2 says."""
+    """Frames outside HTTP/2 or gRPC framing, floods of frames that carry no data, and a peer
+    that hangs up raise H2Error naming the problem; unknown frame types before them are
+    ignored as HTTP/2 says."""
     conn, raw = _pair()
     try:
         conn.handshake(5)
@@ -177,6 +204,145 @@ def test_broken_frames_raise_h2error(garbage: bytes, why: str) -> None:
         raw.close()
 
 
+def _feed_forever(raw: socket.socket, frame: bytes, stop: threading.Event) -> threading.Thread:
+    """Write `frame` to raw over and over (a few per millisecond) until stop is set."""
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                raw.sendall(frame)
+                time.sleep(0.002)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("frame", [
+    _frame(0xEE, 0, 0, b"unknown"), _frame(2, 0, 1, b"\0\0\0\3\x10"), SETTINGS_ACK,
+    _frame(6, 1, 0, b"12345678"), _frame(0, 0, 1, _message(b"stale"))],
+    ids=["unknown-type", "priority", "settings-ack", "ping-ack", "endless-messages"])
+def test_frames_that_keep_coming_cannot_hold_a_wait_past_its_deadline(frame: bytes) -> None:
+    """A peer that streams frames under the flood limits (ignored ones, or messages nobody
+    reads as an answer): a wait for a message on another stream ends at its deadline."""
+    conn, raw = _pair()
+    stop = threading.Event()
+    try:
+        conn.handshake(5)
+        conn.request(CHAT, "localhost", (), "http")
+        other = conn.request(CHAT, "localhost", (), "http")
+        raw.sendall(RESPONSE)
+        feeder = _feed_forever(raw, frame, stop)
+        t0 = time.monotonic()
+        with pytest.raises((TimeoutError, H2Error)):
+            conn.recv_message(other, 0.3)
+        assert time.monotonic() - t0 < 0.6
+    finally:
+        stop.set()
+        conn.close()
+        raw.close()
+    feeder.join(5)
+
+
+def test_grpc_status_is_parsed_strictly() -> None:
+    """A status that is not a clean decimal gRPC code ("²" passes str.isdigit, 99 is no
+    code) ends the call with GrpcStatus naming it; a good one keeps its code and message."""
+    for code, want, text in (("\u00b2", 13, "malformed"), ("99", 13, "malformed"),
+                             ("-1", 13, "malformed"), ("9", 9, "nope")):
+        conn, raw = _pair()
+        try:
+            conn.handshake(5)
+            sid = conn.request(CHAT, "localhost", (), "http")
+            trailers = [(":status", "200"), ("grpc-status", code), ("grpc-message", "nope")]
+            raw.sendall(_frame(1, 5, sid, _block(trailers)))
+            with pytest.raises(GrpcStatus, match=text) as e:
+                conn.recv_message(sid, 5)
+            assert e.value.code == want
+        finally:
+            conn.close()
+            raw.close()
+
+
+def test_a_reset_ends_only_its_stream() -> None:
+    """RST_STREAM on one call: that call raises H2Error, the connection and the other call
+    go on."""
+    conn, raw = _pair()
+    try:
+        conn.handshake(5)
+        a = conn.request(CHAT, "localhost", (), "http")
+        b = conn.request(CHAT, "localhost", (), "http")
+        raw.sendall(_frame(3, 0, a, b"\0\0\0\x08"))
+        with pytest.raises(H2Error, match="reset"):
+            conn.recv_message(a, 5)
+        raw.sendall(_frame(1, 4, b, _block([(":status", "200")]))
+                    + _frame(0, 0, b, _message(b"ok")))
+        assert conn.recv_message(b, 5) == b"ok" and not conn.closed
+    finally:
+        conn.close()
+        raw.close()
+
+
+def _read_frames(raw: socket.socket, seconds: float) -> list[tuple[int, int, int]]:
+    """(type, flags, stream) of every frame the peer wrote within `seconds`, preface
+    skipped."""
+    raw.settimeout(seconds)
+    data = b""
+    with contextlib.suppress(TimeoutError):
+        while chunk := raw.recv(65536):
+            data += chunk
+    data = data.removeprefix(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    out = []
+    while len(data) >= 9:
+        n = int.from_bytes(data[:3], "big")
+        out.append((data[3], data[4], int.from_bytes(data[5:9], "big")))
+        data = data[9 + n:]
+    return out
+
+
+def test_no_credit_ends_a_send_at_its_deadline() -> None:
+    """A peer granting a window of 0 (and never a WINDOW_UPDATE): a send waits for credit
+    only until its deadline, then fails with CreditTimeout and resets its stream."""
+    conn, raw = _pair()
+    try:
+        conn.handshake(5)
+        sid = conn.request(CHAT, "localhost", (), "http")
+        raw.sendall(_frame(4, 0, 0, b"\0\4\0\0\0\0"))  # SETTINGS_INITIAL_WINDOW_SIZE = 0
+        with pytest.raises(TimeoutError):  # reads the SETTINGS
+            conn.recv_message(sid, 0.1)
+        t0 = time.monotonic()
+        with pytest.raises(CreditTimeout):
+            conn.send_message(sid, b"verdict", timeout_s=0.3)
+        assert 0.25 < time.monotonic() - t0 < 1.0
+        assert (3, 0, sid) in _read_frames(raw, 0.3)  # RST_STREAM
+    finally:
+        conn.close()
+        raw.close()
+
+
+def test_memory_is_bounded_while_waiting_for_credit() -> None:
+    """While our send waits for credit, the peer floods messages: what it may send is
+    bounded by the window we granted (one largest message) and the unread-message cap, so
+    the wait ends in H2Error, never in memory growing without bound."""
+    conn, raw = _pair()
+    stop = threading.Event()
+    try:
+        conn.handshake(5)
+        sid = conn.request(CHAT, "localhost", (), "http")
+        raw.sendall(_frame(4, 0, 0, b"\0\4\0\0\0\0") + RESPONSE)
+        with pytest.raises(TimeoutError):  # reads both
+            conn.recv_message(sid, 0.1)
+        flood = _frame(0, 0, sid, _message(b"x" * 64) * 200)
+        feeder = _feed_forever(raw, flood, stop)
+        with pytest.raises(H2Error, match="unread messages|overran|flow control|Flow control"):
+            conn.send_message(sid, b"verdict", timeout_s=10)
+        stream = conn.streams.get(sid)
+        assert stream is None or len(stream.messages) <= MAX_QUEUED
+    finally:
+        stop.set()
+        conn.close()
+        raw.close()
+    feeder.join(5)
+
+
 def test_server_refuses_what_is_not_http2() -> None:
     """Bytes that are not the HTTP/2 preface (a TLS hello, or HTTP/1) end the connection."""
     a, b = socket.socketpair()
@@ -188,7 +354,7 @@ def test_server_refuses_what_is_not_http2() -> None:
     b.close()
 
 
-def test_ping_is_answered(grpcio_server) -> None:
+def test_ping_is_answered() -> None:
     """A PING from the peer gets its ACK with the same 8 bytes."""
     conn, raw = _pair()
     try:

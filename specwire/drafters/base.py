@@ -4,6 +4,12 @@ Local model, n-gram and remote drafters all implement it, so the engine loop is
 the same in one process and across the network. A drafter that can stop a draft
 by the adaptive policy's rule also has `steer(policy | None)`, which the engine
 calls around an adaptive request.
+
+What a drafter can do in rejection mode it declares with class attributes, which
+the engine checks when it is built (drafters/guard.py): `provides_q` (its
+drafts carry their sparse q), `deterministic` (its drafts never depend on the
+target's random draws, so a point mass is their exact q), and `remote` (its q
+comes over the network and is trusted, which is logged once).
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ class NoDrafter(StatelessDrafter):
     """Plain decoding: proposes nothing."""
 
     name = "none"
+    deterministic = True
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         return Draft()

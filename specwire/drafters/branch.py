@@ -28,12 +28,16 @@ log = logging.getLogger("specwire.branch")
 
 #: How far the adaptive policy's stop threshold moves before a verdict carries it again.
 KEEP_MIN_SLACK = 0.15
+#: Synchronous rounds in a row in which the drafter answered with nothing usable before it
+#: is dropped (an honest drafter's answer to a verdict always extends the history).
+USELESS_LIMIT = 3
 
 
 class BranchDrafter:
     """Pipelined (never waits) or synchronous (waits for `want` tokens, with a deadline)."""
 
     name = "branch"
+    provides_q = True  # the draft session sends its sparse q in rejection mode
 
     def __init__(
         self, n_vocab: int, pipelined: bool = True, lookahead: int = 0, sync_timeout_s: float = 1.0
@@ -58,6 +62,8 @@ class BranchDrafter:
         # while no round has ended since it.
         self._accepted: int | None = None
         self._policy = None  # an adaptive policy steering synchronous drafts (see steer)
+        self._ahead = 0  # chunks received that start at or past the history's end
+        self._useless_rounds = 0  # synchronous rounds in a row answered with nothing usable
         self._keep_min = 0.0  # the stop threshold the drafter was last told
         self._reset_buffer()
         self.counters: dict[str, float] = {
@@ -72,6 +78,7 @@ class BranchDrafter:
             "wait_ms": 0.0,
             "node_busy_ms": 0.0,
             "sync_timeouts": 0,
+            "useless_answers": 0,  # synchronous answers that extended nothing
         }
 
     # -- what a transport provides ------------------------------------------------
@@ -127,15 +134,24 @@ class BranchDrafter:
             self._poll()
         deadline = None if self.pipelined or self._late else time.monotonic() + self.sync_timeout_s
         t0 = time.perf_counter()
+        useless = False
         with self._cv:
+            ahead, heard = self._ahead, self._heard()
             while True:
                 draft, complete = self._usable(history, max_n)
                 if complete or deadline is None or not self._live():
+                    break
+                if self._ahead != ahead:
+                    # The answer to this verdict came and extends nothing. (An answer to an
+                    # earlier message, which an honest drafter may still be sending, starts
+                    # inside the history; an answer to this one always extends it.)
+                    useless = True
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.counters["sync_timeouts"] += 1
                     self._late = True
+                    useless = self._heard() != heard  # it sent only stale chunks meanwhile
                     log.warning(
                         "drafter %s missed the %.0f ms deadline; not waiting for it "
                         "until it catches up",
@@ -145,7 +161,32 @@ class BranchDrafter:
                     break
                 self._await(left)
         self.counters["wait_ms"] += 1000 * (time.perf_counter() - t0)
+        self._judge_answer(draft, useless)
         return draft
+
+    def _heard(self) -> float:
+        return self.counters["chunks"] + self.counters["stale_chunks"]
+
+    def _judge_answer(self, draft: Draft, useless: bool) -> None:
+        """Count synchronous rounds answered uselessly; drop the drafter after USELESS_LIMIT
+        in a row (each would otherwise cost a round, or a whole deadline)."""
+        if draft.tokens:
+            self._useless_rounds = 0
+            self._useful()
+        if not useless:
+            return
+        self._useless_rounds += 1
+        self.counters["useless_answers"] += 1
+        if self._useless_rounds >= USELESS_LIMIT:
+            self._useless_rounds = 0
+            self._useless(f"{USELESS_LIMIT} synchronous answers in a row extend nothing")
+
+    def _useful(self) -> None:
+        """A round got a draft from the drafter (a transport may note its link worked)."""
+
+    def _useless(self, reason: str) -> None:
+        """The drafter keeps answering with nothing usable (a transport drops it)."""
+        log.warning("drafter %s: %s", self.name, reason)
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
         """Pipelined: send the verdict now, the drafter is at work. Synchronous: keep it
@@ -292,6 +333,7 @@ class BranchDrafter:
             if c.gen < self._gen or c.gen <= self._dead_gen:
                 self.counters["stale_chunks"] += 1
                 return
+            self._ahead += c.start >= len(self._history)
             if c.gen > self._gen:
                 self._gen, self._buf_start, self._buf = c.gen, c.start, []
                 self._sparse = [] if c.sparse is not None else None

@@ -30,6 +30,8 @@ class ModelDrafter:
     token i.
     """
 
+    provides_q = True  # its sparse top-K q in rejection mode
+
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.name = f"model:{backend.name}"

@@ -24,6 +24,8 @@ class NgramDrafter(StatelessDrafter):
     """
 
     name = "ngram"
+    deterministic = True
+    provides_q = True  # the point mass, in begin's rejection mode
 
     def __init__(self, n_max: int = 4, n_min: int = 1) -> None:
         if not 1 <= n_min <= n_max:

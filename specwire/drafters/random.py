@@ -16,6 +16,9 @@ from specwire.drafters.base import Draft, StatelessDrafter
 
 class RandomDrafter(StatelessDrafter):
     name = "random"
+    # Its tokens come from a generator of its own, never from the target's draws: a point
+    # mass at each is its q given that generator's state, which keeps rejection exact.
+    deterministic = True
 
     def __init__(self, n_vocab: int, seed: int = 0) -> None:
         self.n_vocab = n_vocab

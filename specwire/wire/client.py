@@ -28,11 +28,14 @@ from google.protobuf.message import DecodeError
 from specwire.drafters.branch import BranchDrafter
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
-from specwire.wire.http2 import Connection, GrpcStatus, H2Error
+from specwire.wire.http2 import Connection, CreditTimeout, GrpcStatus, H2Error
 from specwire.wire.link import Link, LinkError, LinkSettings
 from specwire.wire.protocol import ProtocolError
 
 log = logging.getLogger("specwire.remote")
+
+#: Messages one round takes in without waiting (a late node's answers catch up in a few).
+MAX_POLLED = 16
 
 
 @dataclass(slots=True)
@@ -80,6 +83,8 @@ class ArrivalForecast:
 class RemoteDrafter(BranchDrafter):
     """Drafts from a draft node over gRPC; pipelined or synchronous."""
 
+    remote = True
+
     def __init__(
         self,
         links: list[Link],
@@ -99,6 +104,7 @@ class RemoteDrafter(BranchDrafter):
         )
         self._thread.start()
         self._call: grpc.Call | None = None  # the live Session stream
+        self._call_link: Link | None = None  # its link
         self._out: queue.SimpleQueue | None = None  # its messages to send; None ends it
         self._sync: _SyncCall | None = None  # or the live call on a synchronous port
         self._sync_conns: dict[str, Connection] = {}  # per link URL, kept across sessions
@@ -160,9 +166,12 @@ class RemoteDrafter(BranchDrafter):
             self.counters["bytes_up"] += len(data) + 5
             close = msg.WhichOneof("kind") == "close"
             try:
-                call.conn.send_message(call.sid, data, end_stream=close)
-            except H2Error as e:
-                self._sync_failed(call, str(e))
+                # A verdict is a few bytes: a node granting too little credit for it within
+                # the round's deadline is broken (or hostile), and the round decodes plainly.
+                call.conn.send_message(call.sid, data, end_stream=close,
+                                       timeout_s=0.0 if close else self.sync_timeout_s)
+            except (H2Error, TimeoutError, OSError) as e:
+                self._sync_failed(call, str(e), dropped=isinstance(e, CreditTimeout))
                 return
             call.closed = close
             call.sent_at, call.asked = time.monotonic(), self._want
@@ -185,10 +194,31 @@ class RemoteDrafter(BranchDrafter):
             self.counters["reconnects"] += 1
             self._start(list(self._history))
 
+    def _useful(self) -> None:
+        """The current session drafted: its link's next failure starts a fresh backoff."""
+        call = self._sync
+        link = call.link if call is not None else self._call_link
+        if link is not None:
+            link.worked()
+
+    def _useless(self, reason: str) -> None:
+        """A node answering verdicts with chunks that extend nothing: drop it."""
+        call = self._sync
+        if call is not None:
+            self._sync_failed(call, reason, dropped=True)
+            return
+        link = self._call_link
+        with self._cv:  # what its stream still delivers is ignored
+            self._session += 1
+        self._detach()
+        if link is not None:
+            self._drop(link, reason)
+
     def _detach(self) -> None:
         """Forget the current stream; ending its request queue lets it finish."""
         with self._cv:
             out, self._out, self._call = self._out, None, None
+            self._call_link = None
             call, self._sync = self._sync, None
         if out is not None:
             out.put(None)
@@ -230,8 +260,9 @@ class RemoteDrafter(BranchDrafter):
             try:
                 sid = conn.request(protocol.SESSION_PATH, f"{host}:{port}", link.metadata(),
                                    "https" if link.settings.tls_ca else "http")
-                conn.send_message(sid, first.SerializeToString())
-            except H2Error as e:
+                conn.send_message(sid, first.SerializeToString(),
+                                  timeout_s=link.settings.connect_timeout_s)
+            except (H2Error, TimeoutError, OSError) as e:
                 conn.close()
                 link.failed(str(e))
                 return True
@@ -244,9 +275,13 @@ class RemoteDrafter(BranchDrafter):
             return True
 
     def _poll(self) -> None:
-        """Take in every message that has arrived, without waiting."""
-        while (call := self._sync) is not None and self._read_sync(call, 0.0, spin=False):
-            pass
+        """Take in what has arrived, without waiting: at most MAX_POLLED messages. A node
+        answers each verdict once, so more waiting than that is a flood: it is dropped."""
+        for _ in range(MAX_POLLED):
+            call = self._sync
+            if call is None or not self._read_sync(call, 0.0, spin=False):
+                return
+        self._useless(f"{MAX_POLLED} or more messages waiting in one round")
 
     def _await(self, left_s: float) -> None:
         call = self._sync
@@ -279,7 +314,7 @@ class RemoteDrafter(BranchDrafter):
             self.counters["poll_ms"] += 1000 * (min(now, window[1]) - window[0])
         call.asked = 0
         try:
-            self._take(self._session, pb.DraftMessage.FromString(data), call.link)
+            self._take(self._session, pb.DraftMessage.FromString(data))
         except DecodeError:
             self._sync_failed(call, "undecodable frame: not a DraftMessage", dropped=True)
             return False
@@ -321,11 +356,12 @@ class RemoteDrafter(BranchDrafter):
                 if session != self._session:
                     return
                 self._out, self._call, self._opening = out, call, False
+                self._call_link = link
             for msg in call:
                 if session != self._session:
                     break
                 self.counters["bytes_down"] += protocol.message_bytes(msg)
-                self._take(session, msg, link)
+                self._take(session, msg)
             else:
                 if session == self._session:  # the node ended a session we had not closed
                     link.failed("the draft node ended the session")
@@ -345,9 +381,10 @@ class RemoteDrafter(BranchDrafter):
             with self._cv:
                 if session == self._session:
                     self._out, self._call, self._opening = None, None, False
+                    self._call_link = None
             self._wake()
 
-    def _take(self, session: int, msg: pb.DraftMessage, link: Link) -> None:
+    def _take(self, session: int, msg: pb.DraftMessage) -> None:
         """A message from the node, either transport; ProtocolError for a broken peer."""
         kind = msg.WhichOneof("kind")
         if kind == "error":
@@ -355,7 +392,6 @@ class RemoteDrafter(BranchDrafter):
         if kind != "chunk":
             raise ProtocolError("draft message with neither a chunk nor an error")
         self._on_chunk(session, msg.chunk)
-        link.worked()
 
     def _first_message(self, history: list[int]) -> pb.TargetMessage:
         """The session's Open, counted as bytes sent."""
@@ -370,7 +406,7 @@ class RemoteDrafter(BranchDrafter):
         self.counters["dropped_peers"] += 1
         log.warning("dropping draft node %s: %s", link.url if link else "?", reason)
         if link is not None:
-            link.failed(reason)
+            link.failed(reason, hostile=True)
 
     async def _pick_link(self) -> Link | None:
         """The fastest healthy link, connecting (Hello) where needed."""

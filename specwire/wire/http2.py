@@ -1,82 +1,76 @@
-"""Just enough HTTP/2 to carry gRPC streams, one thread and one blocking socket per connection.
+"""gRPC streams over HTTP/2 (the h2 package), driven by the thread that owns the socket.
 
-Why specwire speaks gRPC's wire format itself on the synchronous link: a
-synchronous round is one small message each way, and grpcio passes each one
-between several threads (completion queue, poller, the caller). After the idle
-wait of a round every hand-off is a wake-up of a sleeping thread, and on the
-machine this was built on those wake-ups cost more than the network: a grpcio
-echo took 1.0-1.2 ms where a raw TCP ping-pong took 0.32 ms, and a pure-Python
-HTTP/2 library (h2) still 1.0 ms. Here the thread that needs a message reads
-the frames itself, so a round costs the round trip plus the parsing.
+Why the synchronous link speaks gRPC's wire format without grpcio: a synchronous
+round is one small message each way, and grpcio passes each one between several
+threads (completion queue, poller, the caller). After the idle wait of a round
+every hand-off is a wake-up of a sleeping thread, and on the machine this was
+built on those wake-ups cost more than the network. h2 is HTTP/2 as a state
+machine, without I/O or threads: here the thread that needs a message reads the
+socket itself and feeds h2, so a round costs the round trip plus the parsing.
 
-What is implemented: the connection preface, SETTINGS, HEADERS/CONTINUATION
-through HPACK (the hpack package), DATA with flow control both ways, PING,
-WINDOW_UPDATE, RST_STREAM and GOAWAY, and gRPC's length-prefixed messages with
-status trailers. Not implemented, and refused by what we advertise: server
-push, compression. Everything read is bounded (frame size, header list,
-message size), and a violation raises H2Error naming it.
+What this module adds to h2, as no protocol library can know it:
+* a deadline in every wait: after each read the loop checks it, so a peer that
+  keeps sending frames that carry nothing (ignored types, PRIORITY, SETTINGS
+  ACKs, PINGs) cannot hold the caller past it; a send waiting for flow-control
+  credit (a peer that granted a window of 0, or never sends WINDOW_UPDATE)
+  gives up at its deadline too;
+* bounded memory: the receive window is one largest message, and what arrives is
+  credited back only once it has been read, so a peer can never have more than a
+  window of data waiting here, however long we wait for credit of our own
+  (grpcframe.py also bounds the number of unread messages);
+* flood limits on the frames that carry no data (floods.py);
+* gRPC framing and a strictly parsed status (grpcframe.py).
+Every failure surfaces as H2Error, GrpcStatus or, from a wait, TimeoutError.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import ssl
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import NoReturn
-from urllib.parse import unquote
 
-import hpack
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+from specwire.wire.floods import FloodError, FloodLimits
+from specwire.wire.grpcframe import (
+    GrpcStatus,
+    H2Error,
+    Stream,
+    check_status,
+    frame_message,
+    percent_encode,
+)
+
+__all__ = ["Connection", "CreditTimeout", "GrpcStatus", "H2Error", "Stream", "MAX_FRAME",
+           "SEND_TIMEOUT_S"]
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, \
-    CONTINUATION = range(10)
-END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS = 2, 3
-SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 4, 5
-NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL = \
-    0x0, 0x1, 0x3, 0x6, 0x7, 0x8
-
-RESPONSE_HEADERS = [(":status", "200"), ("content-type", "application/grpc")]
 MAX_FRAME = 16384  # the largest frame we accept (HTTP/2's default, never raised)
-MAX_HEADER_BLOCK = 65536
-WINDOW = 1 << 30  # what we let the peer send before it hears from us
 SEND_TIMEOUT_S = 10.0
-DEFAULT_WINDOW = 65535
+#: A write that must happen even past its caller's deadline (a PING ACK, a window update)
+#: may still take this long before the connection is given up.
+MIN_SEND_S = 0.05
+RESPONSE_HEADERS = [(":status", "200"), ("content-type", "application/grpc")]
+_E = h2.events
 
 
-class H2Error(Exception):
-    """The peer broke HTTP/2 or gRPC framing, or the connection ended; the message says how."""
-
-
-class GrpcStatus(Exception):
-    """A stream ended with a gRPC status other than OK."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"gRPC status {code}: {message}")
-        self.code, self.message = code, message
-
-
-@dataclass(slots=True)
-class Stream:
-    sid: int
-    send_window: int
-    headers: list[tuple[str, str]] = field(default_factory=list)
-    messages: deque[bytes] = field(default_factory=deque)
-    partial: bytearray = field(default_factory=bytearray)  # an incomplete gRPC message
-    received: int = 0  # DATA bytes since our last WINDOW_UPDATE for this stream
-    ended: bool = False  # the peer sent END_STREAM (or reset the stream)
-    trailers: list[tuple[str, str]] = field(default_factory=list)
-    reset: int | None = None
+class CreditTimeout(H2Error):
+    """The peer granted no flow-control credit for a message within its deadline."""
 
 
 class Connection:
     """gRPC streams over one HTTP/2 connection; client or server side.
 
-    Only one thread uses a connection at a time. Every read waits with a deadline
-    and keeps what it read, so a timeout never loses part of a frame.
+    Only one thread uses a connection at a time. Every wait has a deadline and
+    keeps what it read, so a timeout never loses part of a frame.
     """
 
     def __init__(self, sock: socket.socket, client: bool, max_message: int,
@@ -84,50 +78,64 @@ class Connection:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock, self.client, self.max_message = sock, client, max_message
-        self.max_streams = max_streams
-        self._buf = bytearray()
-        self._encoder, self._decoder = hpack.Encoder(), hpack.Decoder(MAX_HEADER_BLOCK)
+        self.window = min(max_message + 5, 2**31 - 1)
+        config = h2.config.H2Configuration(client_side=client, header_encoding="utf-8")
+        self._h2 = h2.connection.H2Connection(config)
+        self._h2.local_settings = h2.settings.Settings(client=client, initial_values={
+            h2.settings.SettingCodes.ENABLE_PUSH: 0,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.window,
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams,
+            h2.settings.SettingCodes.MAX_FRAME_SIZE: MAX_FRAME,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 1 << 16,
+        })
         self.streams: dict[int, Stream] = {}
-        self._next_sid = 1
-        self._last_peer_sid = 0
-        self._send_window = DEFAULT_WINDOW  # connection-level, granted by the peer
-        self._peer_initial_window = DEFAULT_WINDOW
-        self._peer_max_frame = MAX_FRAME
-        self._received = 0  # connection-level DATA bytes since our last WINDOW_UPDATE
-        self._header_block: tuple[int, int, bytearray] | None = None  # (sid, flags, block)
-        self._new_requests: deque[int] = deque()
+        self._new_requests: list[int] = []
+        self._floods = FloodLimits(skip=0 if client else len(PREFACE))
+        self._handlers = {
+            _E.DataReceived: self._on_data,
+            _E.RequestReceived: self._on_headers,
+            _E.ResponseReceived: self._on_headers,
+            _E.TrailersReceived: self._on_trailers,
+            _E.StreamEnded: self._on_end,
+            _E.StreamReset: self._on_reset,
+            _E.ConnectionTerminated: self._on_goaway,
+        }
         self.goaway: int | None = None  # the error code of the peer's GOAWAY
         self.closed = False
 
     # -- setup ------------------------------------------------------------------------
 
     def handshake(self, timeout_s: float) -> None:
-        """Client: send the preface; server: expect it. Both: exchange SETTINGS."""
+        """Client: send the preface; server: expect it. Both: send SETTINGS and a connection
+        window as large as the streams'."""
         deadline = time.monotonic() + timeout_s
-        settings = _settings({SETTINGS_ENABLE_PUSH: 0, SETTINGS_INITIAL_WINDOW_SIZE: WINDOW,
-                              SETTINGS_MAX_CONCURRENT_STREAMS: self.max_streams})
-        grow = _frame(WINDOW_UPDATE, 0, 0, (WINDOW - DEFAULT_WINDOW).to_bytes(4, "big"))
-        if self.client:
-            self._send(PREFACE + settings + grow)
-            return
-        while len(self._buf) < len(PREFACE):
-            self._fill(deadline)
-        if bytes(self._buf[: len(PREFACE)]) != PREFACE:
-            raise H2Error("not an HTTP/2 connection preface (plain text against TLS?)")
-        del self._buf[: len(PREFACE)]
-        self._send(settings + grow)
+        self._h2.initiate_connection()
+        if self.window > 65535:  # HTTP/2's initial connection window
+            self._h2.increment_flow_control_window(self.window - 65535)
+        if not self.client:
+            head = b""
+            while len(head) < len(PREFACE):
+                data = self._recv(deadline)
+                if data is None:
+                    raise TimeoutError("no HTTP/2 preface before the deadline")
+                head += data
+                if not PREFACE.startswith(head[: len(PREFACE)]):
+                    raise H2Error("not an HTTP/2 connection preface (plain text against TLS?)")
+            self._feed(head, deadline)
+        self._flush(deadline)
 
     # -- streams --------------------------------------------------------------------
 
     def request(self, path: str, authority: str, metadata: tuple[tuple[str, str], ...],
                 scheme: str) -> int:
         """Client: open a gRPC call; returns its stream id."""
-        sid, self._next_sid = self._next_sid, self._next_sid + 2
-        self.streams[sid] = Stream(sid, self._peer_initial_window)
+        sid = self._h2.get_next_available_stream_id()
         headers = [(":method", "POST"), (":scheme", scheme), (":path", path),
                    (":authority", authority), ("content-type", "application/grpc"),
                    ("te", "trailers"), *metadata]
-        self._send_headers(sid, headers, end_stream=False)
+        self._call(self._h2.send_headers, sid, headers)
+        self.streams[sid] = Stream(sid)
+        self._flush(time.monotonic() + SEND_TIMEOUT_S)
         return sid
 
     def next_request(self, timeout_s: float) -> Stream | None:
@@ -137,74 +145,99 @@ class Connection:
             if self.closed or self.goaway is not None:
                 return None
             try:
-                self._read_frame(deadline)
+                self._pump(deadline)
             except H2Error:
                 if self.closed:
                     return None
                 raise
-        return self.streams[self._new_requests.popleft()]
+        return self.streams[self._new_requests.pop(0)]
 
     def respond(self, sid: int) -> None:
         """Server: the response headers that precede its messages."""
-        self._send_headers(sid, RESPONSE_HEADERS, end_stream=False)
+        self._call(self._h2.send_headers, sid, RESPONSE_HEADERS)
+        self._flush(time.monotonic() + SEND_TIMEOUT_S)
 
     def finish(self, sid: int, code: int = 0, message: str = "", headers_sent: bool = True) -> None:
-        """Server: end a call with its status (trailers; trailers-only if nothing was sent)."""
+        """Server: end a call with its status (trailers; trailers-only if nothing was sent).
+        A client still sending is then told to stop (RST_STREAM NO_ERROR, as gRPC servers do)."""
         trailers = [*([] if headers_sent else RESPONSE_HEADERS), ("grpc-status", str(code))]
         if message:
-            trailers.append(("grpc-message", _percent_encode(message)))
-        self._send_headers(sid, trailers, end_stream=True)
+            trailers.append(("grpc-message", percent_encode(message)))
+        self._call(self._h2.send_headers, sid, trailers, end_stream=True)
+        stream = self.streams.get(sid)
+        if stream is not None and not stream.ended:
+            self._call(self._h2.reset_stream, sid, h2.errors.ErrorCodes.NO_ERROR)
         self._forget(sid)
+        self._flush(time.monotonic() + SEND_TIMEOUT_S)
 
     def send_message(self, sid: int, payload: bytes, end_stream: bool = False,
                      timeout_s: float = SEND_TIMEOUT_S) -> None:
-        """One gRPC message; waits for flow-control credit if the peer has granted too little."""
-        data = b"\0" + len(payload).to_bytes(4, "big") + payload
+        """One gRPC message. Waits up to timeout_s for flow-control credit; past it the
+        stream is reset (a message half sent is lost) and H2Error says why."""
+        data = frame_message(payload)
         deadline = time.monotonic() + timeout_s
-        out = bytearray()
-        while data:
-            stream = self.streams.get(sid)
-            if stream is None or stream.reset is not None:
-                raise H2Error(f"stream {sid} was reset by the peer")
-            n = min(len(data), self._send_window, stream.send_window, self._peer_max_frame)
-            if n <= 0:  # flush, then wait for the peer's WINDOW_UPDATE
-                self._send(out)
-                out.clear()
-                self._read_frame(deadline)
+        off, h = 0, self._h2
+        while True:
+            self._check_open(sid)
+            room = self._call(h.local_flow_control_window, sid)
+            n = min(len(data) - off, room, h.max_outbound_frame_size)
+            if n > 0:
+                last = off + n == len(data)
+                self._call(h.send_data, sid, data[off : off + n], end_stream=last and end_stream)
+                off += n
+                if last:
+                    break
                 continue
-            self._send_window -= n
-            stream.send_window -= n
-            last = n == len(data)
-            out += _frame(DATA, END_STREAM if last and end_stream else 0, sid, data[:n])
-            data = data[n:]
-        self._send(out)
+            self._flush(deadline)
+            try:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError
+                self._pump(deadline)
+            except TimeoutError:
+                self.reset(sid)
+                raise CreditTimeout(f"stream {sid}: no flow-control credit from the peer within "
+                              f"{timeout_s:.2f} s") from None
+        self._flush(deadline)
 
     def end_stream(self, sid: int) -> None:
         """Client: no more messages on this call (half-close)."""
         if sid in self.streams:
-            self._send(_frame(DATA, END_STREAM, sid, b""))
+            self._call(self._h2.end_stream, sid)
+            self._flush(time.monotonic() + SEND_TIMEOUT_S)
 
-    def reset(self, sid: int, code: int = CANCEL) -> None:
+    def reset(self, sid: int, code: int = h2.errors.ErrorCodes.CANCEL) -> None:
         """Cancel a stream; what still arrives for it is dropped."""
-        if self.streams.pop(sid, None) is not None and not self.closed:
-            self._send(_frame(RST_STREAM, 0, sid, code.to_bytes(4, "big")))
+        if self._forget(sid) and not self.closed:
+            try:
+                self._h2.reset_stream(sid, code)
+            except h2.exceptions.H2Error:
+                return  # already closed on the wire
+            self._flush(time.monotonic() + SEND_TIMEOUT_S)
 
     def abandon(self, sid: int) -> None:
-        """Stop listening to a stream we ended: its remaining frames are dropped."""
-        self._forget(sid)
+        """Stop listening to a stream we ended: its remaining frames are dropped. If the
+        peer has not ended it yet it is reset, so that it no longer counts against the
+        peer's MAX_CONCURRENT_STREAMS (the peer read our END_STREAM first)."""
+        stream = self.streams.get(sid)
+        if stream is not None and not stream.ended:
+            self.reset(sid)
+        else:
+            self._forget(sid)
 
     def recv_message(self, sid: int, timeout_s: float,
                      spin: tuple[float, float] | None = None) -> bytes | None:
         """The stream's next message; None when it ended cleanly (client: status OK).
 
         Raises TimeoutError after timeout_s with nothing lost, GrpcStatus for a failed
-        call, H2Error for a broken connection or a reset stream. spin=(start, end), in
-        time.monotonic() seconds: sleep until start, busy-poll until end (see _fill).
+        call, H2Error for a broken connection or a reset stream. The deadline holds
+        whatever arrives meanwhile. spin=(start, end), in time.monotonic() seconds:
+        sleep until start, busy-poll until end (see _read).
         """
         deadline = time.monotonic() + timeout_s
         stream = self.streams.get(sid)
         if stream is None:
             raise H2Error(f"no stream {sid}")
+        read = False
         while not stream.messages:
             if stream.reset is not None:
                 self._forget(sid)
@@ -214,48 +247,59 @@ class Connection:
                 if stream.partial:
                     raise H2Error(f"stream {sid} ended inside a message")
                 if self.client:
-                    _check_status(stream.trailers or stream.headers)
+                    check_status(stream.trailers or stream.headers)
                 return None
-            self._read_frame(deadline, spin)
-        return stream.messages.popleft()
+            if read and time.monotonic() >= deadline:
+                raise TimeoutError("no message before the deadline")
+            self._pump(deadline, spin)
+            read = True
+        msg = stream.messages.popleft()
+        # Credit it back now that it is read: the peer's window is what we hold unread.
+        self._h2.acknowledge_received_data(len(msg) + 5, sid)
+        return msg
 
-    def close(self, code: int = NO_ERROR) -> None:
+    def close(self, code: int = h2.errors.ErrorCodes.NO_ERROR) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            last = self._last_peer_sid.to_bytes(4, "big")
-            self.sock.sendall(_frame(GOAWAY, 0, 0, last + code.to_bytes(4, "big")))
+            # A GOAWAY, unless h2 already queued one for a protocol error.
+            with contextlib.suppress(h2.exceptions.H2Error):
+                self._h2.close_connection(error_code=code)
+            self.sock.settimeout(MIN_SEND_S)
+            self.sock.sendall(self._h2.data_to_send())
         except OSError:
             pass
         finally:
             self.sock.close()
 
-    # -- frames -----------------------------------------------------------------------
+    # -- reading and writing --------------------------------------------------------
 
-    def _send(self, data: bytes | bytearray) -> None:
-        if self.closed:
-            raise H2Error("connection closed")
+    def _pump(self, deadline: float, spin: tuple[float, float] | None = None) -> None:
+        """Send what is pending, then read what arrives by deadline and handle it;
+        TimeoutError if nothing did."""
+        self._flush(deadline)
+        data = self._read(deadline, spin)
+        self._feed(data, deadline)
+
+    def _feed(self, data: bytes, deadline: float) -> None:
         try:
-            self.sock.settimeout(SEND_TIMEOUT_S)
-            self.sock.sendall(data)
-        except OSError as e:
-            self.closed = True
-            raise H2Error(f"connection lost: {e}") from None
+            self._floods.scan(data)
+            handlers = self._handlers
+            for event in self._h2.receive_data(data):
+                handler = handlers.get(type(event))
+                if handler is not None:
+                    handler(event)
+        except h2.exceptions.ProtocolError as e:
+            self._fail(f"the peer broke HTTP/2: {e}", getattr(e, "error_code", 1))
+        except FloodError as e:
+            self._fail(str(e), h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+        except H2Error as e:  # gRPC framing
+            self._fail(str(e), h2.errors.ErrorCodes.PROTOCOL_ERROR)
+        self._flush(deadline)
 
-    def _send_headers(self, sid: int, headers: list[tuple[str, str]], end_stream: bool) -> None:
-        block = self._encoder.encode(headers)
-        size = self._peer_max_frame
-        first, rest = block[:size], block[size:]
-        flags = (END_STREAM if end_stream else 0) | (0 if rest else END_HEADERS)
-        out = bytearray(_frame(HEADERS, flags, sid, first))
-        while rest:
-            part, rest = rest[:size], rest[size:]
-            out += _frame(CONTINUATION, 0 if rest else END_HEADERS, sid, part)
-        self._send(out)
-
-    def _fill(self, deadline: float, spin: tuple[float, float] | None = None) -> None:
-        """Read what has arrived, waiting until deadline (past it: only what is there).
+    def _read(self, deadline: float, spin: tuple[float, float] | None = None) -> bytes:
+        """What has arrived, waiting until deadline (past it: only what is there).
 
         With spin=(start, end) the wait sleeps until start, busy-polls the socket until
         end, then sleeps again. A thread that sleeps when its bytes arrive pays a wake-up
@@ -272,224 +316,110 @@ class Connection:
             data = self._recv(deadline)
             if data is None:
                 raise TimeoutError("no frame before the deadline")
-        self._buf += data
+        return data
 
     def _recv(self, until: float | None) -> bytes | None:
         """What recv() gives by `until` (None: without waiting), or None if nothing came."""
+        if self.closed:
+            raise H2Error("connection closed")
         self.sock.settimeout(0.0 if until is None else max(0.0, until - time.monotonic()))
         try:
             data = self.sock.recv(65536)
         except (TimeoutError, BlockingIOError, ssl.SSLWantReadError):
             return None
         except OSError as e:
-            self.closed = True
-            raise H2Error(f"connection lost: {e}") from None
+            self._lost(f"connection lost: {e}")
         if not data:
-            self.closed = True
-            raise H2Error("connection closed by the peer")
+            self._lost("connection closed by the peer")
         return data
 
-    def _read_frame(self, deadline: float, spin: tuple[float, float] | None = None) -> None:
-        """Read and handle one frame, waiting until deadline for it."""
-        buf = self._buf
-        while len(buf) < 9:
-            self._fill(deadline, spin)
-        n = int.from_bytes(buf[:3], "big")
-        if n > MAX_FRAME:
-            self._fail(FRAME_SIZE_ERROR, f"frame of {n} bytes, above {MAX_FRAME}")
-        while len(buf) < 9 + n:
-            self._fill(deadline, spin)
-        kind, flags, sid = buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
-        payload = bytes(buf[9 : 9 + n])
-        del buf[: 9 + n]
-        self._handle(kind, flags, sid, payload)
-
-    def _handle(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
-        if self._header_block is not None and kind != CONTINUATION:
-            self._fail(PROTOCOL_ERROR, "header block interrupted by another frame")
-        if kind == DATA:
-            self._on_data(flags, sid, payload)
-        elif kind in (HEADERS, CONTINUATION):
-            self._on_headers(kind, flags, sid, payload)
-        elif kind == SETTINGS:
-            self._on_settings(flags, sid, payload)
-        elif kind == WINDOW_UPDATE:
-            self._on_window_update(sid, payload)
-        elif kind == PING:
-            if len(payload) != 8 or sid:
-                self._fail(FRAME_SIZE_ERROR, "malformed PING")
-            if not flags & ACK:
-                self._send(_frame(PING, ACK, 0, payload))
-        elif kind == RST_STREAM:
-            if len(payload) != 4 or not sid:
-                self._fail(FRAME_SIZE_ERROR, "malformed RST_STREAM")
-            stream = self.streams.get(sid)
-            if stream is not None:
-                stream.reset, stream.ended = int.from_bytes(payload, "big"), True
-        elif kind == GOAWAY:
-            if len(payload) < 8:
-                self._fail(FRAME_SIZE_ERROR, "malformed GOAWAY")
-            self.goaway = int.from_bytes(payload[4:8], "big")
-            last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
-            for stream in self.streams.values():
-                if stream.sid > last and not stream.ended:
-                    stream.reset, stream.ended = REFUSED_STREAM, True
-        elif kind == PUSH_PROMISE:
-            self._fail(PROTOCOL_ERROR, "server push is disabled")
-        # PRIORITY and unknown frame types are ignored, as HTTP/2 requires.
-
-    def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
-        self._received += len(payload)
-        if self._received > WINDOW:
-            self._fail(FLOW_CONTROL_ERROR, "peer overran the connection window")
-        if flags & PADDED:
-            payload = _unpad(payload)
-        stream = self.streams.get(sid)
-        if stream is not None and not stream.ended:
-            stream.received += len(payload)
-            if stream.received > WINDOW:
-                self._fail(FLOW_CONTROL_ERROR, f"peer overran stream {sid}'s window")
-            self._take(stream, payload)
-            if flags & END_STREAM:
-                stream.ended = True
-        updates = b""
-        if self._received > WINDOW // 2:
-            updates += _frame(WINDOW_UPDATE, 0, 0, self._received.to_bytes(4, "big"))
-            self._received = 0
-        if stream is not None and stream.received > WINDOW // 2 and not stream.ended:
-            updates += _frame(WINDOW_UPDATE, 0, sid, stream.received.to_bytes(4, "big"))
-            stream.received = 0
-        if updates:
-            self._send(updates)
-
-    def _take(self, stream: Stream, payload: bytes) -> None:
-        """Split DATA into gRPC messages (a 1-byte flag and a 4-byte length before each)."""
-        part = stream.partial
-        part += payload
-        while len(part) >= 5:
-            if part[0] != 0:
-                self._fail(PROTOCOL_ERROR, "compressed gRPC message (no encoding was agreed)")
-            size = int.from_bytes(part[1:5], "big")
-            if size > self.max_message:
-                self._fail(PROTOCOL_ERROR, f"gRPC message of {size} bytes, above the limit "
-                                           f"of {self.max_message}")
-            if len(part) < 5 + size:
-                break
-            stream.messages.append(bytes(part[5 : 5 + size]))
-            del part[: 5 + size]
-
-    def _on_headers(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
-        if kind == CONTINUATION:
-            if self._header_block is None or self._header_block[0] != sid:
-                self._fail(PROTOCOL_ERROR, "CONTINUATION without a header block")
-            block = self._header_block[2]
-            block += payload
-            flags |= self._header_block[1] & END_STREAM
-        else:
-            if not sid:
-                self._fail(PROTOCOL_ERROR, "HEADERS on stream 0")
-            if flags & PADDED:
-                payload = _unpad(payload)
-            if flags & PRIORITY_FLAG:
-                payload = payload[5:]
-            block = bytearray(payload)
-        if len(block) > MAX_HEADER_BLOCK:
-            self._fail(PROTOCOL_ERROR, f"header block above {MAX_HEADER_BLOCK} bytes")
-        if not flags & END_HEADERS:
-            self._header_block = (sid, flags, block)
+    def _flush(self, deadline: float) -> None:
+        """Write what h2 has queued, giving up at deadline (or MIN_SEND_S from now)."""
+        out = self._h2.data_to_send()
+        if not out:
             return
-        self._header_block = None
+        if self.closed:
+            raise H2Error("connection closed")
         try:
-            headers = [(str(k), str(v)) for k, v in self._decoder.decode(bytes(block))]
-        except hpack.HPACKError as e:
-            self._fail(PROTOCOL_ERROR, f"undecodable header block: {e}")
-        self._on_header_list(sid, headers, bool(flags & END_STREAM))
+            self.sock.settimeout(max(MIN_SEND_S, deadline - time.monotonic()))
+            self.sock.sendall(out)
+        except OSError as e:  # a timeout included: a write half done cannot be resumed
+            self._lost(f"connection lost: {e or 'the peer does not read'}")
 
-    def _on_header_list(self, sid: int, headers: list[tuple[str, str]], end: bool) -> None:
+    def _call(self, fn, *args, **kw):
+        """An h2 call that raises H2Error instead of h2's own exceptions."""
+        try:
+            return fn(*args, **kw)
+        except h2.exceptions.H2Error as e:
+            raise H2Error(f"{type(e).__name__}: {e}") from None
+
+    def _check_open(self, sid: int) -> None:
         stream = self.streams.get(sid)
+        if stream is None or stream.reset is not None:
+            raise H2Error(f"stream {sid} was reset by the peer")
+        if self.closed:
+            raise H2Error("connection closed")
+
+    # -- events ---------------------------------------------------------------------
+
+    def _on_headers(self, e) -> None:
+        stream = self.streams.get(e.stream_id)
         if stream is None:
-            if self.client or sid % 2 == 0 or sid <= self._last_peer_sid:
-                return  # a stream we already forgot (reset or finished)
-            self._last_peer_sid = sid
-            if len(self.streams) >= self.max_streams:
-                self._send(_frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
-                return
-            self.streams[sid] = stream = Stream(sid, self._peer_initial_window, headers)
-            self._new_requests.append(sid)
-        elif not stream.headers:
-            stream.headers = headers
-        else:
-            stream.trailers = headers
-        if end:
+            if self.client:
+                return  # a stream we already forgot
+            self.streams[e.stream_id] = stream = Stream(e.stream_id)
+            self._new_requests.append(e.stream_id)
+        stream.headers = list(e.headers)
+
+    def _on_trailers(self, e) -> None:
+        stream = self.streams.get(e.stream_id)
+        if stream is not None:
+            stream.trailers = list(e.headers)
+
+    def _on_data(self, e) -> None:
+        stream = self.streams.get(e.stream_id)
+        data = e.data
+        unread = e.flow_controlled_length - len(data)  # padding: never held, credit it now
+        if stream is None or stream.ended:
+            unread = e.flow_controlled_length
+        elif data:
+            stream.take(data, self.max_message)
+        if unread:
+            self._h2.acknowledge_received_data(unread, e.stream_id)
+
+    def _on_end(self, e) -> None:
+        stream = self.streams.get(e.stream_id)
+        if stream is not None:
             stream.ended = True
 
-    def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
-        if sid or len(payload) % 6 or (flags & ACK and payload):
-            self._fail(FRAME_SIZE_ERROR, "malformed SETTINGS")
-        if flags & ACK:
-            return
-        for i in range(0, len(payload), 6):
-            key, value = int.from_bytes(payload[i : i + 2], "big"), int.from_bytes(
-                payload[i + 2 : i + 6], "big")
-            if key == SETTINGS_INITIAL_WINDOW_SIZE:
-                if value > 0x7FFFFFFF:
-                    self._fail(FLOW_CONTROL_ERROR, "initial window above 2^31-1")
-                for stream in self.streams.values():
-                    stream.send_window += value - self._peer_initial_window
-                self._peer_initial_window = value
-            elif key == SETTINGS_MAX_FRAME_SIZE:
-                if not MAX_FRAME <= value <= 0xFFFFFF:
-                    self._fail(PROTOCOL_ERROR, f"max frame size {value}")
-                self._peer_max_frame = value
-        self._send(_frame(SETTINGS, ACK, 0, b""))
+    def _on_reset(self, e) -> None:
+        stream = self.streams.get(e.stream_id)
+        if stream is not None:
+            stream.reset, stream.ended = int(e.error_code), True
 
-    def _on_window_update(self, sid: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            self._fail(FRAME_SIZE_ERROR, "malformed WINDOW_UPDATE")
-        grant = int.from_bytes(payload, "big") & 0x7FFFFFFF
-        if not sid:
-            self._send_window += grant
-        elif (stream := self.streams.get(sid)) is not None:
-            stream.send_window += grant
-        if self._send_window > 0x7FFFFFFF:
-            self._fail(FLOW_CONTROL_ERROR, "window above 2^31-1")
+    def _on_goaway(self, e) -> None:
+        self.goaway = int(e.error_code)
+        last = e.last_stream_id if e.last_stream_id is not None else 0
+        for stream in self.streams.values():
+            if not stream.ended and (stream.sid > last or self.goaway):
+                stream.reset, stream.ended = h2.errors.ErrorCodes.REFUSED_STREAM, True
 
-    def _forget(self, sid: int) -> None:
-        self.streams.pop(sid, None)
+    def _forget(self, sid: int) -> bool:
+        """Drop a stream, crediting back what it held unread; False if it was gone."""
+        stream = self.streams.pop(sid, None)
+        if stream is None:
+            return False
+        held = sum(len(m) + 5 for m in stream.messages) + len(stream.partial)
+        if held and not self.closed:
+            self._h2.acknowledge_received_data(held, sid)
+        return True
 
-    def _fail(self, code: int, why: str) -> NoReturn:
-        self.close(code)
+    def _lost(self, why: str) -> NoReturn:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.close()
         raise H2Error(why)
 
-
-def _frame(kind: int, flags: int, sid: int, payload: bytes | bytearray) -> bytes:
-    return (len(payload).to_bytes(3, "big") + bytes((kind, flags)) + sid.to_bytes(4, "big")
-            + payload)
-
-
-def _settings(values: dict[int, int]) -> bytes:
-    body = b"".join(k.to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in values.items())
-    return _frame(SETTINGS, 0, 0, body)
-
-
-def _unpad(payload: bytes) -> bytes:
-    if not payload or payload[0] >= len(payload):
-        raise H2Error("bad padding")
-    return payload[1 : len(payload) - payload[0]]
-
-
-def _check_status(headers: list[tuple[str, str]]) -> None:
-    h = dict(headers)
-    if h.get(":status", "200") != "200":
-        raise GrpcStatus(14, f"HTTP status {h[':status']}")
-    code = h.get("grpc-status")
-    if code is None:
-        raise GrpcStatus(13, "the call ended without a gRPC status")
-    if code != "0":
-        raise GrpcStatus(int(code) if code.isdigit() else 2, unquote(h.get("grpc-message", "")))
-
-
-def _percent_encode(text: str) -> str:
-    return "".join(c if " " <= c <= "~" and c != "%" else "".join(
-        f"%{b:02X}" for b in c.encode()) for c in text)
-
+    def _fail(self, why: str, code: int) -> NoReturn:
+        self.close(code)
+        raise H2Error(why)

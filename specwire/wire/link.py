@@ -58,6 +58,7 @@ class Link:
         self.hello: pb.HelloReply | None = None
         self.rtt_s = float("inf")
         self.failures = 0
+        self.violations = 0  # protocol violations seen (see failed)
         self.retry_at = 0.0
         self.last_error = ""
 
@@ -214,17 +215,22 @@ class Link:
         raise LinkError(msg)
 
     def worked(self) -> None:
-        """A session on this link delivered a draft: the next failure starts a fresh backoff."""
+        """A session on this link delivered a usable draft: the next failure starts a fresh
+        backoff (but not below what the node's protocol violations earned it)."""
         self.failures = 0
 
-    def failed(self, reason: str, backoff_s: float | None = None) -> None:
-        """Mark the link down; retry after an exponentially growing pause."""
+    def failed(self, reason: str, backoff_s: float | None = None, hostile: bool = False) -> None:
+        """Mark the link down; retry after an exponentially growing pause. hostile: the node
+        broke the protocol, which doubles every later pause for good (a node that drafts a
+        little and then misbehaves is not retried ever faster)."""
         self.up = False
         self.failures += 1
+        self.violations += hostile
         self.last_error = reason
         self._drop_session_channel()
         s = self.settings
-        pause = backoff_s or min(s.backoff_max_s, s.backoff_min_s * 2 ** (self.failures - 1))
+        n = self.failures + self.violations
+        pause = backoff_s or min(s.backoff_max_s, s.backoff_min_s * 2 ** (n - 1))
         self.retry_at = time.monotonic() + pause
         log.warning("draft link %s down (%s); retry in %.2f s", self.url, reason, pause)
 

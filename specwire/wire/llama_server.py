@@ -23,6 +23,9 @@ log = logging.getLogger("specwire.remote")
 
 
 class LlamaServerDrafter:
+    deterministic = True  # greedy (top_k 1): a point mass is its q in rejection mode
+    remote = True
+
     def __init__(self, url: str, timeout_s: float = 5.0, n_vocab: int | None = None) -> None:
         u = urllib.parse.urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:

@@ -1,0 +1,201 @@
+"""The one place where a drafter's failure becomes plain decoding.
+
+A drafter only ever buys speed, so nothing it does may fail a request: not an
+exception of any type from any of its methods, not tokens outside the
+vocabulary, not a draft without the q that rejection mode needs. The engine
+calls its drafter only through DraftGuard. A failure is logged, counted
+(`guard_failures` in the drafter's stats), the drafter's sequence is ended,
+and rounds decode plainly while the drafter rests for a pause that doubles
+with each failure in a row (BACKOFF_MIN_S up to BACKOFF_MAX_S); then it is
+begun again on the current history. A round with a usable draft resets the pause.
+
+Rejection mode also passes through here: a drafter that declares itself
+`deterministic` (its draft never depends on the target's random draws: a
+lookup, a greedy draft, a remote greedy server, a generator of its own) gets
+a point mass at each drafted token as its q, which keeps speculative sampling
+exact (accept with probability p(x), else sample p with x removed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.drafters.base import Draft, Drafter
+from specwire.sampling import SparseDraft
+
+log = logging.getLogger("specwire.engine")
+
+BACKOFF_MIN_S = 0.25
+BACKOFF_MAX_S = 30.0
+
+
+class DrafterFailure(Exception):
+    """A drafter returned something the engine cannot use; the message says what."""
+
+
+def provides_q(drafter: object) -> bool:
+    """The drafter sends its own q in rejection mode."""
+    return bool(getattr(drafter, "provides_q", False))
+
+
+def is_deterministic(drafter: object) -> bool:
+    """The drafter's tokens never depend on the target's random draws (q: a point mass)."""
+    return bool(getattr(drafter, "deterministic", False))
+
+
+def point_q(tokens: Sequence[int]) -> list[SparseDraft]:
+    one = np.ones(1, dtype=np.float32)
+    return [SparseDraft(int(t), np.array([t], dtype=np.int64), one.copy()) for t in tokens]
+
+
+class DraftGuard:
+    """Forwards the drafter protocol to `drafter`, turning every failure into an empty
+    draft and a pause. Lives as long as its engine, so the pause spans requests."""
+
+    def __init__(self, drafter: Drafter, n_vocab: int) -> None:
+        self.drafter, self.n_vocab = drafter, n_vocab
+        self.name = drafter.name
+        self.failures = 0  # in a row
+        self.total_failures = 0
+        self.retry_at = 0.0
+        self._live = False  # begun, and not failed since
+        self._sampling = SamplingParams()
+        self._params = DraftParams()
+        self._one_hot = False
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        self._sampling, self._params = sampling, params
+        rejection = params.mode is VerifyMode.REJECTION and not sampling.greedy
+        self._one_hot = rejection and not provides_q(self.drafter)
+        self._live = False
+        self._start(prompt)
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        if not self._live and not self._start(history):
+            return Draft()
+        try:
+            draft = self._checked(self.drafter.propose(history, max_n), max_n)
+        except Exception as e:  # noqa: BLE001 - the boundary: any failure is plain decoding
+            self._failed("propose", e)
+            return Draft()
+        if draft.tokens:
+            self.failures = 0
+        return draft
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        if not self._live:
+            return
+        try:
+            self.drafter.learn(history, accepted, appended)
+        except Exception as e:  # noqa: BLE001
+            self._failed("learn", e)
+
+    def end(self) -> None:
+        if self._live:
+            self._live = False
+            self._end()
+
+    def stats(self) -> dict[str, float]:
+        try:
+            out = dict(self.drafter.stats())
+        except Exception as e:  # noqa: BLE001
+            log.warning("drafter %s: stats failed: %s", self.name, _describe(e))
+            out = {}
+        if self.total_failures:
+            out["guard_failures"] = float(self.total_failures)
+        return out
+
+    def steer(self, policy) -> None:
+        steer = getattr(self.drafter, "steer", None)
+        if steer is None:
+            return
+        try:
+            steer(policy)
+        except Exception as e:  # noqa: BLE001
+            self._failed("steer", e)
+
+    # -- inside the boundary ----------------------------------------------------------
+
+    def _start(self, history: Sequence[int]) -> bool:
+        """Begin the drafter's sequence on history, unless it is resting; True if live."""
+        if time.monotonic() < self.retry_at:
+            return False
+        try:
+            self.drafter.begin(history, self._sampling, self._params)
+        except Exception as e:  # noqa: BLE001
+            self._failed("begin", e)
+            return False
+        self._live = True
+        return True
+
+    def _checked(self, draft: object, max_n: int) -> Draft:
+        if not isinstance(draft, Draft):
+            raise DrafterFailure(f"proposed a {type(draft).__name__}, not a Draft")
+        tokens = draft.tokens
+        if not tokens:
+            return draft
+        if len(tokens) > max_n:
+            draft = draft.cut(max_n)
+            tokens = draft.tokens
+        if not all(type(t) is int or isinstance(t, int | np.integer) for t in tokens):
+            raise DrafterFailure("proposed token ids that are not integers")
+        if min(tokens) < 0 or max(tokens) >= self.n_vocab:
+            raise DrafterFailure(f"proposed token ids outside the vocabulary of {self.n_vocab}")
+        if self._one_hot:
+            draft.sparse = point_q(tokens)
+        elif self._params.mode is VerifyMode.REJECTION and not self._sampling.greedy and (
+                draft.sparse is None or len(draft.sparse) != len(tokens)):
+            raise DrafterFailure("proposed a draft without its q in rejection mode")
+        return draft
+
+    def _failed(self, where: str, e: Exception) -> None:
+        self.failures += 1
+        self.total_failures += 1
+        pause = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** (self.failures - 1))
+        self.retry_at = time.monotonic() + pause
+        log.warning("drafter %s failed in %s (%s); decoding plainly, retry in %.2f s",
+                    self.name, where, _describe(e), pause)
+        if self._live:
+            self._live = False
+            self._end()
+
+    def _end(self) -> None:
+        try:
+            self.drafter.end()
+        except Exception as e:  # noqa: BLE001
+            log.warning("drafter %s: end failed: %s", self.name, _describe(e))
+
+
+def _describe(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+def check_verify_mode(drafter: object, mode: VerifyMode) -> None:
+    """Refuse a drafter that cannot take part in `mode` (raises ValueError naming it);
+    log once that rejection mode trusts a remote drafter's q."""
+    if mode is not VerifyMode.REJECTION:
+        return
+    if not provides_q(drafter) and not is_deterministic(drafter):
+        raise ValueError(
+            f"--verify rejection: the drafter {getattr(drafter, 'name', '?')} gives no draft "
+            f"distribution q and its drafts are not deterministic; use --verify coupled")
+    if getattr(drafter, "remote", False):
+        _log_trust_once(drafter)
+
+
+_trust_logged = False
+
+
+def _log_trust_once(drafter: object) -> None:
+    global _trust_logged
+    if _trust_logged:
+        return
+    _trust_logged = True
+    log.warning("--verify rejection trusts the q that the remote drafter %s sends: a hostile "
+                "one can steer the output; coupled verification (the default) cannot be "
+                "steered by any draft", getattr(drafter, "name", "?"))
