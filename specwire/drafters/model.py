@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from specwire import sampling
 from specwire.backend.base import Backend, sync_prefix
-from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
+from specwire.constraints.grammar import Grammar, GrammarSpec
 from specwire.drafters.base import Draft
 
 
@@ -28,6 +29,10 @@ class ModelDrafter:
     probability below it), or, when the engine sets `stop_rule` (the adaptive
     policy does, through `steer`), wherever stop_rule(i, top probability) says no to
     token i.
+
+    With a grammar (`constrain`, called by the engine for a constrained request)
+    the draft samples from its row masked by the grammar, as the target will: it
+    keeps the grammar's state at the last committed token and drafts on a clone.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -38,12 +43,26 @@ class ModelDrafter:
         self._drafted = 0
         self._decode0 = 0.0
         self.stop_rule: Callable[[int, float], bool] | None = None
+        self._grammar_spec: GrammarSpec | None = None
+        self._grammar: Grammar | None = None   # state after history[:_grammar_at]
+        self._grammar_at = 0
 
     def steer(self, policy) -> None:
         """Stop drafts where the adaptive policy says (None: at --draft-p-min again)."""
         self.stop_rule = policy.keep_drafting if policy is not None else None
 
+    def constrain(self, spec: GrammarSpec | None) -> None:
+        """Follow this grammar in the next sequence (None: none)."""
+        self._grammar_spec = spec
+
     def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams) -> None:
+        self._drop_grammar()
+        if self._grammar_spec is not None:
+            try:
+                self._grammar = Grammar.for_backend(self._grammar_spec, self.backend)
+                self._grammar_at = len(prompt)
+            except ConfigError:       # only the target must apply it; drafting goes on free
+                self._grammar = None
         if params.seed is not None:
             sampling_ = replace(sampling_, seed=params.seed)
         self.sampling, self.params = sampling_, params
@@ -70,6 +89,8 @@ class ModelDrafter:
         draft = Draft(sparse=[] if rejection else None,
                       confidence=[] if stop_rule or dp.p_min > 0.0 else None)
         ctx = list(history)
+        grammar = self._grammar_after(history)
+        allow = grammar.allowed if grammar is not None else None
         for i in range(max_n):
             if draft.confidence is not None:
                 p = sampling.top_prob(row)
@@ -78,12 +99,18 @@ class ModelDrafter:
                 draft.confidence.append(p)
             recent = sampling.recent_window(ctx, sp)
             sd = None
-            if rejection:
-                sd = sampling.sparse_draft(row, sp, dp.top_k_q, len(ctx), recent)
-                tok = sd.token
+            try:
+                if rejection:
+                    sd = sampling.sparse_draft(row, sp, dp.top_k_q, len(ctx), recent, allow)
+                    tok = sd.token
+                else:
+                    tok = sampling.coupled(row, sp, len(ctx), recent, allow)
+                if grammar is not None:
+                    grammar.accept(tok)
+            except ConfigError:       # the grammar is at its end: nothing more to draft
+                break
+            if sd is not None:
                 draft.sparse.append(sd)
-            else:
-                tok = sampling.coupled(row, sp, len(ctx), recent)
             draft.tokens.append(tok)
             ctx.append(tok)
             if on_token is not None and on_token(i, tok, sd) is False:
@@ -91,14 +118,39 @@ class ModelDrafter:
             if i + 1 == max_n:
                 break
             row = be.eval([tok], logits="last")[-1]
+        if grammar is not None:
+            grammar.close()
         self._drafted += len(draft)
         return draft
+
+    def _grammar_after(self, history: Sequence[int]) -> Grammar | None:
+        """A scratch copy of the grammar's state after history (None: no grammar to follow).
+
+        history extends what was committed before by the tokens the target kept;
+        they all fit the grammar, since the target sampled them under it.
+        """
+        g = self._grammar
+        if g is None:
+            return None
+        try:
+            for t in history[self._grammar_at:]:
+                g.accept(t)
+        except ConfigError:
+            self._drop_grammar()
+            return None
+        self._grammar_at = len(history)
+        return g.clone()
+
+    def _drop_grammar(self) -> None:
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
         """Nothing to do: the next proposal re-syncs the cache by common prefix."""
 
     def end(self) -> None:
-        pass
+        self._drop_grammar()
 
     def stats(self) -> dict[str, float]:
         """Counters since begin(): tokens drafted, ms inside the draft's llama_decode."""
