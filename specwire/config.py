@@ -90,7 +90,10 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """JSON-ready (a ban, bias -inf, shows as false, as llama-server writes it)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["logit_bias"] = [[t, b if b > float("-inf") else False] for t, b in self.logit_bias]
+        return d
 
 
 @dataclass(slots=True, frozen=True)

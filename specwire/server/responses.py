@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from specwire.server import probs as probs_json
 from specwire.server.schemas import Completion
 from specwire.server.slots import Chunk, Result
 
@@ -54,15 +55,25 @@ class LlamaCompletion(Dialect):
 
     done_marker = False
 
+    def _probs(self, probs: list) -> dict:
+        spec = self.spec.request.logprobs
+        if spec is None:
+            return {}
+        return {"completion_probabilities": probs_json.llama(probs, self.spec.piece,
+                                                             spec.post_sampling)}
+
     def chunk(self, c: Chunk) -> dict | None:
         return {"index": 0, "content": c.text,
-                "tokens": c.tokens if self.spec.return_tokens else [], "stop": False}
+                "tokens": c.tokens if self.spec.return_tokens else [], "stop": False,
+                **self._probs(c.probs)}
 
     def closing(self, r: Result) -> list[dict]:
-        return [{**self.whole(r), "content": "", "tokens": []}]
+        last = {**self.whole(r), "content": "", "tokens": []}
+        last.pop("completion_probabilities", None)
+        return [last]
 
     def whole(self, r: Result) -> dict:
-        return {
+        return {**self._probs(r.probs),
             "index": 0,
             "content": r.content,
             "tokens": r.tokens if self.spec.return_tokens else [],
@@ -97,11 +108,19 @@ class OpenAICompletion(Dialect):
                 "model": self.model, "system_fingerprint": "specwire", "choices": choices,
                 **extra}
 
-    def _choice(self, text: str, finish: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def _choice(self, text: str, finish: str | None, probs: list | None = None) -> dict:
+        return {"index": 0, "text": text, "logprobs": self._logprobs(probs),
+                "finish_reason": finish}
+
+    def _logprobs(self, probs: list | None) -> dict | None:
+        if self.spec.request.logprobs is None or probs is None:
+            return None
+        return probs_json.completions(probs, self.spec.piece)
 
     def chunk(self, c: Chunk) -> dict | None:
-        return self._envelope([self._choice(c.text, None)]) if c.text else None
+        if not c.text and not (c.probs and self.spec.request.logprobs):
+            return None
+        return self._envelope([self._choice(c.text, None, c.probs)])
 
     def closing(self, r: Result) -> list[dict]:
         out = [self._envelope([self._choice("", finish_reason(r.stop_type))],
@@ -111,7 +130,7 @@ class OpenAICompletion(Dialect):
         return out
 
     def whole(self, r: Result) -> dict:
-        return self._envelope([self._choice(r.content, finish_reason(r.stop_type))],
+        return self._envelope([self._choice(r.content, finish_reason(r.stop_type), r.probs)],
                               usage=usage(r), timings=r.timings)
 
 
@@ -121,14 +140,23 @@ class OpenAIChat(OpenAICompletion):
     object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def _choice(self, delta: dict, finish: str | None) -> dict:  # type: ignore[override]
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _choice(self, delta: dict, finish: str | None,  # type: ignore[override]
+                probs: list | None = None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": self._logprobs(probs),
+                "finish_reason": finish}
+
+    def _logprobs(self, probs: list | None) -> dict | None:
+        if self.spec.request.logprobs is None or probs is None:
+            return None
+        return probs_json.chat(probs, self.spec.piece)
 
     def opening(self) -> list[dict]:
         return [self._envelope([self._choice({"role": "assistant", "content": ""}, None)])]
 
     def chunk(self, c: Chunk) -> dict | None:
-        return self._envelope([self._choice({"content": c.text}, None)]) if c.text else None
+        if not c.text and not (c.probs and self.spec.request.logprobs):
+            return None
+        return self._envelope([self._choice({"content": c.text}, None, c.probs)])
 
     def closing(self, r: Result) -> list[dict]:
         out = [self._envelope([self._choice({}, finish_reason(r.stop_type))], timings=r.timings)]
@@ -138,7 +166,8 @@ class OpenAIChat(OpenAICompletion):
 
     def whole(self, r: Result) -> dict:
         choice = {"index": 0, "message": {"role": "assistant", "content": r.content},
-                  "logprobs": None, "finish_reason": finish_reason(r.stop_type)}
+                  "logprobs": self._logprobs(r.probs),
+                  "finish_reason": finish_reason(r.stop_type)}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "system_fingerprint": "specwire", "choices": [choice],
                 "usage": usage(r), "timings": r.timings}

@@ -16,22 +16,23 @@ Conventions, as in llama-server:
   the request with "speculative": false or "speculative.n_max": 0.
 * a prompt longer than the context: 400 with type "exceed_context_size_error",
   n_prompt_tokens and n_ctx, as llama-server answers.
-* unknown keys are ignored; features this server does not implement (logprobs,
-  n > 1, penalties other than repeat_penalty, grammars, tools) are refused with 400
-  rather than silently ignored.
+* unknown keys are ignored; features this server does not implement (n > 1,
+  echo, legacy `functions`) are refused with 400 rather than silently ignored.
+  Grammars, JSON schemas, penalties, logit bias and logprobs: see structured.py.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from specwire import chat
 from specwire.config import ConfigError, DraftParams, SamplingParams
 from specwire.engine import Request
+from specwire.server import structured
 from specwire.server.errors import ApiError, bad_request
 from specwire.server.settings import ServerSettings
 
@@ -45,6 +46,7 @@ class Completion:
     stream: bool = False
     return_tokens: bool = False
     include_usage: bool = False
+    piece: Callable[[int], bytes] | None = None     # a token's bytes (for logprobs)
 
     def settings(self) -> dict:
         """llama-server's `generation_settings` for this request."""
@@ -256,22 +258,11 @@ def refuse_unsupported(f: Fields) -> None:
     best_of = f.int("best_of", default=1)
     if best_of != 1:
         raise bad_request(f"best_of: only 1 is supported, got {best_of}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if f.float(name, default=0.0) != 0.0:
-            raise bad_request(f"{name}: not supported (use repeat_penalty)")
-    _, logprobs = f.find("logprobs")
-    if logprobs not in (None, False, 0):
-        raise bad_request("logprobs: not supported")
-    if f.int("n_probs", default=0) != 0:
-        raise bad_request("n_probs: not supported")
     if f.bool("echo"):
         raise bad_request("echo: not supported")
-    for name in ("grammar", "json_schema", "tools", "functions"):
+    for name in ("tools", "functions"):
         if f.body.get(name):
             raise bad_request(f"{name}: not supported")
-    _, fmt = f.find("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-        raise bad_request("response_format: only {\"type\": \"text\"} is supported")
 
 
 def check_model(f: Fields, names: Sequence[str]) -> None:
@@ -286,14 +277,14 @@ def check_model(f: Fields, names: Sequence[str]) -> None:
 
 
 def completion(body: dict, backend: Any, settings: ServerSettings, names: Sequence[str],
-               prompt_key: str = "prompt") -> Completion:
-    """POST /completion and /v1/completions."""
+               prompt_key: str = "prompt", dialect: str = "llama") -> Completion:
+    """POST /completion (dialect "llama") and /v1/completions ("completions")."""
     f = Fields(body)
     check_model(f, names)
     refuse_unsupported(f)
     _, prompt = f.find(prompt_key)
     tokens = prompt_tokens(prompt, backend, prompt_key)
-    return _finish(f, body, tokens, backend, settings, [])
+    return _finish(f, body, tokens, backend, settings, [], dialect)
 
 
 def chat_completion(body: dict, backend: Any, settings: ServerSettings,
@@ -313,14 +304,21 @@ def chat_completion(body: dict, backend: Any, settings: ServerSettings,
     tokens = backend.tokenize(text, add_special=False, parse_special=True)
     if not tokens:
         raise bad_request("messages: the rendered prompt is empty")
-    return _finish(f, body, tokens, backend, settings, chat.TEMPLATE_STOPS.get(label, []))
+    return _finish(f, body, tokens, backend, settings, chat.TEMPLATE_STOPS.get(label, []),
+                   "chat")
 
 
 def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: ServerSettings,
-            extra_stops: list[str]) -> Completion:
+            extra_stops: list[str], dialect: str) -> Completion:
     n = n_predict(f, settings, backend.n_ctx)
     check_fits(tokens, n, backend.n_ctx)
     sp = sampling(f, settings.sampling)
+    try:
+        sp = replace(sp, **structured.penalties(body, backend))
+    except ConfigError as e:
+        raise bad_request(str(e)) from None
+    logprobs = structured.logprobs_spec(body, dialect)
+    grammar = structured.grammar_spec(body, backend)
     dp = draft(body, settings.draft)
     stops = stop_strings(f)
     stops += [s for s in extra_stops if s not in stops]
@@ -332,10 +330,11 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
         raise bad_request(f"stream_options: must be an object, got {_kind(opts)}")
     include_usage = Fields(opts or {}, "stream_options.").bool("include_usage")
     try:
-        req = Request(tokens, n, sp, dp, ignore_eos)
+        req = Request(tokens, n, sp, dp, ignore_eos, grammar, logprobs)
     except ConfigError as e:
         raise bad_request(str(e)) from None
-    return Completion(req, stops, stream, return_tokens, include_usage)
+    return Completion(req, stops, stream, return_tokens, include_usage,
+                      lambda t: backend.detokenize([t]))
 
 
 def tokenize(body: dict, backend: Any) -> dict:

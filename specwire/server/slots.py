@@ -40,6 +40,7 @@ class Chunk:
 
     text: str
     tokens: list[int]
+    probs: list = field(default_factory=list)    # TokenProb per token, when asked for
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class Result:
     timings: dict
     slot: int
     drafter: str
+    probs: list = field(default_factory=list)    # TokenProb per token, when asked for
 
 
 @dataclass(slots=True)
@@ -175,6 +177,7 @@ class Slot:
         gen = engine.generate(job.request)
         text = TextStream(engine.target.detokenize)
         stops = StopMatcher(job.stops)
+        done = 0
         try:
             for new in gen:
                 if job.cancelled.is_set():
@@ -183,8 +186,10 @@ class Slot:
                 piece = stops.push(text.push(new))
                 if stops.stopped:
                     gen.stop("word")
+                probs = gen.probs[done:done + len(new)]
+                done += len(new)
                 if job.stream and (piece or new):
-                    job.emit(Chunk(piece, list(new)))
+                    job.emit(Chunk(piece, list(new), probs))
             tail = stops.push(text.flush())
             tail += stops.finish()
             if job.stream and tail:
@@ -194,7 +199,8 @@ class Slot:
                 content=stops.text, tokens=list(gen.tokens), stop_type=gen.stop_type,
                 stopping_word=stops.word or "", truncated=gen.truncated,
                 tokens_evaluated=len(job.request.prompt), tokens_predicted=len(gen.tokens),
-                timings=st.timings(), slot=self.index, drafter=engine.drafter.name)))
+                timings=st.timings(), slot=self.index, drafter=engine.drafter.name,
+                probs=gen.probs[:len(gen.tokens)])))
             self.metrics.outcome(gen.stop_type)
         except ConfigError as e:
             self.metrics.outcome("failed")
