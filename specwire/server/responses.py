@@ -13,7 +13,9 @@ from __future__ import annotations
 import time
 import uuid
 
+from specwire.server import chat_output
 from specwire.server import probs as probs_json
+from specwire.server.chat_output import ChatOutput, ChatPlan
 from specwire.server.schemas import Completion
 from specwire.server.slots import Chunk, Result
 
@@ -135,10 +137,15 @@ class OpenAICompletion(Dialect):
 
 
 class OpenAIChat(OpenAICompletion):
-    """OpenAI's POST /v1/chat/completions."""
+    """OpenAI's POST /v1/chat/completions: content, reasoning_content and tool_calls."""
 
     object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+
+    def __init__(self, spec: Completion, model: str) -> None:
+        super().__init__(spec, model)
+        self.plan = spec.chat or ChatPlan()
+        self.out = ChatOutput(self.plan)
 
     def _choice(self, delta: dict, finish: str | None,  # type: ignore[override]
                 probs: list | None = None) -> dict:
@@ -154,20 +161,31 @@ class OpenAIChat(OpenAICompletion):
         return [self._envelope([self._choice({"role": "assistant", "content": ""}, None)])]
 
     def chunk(self, c: Chunk) -> dict | None:
-        if not c.text and not (c.probs and self.spec.request.logprobs):
+        deltas = self.out.push(c.text)
+        wants_probs = bool(c.probs and self.spec.request.logprobs)
+        if not deltas and not wants_probs:
             return None
-        return self._envelope([self._choice({"content": c.text}, None, c.probs)])
+        delta: dict = {}
+        for d in deltas:                      # at most one reasoning and one content part
+            for k, v in d.items():
+                delta[k] = delta.get(k, "") + v
+        if wants_probs and not delta:
+            delta = {"content": ""}
+        return self._envelope([self._choice(delta, None, c.probs)])
 
     def closing(self, r: Result) -> list[dict]:
-        out = [self._envelope([self._choice({}, finish_reason(r.stop_type))], timings=r.timings)]
+        out = [self._envelope([self._choice(d, None)]) for d in self.out.finish()]
+        finish = "tool_calls" if self.out.calls else finish_reason(r.stop_type)
+        out.append(self._envelope([self._choice({}, finish)], timings=r.timings))
         if self.spec.include_usage:
             out.append(self._envelope([], usage=usage(r), timings=r.timings))
         return out
 
     def whole(self, r: Result) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": r.content},
-                  "logprobs": self._logprobs(r.probs),
-                  "finish_reason": finish_reason(r.stop_type)}
+        msg = chat_output.whole(self.plan, r.content)
+        finish = "tool_calls" if msg.calls else finish_reason(r.stop_type)
+        choice = {"index": 0, "message": msg.openai(), "logprobs": self._logprobs(r.probs),
+                  "finish_reason": finish}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "system_fingerprint": "specwire", "choices": [choice],
                 "usage": usage(r), "timings": r.timings}

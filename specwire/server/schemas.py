@@ -29,10 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from specwire import chat
+from specwire import chat, reasoning
 from specwire.config import ConfigError, DraftParams, SamplingParams
+from specwire.constraints import GrammarSpec
 from specwire.engine import Request
-from specwire.server import structured
+from specwire.server import structured, tool_calls
+from specwire.server.chat_output import ChatPlan
 from specwire.server.errors import ApiError, bad_request
 from specwire.server.settings import ServerSettings
 
@@ -47,6 +49,7 @@ class Completion:
     return_tokens: bool = False
     include_usage: bool = False
     piece: Callable[[int], bytes] | None = None     # a token's bytes (for logprobs)
+    chat: ChatPlan | None = None                     # chat only: reasoning and tool calls
 
     def settings(self) -> dict:
         """llama-server's `generation_settings` for this request."""
@@ -250,7 +253,7 @@ def check_fits(tokens: Sequence[int], n_predict_: int, n_ctx: int) -> None:
                        "exceed_context_size_error", n_prompt_tokens=len(tokens), n_ctx=n_ctx)
 
 
-def refuse_unsupported(f: Fields) -> None:
+def refuse_unsupported(f: Fields, chat_: bool = False) -> None:
     """A feature the client relies on but this server lacks is an error, not a silent no-op."""
     n = f.int("n", default=1)
     if n != 1:
@@ -260,9 +263,10 @@ def refuse_unsupported(f: Fields) -> None:
         raise bad_request(f"best_of: only 1 is supported, got {best_of}")
     if f.bool("echo"):
         raise bad_request("echo: not supported")
-    for name in ("tools", "functions"):
+    for name in ("functions",) if chat_ else ("tools", "functions"):
         if f.body.get(name):
-            raise bad_request(f"{name}: not supported")
+            raise bad_request(f"{name}: not supported" + ("" if chat_ else
+                                                          " here; use /v1/chat/completions"))
 
 
 def check_model(f: Fields, names: Sequence[str]) -> None:
@@ -289,27 +293,59 @@ def completion(body: dict, backend: Any, settings: ServerSettings, names: Sequen
 
 def chat_completion(body: dict, backend: Any, settings: ServerSettings,
                     names: Sequence[str]) -> Completion:
-    """POST /v1/chat/completions: render the messages with the chat template, then as above."""
+    """POST /v1/chat/completions: render the messages with the chat template, then as above.
+
+    Tools, tool_choice and the reasoning split: see tool_calls.py and reasoning.py.
+    """
     f = Fields(body)
     check_model(f, names)
-    refuse_unsupported(f)
+    refuse_unsupported(f, chat_=True)
     _, messages = f.find("messages")
     if messages is None:
         raise bad_request("messages: required")
     try:
-        label, _ = chat.template_for(backend, settings.chat_template)
-        text = chat.render_for(backend, messages, settings.chat_template)
+        label, source = chat.template_for(backend, settings.chat_template)
     except ConfigError as e:
         raise bad_request(str(e)) from None
+    tools = tool_calls.parse(body, source)
+    variables = {**tool_calls.template_variables(tools),
+                 **template_kwargs(body, settings.reasoning_budget)}
+    try:
+        text = chat.render_for(backend, tool_calls.messages_for(tools, messages),
+                               settings.chat_template, **variables)
+    except ConfigError as e:
+        where = "tools: the chat template cannot render this request: " if tools else ""
+        raise bad_request(where + str(e)) from None
     tokens = backend.tokenize(text, add_special=False, parse_special=True)
     if not tokens:
         raise bad_request("messages: the rendered prompt is empty")
-    return _finish(f, body, tokens, backend, settings, chat.TEMPLATE_STOPS.get(label, []),
-                   "chat")
+    spec = _finish(f, body, tokens, backend, settings, chat.TEMPLATE_STOPS.get(label, []),
+                   "chat", tool_calls.grammar(tools))
+    spec.chat = tool_calls.plan(tools, settings.reasoning_format != "none",
+                                text.rstrip().endswith(reasoning.OPEN))
+    return spec
+
+
+def template_kwargs(body: dict, reasoning_budget: int = -1) -> dict:
+    """chat_template_kwargs (e.g. {"enable_thinking": false}); --reasoning-budget 0 turns
+    thinking off as llama-server does, unless the request says otherwise."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        kw = {}
+    if not isinstance(kw, dict):
+        raise bad_request(f"chat_template_kwargs: must be an object, got {_kind(kw)}")
+    reserved = {"messages", "tools", "bos_token", "eos_token", "add_generation_prompt"}
+    clash = reserved & set(kw)
+    if clash:
+        raise bad_request(f"chat_template_kwargs: {sorted(clash)[0]!r} cannot be set here")
+    if reasoning_budget == 0:
+        kw = {"enable_thinking": False, **kw}
+    return kw
 
 
 def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: ServerSettings,
-            extra_stops: list[str], dialect: str) -> Completion:
+            extra_stops: list[str], dialect: str,
+            tool_grammar: GrammarSpec | None = None) -> Completion:
     n = n_predict(f, settings, backend.n_ctx)
     check_fits(tokens, n, backend.n_ctx)
     sp = sampling(f, settings.sampling)
@@ -318,7 +354,7 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     except ConfigError as e:
         raise bad_request(str(e)) from None
     logprobs = structured.logprobs_spec(body, dialect)
-    grammar = structured.grammar_spec(body, backend)
+    grammar = structured.grammar_spec(body, backend, tool_grammar)
     dp = draft(body, settings.draft)
     stops = stop_strings(f)
     stops += [s for s in extra_stops if s not in stops]

@@ -18,6 +18,9 @@ class ServerSettings:
     api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
     queue_size:    requests allowed to wait for a slot; one more is refused with 429.
     n_predict:     the server's cap on tokens per request (-1: up to the context size).
+    reasoning_format: "none" keeps <think> blocks in the content; "deepseek"/"auto" move
+                   them to reasoning_content (llama-server's --reasoning-format).
+    reasoning_budget: -1 unlimited thinking, 0 thinking off (enable_thinking false).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -27,3 +30,5 @@ class ServerSettings:
     api_key: str | None = None
     queue_size: int = 16
     n_predict: int = -1
+    reasoning_format: str = "auto"
+    reasoning_budget: int = -1

@@ -24,9 +24,18 @@ MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 
 
-def grammar_spec(body: dict, backend: Any) -> GrammarSpec | None:
-    """The request's constraint, if any, checked by compiling it for the model."""
+def grammar_spec(body: dict, backend: Any,
+                 tool_grammar: GrammarSpec | None = None) -> GrammarSpec | None:
+    """The request's constraint, if any, checked by compiling it for the model.
+
+    tool_grammar: the constraint of a forced tool call (tool_calls.py), which
+    cannot be combined with another one.
+    """
     spec = _spec(body)
+    if spec is not None and tool_grammar is not None:
+        raise bad_request(f"{spec.origin} and tool_choice: a forced tool call cannot be "
+                          "combined with another constraint")
+    spec = spec or tool_grammar
     if spec is None:
         return None
     try:
