@@ -4,7 +4,8 @@ A JSON schema (llama.cpp's grammar engine), presence/frequency penalties with a
 logit bias, and the target's token probabilities: with every drafter and draft
 length, greedy and seeded, the tokens (and the probabilities) equal plain
 decoding under the same settings. The draft model follows the grammar itself;
-n-gram and random drafts do not and are still exact, only less accepted.
+the pipelined draft (its own thread), n-gram and random drafts do not and are
+still exact, only less accepted.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from specwire.constraints import GrammarSpec, schema_grammar
 from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram import NgramDrafter
 from specwire.drafters.random import RandomDrafter
+from specwire.drafters.threaded import ThreadedDrafter
 from specwire.engine import Engine, Request
 from specwire.logprobs import LogprobsSpec
 
@@ -46,8 +48,9 @@ def target() -> LlamaBackend:
 @pytest.fixture(scope="module")
 def drafters(target):
     p = ModelParams(str(models.default_draft()), n_ctx=512)
-    return {"q2k": ModelDrafter(LlamaBackend(p, load_model(p))), "ngram": NgramDrafter(),
-            "random": RandomDrafter(target.n_vocab)}
+    return {"q2k": ModelDrafter(LlamaBackend(p, load_model(p))),
+            "threaded": ThreadedDrafter(LlamaBackend(p, load_model(p))),
+            "ngram": NgramDrafter(), "random": RandomDrafter(target.n_vocab)}
 
 
 def run(target, drafter, sampling, k=4, grammar=None, logprobs=None, prompt=PROMPT):
@@ -115,7 +118,20 @@ def test_logprobs_are_the_targets_with_and_without_a_draft(target, drafters, pos
         assert gen.tokens == ref.tokens
         for a, b in zip(ref.probs[: len(ref.tokens)], gen.probs, strict=False):
             assert a.token == b.token
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
             assert abs(a.logprob - b.logprob) <= LOGPROB_TOLERANCE, (name, a, b)
-            gaps = [abs(x - y) for (_, x), (_, y) in zip(a.top, b.top, strict=True)]
-            assert max(gaps) <= LOGPROB_TOLERANCE
+            same_alternatives(a.top, b.top)
+
+
+def same_alternatives(a: list, b: list) -> None:
+    """Two top-n lists of (token, logprob): the same values, rank by rank, to the tolerance.
+
+    The tokens are the same except at a near tie: at a rank where they differ, a
+    neighbouring rank holds a value as close (or it is the last rank: its rival may be
+    the first token outside the list).
+    """
+    assert len(a) == len(b)
+    for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b, strict=True)):
+        assert abs(la - lb) <= LOGPROB_TOLERANCE, (a, b)
+        if ta != tb and i + 1 < len(a):
+            near = [abs(la - a[j][1]) for j in (i - 1, i + 1) if 0 <= j < len(a)]
+            assert min(near) <= 2 * LOGPROB_TOLERANCE, (a, b)
