@@ -164,3 +164,26 @@ def test_reasoning_split_whole_and_streamed() -> None:
     assert "".join(d.get("content", "") for d in deltas) == "Hello there!"
     msg = whole(plan, text).openai()
     assert msg["reasoning_content"] == "The user greets me." and msg["content"] == "Hello there!"
+
+
+def test_a_template_that_cannot_render_tools_is_a_400_naming_it() -> None:
+    from specwire.server import ServerSettings, schemas
+
+    class Backend:
+        name, n_vocab, n_ctx = "toy.gguf", 128, 256
+
+        def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True):
+            return [min(ord(c), 127) for c in text]
+
+        def detokenize(self, tokens) -> bytes:
+            return bytes(tokens)
+
+    template = ("{% if tools %}{{ raise_exception('this model has no tools') }}{% endif %}"
+                "<tool_call>{% for m in messages %}{{ m.content }}{% endfor %}")
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    with pytest.raises(ApiError, match="tools: the chat template cannot render this request: "
+                                       "chat template: this model has no tools"):
+        schemas.chat_completion(body, Backend(), ServerSettings(chat_template=template), ["toy"])
+    ok = schemas.chat_completion({**body, "tool_choice": "none"}, Backend(),
+                                 ServerSettings(chat_template=template), ["toy"])
+    assert ok.chat is not None and ok.chat.tool_format is None
