@@ -204,3 +204,45 @@ def test_llama_cpp_grammar_masks_advances_and_reports_errors(vocab_model) -> Non
         Grammar.compile(GrammarSpec("root ::= foo"), vocab_model.vocab)
     with pytest.raises(ConfigError, match="grammar: the grammar is empty"):
         Grammar.compile(GrammarSpec("  "), vocab_model.vocab)
+
+
+class CountingGrammar(ParityGrammar):
+    """ParityGrammar with llama.cpp's clone/close, counting live copies."""
+
+    live = 0
+
+    def __init__(self, start: int = 0) -> None:
+        super().__init__(start)
+        CountingGrammar.live += 1
+
+    def clone(self) -> CountingGrammar:
+        c = CountingGrammar(self.parity)
+        c.accepted = list(self.accepted)
+        return c
+
+    def close(self) -> None:
+        CountingGrammar.live -= 1
+
+    def accept(self, token: int) -> None:
+        if not self.allowed(np.array([token]))[0]:     # as Grammar.accept refuses it
+            raise ConfigError(f"grammar: token {token} does not fit the grammar here")
+        super().accept(token)
+
+
+def test_grammar_trail_follows_speculative_histories_and_rolls_back() -> None:
+    """A pipelined draft asks about branches the next verdict may cut: the trail keeps a
+    state per position and answers for any history from the common prefix."""
+    from specwire.constraints.trail import GrammarTrail
+    CountingGrammar.live = 0
+    trail = GrammarTrail(CountingGrammar(), start=3)
+    prompt = [9, 9, 9]
+    g = trail.after(prompt + [0, 1, 2])
+    assert g.parity == 1 and g.accepted == [0, 1, 2]
+    g.close()
+    g = trail.after(prompt + [0, 3])          # rolled back to [0], then on along 3
+    assert g.accepted == [0, 3] and trail.tokens == [0, 3]
+    g.close()
+    assert trail.after(prompt + [0, 2]) is None   # leaves the grammar (2 is even at odd)
+    assert trail.after([9]) is None               # before the grammar's start
+    trail.close()
+    assert CountingGrammar.live == 0              # every copy was freed

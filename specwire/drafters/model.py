@@ -15,6 +15,7 @@ from specwire import sampling
 from specwire.backend.base import Backend, sync_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.constraints.grammar import Grammar, GrammarSpec
+from specwire.constraints.trail import GrammarTrail
 from specwire.drafters.base import Draft
 
 
@@ -31,8 +32,8 @@ class ModelDrafter:
     token i.
 
     With a grammar (`constrain`, called by the engine for a constrained request)
-    the draft samples from its row masked by the grammar, as the target will: it
-    keeps the grammar's state at the last committed token and drafts on a clone.
+    the draft samples from its row masked by the grammar, as the target will; the
+    grammar's states are kept per position (GrammarTrail) and a draft works on a copy.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -44,8 +45,7 @@ class ModelDrafter:
         self._decode0 = 0.0
         self.stop_rule: Callable[[int, float], bool] | None = None
         self._grammar_spec: GrammarSpec | None = None
-        self._grammar: Grammar | None = None   # state after history[:_grammar_at]
-        self._grammar_at = 0
+        self._grammar: GrammarTrail | None = None
 
     def steer(self, policy) -> None:
         """Stop drafts where the adaptive policy says (None: at --draft-p-min again)."""
@@ -55,14 +55,17 @@ class ModelDrafter:
         """Follow this grammar in the next sequence (None: none)."""
         self._grammar_spec = spec
 
-    def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams) -> None:
+    def follow(self, spec: GrammarSpec | None, start: int) -> None:
+        """Follow this grammar from position `start` (the prompt's length) on, now."""
         self._drop_grammar()
-        if self._grammar_spec is not None:
+        if spec is not None:
             try:
-                self._grammar = Grammar.for_backend(self._grammar_spec, self.backend)
-                self._grammar_at = len(prompt)
+                self._grammar = GrammarTrail(Grammar.for_backend(spec, self.backend), start)
             except ConfigError:       # only the target must apply it; drafting goes on free
                 self._grammar = None
+
+    def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams) -> None:
+        self.follow(self._grammar_spec, len(prompt))
         if params.seed is not None:
             sampling_ = replace(sampling_, seed=params.seed)
         self.sampling, self.params = sampling_, params
@@ -124,22 +127,8 @@ class ModelDrafter:
         return draft
 
     def _grammar_after(self, history: Sequence[int]) -> Grammar | None:
-        """A scratch copy of the grammar's state after history (None: no grammar to follow).
-
-        history extends what was committed before by the tokens the target kept;
-        they all fit the grammar, since the target sampled them under it.
-        """
-        g = self._grammar
-        if g is None:
-            return None
-        try:
-            for t in history[self._grammar_at:]:
-                g.accept(t)
-        except ConfigError:
-            self._drop_grammar()
-            return None
-        self._grammar_at = len(history)
-        return g.clone()
+        """A scratch copy of the grammar's state after history (None: nothing to follow)."""
+        return self._grammar.after(history) if self._grammar is not None else None
 
     def _drop_grammar(self) -> None:
         if self._grammar is not None:
