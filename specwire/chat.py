@@ -175,13 +175,17 @@ def normalize_messages(messages: Any) -> list[dict]:
 
 
 def render(template: str, messages: list[dict], bos_token: str = "", eos_token: str = "",
-           add_generation_prompt: bool = True) -> str:
-    """Render a Jinja chat template, sandboxed: a GGUF's template is untrusted input."""
+           add_generation_prompt: bool = True, **variables: Any) -> str:
+    """Render a Jinja chat template, sandboxed: a GGUF's template is untrusted input.
+
+    variables: more template variables, e.g. `tools` (OpenAI's function list) or a
+    request's chat_template_kwargs (`enable_thinking`...).
+    """
     env = _environment()
     try:
         tmpl = env.from_string(template)
-        return tmpl.render(messages=messages, bos_token=bos_token, eos_token=eos_token,
-                           add_generation_prompt=add_generation_prompt)
+        return tmpl.render(**variables, messages=messages, bos_token=bos_token,
+                           eos_token=eos_token, add_generation_prompt=add_generation_prompt)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - any template failure is the input's fault
@@ -213,13 +217,15 @@ def default_template_name(backend: Any) -> str:
     return DEFAULT_TEMPLATE
 
 
-def render_for(backend: Any, messages: list[dict], template_name: str | None) -> str:
+def render_for(backend: Any, messages: list[dict], template_name: str | None,
+               **variables: Any) -> str:
     """The prompt text for `messages` on this backend's model (tokenize it with
     add_special=False, parse_special=True: the template writes BOS itself)."""
     msgs = normalize_messages(messages)
     _, source = template_for(backend, template_name)
     bos, eos = _special_texts(backend)
-    return render(source, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=True)
+    return render(source, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=True,
+                  **variables)
 
 
 # -- helpers ---------------------------------------------------------------------------------

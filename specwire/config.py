@@ -42,9 +42,12 @@ def _check(cond: bool, name: str, msg: str) -> None:
 class SamplingParams:
     """llama.cpp's sampling knobs, same names and meanings.
 
-    Filters run in llama.cpp's order: repeat penalty, top-k, top-p, min-p, then
+    Filters run in llama.cpp's order: logit bias, penalties (repeat, frequency,
+    presence, over the last repeat_last_n tokens), top-k, top-p, min-p, then
     temperature on the survivors. top_k <= 0, top_p >= 1 and min_p <= 0 disable
-    their filter; repeat_penalty == 1 disables the penalty.
+    their filter; repeat_penalty == 1 and zero frequency/presence penalties
+    disable the penalties. logit_bias: (token id, bias) pairs added to the
+    logits (-inf bans a token).
     """
 
     temperature: float = 0.8
@@ -54,6 +57,9 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check(
@@ -76,13 +82,25 @@ class SamplingParams:
             f"must be in [-1, {INT32_MAX}], got {self.repeat_last_n}",
         )
         _check(0 <= self.seed < 2**64, "seed", f"must be in [0, 2^64), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any history-dependent penalty is on."""
+        return (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0) and self.repeat_last_n != 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """JSON-ready (a ban, bias -inf, shows as false, as llama-server writes it)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["logit_bias"] = [[t, b if b > float("-inf") else False] for t, b in self.logit_bias]
+        return d
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 from specwire.backend.base import Backend, sync_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
+from specwire.constraints.grammar import Grammar, GrammarSpec
 from specwire.drafters.base import Draft, Drafter, NoDrafter
 from specwire.drafters.guard import DraftGuard, check_verify_mode
+from specwire.logprobs import LogprobsSpec, TokenProb
 from specwire.policy import AdaptivePolicy, FixedPolicy, PolicyMemory
 from specwire.stats import Stats
 from specwire.verify import Verifier
@@ -30,6 +32,8 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     draft: DraftParams = DraftParams()
     ignore_eos: bool = False
+    grammar: GrammarSpec | None = None     # constrains the target's sampling (lossless)
+    logprobs: LogprobsSpec | None = None   # record the target's probabilities per token
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -44,6 +48,7 @@ class Generation:
     stop_type is llama-server's: "eos", "limit" (n_predict or context), or
     "word" when the caller stops it on a stop string via stop(). Closing the
     iterator early (client gone) ends the drafter's sequence at once.
+    `probs` holds one TokenProb per generated token when the request asked for them.
     """
 
     def __init__(self, engine: Engine, req: Request) -> None:
@@ -52,6 +57,7 @@ class Generation:
         self.tokens: list[int] = []
         self.stop_type = "none"
         self.truncated = False
+        self.probs: list[TokenProb] = []
         self._stopped = False
         self._it = self._run()
 
@@ -76,7 +82,9 @@ class Generation:
     def _run(self) -> Iterator[list[int]]:
         eng, req, st = self.engine, self.req, self.stats
         target, drafter = eng.target, eng.guard if req.draft.enabled else eng.no_drafter
-        verifier = Verifier(req.sampling, req.draft.mode)
+        grammar = Grammar.for_backend(req.grammar, target) if req.grammar is not None else None
+        verifier = Verifier(req.sampling, req.draft.mode, grammar, req.logprobs)
+        self.probs = verifier.probs
         # Plain requests leave the learned policies alone: they would teach them nothing.
         policy = (eng.policies.policy(req.draft.policy, req.draft.n_max) if req.draft.enabled
                   else FixedPolicy(0))
@@ -92,6 +100,10 @@ class Generation:
         steer = getattr(drafter, "steer", None) if isinstance(policy, AdaptivePolicy) else None
         if steer is not None:
             steer(policy)
+        # A drafter that can follow the grammar drafts only what it allows: more accepted tokens.
+        constrain = getattr(drafter, "constrain", None) if req.grammar is not None else None
+        if constrain is not None:
+            constrain(req.grammar)
         drafter.begin(prompt, req.sampling, req.draft)
         try:
             t0 = time.perf_counter()
@@ -146,6 +158,10 @@ class Generation:
             drafter.end()
             if steer is not None:
                 steer(None)
+            if constrain is not None:
+                constrain(None)
+            if grammar is not None:
+                grammar.close()
 
     def _emit(self, tokens: Sequence[int]) -> list[int]:
         """Append tokens to the output up to end-of-generation or n_predict."""

@@ -8,13 +8,13 @@ decode was split into speculative rounds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from specwire import rng
-from specwire.config import SamplingParams
+from specwire.config import ConfigError, SamplingParams
 
 #: Candidates llama.cpp's draft sampler keeps before it applies p_min.
 P_MIN_TOP_K = 10
@@ -36,12 +36,31 @@ class Candidates:
         return e / e.sum()
 
 
-def recent_window(history: Sequence[int], params: SamplingParams) -> np.ndarray:
-    """The tokens the repeat penalty looks at: the last repeat_last_n of history."""
-    if params.repeat_penalty == 1.0 or params.repeat_last_n == 0:
-        return _EMPTY
+@dataclass(slots=True)
+class Window:
+    """The recent tokens the penalties look at: ids (n,) int64 unique, counts (n,) int64."""
+
+    ids: np.ndarray
+    counts: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.size)
+
+
+#: A history-independent constraint: (n,) candidate ids -> (n,) bool, which may come next.
+Allow = Callable[[np.ndarray], np.ndarray]
+
+
+def recent_window(history: Sequence[int], params: SamplingParams) -> Window:
+    """The tokens the penalties look at: the last repeat_last_n of history, with counts."""
+    if not params.penalised:
+        return _NO_WINDOW
     n = len(history) if params.repeat_last_n < 0 else params.repeat_last_n
-    return np.unique(np.asarray(history[-n:], dtype=np.int64)) if n else _EMPTY
+    if not n:
+        return _NO_WINDOW
+    ids, counts = np.unique(np.asarray(history[-n:], dtype=np.int64), return_counts=True)
+    return Window(ids, counts.astype(np.int64))
 
 
 def penalized(row: np.ndarray, recent: np.ndarray, penalty: float) -> np.ndarray:
@@ -57,39 +76,154 @@ def penalized(row: np.ndarray, recent: np.ndarray, penalty: float) -> np.ndarray
     return out
 
 
-def greedy(row: np.ndarray, params: SamplingParams, recent: np.ndarray = None) -> int:
-    """Argmax of the (penalised) logits. row: (V,)."""
-    if recent is not None and recent.size:
-        row = penalized(row, recent, params.repeat_penalty)
-    return int(np.argmax(row))
+def adjusted(row: np.ndarray, params: SamplingParams,
+             recent: Window | np.ndarray | None = None) -> np.ndarray:
+    """llama.cpp's logit bias, then its penalties sampler (repeat, frequency, presence).
+
+    row: (V,) float32, left untouched; returns it, or an adjusted copy. A bare id
+    array as `recent` means the repeat penalty alone over those ids.
+    """
+    if isinstance(recent, np.ndarray):
+        recent = Window(recent, np.ones_like(recent))
+    penalise = recent is not None and recent.size > 0
+    if not params.logit_bias and not penalise:
+        return row
+    out = row.copy()
+    if params.logit_bias:
+        ids = np.fromiter((t for t, _ in params.logit_bias), dtype=np.int64)
+        out[ids] += np.fromiter((b for _, b in params.logit_bias), dtype=np.float32)
+    if penalise:
+        vals = out[recent.ids]
+        rp = params.repeat_penalty
+        if rp != 1.0:
+            vals = np.where(vals > 0, vals / rp, vals * rp)
+        counts = recent.counts.astype(np.float32)
+        vals = vals - counts * params.frequency_penalty - (counts > 0) * params.presence_penalty
+        out[recent.ids] = vals
+    return out
 
 
-def candidates(row: np.ndarray, params: SamplingParams, recent: np.ndarray = None) -> Candidates:
-    """Apply penalty, top-k, top-p, min-p, then temperature, as llama.cpp does.
+def top_allowed(row: np.ndarray, n: int | None, allow: Allow) -> np.ndarray:
+    """The ids of the n best tokens `allow` accepts, best first (n None: all it accepts).
+
+    The constraint is asked about the best tokens first (see _TIERS) and only
+    then about the whole vocabulary: a grammar costs about 0.1 us per token asked,
+    and the model's favourites are usually allowed. Same answer as masking the
+    whole row, only cheaper.
+    """
+    if n is not None:
+        for ids in _tiers(row, n):
+            ok = ids[allow(ids)]
+            if ok.size >= n:
+                return ok[:n]
+    return _all_allowed(row, allow, n)
+
+
+def greedy(row: np.ndarray, params: SamplingParams, recent: Window | None = None,
+           allow: Allow | None = None) -> int:
+    """Argmax of the adjusted logits (among the tokens `allow` accepts). row: (V,)."""
+    row = adjusted(row, params, recent)
+    if allow is None:
+        return int(np.argmax(row))
+    return _first(top_allowed(row, 1, allow))
+
+
+def candidates(row: np.ndarray, params: SamplingParams, recent: Window | None = None,
+               allow: Allow | None = None) -> Candidates:
+    """Apply bias and penalties, top-k, top-p, min-p, then temperature, as llama.cpp does.
 
     Filters see probabilities at temperature 1; the temperature scales the survivors.
+    With `allow`, the tokens it refuses are out before any filter (llama.cpp's
+    grammar-first order).
     """
-    if recent is not None and recent.size:
-        row = penalized(row, recent, params.repeat_penalty)
+    row = adjusted(row, params, recent)
     k = params.top_k
-    ids = np.argpartition(row, -k)[-k:] if 0 < k < row.shape[0] else np.arange(row.shape[0])
-    logits = row[ids].astype(np.float64)
-    order = np.argsort(-logits, kind="stable")
-    ids, logits = ids[order], logits[order]
-    if params.top_p < 1.0 or params.min_p > 0.0:
-        p = np.exp(logits - logits[0])
-        p /= p.sum()
-        n = len(ids)
-        if params.top_p < 1.0:
-            n = min(n, int(np.searchsorted(np.cumsum(p), params.top_p)) + 1)
-        if params.min_p > 0.0:
-            n = min(n, max(1, int(np.count_nonzero(p[:n] >= params.min_p * p[0]))))
-        ids, logits = ids[:n], logits[:n]
-    return Candidates(ids=ids.astype(np.int64), scaled=logits / max(params.temperature, 1e-6))
+    if allow is not None:
+        ids = _allowed_candidates(row, params, allow)
+    else:
+        ids = np.argpartition(row, -k)[-k:] if 0 < k < row.shape[0] else np.arange(row.shape[0])
+        ids = ids[np.argsort(-row[ids], kind="stable")]
+        ids = ids[: _kept(row[ids].astype(np.float64), params)]
+    return Candidates(ids=ids.astype(np.int64),
+                      scaled=row[ids].astype(np.float64) / max(params.temperature, 1e-6))
+
+
+def _kept(logits: np.ndarray, params: SamplingParams, unseen: float | None = None,
+          unseen_top: float = 0.0) -> int | None:
+    """How many of these descending logits survive top-p and min-p.
+
+    With `unseen` given, the logits are only the best of the tokens top-k kept:
+    the others add `unseen` to the softmax's sum (relative to the best token's
+    weight 1) and each weighs at most `unseen_top`. None: the cut may lie among
+    those unseen tokens.
+    """
+    n = len(logits)
+    if n == 0 or (params.top_p >= 1.0 and params.min_p <= 0.0):
+        return n if unseen is None else None
+    p = np.exp(logits - logits[0])
+    cut: int | None = n if unseen is None else None
+    if params.top_p < 1.0:
+        i = int(np.searchsorted(np.cumsum(p) / (p.sum() + (unseen or 0.0)), params.top_p))
+        if i < n:
+            cut = i + 1
+    if params.min_p > 0.0:
+        c = int(np.count_nonzero(p >= params.min_p))
+        if c < n or unseen_top < params.min_p:
+            cut = max(1, c) if cut is None else min(cut, max(1, c))
+    return cut
+
+
+def _allowed_candidates(row: np.ndarray, params: SamplingParams, allow: Allow) -> np.ndarray:
+    """The candidate ids among the tokens `allow` accepts, best first: exactly those a
+    whole-vocabulary mask would leave, usually found from the best few thousand.
+
+    The tokens not asked about all have lower logits than the last one asked, so
+    their weight in top-p's sum is bounded; where the cut is the same with none
+    and with all of that weight, it is the cut.
+    """
+    k = params.top_k if params.top_k > 0 else None
+    v = row.shape[0]
+    for ids in _tiers(row, k or 1):
+        ok = ids[allow(ids)]
+        if k is not None and ok.size >= k:
+            ok = ok[:k]
+            return ok[: _kept(row[ok].astype(np.float64), params)]
+        if ok.size == 0:
+            continue
+        logits = row[ok].astype(np.float64)
+        top = float(np.exp(float(row[ids[-1]]) - logits[0]))     # the heaviest unseen token
+        count = (k - ok.size) if k is not None else v - ids.size
+        lo = _kept(logits, params, unseen=0.0, unseen_top=top)
+        hi = _kept(logits, params, unseen=count * top, unseen_top=top)
+        if lo is not None and lo == hi:
+            return ok[:lo]
+    ok = _all_allowed(row, allow, k)
+    return ok[: _kept(row[ok].astype(np.float64), params)]
+
+
+#: How many of the best tokens a constraint is asked about before the next tier.
+_TIERS = (64, 4096)
+
+
+def _tiers(row: np.ndarray, n: int):
+    """The best max(64, 4n) token ids, then the best 4096, each best first."""
+    v = row.shape[0]
+    for m in (max(_TIERS[0], 4 * n), _TIERS[1]):
+        if m >= v:
+            return
+        ids = np.argpartition(row, -m)[-m:]
+        yield ids[np.argsort(-row[ids], kind="stable")]
+
+
+def _all_allowed(row: np.ndarray, allow: Allow, n: int | None) -> np.ndarray:
+    ids = np.flatnonzero(allow(np.arange(row.shape[0])))
+    ids = ids[np.argsort(-row[ids], kind="stable")]
+    return (ids if n is None else ids[:n]).astype(np.int64)
 
 
 def coupled(
-    row: np.ndarray, params: SamplingParams, position: int, recent: np.ndarray = None
+    row: np.ndarray, params: SamplingParams, position: int, recent: Window | None = None,
+    allow: Allow | None = None,
 ) -> int:
     """Gumbel-max sample keyed by (seed, position, token); greedy when T <= 0.
 
@@ -97,8 +231,8 @@ def coupled(
     so they pick the same token wherever their distributions agree enough.
     """
     if params.greedy:
-        return greedy(row, params, recent)
-    c = candidates(row, params, recent)
+        return greedy(row, params, recent, allow)
+    c = candidates(row, params, recent, allow)
     g = rng.gumbel(params.seed, rng.GUMBEL, position, c.ids)
     return int(c.ids[np.argmax(c.scaled + g)])
 
@@ -129,10 +263,11 @@ class SparseDraft:
 
 
 def sparse_draft(
-    row: np.ndarray, params: SamplingParams, top_k_q: int, position: int, recent: np.ndarray = None
+    row: np.ndarray, params: SamplingParams, top_k_q: int, position: int,
+    recent: Window | None = None, allow: Allow | None = None,
 ) -> SparseDraft:
     """Sample from the draft's top-K renormalised distribution, with its own stream."""
-    c = candidates(row, params, recent)
+    c = candidates(row, params, recent, allow)
     ids, probs = c.ids[:top_k_q], c.probs()[:top_k_q]
     q = (probs / probs.sum()).astype(np.float32)
     q /= q.sum(dtype=np.float64)
@@ -142,4 +277,12 @@ def sparse_draft(
     return SparseDraft(token=int(ids[j]), ids=ids, probs=q)
 
 
+def _first(ids: np.ndarray) -> int:
+    if ids.size == 0:
+        raise ConfigError("grammar: no token can continue the output here (the constraint "
+                          "allows none, not even end of generation)")
+    return int(ids[0])
+
+
 _EMPTY = np.zeros(0, dtype=np.int64)
+_NO_WINDOW = Window(_EMPTY, _EMPTY)

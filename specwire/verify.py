@@ -10,6 +10,12 @@ each position itself (argmax, or Gumbel-max with keyed noise) and keeps a
 draft token iff it equals that sample. The output is then the target's own
 sample sequence, whatever the draft was. Rejection mode is Leviathan/Chen
 speculative sampling with TK-SLT's sparse q; lossless in distribution.
+
+A grammar is part of the target's sampling: each position's reference token is
+drawn from the row masked by the grammar's current state, and the state then
+advances by the one token the position commits (the accepted draft token, or
+the verifier's own). Verification stops at the first rejection, so the state
+never moves along a token that is not kept: no rollback is needed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import numpy as np
 
 from specwire import rng, sampling
 from specwire.config import SamplingParams, VerifyMode
+from specwire.constraints.grammar import Grammar
+from specwire.logprobs import LogprobsSpec, TokenProb, token_prob
 from specwire.sampling import SparseDraft
 
 
@@ -36,18 +44,35 @@ class Verdict:
 
 
 class Verifier:
-    """Verifies drafts for one request (its sampling settings and seed)."""
+    """Verifies drafts for one request (its sampling settings, seed and constraint).
 
-    __slots__ = ("params", "mode")
+    Every token the verifier returns or keeps is committed: it advances the
+    grammar and, when asked for, its probabilities are appended to `probs`.
+    """
 
-    def __init__(self, params: SamplingParams, mode: VerifyMode) -> None:
+    __slots__ = ("params", "mode", "grammar", "logprobs", "probs")
+
+    def __init__(self, params: SamplingParams, mode: VerifyMode, grammar: Grammar | None = None,
+                 logprobs: LogprobsSpec | None = None) -> None:
         self.params = params
         self.mode = VerifyMode.GREEDY if params.greedy else mode
+        self.grammar, self.logprobs = grammar, logprobs
+        self.probs: list[TokenProb] = []
 
     def sample(self, row: np.ndarray, history: Sequence[int]) -> int:
-        """The target's own token for position len(history). row: (V,)."""
+        """The target's own token for position len(history), committed. row: (V,)."""
         recent = sampling.recent_window(history, self.params)
-        return sampling.coupled(row, self.params, len(history), recent)
+        allow = self.grammar.allowed if self.grammar is not None else None
+        t = sampling.coupled(row, self.params, len(history), recent, allow)
+        self._commit(row, t, recent, allow)
+        return t
+
+    def _commit(self, row: np.ndarray, token: int, recent: sampling.Window,
+                allow: sampling.Allow | None) -> None:
+        if self.logprobs is not None:
+            self.probs.append(token_prob(row, self.logprobs, self.params, token, recent, allow))
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
     def verify(
         self,
@@ -85,18 +110,22 @@ class Verifier:
         sparse: Sequence[SparseDraft],
     ) -> Verdict:
         params, ctx = self.params, list(history)
+        allow = self.grammar.allowed if self.grammar is not None else None
         for i, (x, q) in enumerate(zip(draft, sparse, strict=True)):
             pos = len(ctx)
-            c = sampling.candidates(rows[i], params, sampling.recent_window(ctx, params))
+            recent = sampling.recent_window(ctx, params)
+            c = sampling.candidates(rows[i], params, recent, allow)
             p = c.probs()  # (n,) target probs over c.ids
             p_x = _prob_of(c.ids, p, x)
             q_x = _prob_of(q.ids, q.probs.astype(np.float64), x)
-            if q_x <= 0.0:  # a token q could not have drawn
-                return Verdict(i, _residual_sample(c.ids, p, q, params.seed, pos))
-            if rng.scalar(params.seed, rng.ACCEPT, pos) * q_x < p_x:
+            if q_x > 0.0 and rng.scalar(params.seed, rng.ACCEPT, pos) * q_x < p_x:
+                self._commit(rows[i], x, recent, allow)
                 ctx.append(x)
                 continue
-            return Verdict(i, _residual_sample(c.ids, p, q, params.seed, pos))
+            # rejected, or a token q could not have drawn: the residual's sample
+            t = _residual_sample(c.ids, p, q, params.seed, pos)
+            self._commit(rows[i], t, recent, allow)
+            return Verdict(i, t)
         return Verdict(len(draft), self.sample(rows[len(draft)], ctx))
 
 

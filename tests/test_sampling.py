@@ -48,9 +48,10 @@ def test_recent_window_is_the_last_n_tokens() -> None:
     """repeat_last_n picks the tail of the history; -1 is all of it; 0 or penalty 1 disable."""
     hist = [5, 6, 7, 8, 9, 5]
     win = sampling.recent_window
-    assert win(hist, SamplingParams(repeat_penalty=1.5, repeat_last_n=3)).tolist() == [5, 8, 9]
+    assert win(hist, SamplingParams(repeat_penalty=1.5, repeat_last_n=3)).ids.tolist() == [5, 8, 9]
     every = SamplingParams(repeat_penalty=1.5, repeat_last_n=-1)
-    assert win(hist, every).tolist() == [5, 6, 7, 8, 9]
+    assert win(hist, every).ids.tolist() == [5, 6, 7, 8, 9]
+    assert win(hist, every).counts.tolist() == [2, 1, 1, 1, 1]
     assert win(hist, SamplingParams(repeat_penalty=1.5, repeat_last_n=0)).size == 0
     assert win(hist, SamplingParams(repeat_penalty=1.0, repeat_last_n=3)).size == 0
 

@@ -566,7 +566,7 @@ BAD = [
     ("/completion", {"prompt": LONG_PROMPT}, 400),
     ("/completion", {"prompt": "hi", "model": "gpt-4"}, 404),
     ("/v1/completions", {"prompt": "hi", "n": 3}, 400),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 9}, 400),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400),
     ("/v1/chat/completions", {"messages": "hi"}, 400),
     ("/v1/chat/completions", {"messages": []}, 400),

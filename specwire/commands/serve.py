@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 
+from specwire import reasoning
 from specwire.cliargs import (
     CliError,
     add_model_args,
@@ -45,6 +46,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="chat template by llama.cpp name (chatml, gemma, llama3, llama2, "
                    "mistral-v7, phi3, zephyr, vicuna) or Jinja source; overrides the GGUF's. "
                    "Default: the GGUF's own, else gemma for Gemma models, else chatml")
+    g.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="read the Jinja chat template from FILE (overrides --chat-template)")
+    g.add_argument("--jinja", action="store_true",
+                   help="accepted for llama-server compatibility: templates are always Jinja "
+                   "here (tools, tool_choice and chat_template_kwargs need no flag)")
+    g.add_argument("--reasoning-format", default="auto", choices=reasoning.FORMATS,
+                   help="none: keep <think> blocks in the content; deepseek/auto: return "
+                   "them as reasoning_content (default auto)")
+    g.add_argument("--reasoning-budget", type=int, default=-1,
+                   help="-1: unlimited thinking; 0: thinking off (enable_thinking false)")
     g.add_argument("-np", "--parallel", type=int, default=1,
                    help="slots: engines generating at once (each has its own KV cache and drafter)")
     g.add_argument("--queue-size", type=int, default=16,
@@ -76,6 +87,19 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"-n: must be >= -1, got {a.n_predict}")
     if a.max_body < 1:
         raise CliError(f"--max-body: must be >= 1, got {a.max_body}")
+    if a.chat_template_file:
+        try:
+            with open(a.chat_template_file, encoding="utf-8") as f:
+                a.chat_template = f.read()
+        except OSError as e:
+            raise CliError(f"--chat-template-file: cannot read {a.chat_template_file}: "
+                           f"{e.strerror or e}") from None
+        if not ("{{" in a.chat_template or "{%" in a.chat_template):
+            raise CliError(f"--chat-template-file: {a.chat_template_file} is not a Jinja "
+                           "template")
+    if a.reasoning_budget not in (-1, 0):
+        raise CliError(f"--reasoning-budget: only -1 (unlimited) and 0 (off) are supported, "
+                       f"got {a.reasoning_budget}")
     if a.chat_template and a.chat_template not in chat.TEMPLATES and not (
             "{{" in a.chat_template or "{%" in a.chat_template):
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
@@ -83,7 +107,8 @@ def run(a: argparse.Namespace) -> int:
     settings = ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
                               chat_template=a.chat_template, api_key=a.api_key or None,
                               queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui,
-                              max_body=a.max_body)
+                              max_body=a.max_body, reasoning_format=a.reasoning_format,
+                              reasoning_budget=a.reasoning_budget)
     engines = [build_engine(a) for _ in range(a.parallel)]
     sock = _listen(a.host, a.port)
     app = create_app(engines, settings)

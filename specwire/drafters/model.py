@@ -13,7 +13,9 @@ from dataclasses import replace
 
 from specwire import sampling
 from specwire.backend.base import Backend, sync_prefix
-from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
+from specwire.constraints.grammar import Grammar, GrammarSpec
+from specwire.constraints.trail import GrammarTrail
 from specwire.drafters.base import Draft
 
 
@@ -28,6 +30,10 @@ class ModelDrafter:
     probability below it), or, when the engine sets `stop_rule` (the adaptive
     policy does, through `steer`), wherever stop_rule(i, top probability) says no to
     token i.
+
+    With a grammar (`constrain`, called by the engine for a constrained request)
+    the draft samples from its row masked by the grammar, as the target will; the
+    grammar's states are kept per position (GrammarTrail) and a draft works on a copy.
     """
 
     provides_q = True  # its sparse top-K q in rejection mode
@@ -40,12 +46,28 @@ class ModelDrafter:
         self._drafted = 0
         self._decode0 = 0.0
         self.stop_rule: Callable[[int, float], bool] | None = None
+        self._grammar_spec: GrammarSpec | None = None
+        self._grammar: GrammarTrail | None = None
 
     def steer(self, policy) -> None:
         """Stop drafts where the adaptive policy says (None: at --draft-p-min again)."""
         self.stop_rule = policy.keep_drafting if policy is not None else None
 
+    def constrain(self, spec: GrammarSpec | None) -> None:
+        """Follow this grammar in the next sequence (None: none)."""
+        self._grammar_spec = spec
+
+    def follow(self, spec: GrammarSpec | None, start: int) -> None:
+        """Follow this grammar from position `start` (the prompt's length) on, now."""
+        self._drop_grammar()
+        if spec is not None:
+            try:
+                self._grammar = GrammarTrail(Grammar.for_backend(spec, self.backend), start)
+            except ConfigError:       # only the target must apply it; drafting goes on free
+                self._grammar = None
+
     def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams) -> None:
+        self.follow(self._grammar_spec, len(prompt))
         if params.seed is not None:
             sampling_ = replace(sampling_, seed=params.seed)
         self.sampling, self.params = sampling_, params
@@ -72,6 +94,8 @@ class ModelDrafter:
         draft = Draft(sparse=[] if rejection else None,
                       confidence=[] if stop_rule or dp.p_min > 0.0 else None)
         ctx = list(history)
+        grammar = self._grammar_after(history)
+        allow = _cheap(grammar, be.n_vocab) if grammar is not None else None
         for i in range(max_n):
             if draft.confidence is not None:
                 p = sampling.top_prob(row)
@@ -80,12 +104,18 @@ class ModelDrafter:
                 draft.confidence.append(p)
             recent = sampling.recent_window(ctx, sp)
             sd = None
-            if rejection:
-                sd = sampling.sparse_draft(row, sp, dp.top_k_q, len(ctx), recent)
-                tok = sd.token
+            try:
+                if rejection:
+                    sd = sampling.sparse_draft(row, sp, dp.top_k_q, len(ctx), recent, allow)
+                    tok = sd.token
+                else:
+                    tok = sampling.coupled(row, sp, len(ctx), recent, allow)
+                if grammar is not None:
+                    grammar.accept(tok)
+            except ConfigError:       # the grammar is at its end: nothing more to draft
+                break
+            if sd is not None:
                 draft.sparse.append(sd)
-            else:
-                tok = sampling.coupled(row, sp, len(ctx), recent)
             draft.tokens.append(tok)
             ctx.append(tok)
             if on_token is not None and on_token(i, tok, sd) is False:
@@ -93,16 +123,41 @@ class ModelDrafter:
             if i + 1 == max_n:
                 break
             row = be.eval([tok], logits="last")[-1]
+        if grammar is not None:
+            grammar.close()
         self._drafted += len(draft)
         return draft
+
+    def _grammar_after(self, history: Sequence[int]) -> Grammar | None:
+        """A scratch copy of the grammar's state after history (None: nothing to follow)."""
+        return self._grammar.after(history) if self._grammar is not None else None
+
+    def _drop_grammar(self) -> None:
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
         """Nothing to do: the next proposal re-syncs the cache by common prefix."""
 
     def end(self) -> None:
-        pass
+        self._drop_grammar()
 
     def stats(self) -> dict[str, float]:
         """Counters since begin(): tokens drafted, ms inside the draft's llama_decode."""
         decode_ms = 1000 * (getattr(self.backend, "decode_s", 0.0) - self._decode0)
         return {"drafted": float(self._drafted), "decode_ms": decode_ms}
+
+
+def _cheap(grammar: Grammar, n_vocab: int):
+    """The grammar as a drafter asks it: never about the whole vocabulary.
+
+    Where none of the draft's best few thousand tokens fits (at the end of a JSON
+    document only end-of-generation does), a whole-vocabulary scan would cost
+    ~50 ms for one speculative token: the draft stops there instead.
+    """
+    def allow(ids):
+        if len(ids) >= n_vocab:
+            raise ConfigError("draft: no likely token fits the grammar")
+        return grammar.allowed(ids)
+    return allow

@@ -11,8 +11,11 @@ target verifies (llama.cpp releases the GIL inside decode).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from specwire.backend.base import Backend
+from specwire.config import DraftParams, SamplingParams
+from specwire.constraints.grammar import GrammarSpec
 from specwire.drafters.branch import BranchDrafter
 from specwire.policy import Calibration
 from specwire.wire import specwire_pb2 as pb
@@ -31,6 +34,16 @@ class ThreadedDrafter(BranchDrafter):
         self.name = f"threaded:{backend.name}"
         self._draft_session: DraftSession | None = None
         self.calibration = Calibration()  # for synchronous sessions of adaptive requests
+        self._grammar: GrammarSpec | None = None
+        self._grammar_start = 0
+
+    def constrain(self, spec: GrammarSpec | None) -> None:
+        """Draft under the request's grammar too (in process: no wire message needed)."""
+        self._grammar = spec
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        self._grammar_start = len(prompt)
+        super().begin(prompt, sampling, params)
 
     def _live(self) -> bool:
         s = self._draft_session
@@ -58,6 +71,7 @@ class ThreadedDrafter(BranchDrafter):
 
         self._draft_session = DraftSession(self.backend, self._open_msg(history), deliver,
                                            calibration=self.calibration)
+        self._draft_session.drafter.follow(self._grammar, self._grammar_start)
         self._draft_session.start()
 
     def _detach(self) -> None:

@@ -195,7 +195,8 @@ def create_app(engine: Engine | Sequence[Engine],
     @api.post("/v1/completions")
     async def oai_completion(request: Request) -> Response:
         return await generate(request, "/v1/completions",
-                              lambda b: schemas.completion(b, target, settings, names),
+                              lambda b: schemas.completion(b, target, settings, names,
+                                                           dialect="completions"),
                               OpenAICompletion)
 
     @api.post("/v1/chat/completions")

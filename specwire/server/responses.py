@@ -13,6 +13,9 @@ from __future__ import annotations
 import time
 import uuid
 
+from specwire.server import chat_output
+from specwire.server import probs as probs_json
+from specwire.server.chat_output import ChatOutput, ChatPlan
 from specwire.server.schemas import Completion
 from specwire.server.slots import Chunk, Result
 
@@ -54,15 +57,25 @@ class LlamaCompletion(Dialect):
 
     done_marker = False
 
+    def _probs(self, probs: list) -> dict:
+        spec = self.spec.request.logprobs
+        if spec is None:
+            return {}
+        return {"completion_probabilities": probs_json.llama(probs, self.spec.piece,
+                                                             spec.post_sampling)}
+
     def chunk(self, c: Chunk) -> dict | None:
         return {"index": 0, "content": c.text,
-                "tokens": c.tokens if self.spec.return_tokens else [], "stop": False}
+                "tokens": c.tokens if self.spec.return_tokens else [], "stop": False,
+                **self._probs(c.probs)}
 
     def closing(self, r: Result) -> list[dict]:
-        return [{**self.whole(r), "content": "", "tokens": []}]
+        last = {**self.whole(r), "content": "", "tokens": []}
+        last.pop("completion_probabilities", None)
+        return [last]
 
     def whole(self, r: Result) -> dict:
-        return {
+        return {**self._probs(r.probs),
             "index": 0,
             "content": r.content,
             "tokens": r.tokens if self.spec.return_tokens else [],
@@ -97,11 +110,19 @@ class OpenAICompletion(Dialect):
                 "model": self.model, "system_fingerprint": "specwire", "choices": choices,
                 **extra}
 
-    def _choice(self, text: str, finish: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def _choice(self, text: str, finish: str | None, probs: list | None = None) -> dict:
+        return {"index": 0, "text": text, "logprobs": self._logprobs(probs),
+                "finish_reason": finish}
+
+    def _logprobs(self, probs: list | None) -> dict | None:
+        if self.spec.request.logprobs is None or probs is None:
+            return None
+        return probs_json.completions(probs, self.spec.piece)
 
     def chunk(self, c: Chunk) -> dict | None:
-        return self._envelope([self._choice(c.text, None)]) if c.text else None
+        if not c.text and not (c.probs and self.spec.request.logprobs):
+            return None
+        return self._envelope([self._choice(c.text, None, c.probs)])
 
     def closing(self, r: Result) -> list[dict]:
         out = [self._envelope([self._choice("", finish_reason(r.stop_type))],
@@ -111,34 +132,60 @@ class OpenAICompletion(Dialect):
         return out
 
     def whole(self, r: Result) -> dict:
-        return self._envelope([self._choice(r.content, finish_reason(r.stop_type))],
+        return self._envelope([self._choice(r.content, finish_reason(r.stop_type), r.probs)],
                               usage=usage(r), timings=r.timings)
 
 
 class OpenAIChat(OpenAICompletion):
-    """OpenAI's POST /v1/chat/completions."""
+    """OpenAI's POST /v1/chat/completions: content, reasoning_content and tool_calls."""
 
     object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def _choice(self, delta: dict, finish: str | None) -> dict:  # type: ignore[override]
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def __init__(self, spec: Completion, model: str) -> None:
+        super().__init__(spec, model)
+        self.plan = spec.chat or ChatPlan()
+        self.out = ChatOutput(self.plan)
+
+    def _choice(self, delta: dict, finish: str | None,  # type: ignore[override]
+                probs: list | None = None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": self._logprobs(probs),
+                "finish_reason": finish}
+
+    def _logprobs(self, probs: list | None) -> dict | None:
+        if self.spec.request.logprobs is None or probs is None:
+            return None
+        return probs_json.chat(probs, self.spec.piece)
 
     def opening(self) -> list[dict]:
         return [self._envelope([self._choice({"role": "assistant", "content": ""}, None)])]
 
     def chunk(self, c: Chunk) -> dict | None:
-        return self._envelope([self._choice({"content": c.text}, None)]) if c.text else None
+        deltas = self.out.push(c.text)
+        wants_probs = bool(c.probs and self.spec.request.logprobs)
+        if not deltas and not wants_probs:
+            return None
+        delta: dict = {}
+        for d in deltas:                      # at most one reasoning and one content part
+            for k, v in d.items():
+                delta[k] = delta.get(k, "") + v
+        if wants_probs and not delta:
+            delta = {"content": ""}
+        return self._envelope([self._choice(delta, None, c.probs)])
 
     def closing(self, r: Result) -> list[dict]:
-        out = [self._envelope([self._choice({}, finish_reason(r.stop_type))], timings=r.timings)]
+        out = [self._envelope([self._choice(d, None)]) for d in self.out.finish()]
+        finish = "tool_calls" if self.out.calls else finish_reason(r.stop_type)
+        out.append(self._envelope([self._choice({}, finish)], timings=r.timings))
         if self.spec.include_usage:
             out.append(self._envelope([], usage=usage(r), timings=r.timings))
         return out
 
     def whole(self, r: Result) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": r.content},
-                  "logprobs": None, "finish_reason": finish_reason(r.stop_type)}
+        msg = chat_output.whole(self.plan, r.content)
+        finish = "tool_calls" if msg.calls else finish_reason(r.stop_type)
+        choice = {"index": 0, "message": msg.openai(), "logprobs": self._logprobs(r.probs),
+                  "finish_reason": finish}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "system_fingerprint": "specwire", "choices": [choice],
                 "usage": usage(r), "timings": r.timings}

@@ -16,22 +16,24 @@ Conventions, as in llama-server:
   the request with "speculative": false or "speculative.n_max": 0.
 * a prompt longer than the context: 400 with type "exceed_context_size_error",
   n_prompt_tokens and n_ctx, as llama-server answers.
-* unknown keys are ignored; features this server does not implement (logprobs,
-  n > 1, penalties other than repeat_penalty, grammars, tools) are refused with 400
-  rather than silently ignored.
+* unknown keys are ignored; features this server does not implement (n > 1,
+  echo, legacy `functions`) are refused with 400 rather than silently ignored.
+  Grammars, JSON schemas, penalties, logit bias and logprobs: see structured.py.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from specwire import chat
+from specwire import chat, reasoning
 from specwire.config import ConfigError, DraftParams, SamplingParams
+from specwire.constraints import GrammarSpec
 from specwire.engine import Request
-from specwire.server import limits
+from specwire.server import limits, structured, tool_calls
+from specwire.server.chat_output import ChatPlan
 from specwire.server.errors import ApiError, bad_request
 from specwire.server.settings import ServerSettings
 from specwire.wire import protocol
@@ -46,6 +48,8 @@ class Completion:
     stream: bool = False
     return_tokens: bool = False
     include_usage: bool = False
+    piece: Callable[[int], bytes] | None = None     # a token's bytes (for logprobs)
+    chat: ChatPlan | None = None                     # chat only: reasoning and tool calls
 
     def settings(self) -> dict:
         """llama-server's `generation_settings` for this request."""
@@ -270,7 +274,7 @@ def _exceeds(what: str, n_prompt: int, n_ctx: int) -> ApiError:
                     n_prompt_tokens=n_prompt, n_ctx=n_ctx)
 
 
-def refuse_unsupported(f: Fields) -> None:
+def refuse_unsupported(f: Fields, chat_: bool = False) -> None:
     """A feature the client relies on but this server lacks is an error, not a silent no-op."""
     n = f.int("n", default=1)
     if n != 1:
@@ -278,22 +282,12 @@ def refuse_unsupported(f: Fields) -> None:
     best_of = f.int("best_of", default=1)
     if best_of != 1:
         raise bad_request(f"best_of: only 1 is supported, got {best_of}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if f.float(name, default=0.0) != 0.0:
-            raise bad_request(f"{name}: not supported (use repeat_penalty)")
-    _, logprobs = f.find("logprobs")
-    if logprobs not in (None, False, 0):
-        raise bad_request("logprobs: not supported")
-    if f.int("n_probs", default=0) != 0:
-        raise bad_request("n_probs: not supported")
     if f.bool("echo"):
         raise bad_request("echo: not supported")
-    for name in ("grammar", "json_schema", "tools", "functions"):
+    for name in ("functions",) if chat_ else ("tools", "functions"):
         if f.body.get(name):
-            raise bad_request(f"{name}: not supported")
-    _, fmt = f.find("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-        raise bad_request("response_format: only {\"type\": \"text\"} is supported")
+            raise bad_request(f"{name}: not supported" + ("" if chat_ else
+                                                          " here; use /v1/chat/completions"))
 
 
 def check_model(f: Fields, names: Sequence[str]) -> None:
@@ -308,42 +302,81 @@ def check_model(f: Fields, names: Sequence[str]) -> None:
 
 
 def completion(body: dict, backend: Any, settings: ServerSettings, names: Sequence[str],
-               prompt_key: str = "prompt") -> Completion:
-    """POST /completion and /v1/completions."""
+               prompt_key: str = "prompt", dialect: str = "llama") -> Completion:
+    """POST /completion (dialect "llama") and /v1/completions ("completions")."""
     f = Fields(body)
     check_model(f, names)
     refuse_unsupported(f)
     _, prompt = f.find(prompt_key)
     tokens = prompt_tokens(prompt, backend, prompt_key)
-    return _finish(f, body, tokens, backend, settings, [])
+    return _finish(f, body, tokens, backend, settings, [], dialect)
 
 
 def chat_completion(body: dict, backend: Any, settings: ServerSettings,
                     names: Sequence[str]) -> Completion:
-    """POST /v1/chat/completions: render the messages with the chat template, then as above."""
+    """POST /v1/chat/completions: render the messages with the chat template, then as above.
+
+    Tools, tool_choice and the reasoning split: see tool_calls.py and reasoning.py.
+    """
     f = Fields(body)
     check_model(f, names)
-    refuse_unsupported(f)
+    refuse_unsupported(f, chat_=True)
     _, messages = f.find("messages")
     if messages is None:
         raise bad_request("messages: required")
     try:
-        label, _ = chat.template_for(backend, settings.chat_template)
-        text = chat.render_for(backend, messages, settings.chat_template)
+        label, source = chat.template_for(backend, settings.chat_template)
     except ConfigError as e:
         raise bad_request(str(e)) from None
+    tools = tool_calls.parse(body, source)
+    variables = {**tool_calls.template_variables(tools),
+                 **template_kwargs(body, settings.reasoning_budget)}
+    try:
+        text = chat.render_for(backend, tool_calls.messages_for(tools, messages),
+                               settings.chat_template, **variables)
+    except ConfigError as e:
+        where = "tools: the chat template cannot render this request: " if tools else ""
+        raise bad_request(where + str(e)) from None
     check_fits_bound(limits.fewest_tokens(text, backend), backend.n_ctx)
     tokens = backend.tokenize(text, add_special=False, parse_special=True)
     if not tokens:
         raise bad_request("messages: the rendered prompt is empty")
-    return _finish(f, body, tokens, backend, settings, chat.TEMPLATE_STOPS.get(label, []))
+    spec = _finish(f, body, tokens, backend, settings, chat.TEMPLATE_STOPS.get(label, []),
+                   "chat", tool_calls.grammar(tools))
+    spec.chat = tool_calls.plan(tools, settings.reasoning_format != "none",
+                                text.rstrip().endswith(reasoning.OPEN))
+    return spec
+
+
+def template_kwargs(body: dict, reasoning_budget: int = -1) -> dict:
+    """chat_template_kwargs (e.g. {"enable_thinking": false}); --reasoning-budget 0 turns
+    thinking off as llama-server does, unless the request says otherwise."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        kw = {}
+    if not isinstance(kw, dict):
+        raise bad_request(f"chat_template_kwargs: must be an object, got {_kind(kw)}")
+    reserved = {"messages", "tools", "bos_token", "eos_token", "add_generation_prompt"}
+    clash = reserved & set(kw)
+    if clash:
+        raise bad_request(f"chat_template_kwargs: {sorted(clash)[0]!r} cannot be set here")
+    if reasoning_budget == 0:
+        kw = {"enable_thinking": False, **kw}
+    return kw
 
 
 def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: ServerSettings,
-            extra_stops: list[str]) -> Completion:
+            extra_stops: list[str], dialect: str,
+            tool_grammar: GrammarSpec | None = None) -> Completion:
     n = n_predict(f, settings, backend.n_ctx)
     check_fits(tokens, n, backend.n_ctx)
     sp = sampling(f, settings.sampling)
+    try:
+        sp = replace(sp, **structured.penalties(body, backend))
+    except ConfigError as e:
+        raise bad_request(str(e)) from None
+    logprobs = structured.logprobs_spec(body, dialect)
+    grammar = structured.grammar_spec(body, backend, tool_grammar)
     dp = draft(body, settings.draft)
     stops = stop_strings(f)
     stops += [s for s in extra_stops if s not in stops]
@@ -355,10 +388,11 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
         raise bad_request(f"stream_options: must be an object, got {_kind(opts)}")
     include_usage = Fields(opts or {}, "stream_options.").bool("include_usage")
     try:
-        req = Request(tokens, n, sp, dp, ignore_eos)
+        req = Request(tokens, n, sp, dp, ignore_eos, grammar, logprobs)
     except ConfigError as e:
         raise bad_request(str(e)) from None
-    return Completion(req, stops, stream, return_tokens, include_usage)
+    return Completion(req, stops, stream, return_tokens, include_usage,
+                      lambda t: backend.detokenize([t]))
 
 
 def tokenize(body: dict, backend: Any) -> dict:

@@ -21,6 +21,9 @@ class ServerSettings:
     n_predict:     the server's cap on tokens per request (-1: up to the context size).
     webui:         serve the live page at GET / and its figures at /stats.json.
     max_body:      bytes a request body may have; more is refused with 413 (limits.py).
+    reasoning_format: "none" keeps <think> blocks in the content; "deepseek"/"auto" move
+                   them to reasoning_content (llama-server's --reasoning-format).
+    reasoning_budget: -1 unlimited thinking, 0 thinking off (enable_thinking false).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -32,3 +35,5 @@ class ServerSettings:
     n_predict: int = -1
     webui: bool = True
     max_body: int = MAX_BODY_BYTES
+    reasoning_format: str = "auto"
+    reasoning_budget: int = -1

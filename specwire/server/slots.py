@@ -42,6 +42,7 @@ class Chunk:
 
     text: str
     tokens: list[int]
+    probs: list = field(default_factory=list)    # TokenProb per token, when asked for
 
 
 @dataclass(slots=True)
@@ -59,6 +60,7 @@ class Result:
     slot: int
     drafter: str
     stats: Stats | None = None      # the whole measurement, for the live page
+    probs: list = field(default_factory=list)    # TokenProb per token, when asked for
 
 
 @dataclass(slots=True)
@@ -190,6 +192,7 @@ class Slot:
         text = TextStream(engine.target.detokenize)
         stops = StopMatcher(job.stops)
         clock = _Clock(self.metrics, job.created)
+        done = 0
         try:
             for new in gen:
                 clock.tick(len(new))
@@ -199,8 +202,10 @@ class Slot:
                 piece = stops.push(text.push(new))
                 if stops.stopped:
                     gen.stop("word")
+                probs = gen.probs[done:done + len(new)]
+                done += len(new)
                 if job.stream and (piece or new):
-                    job.emit(Chunk(piece, list(new)))
+                    job.emit(Chunk(piece, list(new), probs))
             tail = stops.push(text.flush())
             tail += stops.finish()
             if job.stream and tail:
@@ -211,7 +216,7 @@ class Slot:
                 stopping_word=stops.word or "", truncated=gen.truncated,
                 tokens_evaluated=len(job.request.prompt), tokens_predicted=len(gen.tokens),
                 timings=st.timings(), slot=self.index, drafter=engine.drafter.name,
-                stats=st)))
+                stats=st, probs=gen.probs[:len(gen.tokens)])))
             self.metrics.outcome(gen.stop_type)
         except ConfigError as e:
             self.metrics.outcome("failed")

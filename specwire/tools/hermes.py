@@ -1,0 +1,45 @@
+"""Hermes / Qwen 2.5 / Qwen3: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from specwire.tools.base import Parsed, Tool, ToolFormat, call_from
+from specwire.tools.gbnf import Builder
+
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def call_schema(tool: Tool, args_key: str = "arguments") -> dict:
+    """The JSON object form of a call to this tool."""
+    return {"type": "object", "properties": {"name": {"const": tool.name},
+                                             args_key: tool.parameters or {"type": "object"}},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+class Hermes(ToolFormat):
+    name = "hermes"
+    start = "<tool_call>"
+
+    def parse(self, text: str, known: set[str]) -> Parsed:
+        calls, content, last = [], [], 0
+        for m in _BLOCK.finditer(text):
+            try:
+                call = call_from(json.loads(m.group(1)), known=known)
+            except ValueError:
+                call = None
+            if call is None:
+                return Parsed(text)          # not a valid call: the whole reply is content
+            calls.append(call)
+            content.append(text[last:m.start()])
+            last = m.end()
+        content.append(text[last:])
+        return Parsed("".join(content).strip() if calls else text, calls)
+
+    def grammar(self, tools: list[Tool], parallel: bool) -> str:
+        b = Builder()
+        alts = " | ".join(b.schema(call_schema(t), "call") for t in tools)
+        block = b.rule("tool-call", f'{b.literal("<tool_call>")} "\\n" ({alts}) "\\n" '
+                                    f'{b.literal("</tool_call>")}')
+        return b.text(f'{block} ("\\n" {block})*' if parallel else block)

@@ -1,0 +1,193 @@
+"""Tools and reasoning over HTTP: `specwire serve` on the bundled pair, the official client.
+
+The bundled Gemma template knows no tools, so the server speaks llama-server's
+generic JSON format to it; a forced call is constrained by a grammar built from
+the tool's schema, so even this 270M model emits a valid call. The reasoning
+split runs on a server started with a template file of ours that opens a
+<think> block. Plus: every family's forced-call grammar compiles in llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server import ROOT, _free_port, _wait_healthy
+from test_tools import OUTPUTS, _request
+
+from specwire.server import tool_calls
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def _serve(*flags: str) -> Iterator[str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "specwire", "serve", "--port", str(port), "-t", "1", "-td", "1",
+           "-c", "1024", "--draft-p-min", "0", *flags]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            _wait_healthy(proc, url, log)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    yield from _serve()
+
+
+def _client(url: str):
+    from openai import OpenAI
+    return OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def oai(server: str):
+    return _client(server)
+
+
+def _call_args(call) -> dict:
+    import jsonschema
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    return args
+
+
+@pytest.mark.parametrize("choice", ["required",
+                                    {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_call_has_schema_valid_arguments_and_streams_the_same(oai, choice) -> None:
+    """One call (parallel calls off: the small model, free to add calls, repeats its call)."""
+    kw = {"model": oai.models.list().data[0].id, "messages": ASK, "tools": [WEATHER],
+          "tool_choice": choice, "parallel_tool_calls": False, "temperature": 0,
+          "max_tokens": 120}
+    r = oai.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c.message.content
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather" and call.id and call.type == "function"
+    args = _call_args(call)
+    # streamed: the deltas assemble to the same call
+    parts: dict[int, dict] = {}
+    finish = None
+    for ch in oai.chat.completions.create(**kw, stream=True):
+        for ci in ch.choices:
+            finish = ci.finish_reason or finish
+            for d in ci.delta.tool_calls or []:
+                p = parts.setdefault(d.index, {"name": "", "arguments": ""})
+                p["name"] += d.function.name or ""
+                p["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(p["name"], json.loads(p["arguments"])) for p in parts.values()] == \
+        [("get_weather", args)]
+    # the same call without a draft
+    plain = oai.chat.completions.create(**kw, extra_body={"speculative": False})
+    assert plain.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    assert r.timings["draft_n"] > 0 and plain.timings["draft_n"] == 0
+
+
+def test_history_with_tool_results_and_auto(oai) -> None:
+    model = oai.models.list().data[0].id
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees, rain"}]
+    r = oai.chat.completions.create(model=model, messages=history, tools=[WEATHER],
+                                    temperature=0, max_tokens=60)
+    c = r.choices[0]
+    # auto: either a call whose arguments validate, or a plain answer as content
+    if c.message.tool_calls:
+        assert c.finish_reason == "tool_calls"
+        _call_args(c.message.tool_calls[0])
+    else:
+        assert isinstance(c.message.content, str)
+    none = oai.chat.completions.create(model=model, messages=ASK, tools=[WEATHER],
+                                       tool_choice="none", temperature=0, max_tokens=20)
+    assert not none.choices[0].message.tool_calls
+
+
+def test_tool_errors_are_400(server: str) -> None:
+    with httpx.Client(base_url=server, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={
+            "messages": ASK, "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+        assert r.status_code == 400 and "unknown function 'get_time'" in r.text
+        r = http.post("/v1/chat/completions", json={
+            "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+            "response_format": {"type": "json_object"}})
+        assert r.status_code == 400 and "cannot be combined" in r.text
+        r = http.post("/completion", json={"prompt": "hi", "tools": [WEATHER]})
+        assert r.status_code == 400 and "tools" in r.text
+
+
+@pytest.mark.parametrize("family", sorted(OUTPUTS))
+def test_every_family_grammar_compiles_in_llama_cpp(family: str) -> None:
+    from specwire import models
+    from specwire.backend.llama import load_model
+    from specwire.config import ModelParams
+    from specwire.constraints import Grammar
+    vocab = load_model(ModelParams(str(models.default_target()))).vocab
+    for parallel in (False, True):
+        req, _ = _request(family, tool_choice="required", parallel_tool_calls=parallel)
+        Grammar.compile(tool_calls.grammar(req), vocab).close()
+
+
+# ------------------------------------------------------------------------------ reasoning
+
+THINK_TEMPLATE = Path(__file__).parent / "templates" / "gemma_think.jinja"
+SHAPE = 'root ::= "The user says hello, so I greet back." "\\n</think>\\n\\n" "Hello! How are you?"'
+
+
+@pytest.fixture(scope="module")
+def thinking() -> Iterator[str]:
+    yield from _serve("--chat-template-file", str(THINK_TEMPLATE), "--jinja",
+                      "--reasoning-format", "deepseek")
+
+
+def test_reasoning_is_split_whole_and_streamed(thinking: str) -> None:
+    oai = _client(thinking)
+    model = oai.models.list().data[0].id
+    hi = [{"role": "user", "content": "Hello!"}]
+    r = oai.chat.completions.create(model=model, messages=hi, max_tokens=40, temperature=0,
+                                    extra_body={"grammar": SHAPE})
+    m = r.choices[0].message
+    assert m.reasoning_content == "The user says hello, so I greet back."
+    assert m.content == "Hello! How are you?"
+    stream = oai.chat.completions.create(model=model, messages=hi, max_tokens=40, temperature=0,
+                                         stream=True, extra_body={"grammar": SHAPE})
+    reasoning, content = "", ""
+    for ch in stream:
+        for c in ch.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+    assert (reasoning.strip(), content) == (m.reasoning_content, m.content)
+    # thinking off through chat_template_kwargs: the template opens no <think>, nothing split
+    off = oai.chat.completions.create(model=model, messages=hi, max_tokens=12, temperature=0,
+                                      extra_body={"chat_template_kwargs":
+                                                  {"enable_thinking": False}})
+    assert not getattr(off.choices[0].message, "reasoning_content", None)
+    assert off.choices[0].message.content
