@@ -101,7 +101,7 @@ class Grammar:
             raise ConfigError(f"{spec.origin}: the grammar is empty")
         from specwire.backend import llama as backend_llama
 
-        backend_llama._init()        # llama.cpp's log goes through `logging` from now on
+        backend_llama.init_backend()  # llama.cpp's log goes through `logging` from now on
         logged = _LogLines()
         logger = logging.getLogger(backend_llama.__name__)
         with _compile_lock, _stderr_captured() as printed:
