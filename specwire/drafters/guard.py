@@ -111,13 +111,21 @@ class DraftGuard:
         return out
 
     def steer(self, policy) -> None:
-        steer = getattr(self.drafter, "steer", None)
-        if steer is None:
+        self._forward("steer", policy)
+
+    def constrain(self, spec) -> None:
+        """Pass a request's grammar to a drafter that can follow it (more accepted tokens)."""
+        self._forward("constrain", spec)
+
+    def _forward(self, method: str, arg: object) -> None:
+        """An optional drafter method, called inside the boundary; absent, nothing happens."""
+        call = getattr(self.drafter, method, None)
+        if call is None:
             return
         try:
-            steer(policy)
+            call(arg)
         except Exception as e:  # noqa: BLE001
-            self._failed("steer", e)
+            self._failed(method, e)
 
     # -- inside the boundary ----------------------------------------------------------
 
