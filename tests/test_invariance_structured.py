@@ -104,8 +104,10 @@ def test_penalties_and_logit_bias_are_lossless(target, drafters, sampling):
 
 #: llama.cpp's rows for one position differ in the last bits between a batch of k + 1
 #: (verification) and a batch of 1 (plain decoding): measured up to 2.4e-3 in log-probability
-#: on the bundled F32 target. Tokens are compared exactly; the probabilities to this.
-LOGPROB_TOLERANCE = 1e-2
+#: on the bundled F32 target with flash attention off, 1.5e-2 after sampling at T = 0.8 with
+#: -fa auto (llama.cpp's default, which turns it on here). Tokens are compared exactly; the
+#: probabilities to this.
+LOGPROB_TOLERANCE = 3e-2
 
 
 @pytest.mark.parametrize("post", [False, True], ids=["pre", "post"])
