@@ -46,6 +46,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests that may wait for a slot; more are refused with 429")
     g.add_argument("-n", "--n-predict", type=int, default=-1,
                    help="most tokens per request (-1: up to the context size)")
+    g.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1,
+                   help="a request goes to the idle slot whose cached prompt shares most "
+                   "with it, if more than this share of its prompt (0: least recently used "
+                   "slot)")
+    g.add_argument("--cache-reuse", type=int, default=0, metavar="N",
+                   help="reuse cached chunks of at least N tokens after the common prefix "
+                   "by shifting them in the KV cache (0: off; see docs/memory.md)")
     add_model_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -66,14 +73,22 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--queue-size: must be >= 0, got {a.queue_size}")
     if a.n_predict < -1:
         raise CliError(f"-n: must be >= -1, got {a.n_predict}")
+    if not 0.0 <= a.slot_prompt_similarity <= 1.0:
+        raise CliError(f"--slot-prompt-similarity: must be in [0, 1], got "
+                       f"{a.slot_prompt_similarity}")
+    if a.cache_reuse < 0:
+        raise CliError(f"--cache-reuse: must be >= 0, got {a.cache_reuse}")
     if a.chat_template and a.chat_template not in chat.TEMPLATES and not (
             "{{" in a.chat_template or "{%" in a.chat_template):
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
                        f"{', '.join(sorted(chat.TEMPLATES))} (or a Jinja template)")
     settings = ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
                               chat_template=a.chat_template, api_key=a.api_key or None,
-                              queue_size=a.queue_size, n_predict=a.n_predict)
+                              queue_size=a.queue_size, n_predict=a.n_predict,
+                              slot_prompt_similarity=a.slot_prompt_similarity)
     engines = [build_engine(a) for _ in range(a.parallel)]
+    for e in engines:
+        e.cache_reuse = a.cache_reuse
     sock = _listen(a.host, a.port)
     app = create_app(engines, settings)
     verbose = getattr(a, "verbose", False)

@@ -38,6 +38,7 @@ class ModelDrafter:
         self._drafted = 0
         self._decode0 = 0.0
         self.stop_rule: Callable[[int, float], bool] | None = None
+        self._cache_use: tuple[int, int] | None = None  # this request's, see cache_use
 
     def steer(self, policy) -> None:
         """Stop drafts where the adaptive policy says (None: at --draft-p-min again)."""
@@ -49,6 +50,7 @@ class ModelDrafter:
         self.sampling, self.params = sampling_, params
         self._drafted = 0
         self._decode0 = getattr(self.backend, "decode_s", 0.0)
+        self._cache_use = None
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         return self.draft_from(history, max_n)
@@ -64,6 +66,8 @@ class ModelDrafter:
         if max_n <= 0:
             return Draft()
         kept = sync_prefix(be, history)
+        if self._cache_use is None:  # the request's first draft: the history caught up on
+            self._cache_use = (kept, len(history) - kept)
         row = be.eval(history[kept:], logits="last")[-1]
         rejection = dp.mode is VerifyMode.REJECTION and not sp.greedy
         stop_rule = self.stop_rule
@@ -99,6 +103,11 @@ class ModelDrafter:
 
     def end(self) -> None:
         pass
+
+    def cache_use(self) -> tuple[int, int] | None:
+        """(draft_cache_n, draft_prompt_n): history tokens the request's first draft found
+        in this model's cache, and those it evaluated; None before a first draft."""
+        return self._cache_use
 
     def stats(self) -> dict[str, float]:
         """Counters since begin(): tokens drafted, ms inside the draft's llama_decode."""

@@ -30,6 +30,9 @@ class Metrics:
         self.rejected = 0                            # queue full (429)
         self.prompt_tokens = 0
         self.prompt_ms = 0.0
+        self.cached_tokens = 0                       # prompt tokens found in the target's cache
+        self.draft_cached_tokens = 0                 # history tokens found in the drafter's
+        self.draft_prompt_tokens = 0                 # history tokens the drafter evaluated
         self.predicted_tokens = 0
         self.predicted_ms = 0.0
         self.draft_tokens = 0
@@ -61,6 +64,9 @@ class Metrics:
         with self._lock:
             self.prompt_tokens += stats.prompt_n
             self.prompt_ms += stats.prompt_ms
+            self.cached_tokens += stats.cache_n
+            self.draft_cached_tokens += stats.draft_cache_n or 0
+            self.draft_prompt_tokens += stats.draft_prompt_n or 0
             self.predicted_tokens += predicted
             self.predicted_ms += stats.predicted_ms
             self.draft_tokens += stats.draft_n
@@ -98,6 +104,15 @@ class Metrics:
                        [({}, self.prompt_tokens)])
             out.metric("prompt_seconds_total", "counter", "Prompt evaluation time.",
                        [({}, self.prompt_ms / 1000)])
+            out.metric("prompt_tokens_cached_total", "counter",
+                       "Prompt tokens the target found in its cache (timings.cache_n).",
+                       [({}, self.cached_tokens)])
+            out.metric("draft_prompt_tokens_cached_total", "counter",
+                       "History tokens the drafter found in its cache (draft_cache_n).",
+                       [({}, self.draft_cached_tokens)])
+            out.metric("draft_prompt_tokens_total", "counter",
+                       "History tokens the drafter evaluated to catch up (draft_prompt_n).",
+                       [({}, self.draft_prompt_tokens)])
             out.metric("tokens_predicted_total", "counter", "Generated tokens.",
                        [({}, self.predicted_tokens)])
             out.metric("tokens_predicted_seconds_total", "counter", "Generation time.",

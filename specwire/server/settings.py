@@ -18,6 +18,9 @@ class ServerSettings:
     api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
     queue_size:    requests allowed to wait for a slot; one more is refused with 429.
     n_predict:     the server's cap on tokens per request (-1: up to the context size).
+    slot_prompt_similarity: a request goes to the idle slot whose cache shares the longest
+                   prefix with its prompt if that is more than this share of the prompt,
+                   else to the least recently used slot (0: always the latter).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -27,3 +30,4 @@ class ServerSettings:
     api_key: str | None = None
     queue_size: int = 16
     n_predict: int = -1
+    slot_prompt_similarity: float = 0.1

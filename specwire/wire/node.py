@@ -1,7 +1,9 @@
 """The draft node: a gRPC server holding one small model for many targets.
 
 Each Session stream gets its own llama.cpp context over the shared weights, so
-sequences from several targets are isolated from each other. The node runs
+sequences from several targets are isolated from each other. Contexts and the
+KV caches of finished sessions are kept (wire/kv_cache.py, --cache-ram and
+--cache-sessions), so a chat's next turn evaluates only its new tokens. The node runs
 grpcio's threaded server rather than grpc.aio: a session is compute, and on a
 thread per RPC a synchronous round (read verdict, draft, write chunk) happens
 on one thread. Handing each message between an event loop and a drafting
@@ -21,12 +23,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from specwire.backend.llama import LlamaBackend, Model, load_model
+from specwire.backend.llama import Model, load_model
 from specwire.config import ModelParams
 from specwire.policy import Calibration
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
+from specwire.wire.kv_cache import KvCache
 from specwire.wire.protocol import ProtocolError
 from specwire.wire.session import DraftSession, error_message
 from specwire.wire.sync_server import SyncServer, tls_context
@@ -46,6 +49,8 @@ class NodeSettings:
     max_sessions: int = 8
     sync_port: int | None = None  # the synchronous port (0: any free one; None: none)
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
+    cache_ram_mib: int = 8192  # finished sessions' KV caches kept in RAM (0: none kept)
+    cache_sessions: int = 32  # and at most this many of them
 
 
 class DraftNodeService(pbg.DraftNodeServicer):
@@ -55,6 +60,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
         self.calibration = Calibration()
         self._slots = threading.BoundedSemaphore(settings.max_sessions)
         self.sync_port = 0  # advertised in Hello once the sync server listens
+        self.memory = KvCache(settings.model, model, settings.cache_ram_mib,
+                              settings.cache_sessions, settings.max_sessions)
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         want = self.settings.token
@@ -121,6 +128,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 if first.pipelined:
                     raise ProtocolError("pipelined sessions are served on the node's main port")
                 session = self._open(first, send)
+                session.announce()
                 session.step(None)
                 for verdict in _verdicts(requests):
                     session.step(verdict)
@@ -128,7 +136,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 log.info("session from %s ends: %s", context.peer(), e)
                 send(error_message(e))
             finally:
-                _close(session)
+                self._close(session)
 
     @contextlib.contextmanager
     def _admitted(self, context):
@@ -158,6 +166,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 yield from _pipelined(session, outbox, requests, context)
                 return
             session = self._open(first, out.append)
+            session.announce()
+            yield from _drain(out)
             session.step(None)
             yield from _drain(out)
             for verdict in _verdicts(requests):
@@ -170,16 +180,26 @@ class DraftNodeService(pbg.DraftNodeServicer):
             yield from _drain(out)
             yield error_message(e)
         finally:
-            _close(session)
+            self._close(session)
 
     def _open(self, open_msg: pb.Open, send) -> DraftSession:
-        backend = LlamaBackend(self.settings.model, self.model)
+        protocol.check_open(open_msg, self.model.n_vocab, self.settings.model.n_ctx)
+        backend = self.memory.acquire(open_msg.history)
         try:
-            return DraftSession(backend, open_msg, send, seed=self.settings.seed,
-                                calibration=self.calibration)
+            session = DraftSession(backend, open_msg, send, seed=self.settings.seed,
+                                   calibration=self.calibration)
         except Exception:
-            backend.close()
+            self.memory.release(backend)
             raise
+        self.memory.account(session.cache_n, session.prompt_n)
+        log.info("session opens: %d history tokens, %d of them cached; kv cache: %s",
+                 len(open_msg.history), session.cache_n, self.memory.describe())
+        return session
+
+    def _close(self, session: DraftSession | None) -> None:
+        if session is not None:
+            _stop(session)
+            self.memory.release(session.backend, session.committed)
 
 
 def _first_open(requests) -> pb.Open | None:
@@ -192,12 +212,10 @@ def _first_open(requests) -> pb.Open | None:
     return first.open
 
 
-def _close(session: DraftSession | None) -> None:
-    if session is not None:
-        session.close()
-        if session.thread.is_alive():
-            session.thread.join()
-        session.backend.close()
+def _stop(session: DraftSession) -> None:
+    session.close()
+    if session.thread.is_alive():
+        session.thread.join()
 
 
 def _drain(out: list[pb.DraftMessage]):
@@ -296,6 +314,7 @@ def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
         if sync is not None:
             sync.close()
         server.stop(grace=1.0).wait()
+        service.memory.close()
 
 
 def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServer | None:

@@ -23,6 +23,10 @@ MAX_Q_K = 256  # sparse q entries per token
 MAX_HISTORY = 1 << 20  # tokens in an Open message
 MAX_MESSAGE_BYTES = 16 << 20
 AUTH_HEADER = "authorization"
+#: A session that must evaluate more history tokens than this before its first draft
+#: says so at once, in an empty first chunk with cache_n and prompt_n: a synchronous
+#: target then decodes plainly instead of waiting for drafts until the node catches up.
+NOTICE_AFTER = 256
 SESSION_PATH = f"/{pb.DESCRIPTOR.services_by_name['DraftNode'].full_name}/Session"
 
 _MODES = {

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from specwire.backend.base import Backend
+from specwire.backend.base import Backend, reusable_prefix
 from specwire.config import DraftParams
 from specwire.drafters.model import ModelDrafter
 from specwire.policy import CalibratedStop, Calibration
@@ -70,6 +70,10 @@ class DraftSession:
         self.drafter.stop_rule = self.stop
         self.drafter.begin(open_msg.history, sampling, params)
         self.committed: list[int] = list(open_msg.history)
+        # What the backend's cache already holds of the history, and what is left to evaluate.
+        self.cache_n = reusable_prefix(backend.tokens, self.committed)
+        self.prompt_n = len(self.committed) - self.cache_n
+        self._told_cache = False  # cache_n and prompt_n went out in a message
         self.branch: list[int] = []  # drafted beyond `committed`, on branch `gen`
         self.confidence: list[float] = []  # calibrated sessions: per branch token
         self.gen = 0
@@ -85,6 +89,13 @@ class DraftSession:
         self.thread = threading.Thread(target=self._run, name="draft-session", daemon=True)
 
     # -- synchronous: on the caller's thread --------------------------------------
+
+    def announce(self) -> None:
+        """Right after the Open: if catching up on the history will take a while, send the
+        cache figures now in an empty chunk (otherwise they ride on the first draft)."""
+        if self.prompt_n > protocol.NOTICE_AFTER and not self._told_cache:
+            self._busy_since = time.perf_counter()
+            self._flush([], [], done=False)
 
     def step(self, verdict: pb.Verdict | None) -> None:
         """Apply a verdict (None right after the Open), then draft the tokens wanted."""
@@ -113,6 +124,7 @@ class DraftSession:
 
     def _run(self) -> None:
         try:
+            self.announce()
             while self._next_burst():
                 self._draft_burst()
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
@@ -197,7 +209,7 @@ class DraftSession:
                 sparse_pending.append(sd)
             if self.pipelined and (self.sent == 0 or len(pending) >= 2):
                 self._flush(pending, sparse_pending, done=False)
-            return not self._inbox
+            return not self._inbox and not self._closed
 
         result = self.drafter.draft_from(base, target, on_token=on_token)
         if self.stop is not None:
@@ -220,6 +232,8 @@ class DraftSession:
             self._busy_since = now
         if sparse_pending:
             protocol.sparse_to_pb(chunk, sparse_pending, self.q_k)
+        if not self._told_cache:
+            chunk.cache_n, chunk.prompt_n, self._told_cache = self.cache_n, self.prompt_n, True
         self.sent += len(pending)
         pending.clear()
         sparse_pending.clear()
