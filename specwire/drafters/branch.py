@@ -317,9 +317,11 @@ class BranchDrafter:
             if c.sparse is not None and self._sparse is not None:
                 self._sparse.extend(c.sparse)
             self._done = c.done or not self.pipelined  # a synchronous chunk is whole
-            # An empty first chunk saying the drafter catches up on many tokens: decode
-            # plainly, without waiting, until its drafts come.
-            self._late = not c.tokens and m.prompt_n > protocol.NOTICE_AFTER
+            # An empty chunk saying the drafter is catching up (its first, on many tokens,
+            # or a later one still behind): decode plainly, not waiting, until drafts come.
+            behind = m.prompt_n if m.HasField("prompt_n") else 0
+            self._late = not c.tokens and (
+                behind > protocol.NOTICE_AFTER or (behind > 0 and not m.HasField("cache_n")))
             self._cv.notify_all()
 
     def _count_cache(self, cache_n: int, prompt_n: int) -> None:

@@ -198,8 +198,9 @@ class DraftNodeService(pbg.DraftNodeServicer):
 
     def _close(self, session: DraftSession | None) -> None:
         if session is not None:
-            _stop(session)
+            session.finish()
             self.memory.release(session.backend, session.committed)
+            log.info("session closes: %d tokens kept", session.backend.n_past)
 
 
 def _first_open(requests) -> pb.Open | None:
@@ -210,12 +211,6 @@ def _first_open(requests) -> pb.Open | None:
     if first.WhichOneof("kind") != "open":
         raise ProtocolError(f"unexpected {first.WhichOneof('kind')} message")
     return first.open
-
-
-def _stop(session: DraftSession) -> None:
-    session.close()
-    if session.thread.is_alive():
-        session.thread.join()
 
 
 def _drain(out: list[pb.DraftMessage]):

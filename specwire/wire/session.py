@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from specwire.backend.base import Backend, reusable_prefix
+from specwire.backend.base import Backend, reusable_prefix, sync_prefix
 from specwire.config import DraftParams
 from specwire.drafters.model import ModelDrafter
 from specwire.policy import CalibratedStop, Calibration
@@ -87,19 +87,46 @@ class DraftSession:
         self._closed = False
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="draft-session", daemon=True)
+        # Synchronous sessions with a long history catch up on this thread, answering
+        # verdicts meanwhile with empty chunks (see announce).
+        self._catcher: threading.Thread | None = None
+        self._catch_error: Exception | None = None
+        self._caught = self.cache_n  # history tokens in the cache so far
 
     # -- synchronous: on the caller's thread --------------------------------------
 
     def announce(self) -> None:
         """Right after the Open: if catching up on the history will take a while, send the
-        cache figures now in an empty chunk (otherwise they ride on the first draft)."""
+        cache figures now in an empty chunk (otherwise they ride on the first draft); a
+        synchronous session then catches up on a thread of its own, so that it can
+        answer verdicts (with nothing) and hear a Close meanwhile."""
         if self.prompt_n > protocol.NOTICE_AFTER and not self._told_cache:
             self._busy_since = time.perf_counter()
             self._flush([], [], done=False)
+            if not self.pipelined:
+                self._catcher = threading.Thread(target=self._catch_up_safely,
+                                                 name="draft-catch-up", daemon=True)
+                self._catcher.start()
+
+    def finish(self) -> None:
+        """Close, and wait for the session's threads to stop."""
+        self.close()
+        for t in (self.thread, self._catcher):
+            if t is not None and t.is_alive():
+                t.join()
 
     def step(self, verdict: pb.Verdict | None) -> None:
         """Apply a verdict (None right after the Open), then draft the tokens wanted."""
         self._busy_since = time.perf_counter()
+        if self._catcher is not None:
+            if self._catcher.is_alive():  # still catching up: no draft yet, and how far behind
+                if verdict is not None:
+                    self._apply(verdict)
+                    self._flush([], [], done=False, behind=self._behind())
+                return
+            self._catcher = None
+            if self._catch_error is not None:
+                raise self._catch_error
         if verdict is not None:
             self._apply(verdict)
         if not self.stalled and len(self.branch) < self._limit():
@@ -122,9 +149,31 @@ class DraftSession:
 
     # -- the drafting thread ------------------------------------------------------
 
+    def _catch_up(self) -> None:
+        """Evaluate the Open's history a batch at a time, stopping at a Close: what was
+        evaluated stays in the cache, for the next session of the same conversation."""
+        be, history = self.backend, self.committed[: self.cache_n + self.prompt_n]
+        self._caught = pos = sync_prefix(be, history)
+        step = max(1, getattr(getattr(be, "params", None), "n_batch", 512))
+        while pos < len(history) - 1 and not self._closed:
+            n = min(step, len(history) - 1 - pos)
+            be.eval(history[pos : pos + n], logits="none")
+            self._caught = pos = pos + n
+
+    def _behind(self) -> int:
+        """History tokens not yet evaluated (while catching up)."""
+        return max(0, len(self.committed) - self._caught)
+
+    def _catch_up_safely(self) -> None:
+        try:
+            self._catch_up()
+        except Exception as e:  # noqa: BLE001 - raised by the next step, on the RPC thread
+            self._catch_error = e
+
     def _run(self) -> None:
         try:
             self.announce()
+            self._catch_up()
             while self._next_burst():
                 self._draft_burst()
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
@@ -220,7 +269,8 @@ class DraftSession:
         if pending or done:
             self._flush(pending, sparse_pending, done=done)
 
-    def _flush(self, pending: list[int], sparse_pending: list, done: bool) -> None:
+    def _flush(self, pending: list[int], sparse_pending: list, done: bool,
+               behind: int | None = None) -> None:
         start = len(self.committed) + self.sent
         # A synchronous chunk is the whole answer to its verdict: no `done` to send.
         msg = pb.DraftMessage(chunk={"gen": self.gen, "start": start, "tokens": pending,
@@ -234,6 +284,8 @@ class DraftSession:
             protocol.sparse_to_pb(chunk, sparse_pending, self.q_k)
         if not self._told_cache:
             chunk.cache_n, chunk.prompt_n, self._told_cache = self.cache_n, self.prompt_n, True
+        elif behind is not None:
+            chunk.prompt_n = behind
         self.sent += len(pending)
         pending.clear()
         sparse_pending.clear()
