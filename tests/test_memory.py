@@ -478,3 +478,30 @@ def test_cache_flags_are_refused_with_one_clear_line() -> None:
     assert not parse({"prompt": "hi", "cache_prompt": False}).cache_prompt
     with pytest.raises(ApiError, match="cache_prompt"):
         parse({"prompt": "hi", "cache_prompt": "no"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threaded", [False, True], ids=["local", "local-pipelined"])
+def test_a_local_draft_model_reports_what_it_reused(target, draft_params, threaded) -> None:
+    """A draft model in this process keeps its cache between requests: turn 2 reports
+    draft_cache_n covering turn 1's prompt, draft_prompt_n the rest; output is plain's."""
+    from specwire.drafters.model import ModelDrafter
+    from specwire.drafters.threaded import ThreadedDrafter
+
+    backend = LlamaBackend(draft_params, load_model(draft_params))
+    drafter = ThreadedDrafter(backend) if threaded else ModelDrafter(backend)
+    try:
+        engine = Engine(target.backend, drafter)
+        first = chat_prompt(target, 1)
+        g = engine.generate(request(first, 12, GREEDY, 4))
+        out = run_to_end(g)
+        assert (g.stats.draft_cache_n, g.stats.draft_prompt_n) == (0, len(first))
+        second = first + out + target.tokens(" Then:")[1:]
+        g = engine.generate(request(second, 12, GREEDY, 4))
+        assert run_to_end(g) == target.plain(second, GREEDY, 12)
+        assert g.stats.draft_cache_n >= len(first)
+        assert g.stats.draft_prompt_n == len(second) - g.stats.draft_cache_n
+    finally:
+        if threaded:
+            drafter.end()
+        backend.close()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from specwire import sampling
-from specwire.backend.base import Backend, sync_prefix
+from specwire.backend.base import Backend, reusable_prefix, sync_prefix
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft
 
@@ -50,7 +50,8 @@ class ModelDrafter:
         self.sampling, self.params = sampling_, params
         self._drafted = 0
         self._decode0 = getattr(self.backend, "decode_s", 0.0)
-        self._cache_use = None
+        kept = reusable_prefix(self.backend.tokens, prompt)
+        self._cache_use = (kept, len(prompt) - kept)
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         return self.draft_from(history, max_n)
@@ -66,8 +67,6 @@ class ModelDrafter:
         if max_n <= 0:
             return Draft()
         kept = sync_prefix(be, history)
-        if self._cache_use is None:  # the request's first draft: the history caught up on
-            self._cache_use = (kept, len(history) - kept)
         row = be.eval(history[kept:], logits="last")[-1]
         rejection = dp.mode is VerifyMode.REJECTION and not sp.greedy
         stop_rule = self.stop_rule
@@ -105,8 +104,8 @@ class ModelDrafter:
         pass
 
     def cache_use(self) -> tuple[int, int] | None:
-        """(draft_cache_n, draft_prompt_n): history tokens the request's first draft found
-        in this model's cache, and those it evaluated; None before a first draft."""
+        """(draft_cache_n, draft_prompt_n): the request's prompt tokens this model's cache
+        held at its start, and those it evaluates (at its first draft) to catch up."""
         return self._cache_use
 
     def stats(self) -> dict[str, float]:

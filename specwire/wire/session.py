@@ -7,6 +7,13 @@ draft on their own thread past the last verdict, sending tokens as they go;
 verdicts arrive from a reader thread and are applied between tokens, so the
 branch, the gen and the KV cache are only ever touched by one thread.
 
+A session starts from whatever its backend's cache holds of the history (the
+node's memory, wire/kv_cache.py, hands it the best cached prefix) and tells the
+target how much that was (DraftChunk.cache_n, prompt_n). A long catch-up is
+announced at once, and evaluated a batch at a time so that a Close stops it;
+meanwhile a synchronous session answers each verdict with an empty chunk, and
+the target decodes plainly instead of waiting.
+
 A synchronous session of an adaptive target stops its drafts by the calibrated
 rule (specwire.policy.CalibratedStop) instead of --draft-p-min: the target sends
 the threshold, and the node calibrates its draft's confidence on the verdicts it
