@@ -200,7 +200,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
         if session is not None:
             session.finish()
             self.memory.release(session.backend, session.committed)
-            log.info("session closes: %d tokens kept", session.backend.n_past)
+            if self.memory.enabled:
+                log.info("session closes: %d tokens kept", session.backend.n_past)
 
 
 def _first_open(requests) -> pb.Open | None:
