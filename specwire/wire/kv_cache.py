@@ -196,17 +196,16 @@ class KvCache:
 
     def describe(self) -> str:
         with self._lock:
+            c = self.counters
             return (f"{len(self._saved)} saved sequences in {self._bytes / MIB:.1f} MiB "
                     f"(budget {self.budget // MIB} MiB, {self.max_entries} sequences), "
-                    f"{len(self._pool)} warm contexts")
+                    f"{len(self._pool)} warm contexts; so far {c.reused_tokens} history "
+                    f"tokens reused, {c.evaluated_tokens} evaluated, {c.warm_hits} warm "
+                    f"hits, {c.restores} restores, {c.saves} saves, {c.evictions} evictions")
 
     @property
     def saved_bytes(self) -> int:
         return self._bytes
-
-    @property
-    def saved_sequences(self) -> int:
-        return len(self._saved)
 
     # -- under the lock ---------------------------------------------------------------
 
