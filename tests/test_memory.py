@@ -230,11 +230,15 @@ def test_cache_sessions_evicts_least_recently_used(target, tmp_path) -> None:
 @pytest.mark.slow
 def test_interleaved_conversations_do_not_see_each_other(target, tmp_path) -> None:
     """Conversation B interleaved with A on a node with memory (A1 B1 A2 B2) drafts exactly
-    what it drafts interleaved with another conversation A' of the same length: no token of
-    A reaches B's drafts. (A node without memory is no reference: the same tokens evaluated
-    in other batches differ in the last bits, enough to flip a near tie in a draft.)"""
+    what it drafts interleaved with another conversation A' of the same length, and its
+    drafts recall the password stated at its own start: no token of A reaches B's drafts
+    (a node that reused A's cells past the shared header drafts A's code here instead).
+    A node without memory is no reference: the same tokens evaluated in other batches
+    differ in the last bits, enough to flip a near tie in a draft."""
     header = len(target.tokens(HEADER))
-    b1 = chat_prompt(target, 2)
+    # B's drafts depend on its own first tokens: they recall the password stated there.
+    b1 = target.tokens(HEADER + "The password is tulip-4817.\n" + TEXTS[2]
+                       + "\nRepeat the password. The password is")
     a1 = chat_prompt(target, 0, repeat=6)
     other = chat_prompt(target, 1, repeat=6)
     n = min(len(a1), len(other))
@@ -245,16 +249,17 @@ def test_interleaved_conversations_do_not_see_each_other(target, tmp_path) -> No
         out_a, _ = turn(target, url, a)
         out_b, _ = turn(target, url, b1)
         a2 = a + out_a + target.tokens(" Then:")[1:]
-        b2 = b1 + out_b + target.tokens(" Then:")[1:]
+        b2 = b1 + out_b + target.tokens("\nOnce more, the password is")[1:]
         turn(target, url, a2)
         _, st = turn(target, url, b2)
-        return _drafts(target, url, b2 + target.tokens(" Next:")[1:]), st.draft_cache_n
+        return _drafts(target, url, b2), st.draft_cache_n
 
     with node_process(tmp_path, ["--max-sessions", "2"], name="with-a") as x, \
             node_process(tmp_path, ["--max-sessions", "2"], name="with-other") as y:
         drafts_x, cached_x = interleave(x.url, a1)
         drafts_y, cached_y = interleave(y.url, other)
-    assert drafts_x == drafts_y and any(drafts_x)
+    assert drafts_x == drafts_y
+    assert "tulip" in target.backend.detokenize(drafts_x[0]).decode(errors="replace")
     assert cached_x == cached_y >= len(b1)             # B2 found B1 in both
 
 
