@@ -16,8 +16,9 @@ with its history, so it evaluates only what is new. Two stores:
 
 A chat's next turn usually opens its session while the node is still closing
 the previous one (the Close and the new Open travel on different streams), so
-a session whose history shares much more with a session still open than with
-anything cached waits for that one to end, up to WAIT_FOR_CLOSE_S.
+a session whose history shares many more tokens (WORTH_WAITING) with a session
+still open than with anything cached waits for that one to end, up to
+WAIT_FOR_CLOSE_S.
 
 Isolation: a cached sequence is reused only up to the first token where it and
 the new history differ, so a session computes on no token that is not in its
@@ -41,14 +42,16 @@ from specwire.backend import kv_state
 from specwire.backend.base import BackendError
 from specwire.backend.llama import LlamaBackend, Model
 from specwire.config import ModelParams
+from specwire.wire import protocol
 
 log = logging.getLogger("specwire.node")
 
 MIB = 1 << 20
 #: How long a new session waits for an open one that holds more of its history.
 WAIT_FOR_CLOSE_S = 1.0
-#: ...when that one holds at least this many more tokens of it than the memory has.
-WORTH_WAITING = 32
+#: ...when that one holds more than this many tokens of it beyond what the memory has
+#: (fewer are evaluated sooner than a session ends; as many as a catch-up notice are not).
+WORTH_WAITING = protocol.NOTICE_AFTER
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -119,7 +122,7 @@ class KvCache:
                 busy_n = max((common_prefix(h, want) for h in self._active.values()),
                              default=0)
                 left = deadline - time.monotonic()
-                if busy_n < max(warm_n, saved_n) + WORTH_WAITING or left <= 0:
+                if busy_n <= max(warm_n, saved_n) + WORTH_WAITING or left <= 0:
                     break
                 self._lock.wait(left)
             if key is not None and saved_n > warm_n:
