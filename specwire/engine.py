@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from specwire.backend.base import Backend, sync_prefix
+from specwire.backend.base import Backend, reusable_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.constraints.grammar import Grammar, GrammarSpec
 from specwire.drafters.base import Draft, Drafter, NoDrafter
@@ -34,6 +34,9 @@ class Request:
     ignore_eos: bool = False
     grammar: GrammarSpec | None = None     # constrains the target's sampling (lossless)
     logprobs: LogprobsSpec | None = None   # record the target's probabilities per token
+    #: llama-server's cache_prompt: start from what the target's cache holds of the prompt.
+    #: False evaluates the whole prompt again.
+    cache_prompt: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -107,11 +110,14 @@ class Generation:
         drafter.begin(prompt, req.sampling, req.draft)
         try:
             t0 = time.perf_counter()
-            kept = sync_prefix(target, prompt)
+            kept = eng.reuse_cache(prompt) if req.cache_prompt else 0
+            if kept < target.n_past:
+                target.truncate(kept)
             rows = target.eval(prompt[kept:], logits="last")
             first = verifier.sample(rows[-1], prompt)
             t1 = time.perf_counter()
             st.prompt_n, st.prompt_ms = len(prompt) - kept, 1000 * (t1 - t0)
+            st.cache_n = kept
             decode0 = getattr(target, "decode_s", 0.0)
             history = [*prompt, first]
             new = self._emit([first])
@@ -155,6 +161,9 @@ class Generation:
             st.target_decode_ms = 1000 * (getattr(target, "decode_s", 0.0) - decode0)
         finally:
             st.drafter = drafter.stats()
+            use = getattr(drafter, "cache_use", None)
+            if callable(use) and (got := use()) is not None:
+                st.draft_cache_n, st.draft_prompt_n = got
             drafter.end()
             if steer is not None:
                 steer(None)
@@ -194,6 +203,9 @@ class Engine:
         """verify: the verification mode requests will use, if known: a drafter that cannot
         serve it is refused here (ConfigError) rather than mid-request."""
         self.target = target
+        #: llama-server's --cache-reuse: shift cached chunks of at least this many tokens
+        #: past the common prefix into place (0: the common prefix only).
+        self.cache_reuse = 0
         self.no_drafter = NoDrafter()
         self.drafter = drafter or self.no_drafter
         if verify is not None:
@@ -206,3 +218,14 @@ class Engine:
 
     def generate(self, req: Request) -> Generation:
         return Generation(self, req)
+
+    def reuse_cache(self, prompt: Sequence[int]) -> int:
+        """How many prompt tokens the target's cache can keep: the common prefix, and with
+        --cache-reuse the chunks shifted into place after it (a backend that cannot shift
+        keeps the prefix only)."""
+        kept = reusable_prefix(self.target.tokens, prompt)
+        if self.cache_reuse > 0 and kept < len(self.target.tokens):
+            shift = getattr(self.target, "reuse_chunks", None)
+            if callable(shift):
+                kept = shift(prompt, kept, self.cache_reuse)
+        return kept

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 class Stats:
     prompt_n: int = 0
     prompt_ms: float = 0.0
+    cache_n: int = 0  # prompt tokens the target's cache already held (llama-server's name)
+    #: history tokens the drafter found in its own cache, and those it evaluated to catch
+    #: up; None where the drafter did not say (no draft, or a node that predates them)
+    draft_cache_n: int | None = None
+    draft_prompt_n: int | None = None
     predicted_n: int = 0
     predicted_ms: float = 0.0
     draft_n: int = 0
@@ -63,8 +68,12 @@ class Stats:
         return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
 
     def timings(self) -> dict:
-        """llama-server's `timings` object."""
+        """llama-server's `timings` object (with draft_cache_n and draft_prompt_n where the
+        drafter reported them)."""
+        draft_cache = {} if self.draft_cache_n is None else {
+            "draft_cache_n": self.draft_cache_n, "draft_prompt_n": self.draft_prompt_n}
         return {
+            "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
             "prompt_ms": round(self.prompt_ms, 3),
             "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3)
@@ -81,6 +90,7 @@ class Stats:
             "predicted_per_second": round(self.predicted_per_second, 3),
             "draft_n": self.draft_n,
             "draft_n_accepted": self.draft_n_accepted,
+            **draft_cache,
         }
 
     def to_dict(self) -> dict:

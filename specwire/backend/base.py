@@ -55,16 +55,22 @@ class Backend(Protocol):
         """The GGUF's own Jinja chat template, if it has one."""
 
 
+def reusable_prefix(cached: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many of `tokens` a cache holding `cached` already has: their longest common
+    prefix, less the last token of `tokens`, which is always evaluated again for its logits."""
+    n = min(len(cached), len(tokens) - 1)
+    i = 0
+    while i < n and cached[i] == tokens[i]:
+        i += 1
+    return i
+
+
 def sync_prefix(backend: Backend, tokens: Sequence[int]) -> int:
     """Truncate the cache to its longest common prefix with `tokens`; return that length.
 
     Keeps at least one token un-evaluated so that the caller gets fresh logits.
     """
-    cached = backend.tokens
-    n = min(len(cached), len(tokens) - 1)
-    i = 0
-    while i < n and cached[i] == tokens[i]:
-        i += 1
-    if i != len(cached):
+    i = reusable_prefix(backend.tokens, tokens)
+    if i != len(backend.tokens):
         backend.truncate(i)
     return i

@@ -332,6 +332,17 @@ class LlamaBackend:
             n = 0
         del self._tokens[n:]
 
+    def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
+        """--cache-reuse: see backend/kv_state.py."""
+        from specwire.backend import kv_state
+
+        return kv_state.reuse_chunks(self, prompt, n_past, n_min)
+
+    def adopt(self, tokens: Sequence[int]) -> None:
+        """The KV cache now holds `tokens` (after a state restore or a KV shift made by
+        backend/kv_state.py, which changes the cache behind eval's back)."""
+        self._tokens = list(tokens)
+
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:

@@ -134,9 +134,11 @@ class DraftNode:
 
 
 def node_argv(a: argparse.Namespace, draft_path: str) -> list[str]:
-    """The draft node's command line: same model, threads and context as a local draft."""
+    """The draft node's command line: same model, threads and context as a local draft,
+    and no conversation memory (--cache-ram 0), so that a prompt run in several
+    configurations finds an empty cache in each, as the local draft does."""
     return [sys.executable, "-m", "specwire", "draft", "-m", draft_path,
-            "--host", "127.0.0.1", "--port", "0", "--max-sessions", "2",
+            "--host", "127.0.0.1", "--port", "0", "--max-sessions", "2", "--cache-ram", "0",
             "-c", str(a.ctx_size_draft or a.ctx_size), "-td", str(a.threads_draft),
             "-tbd", str(a.threads_batch_draft), "-ngl", str(a.n_gpu_layers_draft),
             "-ctk", a.cache_type_k_draft, "-ctv", a.cache_type_v_draft, *node_flags(a),

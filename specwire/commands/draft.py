@@ -30,6 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus figures on http://HOST:PORT/metrics: open contexts, "
                    "admitted calls, refusals, memory (0: any free port; default: off)")
+    p.add_argument("-cram", "--cache-ram", type=int, default=8192, metavar="MiB",
+                   help="RAM for the KV caches of finished sessions, reused by the next "
+                   "session that shares their prefix (0: keep none; see docs/memory.md)")
+    p.add_argument("--cache-sessions", type=int, default=32, metavar="N",
+                   help="most finished sessions kept in --cache-ram (least recently used "
+                   "out first)")
     p.add_argument("--token", default=os.environ.get("SPECWIRE_TOKEN"),
                    help="shared secret required from targets (env SPECWIRE_TOKEN)")
     p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
@@ -56,6 +62,10 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--metrics-port: must be in 0..65535, got {a.metrics_port}")
     if a.max_sessions < 1:
         raise CliError(f"--max-sessions: must be >= 1, got {a.max_sessions}")
+    if a.cache_ram < 0:
+        raise CliError(f"--cache-ram: must be >= 0 MiB, got {a.cache_ram}")
+    if a.cache_sessions < 0:
+        raise CliError(f"--cache-sessions: must be >= 0, got {a.cache_sessions}")
     if bool(a.tls_key) and not a.tls_cert:
         raise CliError("--tls-key needs --tls-cert")
     for flag in ("tls_cert", "tls_key", "tls_client_ca"):
@@ -67,7 +77,8 @@ def run(a: argparse.Namespace) -> int:
     settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
-                            metrics_port=a.metrics_port)
+                            metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
+                            cache_sessions=a.cache_sessions)
     try:
         serve(settings)
     except BackendError as e:

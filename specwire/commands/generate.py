@@ -110,7 +110,9 @@ def format_stats(st, drafter: str) -> str:
     return "\n".join([
         "",
         f"drafter          {drafter}",
-        f"prompt           {st.prompt_n} tokens, {st.prompt_ms:.1f} ms",
+        f"prompt           {st.prompt_n} tokens, {st.prompt_ms:.1f} ms, {st.cache_n} cached",
+        *([f"draft prompt     {st.draft_prompt_n} tokens evaluated, {st.draft_cache_n} cached"]
+          if st.draft_cache_n is not None else []),
         f"generated        {st.predicted_n} tokens, {st.predicted_ms:.1f} ms, "
         f"{st.predicted_per_second:.2f} tokens/s",
         f"draft_n          {st.draft_n}",

@@ -65,6 +65,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body; more is refused with 413 (default 8 MiB: a "
                    "full 1M-token context as token ids)")
+    g.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1,
+                   help="a request goes to the idle slot whose cached prompt shares most "
+                   "with it, if more than this share of its prompt (0: least recently used "
+                   "slot)")
+    g.add_argument("--cache-reuse", type=int, default=0, metavar="N",
+                   help="reuse cached chunks of at least N tokens after the common prefix "
+                   "by shifting them in the KV cache (0: off; see docs/memory.md)")
     add_model_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -100,6 +107,11 @@ def run(a: argparse.Namespace) -> int:
     if a.reasoning_budget not in (-1, 0):
         raise CliError(f"--reasoning-budget: only -1 (unlimited) and 0 (off) are supported, "
                        f"got {a.reasoning_budget}")
+    if not 0.0 <= a.slot_prompt_similarity <= 1.0:
+        raise CliError(f"--slot-prompt-similarity: must be in [0, 1], got "
+                       f"{a.slot_prompt_similarity}")
+    if a.cache_reuse < 0:
+        raise CliError(f"--cache-reuse: must be >= 0, got {a.cache_reuse}")
     if a.chat_template and a.chat_template not in chat.TEMPLATES and not (
             "{{" in a.chat_template or "{%" in a.chat_template):
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
@@ -108,8 +120,11 @@ def run(a: argparse.Namespace) -> int:
                               chat_template=a.chat_template, api_key=a.api_key or None,
                               queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui,
                               max_body=a.max_body, reasoning_format=a.reasoning_format,
-                              reasoning_budget=a.reasoning_budget)
+                              reasoning_budget=a.reasoning_budget,
+                              slot_prompt_similarity=a.slot_prompt_similarity)
     engines = [build_engine(a) for _ in range(a.parallel)]
+    for e in engines:
+        e.cache_reuse = a.cache_reuse
     sock = _listen(a.host, a.port)
     app = create_app(engines, settings)
     verbose = getattr(a, "verbose", False)

@@ -65,6 +65,9 @@ class BranchDrafter:
         self._ahead = 0  # chunks received that start at or past the history's end
         self._useless_rounds = 0  # synchronous rounds in a row answered with nothing usable
         self._keep_min = 0.0  # the stop threshold the drafter was last told
+        # This request's sessions: history tokens the drafter found cached and evaluated
+        # (summed over its sessions, e.g. after a reconnect); None until one reported.
+        self._cache_use: tuple[int, int] | None = None
         self._reset_buffer()
         self.counters: dict[str, float] = {
             "bytes_up": 0,
@@ -79,6 +82,8 @@ class BranchDrafter:
             "node_busy_ms": 0.0,
             "sync_timeouts": 0,
             "useless_answers": 0,  # synchronous answers that extended nothing
+            "draft_cache_n": 0,  # history tokens the drafter found cached, all requests
+            "draft_prompt_n": 0,  # history tokens it evaluated to catch up, all requests
         }
 
     # -- what a transport provides ------------------------------------------------
@@ -112,6 +117,7 @@ class BranchDrafter:
         self._sampling, self._params = protocol.wire_sampling(sampling), params
         self._history = list(prompt)
         self._active, self._late, self._want = True, False, params.n_max
+        self._cache_use = None
         self._start(list(prompt))
 
     def steer(self, policy) -> None:
@@ -207,6 +213,11 @@ class BranchDrafter:
 
     def stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.counters.items()}
+
+    def cache_use(self) -> tuple[int, int] | None:
+        """(draft_cache_n, draft_prompt_n) of this request, if the drafter said."""
+        with self._cv:
+            return self._cache_use
 
     # -- verdicts -------------------------------------------------------------------
 
@@ -330,6 +341,8 @@ class BranchDrafter:
             self.counters["chunks"] += 1
             self.counters["tokens_received"] += len(c.tokens)
             self.counters["node_busy_ms"] += m.busy_us / 1000
+            if m.HasField("cache_n"):
+                self._count_cache(m.cache_n, m.prompt_n)
             if c.gen < self._gen or c.gen <= self._dead_gen:
                 self.counters["stale_chunks"] += 1
                 return
@@ -346,8 +359,19 @@ class BranchDrafter:
             if c.sparse is not None and self._sparse is not None:
                 self._sparse.extend(c.sparse)
             self._done = c.done or not self.pipelined  # a synchronous chunk is whole
-            self._late = False
+            # An empty chunk saying the drafter is catching up (its first, on many tokens,
+            # or a later one still behind): decode plainly, not waiting, until drafts come.
+            behind = m.prompt_n if m.HasField("prompt_n") else 0
+            self._late = not c.tokens and (
+                behind > protocol.NOTICE_AFTER or (behind > 0 and not m.HasField("cache_n")))
             self._cv.notify_all()
+
+    def _count_cache(self, cache_n: int, prompt_n: int) -> None:
+        """A session's first message said how much of its history was cached (under _cv)."""
+        self.counters["draft_cache_n"] += cache_n
+        self.counters["draft_prompt_n"] += prompt_n
+        c, p = self._cache_use or (0, 0)
+        self._cache_use = (c + cache_n, p + prompt_n)
 
     def _wake(self) -> None:
         with self._cv:

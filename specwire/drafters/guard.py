@@ -113,6 +113,17 @@ class DraftGuard:
     def steer(self, policy) -> None:
         self._forward("steer", policy)
 
+    def cache_use(self) -> tuple[int, int] | None:
+        """(draft_cache_n, draft_prompt_n) from a drafter that keeps a cache, else None."""
+        use = getattr(self.drafter, "cache_use", None)
+        if use is None:
+            return None
+        try:
+            return use()
+        except Exception as e:  # noqa: BLE001
+            self._failed("cache_use", e)
+            return None
+
     def constrain(self, spec) -> None:
         """Pass a request's grammar to a drafter that can follow it (more accepted tokens)."""
         self._forward("constrain", spec)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from specwire import sampling
-from specwire.backend.base import Backend, sync_prefix
+from specwire.backend.base import Backend, reusable_prefix, sync_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.constraints.grammar import Grammar, GrammarSpec
 from specwire.constraints.trail import GrammarTrail
@@ -48,6 +48,7 @@ class ModelDrafter:
         self.stop_rule: Callable[[int, float], bool] | None = None
         self._grammar_spec: GrammarSpec | None = None
         self._grammar: GrammarTrail | None = None
+        self._cache_use: tuple[int, int] | None = None  # this request's, see cache_use
 
     def steer(self, policy) -> None:
         """Stop drafts where the adaptive policy says (None: at --draft-p-min again)."""
@@ -73,6 +74,8 @@ class ModelDrafter:
         self.sampling, self.params = sampling_, params
         self._drafted = 0
         self._decode0 = getattr(self.backend, "decode_s", 0.0)
+        kept = reusable_prefix(self.backend.tokens, prompt)
+        self._cache_use = (kept, len(prompt) - kept)
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         return self.draft_from(history, max_n)
@@ -142,6 +145,11 @@ class ModelDrafter:
 
     def end(self) -> None:
         self._drop_grammar()
+
+    def cache_use(self) -> tuple[int, int] | None:
+        """(draft_cache_n, draft_prompt_n): the request's prompt tokens this model's cache
+        held at its start, and those it evaluates (at its first draft) to catch up."""
+        return self._cache_use
 
     def stats(self) -> dict[str, float]:
         """Counters since begin(): tokens drafted, ms inside the draft's llama_decode."""

@@ -73,7 +73,8 @@ def create_app(engine: Engine | Sequence[Engine],
     settings = settings or ServerSettings()
     chat.template_for(engines[0].target, settings.chat_template)  # an unknown name fails now
     metrics = Metrics()
-    scheduler = Scheduler(engines, settings.queue_size, metrics)
+    scheduler = Scheduler(engines, settings.queue_size, metrics,
+                          settings.slot_prompt_similarity)
     metrics.watch(scheduler.state, scheduler.link_states)
     target = engines[0].target
     names = model_names(target, settings.alias)

@@ -55,6 +55,9 @@ class Metrics:
         self.rejected = 0                            # queue full (429)
         self.prompt_tokens = 0
         self.prompt_ms = 0.0
+        self.cached_tokens = 0                       # prompt tokens found in the target's cache
+        self.draft_cached_tokens = 0                 # history tokens found in the drafter's
+        self.draft_prompt_tokens = 0                 # history tokens the drafter evaluated
         self.predicted_tokens = 0
         self.predicted_ms = 0.0
         self.draft_tokens = 0
@@ -105,6 +108,9 @@ class Metrics:
         with self._lock:
             self.prompt_tokens += stats.prompt_n
             self.prompt_ms += stats.prompt_ms
+            self.cached_tokens += stats.cache_n
+            self.draft_cached_tokens += stats.draft_cache_n or 0
+            self.draft_prompt_tokens += stats.draft_prompt_n or 0
             self.predicted_tokens += predicted
             self.predicted_ms += stats.predicted_ms
             self.draft_tokens += stats.draft_n
@@ -150,6 +156,12 @@ class Metrics:
                            [((), self.prompt_tokens)])
             yield _counter("prompt_seconds", "Prompt evaluation time.", None,
                            [((), self.prompt_ms / 1000)])
+            yield _counter("prompt_tokens_cached", "Prompt tokens the target found in its "
+                           "cache (timings.cache_n).", None, [((), self.cached_tokens)])
+            yield _counter("draft_prompt_tokens_cached", "History tokens the drafter found in "
+                           "its cache (draft_cache_n).", None, [((), self.draft_cached_tokens)])
+            yield _counter("draft_prompt_tokens", "History tokens the drafter evaluated to "
+                           "catch up (draft_prompt_n).", None, [((), self.draft_prompt_tokens)])
             yield _counter("tokens_predicted", "Generated tokens.", None,
                            [((), self.predicted_tokens)])
             yield _counter("tokens_predicted_seconds", "Generation time.", None,

@@ -388,7 +388,8 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
         raise bad_request(f"stream_options: must be an object, got {_kind(opts)}")
     include_usage = Fields(opts or {}, "stream_options.").bool("include_usage")
     try:
-        req = Request(tokens, n, sp, dp, ignore_eos, grammar, logprobs)
+        req = Request(tokens, n, sp, dp, ignore_eos, grammar, logprobs,
+                      cache_prompt=f.bool("cache_prompt", default=True))
     except ConfigError as e:
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,

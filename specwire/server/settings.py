@@ -24,6 +24,9 @@ class ServerSettings:
     reasoning_format: "none" keeps <think> blocks in the content; "deepseek"/"auto" move
                    them to reasoning_content (llama-server's --reasoning-format).
     reasoning_budget: -1 unlimited thinking, 0 thinking off (enable_thinking false).
+    slot_prompt_similarity: a request goes to the idle slot whose cache shares the longest
+                   prefix with its prompt if that is more than this share of the prompt,
+                   else to the least recently used slot (0: always the latter).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -37,3 +40,4 @@ class ServerSettings:
     max_body: int = MAX_BODY_BYTES
     reasoning_format: str = "auto"
     reasoning_budget: int = -1
+    slot_prompt_similarity: float = 0.1

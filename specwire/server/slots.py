@@ -4,7 +4,10 @@ An Engine (its llama.cpp context and its drafter) holds one sequence and is
 not thread-safe, so each engine is driven by exactly one worker thread, a
 "slot" in llama-server's words. Requests wait in one bounded FIFO shared by
 the slots: first come, first served, and a request that finds the queue full
-is refused at once (429) instead of piling up behind a long generation.
+is refused at once (429) instead of piling up behind a long generation. A
+request goes to the idle slot whose KV cache already holds most of its prompt
+(llama-server's --slot-prompt-similarity), so a chat's next turn finds its
+history where it left it.
 
 The HTTP side never blocks on generation: a Job carries an asyncio queue, and
 the worker hands it events (text pieces, then the result) through
@@ -100,14 +103,20 @@ class Job:
 
 
 class JobQueue:
-    """A bounded FIFO that a waiting job can also leave (its client disconnected)."""
+    """A bounded FIFO that a waiting job can also leave (its client disconnected).
 
-    def __init__(self, capacity: int) -> None:
+    The job at its head goes to the idle slot `pick_slot` chooses for it: the one whose
+    cache holds most of its prompt, else the least recently used.
+    """
+
+    def __init__(self, capacity: int, similarity: float = 0.1) -> None:
         self.capacity = capacity
+        self.similarity = similarity
         self._jobs: deque[Job] = deque()
         self._cv = threading.Condition()
         self._closed = False
         self._idle = 0          # workers blocked in get(): a job for them does not wait
+        self._idle_slots: list[Slot] = []   # those of them that are slots
 
     def has_room(self) -> bool:
         """Whether a job put now would be taken (racy: put decides; this saves the work
@@ -125,18 +134,28 @@ class JobQueue:
             if self._closed or self._would_wait() > self.capacity:
                 raise QueueFull
             self._jobs.append(job)
-            self._cv.notify()
+            self._cv.notify_all()   # the slot picked for it may be any idle one
 
-    def get(self) -> Job | None:
-        """The oldest job; blocks while empty; None once closed."""
+    def get(self, slot: Slot | None = None) -> Job | None:
+        """The oldest job, once `slot` is the idle slot picked for it; blocks until then;
+        None once closed."""
         with self._cv:
             self._idle += 1
+            if slot is not None:
+                self._idle_slots.append(slot)
             try:
-                while not self._jobs and not self._closed:
+                while not self._closed:
+                    if self._jobs and (slot is None or pick_slot(
+                            self._jobs[0].request.prompt, self._idle_slots,
+                            self.similarity) is slot):
+                        return self._jobs.popleft()
                     self._cv.wait()
-                return self._jobs.popleft() if self._jobs else None
+                return None
             finally:
                 self._idle -= 1
+                if slot is not None:
+                    self._idle_slots.remove(slot)
+                self._cv.notify_all()   # the next job's pick among those left
 
     def _waiting(self) -> int:
         """Jobs that no idle worker is about to take."""
@@ -164,16 +183,40 @@ class JobQueue:
             return self._waiting()
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def pick_slot(prompt: Sequence[int], idle: Sequence[Slot], similarity: float) -> Slot | None:
+    """llama-server's choice of a slot for a prompt (--slot-prompt-similarity): the idle
+    slot whose cached tokens share the longest prefix with it, if that prefix is more than
+    `similarity` of the prompt; otherwise (or with similarity 0) the least recently used."""
+    best, best_n = None, 0
+    if similarity > 0 and prompt:
+        for s in idle:
+            n = common_prefix(s.engine.target.tokens, prompt)
+            if n > best_n and n / len(prompt) > similarity:
+                best, best_n = s, n
+    if best is None:
+        best = min(idle, key=lambda s: (s.last_used, s.index), default=None)
+    return best
+
+
 class Slot:
     """One engine and the thread that runs its generations, one at a time."""
 
     def __init__(self, index: int, engine: Engine, queue: JobQueue, metrics: Metrics) -> None:
         self.index, self.engine, self.queue, self.metrics = index, engine, queue, metrics
         self.job: Job | None = None
+        self.last_used = 0.0  # time.monotonic() when its last job ended
         self.thread = threading.Thread(target=self._loop, name=f"slot-{index}", daemon=True)
 
     def _loop(self) -> None:
-        while (job := self.queue.get()) is not None:
+        while (job := self.queue.get(self)) is not None:
             if job.cancelled.is_set():      # its client left while it was being handed over
                 job.finished = True
                 self.metrics.outcome("cancelled")
@@ -184,6 +227,7 @@ class Slot:
             finally:
                 job.finished = True
                 self.job = None
+                self.last_used = time.monotonic()
 
     def serve(self, job: Job) -> None:
         """Run one job to its end (or until cancelled); never raises."""
@@ -267,11 +311,12 @@ class _Clock:
 class Scheduler:
     """The slots and their shared queue."""
 
-    def __init__(self, engines: Sequence[Engine], queue_size: int, metrics: Metrics) -> None:
+    def __init__(self, engines: Sequence[Engine], queue_size: int, metrics: Metrics,
+                 similarity: float = 0.1) -> None:
         if not engines:
             raise ValueError("the server needs at least one engine")
         self.metrics = metrics
-        self.queue = JobQueue(queue_size)
+        self.queue = JobQueue(queue_size, similarity)
         self.slots = [Slot(i, e, self.queue, metrics) for i, e in enumerate(engines)]
         self._started = False
 

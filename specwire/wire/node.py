@@ -1,7 +1,9 @@
 """The draft node: a gRPC server holding one small model for many targets.
 
 Each Session stream gets its own llama.cpp context over the shared weights, so
-sequences from several targets are isolated from each other. The node runs
+sequences from several targets are isolated from each other. Contexts and the
+KV caches of finished sessions are kept (wire/kv_cache.py, --cache-ram and
+--cache-sessions), so a chat's next turn evaluates only its new tokens. The node runs
 grpcio's threaded server rather than grpc.aio: a session is compute, and on a
 thread per RPC a synchronous round (read verdict, draft, write chunk) happens
 on one thread. Handing each message between an event loop and a drafting
@@ -21,12 +23,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from specwire.backend.llama import LlamaBackend, Model, load_model, open_contexts
+from specwire.backend.llama import Model, load_model, open_contexts
 from specwire.config import ModelParams
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.calibrations import Calibrations, target_key
+from specwire.wire.kv_cache import KvCache
 from specwire.wire.node_metrics import NodeMetrics
 from specwire.wire.protocol import ProtocolError
 from specwire.wire.session import DraftSession, error_message
@@ -48,6 +51,8 @@ class NodeSettings:
     max_sessions: int = 8
     sync_port: int | None = None  # the synchronous port (0: any free one; None: none)
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
+    cache_ram_mib: int = 8192  # finished sessions' KV caches kept in RAM (0: none kept)
+    cache_sessions: int = 32  # and at most this many of them
     metrics_port: int | None = None  # Prometheus figures (node_metrics.py; None: off)
 
 
@@ -78,9 +83,11 @@ class DraftNodeService(pbg.DraftNodeServicer):
         self._in_use = 0  # admitted calls open now (for /metrics)
         self._in_use_lock = threading.Lock()
         self.watchdog = Watchdog()
-        self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
-                                   lambda: len(self.calibrations))
         self.sync_port = 0  # advertised in Hello once the sync server listens
+        self.memory = KvCache(settings.model, model, settings.cache_ram_mib,
+                              settings.cache_sessions, settings.max_sessions)
+        self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
+                                   lambda: len(self.calibrations), self.memory.pooled)
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         want = self.settings.token
@@ -155,6 +162,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 if first.pipelined:
                     raise ProtocolError("pipelined sessions are served on the node's main port")
                 session = self._open(first, send, context)
+                session.announce()
                 session.step(None)
                 for verdict in _verdicts(requests):
                     session.step(verdict)
@@ -162,7 +170,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 log.info("session from %s ends: %s", context.peer(), e)
                 send(error_message(e))
             finally:
-                _close(session)
+                self._close(session)
 
     @contextlib.contextmanager
     def _admitted(self, context, method: str):
@@ -203,6 +211,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 yield from _pipelined(session, outbox, _verdicts(requests, lease), context)
                 return
             session = self._open(first, out.append, context)
+            session.announce()
+            yield from _drain(out)
             session.step(None)
             yield from _drain(out)
             for verdict in _verdicts(requests, lease):
@@ -219,10 +229,10 @@ class DraftNodeService(pbg.DraftNodeServicer):
             yield error_message(e)
         finally:
             lease.release()
-            _close(session)
+            self._close(session)
 
     def _open(self, open_msg: pb.Open, send, context) -> DraftSession:
-        """Check everything the Open says, then allocate its llama.cpp context."""
+        """Check everything the Open says, then take a llama.cpp context (from memory)."""
         try:
             protocol.check_open(open_msg, self.model.n_vocab, self.settings.model.n_ctx)
             protocol.sampling_from_pb(open_msg.sampling)
@@ -232,13 +242,24 @@ class DraftNodeService(pbg.DraftNodeServicer):
             raise
         calibration = self.calibrations.get(target_key(context)) if open_msg.calibrated \
             else None
-        backend = LlamaBackend(self.settings.model, self.model)
+        backend = self.memory.acquire(open_msg.history)
         try:
-            return DraftSession(backend, open_msg, send, seed=self.settings.seed,
-                                calibration=calibration)
+            session = DraftSession(backend, open_msg, send, seed=self.settings.seed,
+                                   calibration=calibration)
         except Exception:
-            backend.close()
+            self.memory.release(backend)
             raise
+        self.memory.account(session.cache_n, session.prompt_n)
+        log.info("session opens: %d history tokens, %d of them cached; kv cache: %s",
+                 len(open_msg.history), session.cache_n, self.memory.describe())
+        return session
+
+    def _close(self, session: DraftSession | None) -> None:
+        if session is not None:
+            session.finish()
+            self.memory.release(session.backend, session.committed)
+            if self.memory.enabled:
+                log.info("session closes: %d tokens kept", session.backend.n_past)
 
 
 def _first_open(requests) -> pb.Open | None:
@@ -249,14 +270,6 @@ def _first_open(requests) -> pb.Open | None:
     if first.WhichOneof("kind") != "open":
         raise ProtocolError(f"unexpected {first.WhichOneof('kind')} message")
     return first.open
-
-
-def _close(session: DraftSession | None) -> None:
-    if session is not None:
-        session.close()
-        if session.thread.is_alive():
-            session.thread.join()
-        session.backend.close()
 
 
 def _drain(out: list[pb.DraftMessage]):
@@ -332,6 +345,7 @@ class RunningNode:
             self.sync.close()
         self.service.metrics.close()
         self.server.stop(grace=1.0).wait()
+        self.service.memory.close()
 
 
 def start(settings: NodeSettings) -> RunningNode:

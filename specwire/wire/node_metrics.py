@@ -25,10 +25,14 @@ class NodeMetrics:
     """Counters updated by the RPC threads, read at scrape time."""
 
     def __init__(self, slots_in_use: Callable[[], int], contexts: Callable[[], int],
-                 calibrations: Callable[[], int]) -> None:
+                 calibrations: Callable[[], int], cached: Callable[[], int] = lambda: 0) -> None:
+        """contexts: llama.cpp contexts open in the process; cached: those of them held for
+        finished sessions (docs/memory.md), counted apart so that contexts_open reads 0 when
+        no session is open."""
         self._lock = threading.Lock()
         self._slots_in_use, self._contexts, self._calibrations = (slots_in_use, contexts,
                                                                  calibrations)
+        self._cached = cached
         self.calls: Counter[str] = Counter()       # admitted calls by method
         self.refused: Counter[str] = Counter()     # reason -> calls refused or ended by the node
         self.registry = CollectorRegistry(auto_describe=False)
@@ -61,7 +65,11 @@ class NodeMetrics:
         yield refused
         yield GaugeMetricFamily(PREFIX + "slots_in_use", "Admitted calls open now (sessions and "
                                 "pings; at most --max-sessions).", value=self._slots_in_use())
-        yield _contexts_gauge(self._contexts())
+        cached = self._cached()
+        yield _contexts_gauge(self._contexts() - cached)
+        yield GaugeMetricFamily(PREFIX + "contexts_cached", "llama.cpp contexts kept for "
+                                "finished sessions, reused by the next one that shares their "
+                                "prefix (at most --max-sessions).", value=cached)
         yield GaugeMetricFamily(PREFIX + "calibrations", "Targets whose draft calibration this "
                                 "node keeps (bounded).", value=self._calibrations())
 
@@ -78,7 +86,7 @@ class NodeMetrics:
 
 
 def _contexts_gauge(n: int) -> GaugeMetricFamily:
-    g = GaugeMetricFamily("specwire:contexts_open", "llama.cpp contexts open in this process: "
+    g = GaugeMetricFamily("specwire:contexts_open", "llama.cpp contexts serving a session now: "
                           "one per drafting session.", labels=["side"])
     g.add_metric(["node"], n)
     return g

@@ -27,6 +27,10 @@ AUTH_HEADER = "authorization"
 #: Call metadata naming the target process, so that a node keeps a calibration per target.
 TARGET_HEADER = "specwire-target"
 TARGET_ID = secrets.token_hex(8)  # random per process: one target, one id
+#: A session that must evaluate more history tokens than this before its first draft
+#: says so at once, in an empty first chunk with cache_n and prompt_n: a synchronous
+#: target then decodes plainly instead of waiting for drafts until the node catches up.
+NOTICE_AFTER = 256
 SESSION_PATH = f"/{pb.DESCRIPTOR.services_by_name['DraftNode'].full_name}/Session"
 
 _MODES = {

@@ -7,6 +7,13 @@ draft on their own thread past the last verdict, sending tokens as they go;
 verdicts arrive from a reader thread and are applied between tokens, so the
 branch, the gen and the KV cache are only ever touched by one thread.
 
+A session starts from whatever its backend's cache holds of the history (the
+node's memory, wire/kv_cache.py, hands it the best cached prefix) and tells the
+target how much that was (DraftChunk.cache_n, prompt_n). A long catch-up is
+announced at once, and evaluated a batch at a time so that a Close stops it;
+meanwhile a synchronous session answers each verdict with an empty chunk, and
+the target decodes plainly instead of waiting.
+
 A synchronous session of an adaptive target stops its drafts by the calibrated
 rule (specwire.policy.CalibratedStop) instead of --draft-p-min: the target sends
 the threshold, and the node calibrates its draft's confidence on the verdicts it
@@ -22,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from specwire.backend.base import Backend
+from specwire.backend.base import Backend, reusable_prefix, sync_prefix
 from specwire.config import DraftParams
 from specwire.drafters.model import ModelDrafter
 from specwire.policy import CalibratedStop, Calibration
@@ -70,6 +77,10 @@ class DraftSession:
         self.drafter.stop_rule = self.stop
         self.drafter.begin(open_msg.history, sampling, params)
         self.committed: list[int] = list(open_msg.history)
+        # What the backend's cache already holds of the history, and what is left to evaluate.
+        self.cache_n = reusable_prefix(backend.tokens, self.committed)
+        self.prompt_n = len(self.committed) - self.cache_n
+        self._told_cache = False  # cache_n and prompt_n went out in a message
         self.branch: list[int] = []  # drafted beyond `committed`, on branch `gen`
         self.confidence: list[float] = []  # calibrated sessions: per branch token
         self.gen = 0
@@ -83,12 +94,46 @@ class DraftSession:
         self._closed = False
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="draft-session", daemon=True)
+        # Synchronous sessions with a long history catch up on this thread, answering
+        # verdicts meanwhile with empty chunks (see announce).
+        self._catcher: threading.Thread | None = None
+        self._catch_error: Exception | None = None
+        self._caught = self.cache_n  # history tokens in the cache so far
 
     # -- synchronous: on the caller's thread --------------------------------------
+
+    def announce(self) -> None:
+        """Right after the Open: if catching up on the history will take a while, send the
+        cache figures now in an empty chunk (otherwise they ride on the first draft); a
+        synchronous session then catches up on a thread of its own, so that it can
+        answer verdicts (with nothing) and hear a Close meanwhile."""
+        if self.prompt_n > protocol.NOTICE_AFTER and not self._told_cache:
+            self._busy_since = time.perf_counter()
+            self._flush([], [], done=False)
+            if not self.pipelined:
+                self._catcher = threading.Thread(target=self._catch_up_safely,
+                                                 name="draft-catch-up", daemon=True)
+                self._catcher.start()
+
+    def finish(self) -> None:
+        """Close, and wait for the session's threads to stop."""
+        self.close()
+        for t in (self.thread, self._catcher):
+            if t is not None and t.is_alive():
+                t.join()
 
     def step(self, verdict: pb.Verdict | None) -> None:
         """Apply a verdict (None right after the Open), then draft the tokens wanted."""
         self._busy_since = time.perf_counter()
+        if self._catcher is not None:
+            if self._catcher.is_alive():  # still catching up: no draft yet, and how far behind
+                if verdict is not None:
+                    self._apply(verdict)
+                    self._flush([], [], done=False, behind=self._behind())
+                return
+            self._catcher = None
+            if self._catch_error is not None:
+                raise self._catch_error
         if verdict is not None:
             self._apply(verdict)
         if not self.stalled and len(self.branch) < self._limit():
@@ -111,8 +156,31 @@ class DraftSession:
 
     # -- the drafting thread ------------------------------------------------------
 
+    def _catch_up(self) -> None:
+        """Evaluate the Open's history a batch at a time, stopping at a Close: what was
+        evaluated stays in the cache, for the next session of the same conversation."""
+        be, history = self.backend, self.committed[: self.cache_n + self.prompt_n]
+        self._caught = pos = sync_prefix(be, history)
+        step = max(1, getattr(getattr(be, "params", None), "n_batch", 512))
+        while pos < len(history) - 1 and not self._closed:
+            n = min(step, len(history) - 1 - pos)
+            be.eval(history[pos : pos + n], logits="none")
+            self._caught = pos = pos + n
+
+    def _behind(self) -> int:
+        """History tokens not yet evaluated (while catching up)."""
+        return max(0, len(self.committed) - self._caught)
+
+    def _catch_up_safely(self) -> None:
+        try:
+            self._catch_up()
+        except Exception as e:  # noqa: BLE001 - raised by the next step, on the RPC thread
+            self._catch_error = e
+
     def _run(self) -> None:
         try:
+            self.announce()
+            self._catch_up()
             while self._next_burst():
                 self._draft_burst()
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
@@ -197,7 +265,7 @@ class DraftSession:
                 sparse_pending.append(sd)
             if self.pipelined and (self.sent == 0 or len(pending) >= 2):
                 self._flush(pending, sparse_pending, done=False)
-            return not self._inbox
+            return not self._inbox and not self._closed
 
         result = self.drafter.draft_from(base, target, on_token=on_token)
         if self.stop is not None:
@@ -208,7 +276,8 @@ class DraftSession:
         if pending or done:
             self._flush(pending, sparse_pending, done=done)
 
-    def _flush(self, pending: list[int], sparse_pending: list, done: bool) -> None:
+    def _flush(self, pending: list[int], sparse_pending: list, done: bool,
+               behind: int | None = None) -> None:
         start = len(self.committed) + self.sent
         # A synchronous chunk is the whole answer to its verdict: no `done` to send.
         msg = pb.DraftMessage(chunk={"gen": self.gen, "start": start, "tokens": pending,
@@ -220,6 +289,10 @@ class DraftSession:
             self._busy_since = now
         if sparse_pending:
             protocol.sparse_to_pb(chunk, sparse_pending, self.q_k)
+        if not self._told_cache:
+            chunk.cache_n, chunk.prompt_n, self._told_cache = self.cache_n, self.prompt_n, True
+        elif behind is not None:
+            chunk.prompt_n = behind
         self.sent += len(pending)
         pending.clear()
         sparse_pending.clear()

@@ -123,7 +123,7 @@ class TargetMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
 
 class DraftChunk(_message.Message):
-    __slots__ = ("gen", "start", "tokens", "q_k", "q_ids", "q_probs", "done", "busy_us")
+    __slots__ = ("gen", "start", "tokens", "q_k", "q_ids", "q_probs", "done", "busy_us", "cache_n", "prompt_n")
     GEN_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,8 @@ class DraftChunk(_message.Message):
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     BUSY_US_FIELD_NUMBER: _ClassVar[int]
+    CACHE_N_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_N_FIELD_NUMBER: _ClassVar[int]
     gen: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -140,7 +142,9 @@ class DraftChunk(_message.Message):
     q_probs: _containers.RepeatedScalarFieldContainer[float]
     done: bool
     busy_us: int
-    def __init__(self, gen: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_k: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., busy_us: _Optional[int] = ...) -> None: ...
+    cache_n: int
+    prompt_n: int
+    def __init__(self, gen: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_k: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., busy_us: _Optional[int] = ..., cache_n: _Optional[int] = ..., prompt_n: _Optional[int] = ...) -> None: ...
 
 class DraftError(_message.Message):
     __slots__ = ("message",)
