@@ -22,7 +22,7 @@ from specwire.config import ModelParams
 from specwire.engine import Engine
 from specwire.server.metrics import parse_figures
 from specwire.wire import node as node_mod
-from specwire.wire import protocol, sync_server
+from specwire.wire import kv_cache, protocol, sync_server
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.calibrations import Calibrations
@@ -165,13 +165,13 @@ def test_ping_is_admitted_like_a_session(start_node) -> None:
 def test_open_is_checked_before_a_context_is_allocated(start_node, monkeypatch) -> None:
     node = start_node()
     allocated: list[int] = []
-    real = node_mod.LlamaBackend
+    real = kv_cache.LlamaBackend   # the node takes its contexts from its memory
 
     def counting(*a, **kw):
         allocated.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(node_mod, "LlamaBackend", counting)
+    monkeypatch.setattr(kv_cache, "LlamaBackend", counting)
     history = _history(node)
     bad = [_open([]), _open([2, node.service.model.n_vocab]), _open(history, want=10**6),
            _open(history, mode=9), _open(history * 100),
