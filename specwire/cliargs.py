@@ -46,6 +46,11 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
         "--draft-ngram", action="store_true", help="prompt-lookup n-gram drafter, no model"
     )
     src.add_argument("--no-draft", action="store_true", help="plain target decoding")
+    d.add_argument(
+        "--draft-hybrid", action="store_true",
+        help="the n-gram lookup beside the draft model (-md or --draft-url): each round "
+        "verifies the draft worth more",
+    )
     add_draft_model_args(d)
     add_draft_args(d)
 

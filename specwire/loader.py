@@ -45,11 +45,24 @@ def build_engine(a: argparse.Namespace) -> Engine:
 
 
 def build_drafter(a: argparse.Namespace, target, check_pair, load_model) -> Drafter:
+    if getattr(a, "draft_hybrid", False):
+        if getattr(a, "no_draft", False) or getattr(a, "draft_ngram", False):
+            raise CliError("--draft-hybrid: needs a draft model (-md or --draft-url), not "
+                           "--no-draft or --draft-ngram")
+        from specwire.drafters.hybrid import HybridDrafter
+        from specwire.drafters.ngram import NgramDrafter
+        model = build_model_drafter(a, target, check_pair, load_model)
+        return HybridDrafter(NgramDrafter(), model)
     if getattr(a, "no_draft", False):
         return NoDrafter()
     if getattr(a, "draft_ngram", False):
         from specwire.drafters.ngram import NgramDrafter
         return NgramDrafter()
+    return build_model_drafter(a, target, check_pair, load_model)
+
+
+def build_model_drafter(a: argparse.Namespace, target, check_pair, load_model) -> Drafter:
+    """A draft model: remote (--draft-url) or in this process (-md or the bundled one)."""
     urls = getattr(a, "draft_url", None)
     if urls:
         from specwire.wire.client import make_remote_drafter

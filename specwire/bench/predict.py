@@ -51,6 +51,9 @@ from specwire.policy import expected_tokens
 RATE_BY_MODE: dict[str, tuple[str, RateFn]] = {
     "local": ("local", local_rate),
     "ngram": ("local", local_rate),
+    "ngram-classic": ("local", local_rate),
+    "hybrid": ("local", local_rate),
+    "hybrid-pipelined": ("pipelined", pipelined_rate),
     "random": ("local", local_rate),
     "remote-sync": ("synchronous", sync_rate),
     "llama-server": ("synchronous", sync_rate),
