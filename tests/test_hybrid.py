@@ -31,7 +31,7 @@ from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Draft
 from specwire.drafters.hybrid import HybridDrafter
 from specwire.drafters.model import ModelDrafter
-from specwire.drafters.ngram import NgramDrafter
+from specwire.drafters.ngram import KEEP, NgramDrafter
 from specwire.engine import Engine, Request
 
 V = 32
@@ -40,6 +40,11 @@ OTHER = TARGET.perturbed(0.7, seed=5)
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]
 FAKE_GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05, seed=1234)
+
+
+def lookup() -> NgramDrafter:
+    """Stops at the fixed KEEP: fake rounds take no time worth measuring."""
+    return NgramDrafter(keep=KEEP)
 
 
 def reference(params: SamplingParams, n: int, prompt=PROMPT) -> list[int]:
@@ -65,7 +70,7 @@ def run(drafter, params: SamplingParams, n: int = 40, policy: str = "fixed", pro
 @pytest.mark.parametrize("model", ["same", "other"])
 def test_the_hybrid_is_lossless(model: str, params: SamplingParams, policy: str) -> None:
     fake = TARGET if model == "same" else OTHER
-    hybrid = HybridDrafter(NgramDrafter(), ModelDrafter(FakeBackend(fake, name="d.gguf")))
+    hybrid = HybridDrafter(lookup(), ModelDrafter(FakeBackend(fake, name="d.gguf")))
     gen = run(hybrid, params, policy=policy)
     assert gen.tokens == reference(params, 40)
     st = hybrid.stats()
@@ -84,7 +89,7 @@ def test_a_perfect_match_wins_and_the_local_model_is_not_asked() -> None:
     the hybrid hands out the match and leaves the model (in this process) alone."""
     prompt, cont = _repeating_prompt()
     junk = SpyDrafter(FixedDrafter(lambda h, k: [(h[-1] * 5 + 3) % V] * k))
-    hybrid = HybridDrafter(NgramDrafter(), junk)
+    hybrid = HybridDrafter(lookup(), junk)
     gen = run(hybrid, FAKE_GREEDY, n=48, prompt=prompt)
     assert gen.tokens == cont[:48]
     st = hybrid.stats()
@@ -95,7 +100,7 @@ def test_a_perfect_match_wins_and_the_local_model_is_not_asked() -> None:
 def test_without_matches_the_model_drafts() -> None:
     """A prompt with nothing to copy, sampled text that seldom repeats, and the target's
     twin as the model: mostly the model drafts, and it is always right."""
-    hybrid = HybridDrafter(NgramDrafter(), ModelDrafter(FakeBackend(TARGET, name="t.gguf")))
+    hybrid = HybridDrafter(lookup(), ModelDrafter(FakeBackend(TARGET, name="t.gguf")))
     gen = run(hybrid, SAMPLED, n=40, prompt=[31, 30, 29])
     st = hybrid.stats()
     assert gen.tokens == reference(SAMPLED, 40, [31, 30, 29])
@@ -138,7 +143,7 @@ def test_a_model_that_works_ahead_is_always_asked_and_told_what_the_history_kept
     took, whichever draft was verified: the verdict it would have had."""
     prompt, cont = _repeating_prompt()
     right_for_two = AheadSpy(lambda h, k: reference(FAKE_GREEDY, 2, h)[:k] + [0] * max(0, k - 2))
-    hybrid = HybridDrafter(NgramDrafter(), right_for_two)
+    hybrid = HybridDrafter(lookup(), right_for_two)
     gen = run(hybrid, FAKE_GREEDY, n=40, prompt=prompt)
     assert gen.tokens == cont[:40]
     assert len(right_for_two.drafts) == gen.stats.rounds
@@ -162,7 +167,7 @@ def test_real_pair_local_hybrid_is_token_identical(target, sp) -> None:
         prompt = target.tokens(text)
         want = target.plain(prompt, sp, 40)
         for policy in ("fixed", "adaptive"):
-            hybrid = HybridDrafter(NgramDrafter(), model)
+            hybrid = HybridDrafter(lookup(), model)
             gen = Engine(target.backend, hybrid).generate(
                 request(prompt, 40, sp, policy=policy))
             assert run_to_end(gen) == want, (text, policy)
@@ -175,7 +180,7 @@ def test_real_pair_remote_hybrid_is_token_identical(target, node, pipelined) -> 
         prompt = target.tokens(CODE)
         want = target.plain(prompt, sp, 40)
         remote = target.drafter(node.url, pipelined=pipelined)
-        hybrid = HybridDrafter(NgramDrafter(), remote)
+        hybrid = HybridDrafter(lookup(), remote)
         try:
             gen = Engine(target.backend, hybrid).generate(request(prompt, 40, sp))
             assert run_to_end(gen) == want

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.ngram import MatchCalibration, NgramDrafter
+from specwire.drafters.ngram import KEEP, MatchCalibration, NgramDrafter, RoundCost
 from specwire.drafters.ngram_cache import KEY, LookupCache
 from specwire.drafters.ngram_index import HistoryIndex
 from specwire.policy import AdaptivePolicy
@@ -62,7 +62,7 @@ def test_matches_that_verification_rejects_stop_being_drafted() -> None:
     learning, the drafter offers nothing, where the pure lookup keeps drafting (and
     paying verification for) wrong tokens."""
     seq = np.random.default_rng(3).integers(0, 6, size=400).tolist()
-    learning = NgramDrafter(cache=None)
+    learning = NgramDrafter(cache=None, keep=KEEP)     # no verification cost to measure here
     lengths = _run_rounds(learning, seq, 5)
     assert sum(lengths[-50:]) == 0 < sum(lengths[:20])
     blind = _run_rounds(NgramDrafter(keep=0.0, cache=None), seq, 5)
@@ -72,9 +72,9 @@ def test_matches_that_verification_rejects_stop_being_drafted() -> None:
 def test_the_adaptive_policy_sets_the_stop_threshold() -> None:
     """Steered, the drafter stops where the policy's threshold says; unsteered at keep."""
     h = [1, 2, 3, 9, 1, 2, 3]
-    d = NgramDrafter(cache=None)
+    d = NgramDrafter(cache=None, keep=0.4)
     d.begin(h, SP, DP)
-    assert d.threshold() == d.keep
+    assert d.threshold() == 0.4
     policy = AdaptivePolicy(8)
     d.steer(policy)
     assert d.threshold() == pytest.approx(policy.stop_threshold())
@@ -87,7 +87,21 @@ def test_the_adaptive_policy_sets_the_stop_threshold() -> None:
         expected += 1
     assert len(d.propose(h, 4)) == expected
     d.steer(None)
-    assert d.threshold() == d.keep
+    assert d.threshold() == 0.4
+
+
+def test_unsteered_the_threshold_is_measured_rate_times_marginal_verification() -> None:
+    """Rounds whose verification takes 0.1 s + 0.02 s per drafted token, appending 3
+    tokens in 0.1 + 0.02 x 4 s each: threshold = tokens/s x 0.02 s (KEEP before 8 rounds)."""
+    cost = RoundCost(alpha=0.05)
+    assert cost.threshold() == KEEP
+    for i in range(400):
+        drafted = (0, 2, 4, 6, 8)[i % 5]
+        cost.add(drafted, 0.1 + 0.02 * drafted, 3)
+    rate = 3 / (0.1 + 0.02 * 4)
+    assert cost.verify.coefficients()[1] == pytest.approx(0.02, rel=0.02)
+    assert cost.threshold() == pytest.approx(rate * 0.02, rel=0.05)
+    assert NgramDrafter(cache=None, cost=cost).threshold() == cost.threshold()
 
 
 def test_a_discarded_draft_is_still_judged_by_the_tokens_that_followed() -> None:
@@ -111,7 +125,7 @@ def test_a_rewrite_seen_in_an_earlier_request_is_drafted_from_the_cache() -> Non
     prompt = list(range(100, 140))
     answer = list(range(200, 260))
     cache = LookupCache()
-    d = NgramDrafter(cache=cache)
+    d = NgramDrafter(cache=cache, keep=0.0)
     first = _run_rounds(d, [*prompt, *answer], len(prompt) + 1)
     assert len(cache) == 1 and cache.tokens == len(prompt) + len(answer)
     second = _run_rounds(d, [*prompt, *answer], len(prompt) + 1)
@@ -119,7 +133,8 @@ def test_a_rewrite_seen_in_an_earlier_request_is_drafted_from_the_cache() -> Non
     assert sum(first) == 0 and len(first) == len(answer) - 1
     assert len(second) == 7 and sum(second) == 6 * 8 + 5
     assert d.stats()["cache_drafts"] >= 1
-    assert sum(_run_rounds(NgramDrafter(cache=None), [*prompt, *answer], len(prompt) + 1)) == 0
+    alone = NgramDrafter(cache=None, keep=0.0)
+    assert sum(_run_rounds(alone, [*prompt, *answer], len(prompt) + 1)) == 0
 
 
 def test_the_cache_is_bounded_and_stores_a_repeat_once() -> None:

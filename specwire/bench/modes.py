@@ -167,7 +167,7 @@ class Drafters:
         self._sync_port = 0  # the own node's synchronous port
         # what an n-gram drafter learned, per configuration: it outlives a request in a
         # server, as the policy's estimates do (its cache of requests does not, here)
-        self._ngram_calibration: dict[str, Any] = {}
+        self._ngram_memory: dict[str, tuple[Any, Any]] = {}
 
     def draft_backend(self) -> Any:
         """The in-process draft model (checked against the target's vocabulary)."""
@@ -235,9 +235,10 @@ class Drafters:
         return NoDrafter()
 
     def _ngram(self, cfg: Config) -> Any:
-        from specwire.drafters.ngram import MatchCalibration, NgramDrafter
-        calibration = self._ngram_calibration.setdefault(cfg.label(), MatchCalibration())
-        return NgramDrafter(cache=None, calibration=calibration)
+        from specwire.drafters.ngram import MatchCalibration, NgramDrafter, RoundCost
+        calibration, cost = self._ngram_memory.setdefault(cfg.label(),
+                                                          (MatchCalibration(), RoundCost()))
+        return NgramDrafter(cache=None, calibration=calibration, cost=cost)
 
     def _hybrid(self, cfg: Config, model: Any) -> Any:
         from specwire.drafters.hybrid import HybridDrafter

@@ -12,10 +12,13 @@ n-gram types fix in advance (key length 12 for ngram-simple, 24 for ngram-mod,
 * a copied token i of a match of length n is, in effect, predicted by a match
   of length n + i; MatchCalibration counts per such length how often the target
   kept it, and a draft goes on while P(every token so far is kept) stays above a
-  threshold: the adaptive policy's stop_threshold() (the value of one more token
-  against its verification cost, measured on this machine) when the engine
-  steers the drafter, else `keep`. A first token below it means no draft at
-  all: a plain step, which is how a useless match stops costing verification;
+  threshold: the value of one more token against its verification cost on this
+  machine, i.e. tokens/s x the seconds one more drafted token adds to a
+  verification. The adaptive policy's stop_threshold() when the engine steers the
+  drafter; else the drafter's own measurement (RoundCost: the time from its
+  proposal to the next one, fitted against the tokens it drafted), or a fixed
+  `keep`. A first token below it means no draft at all: a plain step, which is
+  how a useless match stops costing verification;
 * it learns from the history itself (how far its offer agrees with the tokens
   that were appended), so it learns also from rounds where its draft was cut,
   discarded (--draft-min) or not used (the hybrid drafter).
@@ -24,6 +27,7 @@ n-gram types fix in advance (key length 12 for ngram-simple, 24 for ngram-mod,
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +37,7 @@ from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft
 from specwire.drafters.ngram_cache import LookupCache
 from specwire.drafters.ngram_index import HistoryIndex, continuation
+from specwire.policy import LineFit
 from specwire.sampling import SparseDraft
 
 #: Bins of a copied token's effective match length (match length + tokens copied before it).
@@ -76,6 +81,33 @@ class MatchCalibration:
 
 
 @dataclass(slots=True)
+class RoundCost:
+    """A round's cost and yield, measured by the drafter itself: seconds from a proposal
+    to the round's end (the target's verification, nearly all of it) against the tokens
+    drafted, as a line; and tokens per second over recent rounds. Their product is
+    the least P(kept) for which one more drafted token pays (KEEP until a few rounds
+    are seen)."""
+
+    verify: LineFit = field(default_factory=lambda: LineFit(0.05, guess=0.1, prior=0.3))
+    alpha: float = 0.05
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: int = 0
+
+    def add(self, drafted: int, seconds: float, appended: int) -> None:
+        self.verify.add(drafted, seconds)
+        w = 1.0 - self.alpha
+        self.tokens, self.seconds = w * self.tokens + appended, w * self.seconds + seconds
+        self.rounds += 1
+
+    def threshold(self) -> float:
+        if self.rounds < 8 or self.seconds <= 0.0:
+            return KEEP
+        per_token = self.verify.coefficients()[1]
+        return min(1.0, self.tokens / self.seconds * per_token)
+
+
+@dataclass(slots=True)
 class Offer:
     """A lookup's draft and, per token, the calibrated P(it is kept | those before were)."""
 
@@ -96,17 +128,20 @@ class Offer:
 class NgramDrafter:
     """Longest-match lookup with learned stops and a cross-request cache.
 
-    n_max, n_min: the longest match measured and the shortest one used. keep: the
+    n_max, n_min: the longest match measured and the shortest one used. keep: a fixed
     stop threshold without a steering policy (0: copy up to the asked length, as a
-    classic prompt lookup does). cache: sequences of earlier requests (None: none).
+    classic prompt lookup does; None: measured, RoundCost). cache: sequences of
+    earlier requests (None: none). calibration and cost may be shared by drafters
+    that take turns on one target (bench builds one per prompt).
     """
 
     name = "ngram"
 
-    def __init__(self, n_max: int = DEFAULT_N_MAX, n_min: int = 1, *, keep: float = KEEP,
+    def __init__(self, n_max: int = DEFAULT_N_MAX, n_min: int = 1, *, keep: float | None = None,
                  cache: LookupCache | None | bool = True,
-                 calibration: MatchCalibration | None = None) -> None:
-        if not 0.0 <= keep <= 1.0:
+                 calibration: MatchCalibration | None = None,
+                 cost: RoundCost | None = None) -> None:
+        if keep is not None and not 0.0 <= keep <= 1.0:
             raise ValueError(f"ngram keep threshold: must be in [0, 1], got {keep}")
         self.index = HistoryIndex(n_max, n_min)
         self.n_max, self.n_min, self.keep = n_max, n_min, keep
@@ -114,6 +149,8 @@ class NgramDrafter:
             cache = LookupCache(n_max=n_max)
         self.cache = cache if isinstance(cache, LookupCache) else None
         self.calibration = calibration if calibration is not None else MatchCalibration()
+        self.cost = cost if cost is not None else RoundCost()
+        self._asked: tuple[float, int] | None = None  # (when, tokens handed out) this round
         self.policy = None
         self._point_q = False
         self._offer: tuple[int, Offer] | None = None  # (len(history) at the offer, offer)
@@ -132,7 +169,9 @@ class NgramDrafter:
         self._point_q = params.mode is VerifyMode.REJECTION and not sampling.greedy
 
     def threshold(self) -> float:
-        return self.policy.stop_threshold() if self.policy is not None else self.keep
+        if self.policy is not None:
+            return self.policy.stop_threshold()
+        return self.keep if self.keep is not None else self.cost.threshold()
 
     def offer(self, history: Sequence[int], max_n: int) -> Offer:
         """The draft a lookup gives now, cut where it stops paying; remembered for learn()."""
@@ -178,6 +217,7 @@ class NgramDrafter:
         """The offer as the round's draft (counted), with the point-mass q rejection mode
         needs."""
         tokens = offer.tokens
+        self._asked = (time.perf_counter(), len(tokens))
         self.counters["drafted"] += len(tokens)
         if offer.cached and tokens:
             self.counters["cache_drafts"] += 1
@@ -194,6 +234,10 @@ class NgramDrafter:
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
         """Judge the last offer against the tokens that were appended after it."""
         self._history = history
+        if self._asked is not None:
+            t0, drafted = self._asked
+            self._asked = None
+            self.cost.add(drafted, time.perf_counter() - t0, appended)
         if self._offer is None:
             return
         base, offer = self._offer
@@ -211,7 +255,7 @@ class NgramDrafter:
         """The sequence is over: keep it for later requests."""
         if self.cache is not None and self._history:
             self.cache.add(self._history)
-        self._offer, self._history = None, ()
+        self._offer, self._history, self._asked = None, (), None
 
     def stats(self) -> dict[str, float]:
         return {k: v for k, v in self.counters.items() if v}

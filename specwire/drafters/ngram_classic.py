@@ -1,4 +1,7 @@
-"""Prompt-lookup drafting: no model, just the history copying itself.
+"""The previous prompt lookup, kept as bench's `ngram-classic` baseline for before/after.
+
+Longest suffix of 4..1 tokens, its latest occurrence, a full copy up to the asked
+length, no learning, no cache: what `ngram` (ngram.py) did before it learned.
 
 When the answer repeats the prompt (renaming variables, refactoring code,
 quoting), the tokens that followed the last occurrence of the current suffix
