@@ -211,3 +211,16 @@ def test_draft_hybrid_without_a_model_is_one_clear_error() -> None:
     r = _cli("generate", "x", "-n", "1", "--draft-hybrid", "--draft-ngram")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].count("--draft-hybrid") == 1
+
+
+def test_a_model_that_costs_more_than_it_yields_is_seldom_asked() -> None:
+    """No match to copy, a model that takes 5 ms to draft junk, a target that verifies at
+    once: plain steps are worth more, so the model is asked only to probe."""
+    import time as time_
+
+    junk = SpyDrafter(FixedDrafter(lambda h, k: [(h[-1] * 5 + 3) % V] * k),
+                      on_propose=lambda _h: time_.sleep(0.005))
+    hybrid = HybridDrafter(lookup(), junk)
+    gen = run(hybrid, SAMPLED, n=60, prompt=[31, 30, 29])
+    assert gen.tokens == reference(SAMPLED, 60, [31, 30, 29])
+    assert len(junk.proposals) <= gen.stats.rounds // 4

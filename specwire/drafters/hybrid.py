@@ -15,7 +15,9 @@ its drafts (also when the n-gram's draft was verified instead).
 
 A model in this process drafts only when asked, so it is asked only when its
 candidate is worth more by those estimates: a good match skips its drafting
-time. A drafter that works ahead (a remote node, a thread) costs the target
+time, and with no match a plain step (1 / t_v(0)) is taken instead when the
+model's rate is below it (the model is still asked every PROBE_EVERY rounds).
+A drafter that works ahead (a remote node, a thread) costs the target
 nothing to ask, so it is always asked and its draft compared as it is; the
 lookup then runs on the target while the node drafts, and the node is told
 how many of its tokens the history kept, as if its draft had been verified.
@@ -30,6 +32,9 @@ from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Draft, Drafter
 from specwire.drafters.ngram import NgramDrafter, Offer
 from specwire.policy import LineFit, expected_tokens
+
+#: Most plain steps in a row without asking a model that did not look worth it.
+PROBE_EVERY = 16
 
 
 def _kept(draft: Sequence[int], new: Sequence[int]) -> int:
@@ -56,6 +61,7 @@ class HybridDrafter:
         self.model_len = 0.0                                # mean length of its drafts
         # the round in progress: len(history), model draft, tokens handed out, when
         self._round: tuple[int, list[int] | None, int, float] | None = None
+        self._idle = 0  # plain steps in a row where the model was not worth asking
         self.counters = {"ngram_rounds": 0.0, "model_rounds": 0.0, "drafted": 0.0}
 
     @property
@@ -113,6 +119,15 @@ class HybridDrafter:
         if offer.tokens and (ng is None and offer.expected_kept() >= 1.0
                              or ng is not None and m is not None and ng > m):
             return self._hand_out(history, offer, None, True)
+        # No match worth it: the model, unless a plain step is worth more (its drafting
+        # and catching up cost more than its tokens yield); asked now and then anyway,
+        # so that its estimates can recover.
+        v0 = self._verify_s(0)
+        if (not offer.tokens and m is not None and v0 is not None and m * v0 < 1.0
+                and self._idle < PROBE_EVERY):
+            self._idle += 1
+            return self._hand_out(history, offer, None, False)
+        self._idle = 0
         t0 = time.perf_counter()
         draft = self.model.propose(history, max_n)
         took = time.perf_counter() - t0
