@@ -55,6 +55,11 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
         help="llama.cpp's name for the drafter: draft-simple (a draft model, the default), "
         "ngram-simple (or any ngram-*: prompt lookup), none (plain decoding)"
     )
+    d.add_argument(
+        "--draft-hybrid", action="store_true",
+        help="the n-gram lookup beside the draft model (-md or --draft-url): each round "
+        "verifies the draft worth more",
+    )
     add_draft_model_args(d)
     add_draft_args(d)
 

@@ -69,18 +69,32 @@ def drafter_kind(a: argparse.Namespace) -> str:
     """none, ngram, remote or model (a draft model in this process)."""
     kind = spec_type(a)
     if getattr(a, "no_draft", False) or kind == "none":
-        return "none"
-    if getattr(a, "draft_ngram", False) or kind == "ngram":
-        return "ngram"
-    return "remote" if getattr(a, "draft_url", None) else "model"
+        kind = "none"
+    elif getattr(a, "draft_ngram", False) or kind == "ngram":
+        kind = "ngram"
+    else:
+        kind = "remote" if getattr(a, "draft_url", None) else "model"
+    if getattr(a, "draft_hybrid", False) and kind not in ("remote", "model"):
+        raise CliError("--draft-hybrid: needs a draft model (-md or --draft-url), not "
+                       "--no-draft or --draft-ngram")
+    return kind
 
 
 def build_drafter(a: argparse.Namespace, kind: str, target, dparams) -> Drafter:
+    if getattr(a, "draft_hybrid", False):
+        from specwire.drafters.hybrid import HybridDrafter
+        from specwire.drafters.ngram import NgramDrafter
+        return HybridDrafter(NgramDrafter(), build_model_drafter(a, kind, target, dparams))
     if kind == "none":
         return NoDrafter()
     if kind == "ngram":
         from specwire.drafters.ngram import NgramDrafter
         return NgramDrafter()
+    return build_model_drafter(a, kind, target, dparams)
+
+
+def build_model_drafter(a: argparse.Namespace, kind: str, target, dparams) -> Drafter:
+    """A draft model: remote (--draft-url) or in this process (-md or the bundled one)."""
     if kind == "remote":
         from specwire.wire.client import make_remote_drafter
         return make_remote_drafter(a.draft_url, a, target)

@@ -268,6 +268,19 @@ def race_plain_s(p: PlanInputs, k: int) -> float:
     return p.t_s * (1.0 - agree) / ((1.0 - a) * agree)
 
 
+def free_rate(p: PlanInputs, k: int) -> float:
+    """Tokens/s of a free and instant drafter at acceptance a: a round is only its
+    verification, t_v(k + 1). No drafter with the same acceptance can beat it on this
+    target, so a configuration's share of it says what drafting costs and what is left."""
+    return expected_tokens(p.acceptance, k) / p.verify_s(k + 1)
+
+
+def free_bound(p: PlanInputs) -> ModePlan:
+    """The free drafter at its best k in 0..draft_max (k = 0: plain, when no draft pays)."""
+    k, rate = best_k(free_rate, p, k_min=0)
+    return ModePlan(k, rate, rate / plain_rate(p))
+
+
 RateFn = Callable[[PlanInputs, int], float]
 
 RATE_FNS: dict[str, RateFn] = {
@@ -421,6 +434,7 @@ class Plan:
     modes: dict[str, ModePlan]
     closed_form: ClosedForm
     verdict: str
+    bound: ModePlan | None = None  # a free, instant drafter at the same acceptance
 
     def to_dict(self) -> dict:
         """JSON-ready; infinities become null."""
@@ -439,6 +453,11 @@ class Plan:
             "closed_form": {"L": self.closed_form.cost, "k_real": _finite(self.closed_form.k_real),
                             "k": self.closed_form.k, "speedup": self.closed_form.speedup},
             "verdict": self.verdict,
+            "bound": None if self.bound is None else {
+                "k": self.bound.k, "tokens_per_s": self.bound.tokens_per_s,
+                "speedup": self.bound.speedup,
+                "share": {name: m.tokens_per_s / self.bound.tokens_per_s
+                          for name, m in self.modes.items()}},
         }
 
 
@@ -457,7 +476,7 @@ def plan(p: PlanInputs) -> Plan:
     k_cf = tkslt_k_star(p.acceptance, cost, SEARCH_K_MAX)
     closed = ClosedForm(cost, tkslt_k_real(p.acceptance, cost), k_cf,
                         tkslt_speedup(p.acceptance, cost, k_cf))
-    return Plan(p, modes, closed, verdict(modes))
+    return Plan(p, modes, closed, verdict(modes), free_bound(p))
 
 
 def verdict(modes: dict[str, ModePlan]) -> str:

@@ -30,7 +30,7 @@ from specwire.backend.base import BackendError
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft
 from specwire.drafters.model import ModelDrafter
-from specwire.drafters.ngram import NgramDrafter
+from specwire.drafters.ngram import KEEP, NgramDrafter
 from specwire.engine import Engine, Generation, Request
 
 V = 32
@@ -67,7 +67,7 @@ def make_drafter(kind: str, n_ctx: int = 512):
     if kind == "random":
         return RandomDrafter(V, seed=99)
     if kind == "ngram":
-        return NgramDrafter(4, 1)
+        return NgramDrafter(4, 1, keep=KEEP)     # a fixed stop: fake rounds take no time
     if kind == "none":
         return None
     raise ValueError(kind)

@@ -2,7 +2,8 @@
 
 Greedy and seeded sampling must give the target's own tokens, token for token,
 whatever the drafter (the target itself, another quant, the same quant drafting on
-its own thread while the target verifies, n-gram, random tokens)
+its own thread while the target verifies, n-gram, random tokens, n-gram and model
+together)
 and whatever the draft length. llama.cpp does not promise bit-identical logits
 across batch sizes; if a near-tie ever flips a token between a batched
 verification and plain decoding, `explain_mismatch` prints both logit rows'
@@ -18,6 +19,7 @@ import pytest
 from specwire import models
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import DraftParams, ModelParams, SamplingParams
+from specwire.drafters.hybrid import HybridDrafter
 from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram import NgramDrafter
 from specwire.drafters.random import RandomDrafter
@@ -51,6 +53,7 @@ def drafters(target):
         "q4km": ModelDrafter(ctx(str(models.ensure_model("base")))),
         "threaded": ThreadedDrafter(ctx(str(models.default_draft()))),
         "ngram": NgramDrafter(),
+        "hybrid": HybridDrafter(NgramDrafter(), ModelDrafter(ctx(str(models.default_draft())))),
         "random": RandomDrafter(target.n_vocab),
     }
 
@@ -90,7 +93,8 @@ def explain_mismatch(target, prompt: str, ref: list[int], got: list[int]) -> str
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("drafter", ["self", "q2k", "q4km", "threaded", "ngram", "random"])
+@pytest.mark.parametrize("drafter", ["self", "q2k", "q4km", "threaded", "ngram", "random",
+                                     "hybrid"])
 def test_same_tokens_for_every_draft_length(target, drafters, plain, drafter, prompt, sampling):
     ref = plain[(prompt, sampling.temperature)]
     assert len(ref) == N_PREDICT

@@ -1,9 +1,12 @@
 """Prompt-lookup drafting against a brute-force definition.
 
-The drafter must propose what follows the *latest earlier* occurrence of the
-*longest* suffix of n_max..n_min tokens, never the suffix matching itself, and
-its incremental index must give the same answers as a fresh one, including
-after the history was rolled back or replaced.
+The lookup must propose what follows the *latest earlier* occurrence of the
+*longest* suffix of n_max..n_min tokens (continuing through its own copy when the
+history runs out), never the suffix matching itself, and its incremental index
+must give the same answers as a fresh one, including after the history was
+rolled back or replaced. These tests switch off what the drafter learns
+(keep=0: no learned stop) and the cross-request cache; test_ngram_learning.py
+covers both.
 """
 
 from __future__ import annotations
@@ -28,12 +31,20 @@ def brute(history: Sequence[int], max_n: int, n_max: int, n_min: int) -> list[in
         suffix = h[len(h) - n:]
         for end in range(len(h) - 1, n - 1, -1):
             if h[end - n:end] == suffix:
-                return h[end:end + max_n]
+                out: list[int] = []
+                for i in range(max_n):
+                    out.append(h[end + i] if end + i < len(h) else out[end + i - len(h)])
+                return out
     return []
 
 
+def lookup(n_max: int = 4, n_min: int = 1) -> NgramDrafter:
+    """A pure lookup: no learned stop, no memory of earlier requests."""
+    return NgramDrafter(n_max, n_min, keep=0.0, cache=None)
+
+
 def _fresh(history: Sequence[int], max_n: int, n_max: int = 4, n_min: int = 1) -> list[int]:
-    d = NgramDrafter(n_max, n_min)
+    d = lookup(n_max, n_min)
     d.begin(history, SP, DP)
     return d.propose(history, max_n).tokens
 
@@ -50,7 +61,8 @@ def test_the_latest_occurrence_is_used_and_max_n_respected() -> None:
     """Two earlier [1 2] occurrences: the later one's continuation, cut to max_n."""
     h = [1, 2, 7, 7, 1, 2, 9, 9, 9, 5, 1, 2]
     assert _fresh(h, 2, n_max=2) == [9, 9]
-    assert _fresh(h, 10, n_max=2) == [9, 9, 9, 5, 1, 2]       # runs to the end of history
+    # at the end of history the copy continues through itself
+    assert _fresh(h, 10, n_max=2) == [9, 9, 9, 5, 1, 2, 9, 9, 9, 5]
     assert _fresh(h, 0, n_max=2) == []
 
 
@@ -58,7 +70,7 @@ def test_the_suffix_never_matches_itself() -> None:
     """No repeated token: nothing to propose. [5 5]: the earlier 5 is followed by 5."""
     assert _fresh([1, 2, 3, 4], 4) == []
     assert _fresh([7], 4) == []
-    assert _fresh([5, 5], 4) == [5]
+    assert _fresh([5, 5], 4) == [5, 5, 5, 5]
 
 
 def test_n_min_excludes_short_matches() -> None:
@@ -72,26 +84,26 @@ def test_bad_sizes_are_refused() -> None:
     """1 <= n_min <= n_max, or ValueError."""
     for n_max, n_min in ((2, 3), (3, 0)):
         with pytest.raises(ValueError):
-            NgramDrafter(n_max, n_min)
+            lookup(n_max, n_min)
 
 
 def test_a_history_one_token_shorter_than_before_is_served_correctly() -> None:
     """Proposing for h, then for h minus its last token (a client re-sending a shorter
     history): the index must not let the suffix match itself (which gave an empty draft)."""
     h = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]
-    d = NgramDrafter(4, 1)
+    d = lookup(4, 1)
     d.begin([], SP, DP)
     assert d.propose(h, 3).tokens == brute(h, 3, 4, 1) == [8, 1, 2]
     shorter = h[:-1]
     assert d.propose(shorter, 3).tokens == brute(shorter, 3, 4, 1) == [3, 8, 1]
 
 
-@pytest.mark.parametrize(("n_max", "n_min"), [(4, 1), (3, 2), (1, 1)])
+@pytest.mark.parametrize(("n_max", "n_min"), [(4, 1), (3, 2), (1, 1), (9, 1), (64, 2)])
 def test_incremental_index_matches_brute_force_through_rollbacks(n_max: int, n_min: int) -> None:
     """One drafter over a growing history (3 new tokens or a rollback of up to 4 each step,
     as rejections do, and once a brand-new history) answers as the definition does."""
     gen = np.random.default_rng(n_max * 10 + n_min)
-    d = NgramDrafter(n_max, n_min)
+    d = lookup(n_max, n_min)
     hist = gen.integers(0, 5, size=6).tolist()
     d.begin(hist, SP, DP)
     nonempty = 0
@@ -112,7 +124,7 @@ def test_incremental_index_matches_brute_force_through_rollbacks(n_max: int, n_m
 
 def test_begin_forgets_the_previous_sequence() -> None:
     """After begin() nothing from the earlier history can be proposed."""
-    d = NgramDrafter(2, 1)
+    d = lookup(2, 1)
     d.begin([], SP, DP)
     assert d.propose([4, 5, 6, 4], 3).tokens == [5, 6, 4]
     d.begin([], SP, DP)
@@ -124,7 +136,7 @@ def test_rejection_mode_drafts_carry_a_point_mass_q() -> None:
     """Rejection verification needs q for every drafted token: a lookup is deterministic,
     so each gets q = 1 on itself; other modes (and T = 0) send no q."""
     h = [4, 5, 6, 4]
-    d = NgramDrafter(2, 1)
+    d = lookup(2, 1)
     d.begin(h, SamplingParams(temperature=0.8), DraftParams(mode=VerifyMode.REJECTION))
     draft = d.propose(h, 3)
     assert draft.tokens == [5, 6, 4]

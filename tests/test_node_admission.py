@@ -21,8 +21,8 @@ from wire_helpers import CODE, GREEDY, Target, draft_model_path, request, run_to
 from specwire.config import ModelParams
 from specwire.engine import Engine
 from specwire.server.metrics import parse_figures
-from specwire.wire import node as node_mod
 from specwire.wire import kv_cache, protocol, sync_server
+from specwire.wire import node as node_mod
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.calibrations import Calibrations

@@ -4,6 +4,8 @@ plain             no drafter (the reference every speedup is measured against)
 local             the draft model in this process, alternating with the target (llama.cpp's way)
 local-pipelined   the draft model on a thread of this process, drafting while the target verifies
 ngram             prompt lookup, no model
+hybrid            prompt lookup and the local draft model, the better draft each round
+hybrid-pipelined  prompt lookup on the target and the remote node drafting ahead
 random            uniformly random tokens: the cost of a useless drafter
 remote-sync       a draft node in its own process, over an emulated link, each side waiting
 remote-pipelined  the same node, drafting ahead of the verdicts
@@ -40,10 +42,11 @@ from specwire.cliplacement import draft_flag_names, node_flags
 from specwire.netemu import LinkEmulator
 
 MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
-         "random", "llama-server")
-REMOTE_MODES = ("remote-sync", "remote-pipelined", "llama-server")
+         "ngram-classic", "random", "llama-server", "hybrid", "hybrid-pipelined")
+REMOTE_MODES = ("remote-sync", "remote-pipelined", "llama-server", "hybrid-pipelined")
 #: Modes that run the draft model (and so need its speed for the plan prediction).
-MODEL_MODES = ("local", "local-pipelined", "remote-sync", "remote-pipelined")
+MODEL_MODES = ("local", "local-pipelined", "remote-sync", "remote-pipelined", "hybrid",
+               "hybrid-pipelined")
 NODE_START_TIMEOUT_S = 180.0
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 _SYNC_PORT = re.compile(r"synchronous sessions on \S+:(\d+)")
@@ -166,6 +169,9 @@ class Drafters:
         self._split = None if getattr(a, "shared_cpus", True) else cpus.halves()
         self._own_node = False
         self._sync_port = 0  # the own node's synchronous port
+        # what an n-gram drafter learned, per configuration: it outlives a request in a
+        # server, as the policy's estimates do (its cache of requests does not, here)
+        self._ngram_memory: dict[str, tuple[Any, Any]] = {}
 
     def draft_backend(self) -> Any:
         """The in-process draft model (checked against the target's vocabulary)."""
@@ -184,8 +190,9 @@ class Drafters:
     @contextlib.contextmanager
     def build(self, cfg: Config) -> Iterator[tuple[Any, LinkEmulator | None]]:
         """(drafter, emulator or None) for one configuration; remote ones closed after."""
-        if cfg.mode in ("plain", "local", "local-pipelined", "ngram", "random"):
-            drafter = self._in_process(cfg.mode)
+        if cfg.mode in ("plain", "local", "local-pipelined", "ngram", "ngram-classic", "random",
+                        "hybrid"):
+            drafter = self._in_process(cfg)
             try:
                 yield drafter, None
             finally:
@@ -198,7 +205,9 @@ class Drafters:
         ours = self._split[0] if split_here else None
         with cpus.pinned(ours):
             drafter = (self._llama_server(emu) if cfg.mode == "llama-server"
-                       else self._remote(emu, pipelined=cfg.mode == "remote-pipelined"))
+                       else self._remote(emu, pipelined=cfg.mode != "remote-sync"))
+            if cfg.mode == "hybrid-pipelined":
+                drafter = self._hybrid(cfg, drafter)
             try:
                 yield drafter, emu
             finally:
@@ -207,7 +216,8 @@ class Drafters:
                     close()
                 emu.cut()   # the closed drafter's channel may linger; the next one starts clean
 
-    def _in_process(self, mode: str) -> Any:
+    def _in_process(self, cfg: Config) -> Any:
+        mode = cfg.mode
         if mode == "local":
             from specwire.drafters.model import ModelDrafter
             return ModelDrafter(self.draft_backend())
@@ -215,13 +225,28 @@ class Drafters:
             from specwire.drafters.threaded import ThreadedDrafter
             return ThreadedDrafter(self.draft_backend())
         if mode == "ngram":
-            from specwire.drafters.ngram import NgramDrafter
-            return NgramDrafter()
+            return self._ngram(cfg)
+        if mode == "hybrid":
+            from specwire.drafters.model import ModelDrafter
+            return self._hybrid(cfg, ModelDrafter(self.draft_backend()))
+        if mode == "ngram-classic":
+            from specwire.drafters.ngram_classic import ClassicNgramDrafter
+            return ClassicNgramDrafter()
         if mode == "random":
             from specwire.drafters.random import RandomDrafter
             return RandomDrafter(self.target.n_vocab)
         from specwire.drafters.base import NoDrafter
         return NoDrafter()
+
+    def _ngram(self, cfg: Config) -> Any:
+        from specwire.drafters.ngram import MatchCalibration, NgramDrafter, RoundCost
+        calibration, cost = self._ngram_memory.setdefault(cfg.label(),
+                                                          (MatchCalibration(), RoundCost()))
+        return NgramDrafter(cache=None, calibration=calibration, cost=cost)
+
+    def _hybrid(self, cfg: Config, model: Any) -> Any:
+        from specwire.drafters.hybrid import HybridDrafter
+        return HybridDrafter(self._ngram(cfg), model)
 
     def _remote(self, emu: LinkEmulator, pipelined: bool) -> Any:
         """A fresh Link + RemoteDrafter through the emulator, handshake done."""

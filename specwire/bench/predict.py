@@ -37,12 +37,23 @@ from dataclasses import dataclass
 
 from specwire.bench.modes import MODEL_MODES
 from specwire.bench.runner import Config
-from specwire.plan import PlanInputs, RateFn, VerifyCurve, local_rate, pipelined_rate, sync_rate
+from specwire.plan import (
+    PlanInputs,
+    RateFn,
+    VerifyCurve,
+    free_bound,
+    local_rate,
+    pipelined_rate,
+    sync_rate,
+)
 from specwire.policy import expected_tokens
 
 RATE_BY_MODE: dict[str, tuple[str, RateFn]] = {
     "local": ("local", local_rate),
     "ngram": ("local", local_rate),
+    "ngram-classic": ("local", local_rate),
+    "hybrid": ("local", local_rate),
+    "hybrid-pipelined": ("pipelined", pipelined_rate),
     "random": ("local", local_rate),
     "remote-sync": ("synchronous", sync_rate),
     "llama-server": ("synchronous", sync_rate),
@@ -154,6 +165,27 @@ def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Roun
             r = mixed_rate(r, expected_tokens(a, k), rounds.share, empty_s)
         rate += weight * r
     return _result(plan_mode, rounds.k, rounds.share, rate, plain_tps, measured_tps, inputs)
+
+
+def bound(cfg: Config, plain_tps: float, rounds: Rounds, verify: VerifyCurve | None,
+          measured_tps: float) -> dict | None:
+    """What a free and instant drafter with this configuration's acceptance would reach on
+    this target (plan.free_bound at k <= --draft-max), and the share of it measured.
+
+    The acceptance is the geometric a fitted to the tokens kept per drafting round at the
+    mean length drafted (as `predict` feeds the plan); the free drafter drafts every round.
+    None for plain decoding, a configuration that never drafted, or no verification curve.
+    """
+    if not cfg.drafting or rounds.drafting_rounds == 0 or verify is None:
+        return None
+    if not plain_tps > 0.0 or not measured_tps > 0.0:
+        return None
+    a = fit_acceptance(rounds.kept_per_round, rounds.k)
+    inputs = PlanInputs(target_tps=plain_tps, draft_tps=_FREE_DRAFT_TPS, acceptance=a,
+                        verify=verify, draft_max=max(1, cfg.draft_max))
+    b = free_bound(inputs)
+    return {"k": b.k, "acceptance": a, "tokens_per_s": b.tokens_per_s,
+            "speedup": b.speedup, "share": measured_tps / b.tokens_per_s}
 
 
 def mixed_rate(rate_k: float, tokens_k: float, share: float, empty_s: float) -> float:

@@ -325,7 +325,9 @@ LEGEND = ("tok/s: median over prompts (p10-p90); speedup: ratio of medians to pl
           "paired: median of per-prompt ratios; accept: accepted/drafted; len: mean tokens "
           "kept per drafting round; B/tok: bytes on the wire per generated token; plan: "
           "predicted tok/s over the set (err% vs the measured all tokens / all decoding "
-          "time); same: tokens identical to plain")
+          "time); bound: tok/s of a free, instant drafter with the measured acceptance on "
+          "this target (only verification costs), of%: the measured share of it; same: tokens "
+          "identical to plain")
 
 
 def render_table(records: Sequence[dict]) -> str:
@@ -333,7 +335,7 @@ def render_table(records: Sequence[dict]) -> str:
     width = max([len("configuration"), *(len(r["label"]) for r in records)])
     head = (f"{'configuration':<{width}} {'tok/s':>7} {'p10-p90':>13} {'speedup':>7} "
             f"{'paired':>6} {'accept':>6} {'len':>5} {'draft/net/verify/other %':>24} "
-            f"{'B/tok':>6} {'plan':>7} {'err%':>6} {'same':>4}")
+            f"{'B/tok':>6} {'plan':>7} {'err%':>6} {'bound':>7} {'of%':>4} {'same':>4}")
     lines = [head, "-" * len(head)]
     lines += [_row(r, width) for r in records]
     return "\n".join([*lines, textwrap.fill(LEGEND, width=len(head))])
@@ -343,6 +345,7 @@ def _row(r: dict, width: int) -> str:
     t, s, frac = r["tokens_per_s"], r["speedup"], r["time"]["fraction"]
     split = "/".join(_pct(frac.get(k)) for k in ("draft", "network", "verify", "overhead"))
     pl = r.get("plan") or {}
+    bd = r.get("bound") or {}
     same = {True: "yes", False: "NO", None: "-"}[r["tokens_match_plain"]]
     b = r["bytes"]["link_per_token"] if r["bytes"]["link_up"] else r["bytes"]["drafter_per_token"]
     return (f"{r['label']:<{width}} {_num(t['median'], 7, 2)} "
@@ -350,7 +353,8 @@ def _row(r: dict, width: int) -> str:
             f"{_x(s['ratio_of_medians'], 7)} {_x(s['paired_median'], 6)} "
             f"{_pct_cell(r['acceptance'], 6)} {_num(r['mean_accepted'], 5, 2)} "
             f"{split:>24} {_num(b or None, 6, 0)} {_num(pl.get('predicted_tps'), 7, 2)} "
-            f"{_signed(pl.get('error_pct'), 6)} {same:>4}")
+            f"{_signed(pl.get('error_pct'), 6)} {_num(bd.get('tokens_per_s'), 7, 2)} "
+            f"{_pct(bd.get('share')):>4} {same:>4}")
 
 
 def _num(x: float | None, width: int, digits: int, left: bool = False) -> str:

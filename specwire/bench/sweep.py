@@ -192,6 +192,8 @@ def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[
     plain_tps = report.overall_rate(records[0]) or 0.0
     for rec, cfg in zip(records, cfgs, strict=True):
         rec["plan"] = _prediction(rec, cfg, plain_tps, calib)
+        rec["bound"] = predict.bound(cfg, plain_tps, _rounds(rec), calib.get("verify"),
+                                     report.overall_rate(rec) or 0.0)
     return {
         "command": _command_line(),
         "args": {k: "***" if k in _SECRETS and v else v for k, v in vars(a).items()
@@ -212,12 +214,16 @@ def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[
     }
 
 
+def _rounds(rec: dict) -> predict.Rounds:
+    return predict.Rounds(rounds=rec["rounds"], drafting_rounds=sum(rec["accepted_hist"]),
+                          drafted=rec["draft_n"], accepted=rec["draft_n_accepted"],
+                          short=rec.get("short_rounds", 0),
+                          asked=rec.get("asked_rounds", rec["rounds"]))
+
+
 def _prediction(rec: dict, cfg: Config, plain_tps: float, calib: dict) -> dict | None:
     measured = report.overall_rate(rec) or 0.0
-    rounds = predict.Rounds(rounds=rec["rounds"], drafting_rounds=sum(rec["accepted_hist"]),
-                            drafted=rec["draft_n"], accepted=rec["draft_n_accepted"],
-                            short=rec.get("short_rounds", 0),
-                            asked=rec.get("asked_rounds", rec["rounds"]))
+    rounds = _rounds(rec)
     if cfg.mode in MODEL_MODES:
         draft_tps = calib["draft_tps"]
     else:

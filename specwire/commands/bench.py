@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--limit", type=int, default=None, metavar="N",
                    help="first N prompts of each set")
     g.add_argument("--modes", default=None,
-                   help="comma list of plain, local, remote-sync, remote-pipelined, ngram, "
+                   help="comma list of plain, local, local-pipelined, remote-sync, "
+                   "remote-pipelined, ngram, ngram-classic, random, hybrid, hybrid-pipelined, "
                    "llama-server (default plain,local; plain always runs as the reference)")
     g.add_argument("-n", "--n-predict", type=int, default=None,
                    help="tokens per prompt (default: each prompt's max_tokens, else 128)")
@@ -81,10 +82,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a running draft node for the remote modes (default: start one with "
                    "the draft model, -md or the bundled one)")
     # generate's ways to pick one drafter; bench runs every mode named in --modes instead
-    for flag in ("--draft-ngram", "--no-draft", "--draft-mode"):
+    for flag in ("--draft-ngram", "--no-draft", "--draft-mode", "--draft-hybrid"):
         p.add_argument(flag, dest=f"unused_{flag[2:].replace('-', '_')}", nargs="?",
                        const=True, default=None, help=argparse.SUPPRESS)
-    p.set_defaults(func=run, temp=0.0, draft_ngram=False, no_draft=False)
+    p.set_defaults(func=run, temp=0.0, draft_ngram=False, no_draft=False, draft_hybrid=False)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -108,11 +109,11 @@ def settings_from_args(a: argparse.Namespace):
     from specwire.bench.modes import parse_modes
     from specwire.bench.sweep import Settings
 
-    for flag in ("draft_ngram", "no_draft", "draft_mode"):
+    for flag in ("draft_ngram", "no_draft", "draft_mode", "draft_hybrid"):
         if getattr(a, f"unused_{flag}", None) is not None:
             raise CliError(f"--{flag.replace('_', '-')}: not a bench flag; name the modes to "
                            "run with --modes (plain, local, remote-sync, remote-pipelined, "
-                           "ngram, llama-server)")
+                           "ngram, hybrid, llama-server)")
     if a.spec_type is not None:
         raise CliError("--spec-type: not a bench flag; name the modes to run with --modes")
     base = QUICK if a.quick else DEFAULTS

@@ -146,12 +146,18 @@ def render(result: Plan) -> str:
         f"bandwidth {_bits(p.bandwidth_bps)}",
         f"verify cost: {p.verify.describe()}",
         "",
-        f"{'mode':<12} {'best k':>6} {'tokens/s':>9} {'speedup':>8}",
+        f"{'mode':<12} {'best k':>6} {'tokens/s':>9} {'speedup':>8} {'of bound':>8}",
     ]
+    bound = result.bound
     for name in MODES:
         m = result.modes[name]
-        lines.append(f"{name:<12} {m.k:>6} {m.tokens_per_s:>9.2f} {m.speedup:>7.2f}x"
+        share = f"{m.tokens_per_s / bound.tokens_per_s:>8.2f}" if bound else f"{'-':>8}"
+        lines.append(f"{name:<12} {m.k:>6} {m.tokens_per_s:>9.2f} {m.speedup:>7.2f}x {share}"
                      f"   {_MODE_NOTES[name]}")
+    if bound:
+        lines.append(f"{'bound':<12} {bound.k:>6} {bound.tokens_per_s:>9.2f} "
+                     f"{bound.speedup:>7.2f}x {1.0:>8.2f}   a free, instant drafter with this "
+                     "acceptance (only verification costs)")
     k_real = "inf" if math.isinf(cf.k_real) else f"{max(cf.k_real, 0.0):.2f}"
     lines += [
         "",

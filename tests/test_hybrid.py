@@ -1,0 +1,226 @@
+"""The hybrid drafter: the n-gram lookup and a draft model, the better draft each round.
+
+On fake models: lossless (greedy and seeded, fixed and adaptive), the choice follows
+which candidate verification keeps, a model in this process is not asked when the
+match wins, and a model that works ahead is told what the history kept of its draft.
+On the real bundled pair (slow): token-identical to plain decoding, local and through
+a real draft node.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from fakes import FakeBackend, FakeModel, FixedDrafter, SpyDrafter
+from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
+    CODE,
+    GREEDY,
+    PROSE,
+    SEEDED,
+    node_fixture,
+    node_proc_fixture,
+    request,
+    run_to_end,
+    target_fixture,
+)
+
+from specwire import sampling
+from specwire.config import DraftParams, SamplingParams
+from specwire.drafters.base import Draft
+from specwire.drafters.hybrid import HybridDrafter
+from specwire.drafters.model import ModelDrafter
+from specwire.drafters.ngram import KEEP, NgramDrafter
+from specwire.engine import Engine, Request
+
+V = 32
+TARGET = FakeModel(n_vocab=V, seed=0)
+OTHER = TARGET.perturbed(0.7, seed=5)
+PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]
+FAKE_GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05, seed=1234)
+
+
+def lookup() -> NgramDrafter:
+    """Stops at the fixed KEEP: fake rounds take no time worth measuring."""
+    return NgramDrafter(keep=KEEP)
+
+
+def reference(params: SamplingParams, n: int, prompt=PROMPT) -> list[int]:
+    hist, out = list(prompt), []
+    for _ in range(n):
+        row = TARGET.row(hist)
+        t = sampling.coupled(row, params, len(hist), sampling.recent_window(hist, params))
+        out.append(t)
+        hist.append(t)
+    return out
+
+
+def run(drafter, params: SamplingParams, n: int = 40, policy: str = "fixed", prompt=PROMPT):
+    target = FakeBackend(TARGET)
+    req = Request(list(prompt), n, params, DraftParams(n_max=8, p_min=0.0, policy=policy))
+    gen = Engine(target, drafter).generate(req)
+    gen.run()
+    return gen
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("params", [FAKE_GREEDY, SAMPLED], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize("model", ["same", "other"])
+def test_the_hybrid_is_lossless(model: str, params: SamplingParams, policy: str) -> None:
+    fake = TARGET if model == "same" else OTHER
+    hybrid = HybridDrafter(lookup(), ModelDrafter(FakeBackend(fake, name="d.gguf")))
+    gen = run(hybrid, params, policy=policy)
+    assert gen.tokens == reference(params, 40)
+    st = hybrid.stats()
+    assert st["drafted"] == gen.stats.draft_n > 0
+
+
+def _repeating_prompt() -> tuple[list[int], list[int]]:
+    """A prompt that holds plain decoding's own continuation: the lookup finds it all."""
+    head = [7, 8, 9, 10, 11]
+    cont = reference(FAKE_GREEDY, 60, head)
+    return [*head, *cont, 20, *head], cont
+
+
+def test_a_perfect_match_wins_and_the_local_model_is_not_asked() -> None:
+    """Copying the answer from the prompt beats a junk model: after the first rounds
+    the hybrid hands out the match and leaves the model (in this process) alone."""
+    prompt, cont = _repeating_prompt()
+    junk = SpyDrafter(FixedDrafter(lambda h, k: [(h[-1] * 5 + 3) % V] * k))
+    hybrid = HybridDrafter(lookup(), junk)
+    gen = run(hybrid, FAKE_GREEDY, n=48, prompt=prompt)
+    assert gen.tokens == cont[:48]
+    st = hybrid.stats()
+    assert st["ngram_rounds"] > st["model_rounds"]
+    assert len(junk.proposals) < gen.stats.rounds
+
+
+def test_without_matches_the_model_drafts() -> None:
+    """A prompt with nothing to copy, sampled text that seldom repeats, and the target's
+    twin as the model: mostly the model drafts, and it is always right."""
+    hybrid = HybridDrafter(lookup(), ModelDrafter(FakeBackend(TARGET, name="t.gguf")))
+    gen = run(hybrid, SAMPLED, n=40, prompt=[31, 30, 29])
+    st = hybrid.stats()
+    assert gen.tokens == reference(SAMPLED, 40, [31, 30, 29])
+    assert st["model_rounds"] > st["ngram_rounds"] and gen.stats.draft_n_accepted > 0
+
+
+class AheadSpy:
+    """A model that drafts ahead (as a node or a thread does): records what learn() hears."""
+
+    name = "ahead"
+    pipelined = True
+
+    def __init__(self, fn) -> None:
+        self.fn, self.learned, self.drafts = fn, [], []
+
+    def begin(self, prompt, sampling_, params) -> None:
+        self.learned, self.drafts = [], []
+
+    def propose(self, history, max_n) -> Draft:
+        self.drafts.append((len(history), list(self.fn(history, max_n))))
+        return Draft(list(self.drafts[-1][1]))
+
+    def learn(self, history, accepted, appended) -> None:
+        base, draft = self.drafts[-1]
+        new = history[base:base + appended]
+        kept = next((i for i, (t, h) in enumerate(zip(draft, new, strict=False))
+                     if t != h),
+                    min(len(draft), len(new)))
+        self.learned.append((accepted, kept))
+
+    def end(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def test_a_model_that_works_ahead_is_always_asked_and_told_what_the_history_kept() -> None:
+    """Asked every round, and told, per round, how many of its own tokens the history
+    took, whichever draft was verified: the verdict it would have had."""
+    prompt, cont = _repeating_prompt()
+    right_for_two = AheadSpy(lambda h, k: reference(FAKE_GREEDY, 2, h)[:k] + [0] * max(0, k - 2))
+    hybrid = HybridDrafter(lookup(), right_for_two)
+    gen = run(hybrid, FAKE_GREEDY, n=40, prompt=prompt)
+    assert gen.tokens == cont[:40]
+    assert len(right_for_two.drafts) == gen.stats.rounds
+    assert len(right_for_two.learned) >= gen.stats.rounds - 1
+    assert all(acc == kept for acc, kept in right_for_two.learned)
+    assert hybrid.stats()["ngram_rounds"] > 0
+
+
+# ------------------------------------------------------------------ real models (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_real_pair_local_hybrid_is_token_identical(target, sp) -> None:
+    from specwire import models
+    from specwire.backend.llama import LlamaBackend, load_model
+    from specwire.config import ModelParams
+    p = ModelParams(str(models.default_draft(progress=False)), n_ctx=1024, n_threads=1)
+    model = ModelDrafter(LlamaBackend(p, load_model(p)))
+    for text in (CODE, PROSE):
+        prompt = target.tokens(text)
+        want = target.plain(prompt, sp, 40)
+        for policy in ("fixed", "adaptive"):
+            hybrid = HybridDrafter(lookup(), model)
+            gen = Engine(target.backend, hybrid).generate(
+                request(prompt, 40, sp, policy=policy))
+            assert run_to_end(gen) == want, (text, policy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sync"])
+def test_real_pair_remote_hybrid_is_token_identical(target, node, pipelined) -> None:
+    for sp in (GREEDY, SEEDED):
+        prompt = target.tokens(CODE)
+        want = target.plain(prompt, sp, 40)
+        remote = target.drafter(node.url, pipelined=pipelined)
+        hybrid = HybridDrafter(lookup(), remote)
+        try:
+            gen = Engine(target.backend, hybrid).generate(request(prompt, 40, sp))
+            assert run_to_end(gen) == want
+            assert gen.stats.draft_n > 0
+        finally:
+            hybrid.close()
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specwire", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_generate_with_draft_hybrid_writes_what_plain_decoding_writes() -> None:
+    args = ("generate", "def add(a, b):\n    return a + b\n\ndef sub(a, b):", "-n", "24",
+            "--temp", "0", "-c", "256")
+    hybrid, plain = _cli(*args, "--draft-hybrid"), _cli(*args, "--no-draft")
+    assert hybrid.returncode == plain.returncode == 0, hybrid.stderr
+    assert hybrid.stdout == plain.stdout and hybrid.stdout.strip()
+    assert "draft_n" in hybrid.stderr
+
+
+def test_draft_hybrid_without_a_model_is_one_clear_error() -> None:
+    r = _cli("generate", "x", "-n", "1", "--draft-hybrid", "--draft-ngram")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].count("--draft-hybrid") == 1
+
+
+def test_a_model_that_costs_more_than_it_yields_is_seldom_asked() -> None:
+    """No match to copy, a model that takes 5 ms to draft junk, a target that verifies at
+    once: plain steps are worth more, so the model is asked only to probe."""
+    import time as time_
+
+    junk = SpyDrafter(FixedDrafter(lambda h, k: [(h[-1] * 5 + 3) % V] * k),
+                      on_propose=lambda _h: time_.sleep(0.005))
+    hybrid = HybridDrafter(lookup(), junk)
+    gen = run(hybrid, SAMPLED, n=60, prompt=[31, 30, 29])
+    assert gen.tokens == reference(SAMPLED, 60, [31, 30, 29])
+    assert len(junk.proposals) <= gen.stats.rounds // 4
