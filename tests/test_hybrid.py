@@ -199,8 +199,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_generate_with_draft_hybrid_writes_what_plain_decoding_writes() -> None:
+    # -fa off: with flash attention (-fa auto turns it on here) this prompt's 9th token is a
+    # near-tie (logits 18.8587 and 18.8574), which a batched verification can flip
+    # (docs/determinism.md); the test is about the hybrid drafter, not that caveat.
     args = ("generate", "def add(a, b):\n    return a + b\n\ndef sub(a, b):", "-n", "24",
-            "--temp", "0", "-c", "256")
+            "--temp", "0", "-c", "256", "-fa", "off")
     hybrid, plain = _cli(*args, "--draft-hybrid"), _cli(*args, "--no-draft")
     assert hybrid.returncode == plain.returncode == 0, hybrid.stderr
     assert hybrid.stdout == plain.stdout and hybrid.stdout.strip()
