@@ -15,10 +15,8 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,13 +24,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from test_server import run_serve
 from wire_helpers import (
     GREEDY,
     N_CTX,
     SEEDED,
     NodeProcess,
     draft_model_path,
-    free_port,
     node_process,
     request,
     run_to_end,
@@ -338,36 +336,10 @@ def test_long_history_reaches_the_node_and_the_target_does_not_wait(target, tmp_
 def served(tmp_path_factory) -> Iterator[str]:
     """`specwire serve -np 2` on the bundled target with a draft node (default memory)."""
     folder = tmp_path_factory.mktemp("served")
-    with node_process(folder, ["--max-sessions", "2"], name="slots-node") as node:
-        port = free_port()
-        cmd = [sys.executable, "-m", "specwire", "serve", "--port", str(port), "-t", "1",
-               "-c", str(N_CTX), "-np", "2", "--draft-url", node.url, "--temp", "0"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        url = f"http://127.0.0.1:{port}"
-        with tempfile.TemporaryFile() as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                    env=env)
-            try:
-                deadline = time.monotonic() + 180
-                while True:
-                    if proc.poll() is not None:
-                        log.seek(0)
-                        pytest.fail(f"server exited:\n{log.read().decode()[-3000:]}")
-                    try:
-                        if httpx.get(url + "/health", timeout=1).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    assert time.monotonic() < deadline, "server did not start"
-                    time.sleep(0.2)
-                yield url
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    with node_process(folder, ["--max-sessions", "2"], name="slots-node") as node, \
+            run_serve("-t", "1", "-c", str(N_CTX), "-np", "2", "--draft-url", node.url,
+                      "--temp", "0") as (url, _):
+        yield url
 
 
 def _complete(url: str, prompt: str, **body) -> dict:

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -355,18 +355,29 @@ def server() -> Iterator[str]:
     from specwire import models
     models.default_target()
     models.default_draft()
+    with run_serve("-t", "1", "-td", "1", "-c", "512", "--queue-size", "3",
+                   "--api-key", KEY) as (url, log):
+        assert f"listening on {url}" in log()
+        yield url
+
+
+@contextlib.contextmanager
+def run_serve(*flags: str, no_traceback: bool = False) -> Iterator[tuple[str, Callable]]:
+    """`python -m specwire serve` on a free port with these flags, once healthy: yields its
+    URL and a reader of its log so far. no_traceback: its log, once stopped, has none."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "specwire", "serve", "--port", str(port), "-t", "1", "-td", "1",
-           "-c", "512", "--queue-size", "3", "--api-key", KEY]
+    cmd = [sys.executable, "-m", "specwire", "serve", "--port", str(port), *flags]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
+        def text() -> str:
+            log.seek(0)
+            return log.read().decode(errors="replace")
+
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_healthy(proc, url, log)
-            log.seek(0)
-            assert f"listening on {url}" in log.read().decode()
-            yield url
+            yield url, text
         finally:
             proc.terminate()
             try:
@@ -374,6 +385,8 @@ def server() -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if no_traceback:
+            assert "Traceback" not in text(), text()[-3000:]
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float = 180) -> None:

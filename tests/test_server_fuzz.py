@@ -12,16 +12,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server import ROOT, _free_port, _wait_healthy
+from test_server import run_serve
 from wire_helpers import node_process
 
 pytestmark = pytest.mark.slow
@@ -121,22 +118,9 @@ def server(request, tmp_path_factory) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _serve(draft: list[str]) -> Iterator[str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "specwire", "serve", "--port", str(port), "-t", "1", "-td", "1",
-           "-c", "256", "-n", "4", "--queue-size", "8", "--max-body", str(1 << 20), *draft]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            _wait_healthy(proc, url, log)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(15)
-            log.seek(0)
-            tail = log.read().decode(errors="replace")
-            assert "Traceback" not in tail, tail[-3000:]
+    with run_serve("-t", "1", "-td", "1", "-c", "256", "-n", "4", "--queue-size", "8",
+                   "--max-body", str(1 << 20), *draft, no_traceback=True) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,12 @@ logprobs that are the target's with and without a draft, a GBNF grammar on
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from test_invariance_structured import LOGPROB_TOLERANCE, same_alternatives
-from test_server import ROOT, _free_port, _wait_healthy
+from test_server import run_serve
 
 pytestmark = pytest.mark.slow
 
@@ -29,23 +25,8 @@ ASK = [{"role": "user", "content": "Describe Ann, aged 31, as JSON with her name
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "specwire", "serve", "--port", str(port), "-t", "1", "-td", "1",
-           "-c", "1024", "--draft-p-min", "0"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            _wait_healthy(proc, url, log)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with run_serve("-t", "1", "-td", "1", "-c", "1024", "--draft-p-min", "0") as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,12 @@ split runs on a server started with a template file of ours that opens a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from test_server import ROOT, _free_port, _wait_healthy
+from test_server import run_serve
 from test_tools import OUTPUTS, _request
 
 from specwire.server import tool_calls
@@ -36,23 +32,8 @@ ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
 def _serve(*flags: str) -> Iterator[str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "specwire", "serve", "--port", str(port), "-t", "1", "-td", "1",
-           "-c", "1024", "--draft-p-min", "0", *flags]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            _wait_healthy(proc, url, log)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with run_serve("-t", "1", "-td", "1", "-c", "1024", "--draft-p-min", "0", *flags) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
