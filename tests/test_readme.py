@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_server import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -238,9 +239,4 @@ def test_readme_block_runs(cmds: list[Command], tmp_path: Path) -> None:
             assert '"error"' not in r.stdout, f"{cmd.text}\n{r.stdout[-2000:]}"
     finally:
         for proc in servers:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)

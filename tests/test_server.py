@@ -379,14 +379,19 @@ def run_serve(*flags: str, no_traceback: bool = False) -> Iterator[tuple[str, Ca
             _wait_healthy(proc, url, log)
             yield url, text
         finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
         if no_traceback:
             assert "Traceback" not in text(), text()[-3000:]
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Ask a server process to end; kill it if it has not within 15 s."""
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float = 180) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from browser_helpers import Browser, find_chromium
-from test_server import _free_port, _wait_healthy
+from test_server import _free_port, _wait_healthy, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "browser-key"
@@ -39,15 +39,6 @@ pytestmark = [pytest.mark.slow,
 def _start(args: list[str], log) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "specwire", *args], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _wait_listening(proc: subprocess.Popen, port: int, log, timeout: float = 120) -> None:
@@ -80,9 +71,9 @@ def server() -> Iterator[str]:
                 _wait_healthy(proc, url, log)
                 yield url
             finally:
-                _stop(proc)
+                stop_process(proc)
         finally:
-            _stop(node)
+            stop_process(node)
 
 
 def _text(b: Browser, element_id: str) -> str:
