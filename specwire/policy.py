@@ -3,7 +3,7 @@
 `fixed` always asks for --draft-max. `adaptive` estimates online what a round
 yields and costs, and asks for the k that maximises expected tokens per
 second (see AdaptivePolicy). With a drafter that never stops early its model
-is the one `specwire plan` uses:
+is the one `specwire plan` uses (specwire.throughput):
 
     E(k) = (1 - a^(k+1)) / (1 - a)        tokens per round
     T(k) = t_d(k) + t_v(k + 1)            seconds per round
@@ -26,6 +26,9 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from specwire import throughput
+from specwire.throughput import LineFit, VerifyCurve, draft_line, verify_line
 
 #: Bins of a draft model's top probability, for calibrating it against acceptance.
 CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -86,11 +89,8 @@ class CalibratedStop:
         return True
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens produced by a round of k drafts at per-token acceptance a."""
-    if a >= 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+#: The verification curve assumed before the policy has timed one.
+_ASSUMED = VerifyCurve()
 
 
 @dataclass(slots=True)
@@ -106,53 +106,6 @@ class FixedPolicy:
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
                 confidence: list[float] | None = None) -> None:
         pass
-
-
-@dataclass(slots=True)
-class LineFit:
-    """Exponentially weighted least squares of y = c + d x, both kept >= 0.
-
-    Two pseudo-points on the prior line y = c (1 + guess x), weight `prior` each,
-    keep a fit from few or clustered points sane: one slow round at a size not seen
-    again cannot set the slope on its own, and real data outweighs them soon.
-    """
-
-    alpha: float
-    guess: float
-    prior: float = 1.0
-    w: float = 0.0
-    x: float = 0.0
-    y: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        k = 1.0 - self.alpha
-        self.w = k * self.w + 1.0
-        self.x, self.y = k * self.x + x, k * self.y + y
-        self.xx, self.xy = k * self.xx + x * x, k * self.xy + x * y
-
-    def coefficients(self) -> tuple[float, float]:
-        """(c, d); (0, 0) before any data."""
-        if self.w == 0.0:
-            return 0.0, 0.0
-        c0 = (self.y / self.w) / (1.0 + self.guess * self.x / self.w)
-        y2 = c0 * (1.0 + 2.0 * self.guess)  # the prior's points: (0, c0) and (2, y2)
-        lam = self.prior
-        w, x, y = self.w + 2 * lam, self.x + 2 * lam, self.y + lam * (c0 + y2)
-        xx, xy = self.xx + 4 * lam, self.xy + 2 * lam * y2
-        mx, my = x / w, y / w
-        d = (xy / w - mx * my) / (xx / w - mx * mx)
-        c = my - d * mx
-        if d < 0.0:
-            return my, 0.0
-        if c < 0.0:
-            return 0.0, my / mx
-        return c, d
-
-    def __call__(self, x: float) -> float:
-        c, d = self.coefficients()
-        return c + d * x
 
 
 @dataclass(slots=True)
@@ -188,9 +141,9 @@ class AdaptivePolicy:
     continued: float = 4.0  # drafted tokens, and rounds the drafter ended early (g = 0.9)
     stopped: float = 0.5
     #: seconds vs tokens drafted; a prior of one evaluation per round and one per token
-    draft: LineFit = field(default_factory=lambda: LineFit(0.1, guess=1.0))
-    #: seconds vs batch size - 1; a prior of 10% of a step per extra token
-    verify: LineFit = field(default_factory=lambda: LineFit(0.05, guess=0.1, prior=0.3))
+    draft: LineFit = field(default_factory=draft_line)
+    #: seconds vs batch size - 1; the throughput model's prior slope per extra token
+    verify: LineFit = field(default_factory=verify_line)
     #: what a stretch of plain steps made the drafter redo: seconds, over skipped tokens
     catch_up_s: float = 0.0
     catch_up_tokens: float = 0.0
@@ -231,10 +184,11 @@ class AdaptivePolicy:
 
     def verify_cost(self, n: float) -> float:
         """t_v(n) in seconds: a line through every verification seen, so that one slow
-        round at a batch size the policy then avoids cannot stick (until a second size
-        is seen, each extra token is guessed at 10% of a step)."""
+        round at a batch size the policy then avoids cannot stick. Before any, the
+        throughput model's assumed curve with a step as the unit (its slope is also the
+        line's prior until a second size is seen)."""
         if self.verify.w == 0.0:
-            return 1.0 + 0.1 * (n - 1)
+            return _ASSUMED.cost(n)
         return max(self.verify(n - 1), 1e-6)
 
     def catch_up_cost(self) -> float:
@@ -244,12 +198,12 @@ class AdaptivePolicy:
 
     def rate(self, k: int) -> float:
         """Expected tokens per second of a round asked for k tokens."""
-        if k == 0:
-            return 1.0 / (self.verify_cost(1) + self.catch_up_cost())
-        g, a = self.continuation, self.acceptance
-        drafted = g * expected_tokens(g, k - 1)  # g + ... + g^k
-        tokens = expected_tokens(g * a, k)  # 1 + ga + ... + (ga)^k
-        return tokens / (self.draft_cost(drafted) + self.verify_cost(1 + drafted))
+        draft_s = self.draft_cost if k else self._catch_up_s
+        return throughput.round_rate(self.acceptance, k, draft_s, self.verify_cost,
+                                     self.continuation)
+
+    def _catch_up_s(self, _drafted: float) -> float:
+        return self.catch_up_cost()
 
     def choose(self, limit: int) -> int:
         self.asked = self._best(min(self.n_max, limit))

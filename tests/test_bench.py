@@ -23,8 +23,7 @@ from specwire.bench.sweep import Settings, configurations
 from specwire.cliargs import CliError
 from specwire.commands import bench as bench_cmd
 from specwire.commands import plan as plan_cmd
-from specwire.plan import VerifyCurve, local_rate
-from specwire.policy import expected_tokens
+from specwire.throughput import VerifyCurve, expected_tokens, local_rate
 
 
 def _parse(cmd_module, argv: list[str]) -> argparse.Namespace:
@@ -232,7 +231,7 @@ def test_prediction_plain_local_and_mixture() -> None:
     rounds = predict.Rounds(rounds=10, drafting_rounds=10, drafted=30, accepted=30)
     got = predict.predict(Config("local", 8), 10.0, 50.0, rounds, curve, 20.0)
     assert got["k"] == 3 and got["inputs"]["acceptance"] == 1.0
-    from specwire.plan import PlanInputs
+    from specwire.throughput import PlanInputs
     expect = local_rate(PlanInputs(10.0, 50.0, 1.0, verify=curve), 3)
     assert got["predicted_tps"] == pytest.approx(expect)
     # half the rounds draft nothing: plain steps that still paid one draft step for asking

@@ -15,22 +15,24 @@ from specwire.cliargs import CliError
 from specwire.commands import plan as plan_cmd
 from specwire.plan import (
     SEARCH_K_MAX,
-    PlanInputs,
-    VerifyCurve,
     best_k,
     lambert_w,
-    local_rate,
-    pipelined_rate,
-    pipelined_rates,
     plan,
-    race_plain_s,
-    sync_rate,
-    sync_round_s,
     tkslt_k_real,
     tkslt_k_star,
     tkslt_speedup,
 )
-from specwire.policy import expected_tokens
+from specwire.throughput import (
+    PlanInputs,
+    VerifyCurve,
+    expected_tokens,
+    local_rate,
+    pipelined_rate,
+    pipelined_rates,
+    race_plain_s,
+    sync_rate,
+    sync_round_s,
+)
 
 FLAT = VerifyCurve(((1, 1.0), (2, 1.0)))
 
@@ -130,7 +132,7 @@ def test_verify_curve_interpolates_and_extrapolates() -> None:
     assert c.cost(15) == pytest.approx(1.6)
     assert VerifyCurve.parse("8:2").points == ((1, 1.0), (8, 2.0))   # n = 1 is a plain step
     d = VerifyCurve()
-    assert d.assumed and [d.cost(n) for n in (1, 2, 9)] == pytest.approx([1.0, 1.05, 1.4])
+    assert d.assumed and [d.cost(n) for n in (1, 2, 9)] == pytest.approx([1.0, 1.1, 1.8])
 
 
 @pytest.mark.parametrize("text", ["", "8", "8:x", "0:1", "8:-1", "1:1", "2:1,2:3"])
@@ -230,8 +232,8 @@ def test_external_case_from_field_md(capsys: pytest.CaptureFixture[str]) -> None
     costs 3 plain steps. The latter is the MoE effect: each token of a batch
     routes to its own experts, so a batch reads several times the weights of
     one step; a dense memory-bound target would verify 8 for about 1.3 steps.
-    With the default, nearly free verification the same draft predicts about
-    1.5x, which the measurement refutes. Cross-check with the same user's
+    With the default, cheap verification (10% of a step per extra token) the same
+    draft predicts about 1.4x, which the measurement refutes. Cross-check with the same user's
     code-rewriting run (16375 of 16706 accepted, 10.74 -> 12.77 tokens/s,
     1.19x): at llama.cpp's default draft of 16 the same assumptions give about
     1.3x. (810/1093 is accepted per drafted token; it equals the model's
@@ -244,7 +246,7 @@ def test_external_case_from_field_md(capsys: pytest.CaptureFixture[str]) -> None
     assert rate / 6.60 == pytest.approx(7.81 / 6.60, abs=0.05)
     assert k <= 2                                  # short drafts: verification is dear
     cheap = PlanInputs(target_tps=6.60, draft_tps=30.0, acceptance=a)
-    assert best_k(local_rate, cheap)[1] / 6.60 > 1.4
+    assert best_k(local_rate, cheap)[1] / 6.60 > 1.35
     code = PlanInputs(target_tps=10.74, draft_tps=30.0, acceptance=16375 / 16706,
                       verify=VerifyCurve.parse("1:1,8:3"))
     assert 1.1 < local_rate(code, 16) / 10.74 < 1.5

@@ -837,7 +837,7 @@ def test_two_targets_draft_from_one_node_at_once(target, node) -> None:
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 def test_bytes_per_drafted_token(target, node, pipelined, record_property) -> None:
     """Greedy over the link: bytes received from the node per token it drafted stay within
-    the planning model's 16 bytes (specwire.plan.DEFAULT_DRAFT_BYTES).
+    the planning model's 16 bytes (specwire.throughput.DEFAULT_DRAFT_BYTES).
 
     A pipelined node drafts past the verdicts, so some of its tokens are cut before they
     are verified; bytes per *verified* draft token (draft_n) is recorded beside it.

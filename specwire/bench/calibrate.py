@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from specwire.plan import VerifyCurve
+from specwire.throughput import VerifyCurve
 
 VERIFY_SIZES = (1, 2, 4, 8, 16)
 DRAFT_TOKENS = 32

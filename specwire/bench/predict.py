@@ -37,16 +37,16 @@ from dataclasses import dataclass
 
 from specwire.bench.modes import MODEL_MODES
 from specwire.bench.runner import Config
-from specwire.plan import (
+from specwire.plan import free_bound
+from specwire.throughput import (
     PlanInputs,
     RateFn,
     VerifyCurve,
-    free_bound,
+    expected_tokens,
     local_rate,
     pipelined_rate,
     sync_rate,
 )
-from specwire.policy import expected_tokens
 
 RATE_BY_MODE: dict[str, tuple[str, RateFn]] = {
     "local": ("local", local_rate),

@@ -17,7 +17,8 @@ from typing import TypeVar
 from specwire.bench import calibrate
 from specwire.cliargs import CliError
 from specwire.netemu import parse_bandwidth, parse_duration
-from specwire.plan import MODES, Plan, PlanInputs, VerifyCurve, plan
+from specwire.plan import MODES, Plan, plan
+from specwire.throughput import VERIFY_SLOPE, PlanInputs, VerifyCurve
 
 T = TypeVar("T")
 
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="link bandwidth, e.g. 1gbit, 100mbit, or 'inf' (default 1gbit)")
     p.add_argument("--verify-cost", metavar="N:COST,...",
                    help="target's cost of a batch of N tokens in plain steps, e.g. 1:1,8:1.3 "
-                        "(default: assumed 1 + 0.05 (N-1))")
+                        f"(default: assumed 1 + {VERIFY_SLOPE:g} (N-1))")
     p.add_argument("--draft-max", "--spec-draft-n-max", dest="draft_max", default="16",
                    metavar="K",
                    help="longest draft to consider (default 16)")

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Draft, Drafter
 from specwire.drafters.ngram import NgramDrafter, Offer
-from specwire.policy import LineFit, expected_tokens
+from specwire.throughput import draft_line, expected_tokens, verify_line
 
 #: Most plain steps in a row without asking a model that did not look worth it.
 PROBE_EVERY = 16
@@ -55,8 +55,8 @@ class HybridDrafter:
         self.name = f"hybrid:{model.name}"
         # asking costs the target nothing when the model drafts on its own (node, thread)
         self.ahead = bool(getattr(model, "pipelined", False))
-        self.verify = LineFit(0.05, guess=0.1, prior=0.3)   # seconds vs tokens drafted
-        self.drafting = LineFit(0.1, guess=1.0)             # model seconds vs tokens drafted
+        self.verify = verify_line()     # seconds vs tokens drafted
+        self.drafting = draft_line()    # model seconds vs tokens drafted
         self.accepted, self.rejected = 1.5, 0.5             # the model's a, pseudo-counts
         self.model_len = 0.0                                # mean length of its drafts
         # the round in progress: len(history), model draft, tokens handed out, when

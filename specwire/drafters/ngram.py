@@ -37,8 +37,8 @@ from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft
 from specwire.drafters.ngram_cache import LookupCache
 from specwire.drafters.ngram_index import HistoryIndex, continuation
-from specwire.policy import LineFit
 from specwire.sampling import SparseDraft
+from specwire.throughput import LineFit, verify_line
 
 #: Bins of a copied token's effective match length (match length + tokens copied before it).
 LENGTH_EDGES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
@@ -88,7 +88,7 @@ class RoundCost:
     the least P(kept) for which one more drafted token pays (KEEP until a few rounds
     are seen)."""
 
-    verify: LineFit = field(default_factory=lambda: LineFit(0.05, guess=0.1, prior=0.3))
+    verify: LineFit = field(default_factory=verify_line)
     alpha: float = 0.05
     tokens: float = 0.0
     seconds: float = 0.0

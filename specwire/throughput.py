@@ -1,0 +1,387 @@
+"""The throughput model of speculative decoding, in one place.
+
+`specwire plan`, the adaptive policy, the drafters that weigh their own rounds
+(n-gram, hybrid) and `bench`'s predictions all reason with the same arithmetic
+and the same priors; this module holds both:
+
+    a       per-token acceptance (the chance the next draft token is kept)
+    g       the chance a drafter asked for one more token produces it
+            (1 for a drafter that never stops early)
+    t_s     one plain target step, 1 / target tokens per second
+    t_d     one draft token, 1 / draft tokens per second
+    t_v(n)  the target evaluating a batch of n tokens, in plain steps
+            (`VerifyCurve`); without a measurement we ASSUME
+            t_v(n) = t_s * (1 + VERIFY_SLOPE (n - 1)): a memory-bound target
+            reads its weights once per batch, so a small batch costs little
+            more than a step. On a CPU with a huge vocabulary, or an MoE target
+            whose batch touches more experts, it costs much more: measure it.
+            Online estimators start from the same line (`verify_line`).
+    RTT     network round trip; bandwidth with 16 bytes per drafted token and
+            32 bytes per verdict (both adjustable).
+
+A round asked for k draft tokens drafts g + ... + g^k of them
+(`drafted_tokens`) and yields E = 1 + ga + ... + (ga)^k tokens
+(`expected_tokens(g a, k)`, which is (1 - a^(k+1)) / (1 - a) when g = 1).
+It costs the drafter's time plus its share of the target's decode
+(`verify_share`): alone, the whole t_v(n); in a decode that already carries B
+tokens of other sequences, only t_v(B + n) - t_v(B). `round_rate` divides one by
+the other. The deployment modes (local, synchronous, pipelined) differ in what a
+round costs and what follows a rejected draft: `sync_rate`, `local_rate`,
+`pipelined_rate`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+# --------------------------------------------------------------------------- priors
+
+#: Assumed extra cost of each further token in a verification batch, in plain steps.
+VERIFY_SLOPE = 0.1
+#: How much an online verification line trusts VERIFY_SLOPE: pseudo-points' weight.
+VERIFY_PRIOR_WEIGHT = 0.3
+#: A drafter's assumed cost per drafted token, relative to its cost per round.
+DRAFT_SLOPE = 1.0
+DEFAULT_DRAFT_BYTES = 16
+DEFAULT_VERDICT_BYTES = 32
+
+
+# --------------------------------------------------------------------------- a round
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens produced by a round of k drafts at per-token acceptance a."""
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def drafted_tokens(g: float, k: int) -> float:
+    """Tokens a drafter that continues with probability g drafts when asked for k:
+    g + g^2 + ... + g^k (k when g = 1)."""
+    return g * expected_tokens(g, k - 1) if k > 0 else 0.0
+
+
+def verify_share(cost: Callable[[float], float], n: float, batch: float = 0.0) -> float:
+    """What verifying n tokens costs when other sequences put `batch` tokens into the
+    same target decode: cost(batch + n) - cost(batch), the whole cost(n) alone."""
+    if batch <= 0:
+        return cost(n)
+    return max(cost(batch + n) - cost(batch), 0.0)
+
+
+def round_rate(a: float, k: int, draft_s: Callable[[float], float],
+               verify_s: Callable[[float], float], g: float = 1.0,
+               batch: float = 0.0) -> float:
+    """Expected tokens per second of a round asked for k tokens: E / (the drafter's
+    time for the tokens it drafts + the share of the target's decode of them and
+    the target's own token)."""
+    drafted = drafted_tokens(g, k)
+    tokens = expected_tokens(g * a, k)
+    return tokens / (draft_s(drafted) + verify_share(verify_s, 1.0 + drafted, batch))
+
+
+# --------------------------------------------------------------------------- online lines
+
+
+@dataclass(slots=True)
+class LineFit:
+    """Exponentially weighted least squares of y = c + d x, both kept >= 0.
+
+    Two pseudo-points on the prior line y = c (1 + guess x), weight `prior` each,
+    keep a fit from few or clustered points sane: one slow round at a size not seen
+    again cannot set the slope on its own, and real data outweighs them soon.
+    """
+
+    alpha: float
+    guess: float
+    prior: float = 1.0
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        k = 1.0 - self.alpha
+        self.w = k * self.w + 1.0
+        self.x, self.y = k * self.x + x, k * self.y + y
+        self.xx, self.xy = k * self.xx + x * x, k * self.xy + x * y
+
+    def coefficients(self) -> tuple[float, float]:
+        """(c, d); (0, 0) before any data."""
+        if self.w == 0.0:
+            return 0.0, 0.0
+        c0 = (self.y / self.w) / (1.0 + self.guess * self.x / self.w)
+        y2 = c0 * (1.0 + 2.0 * self.guess)  # the prior's points: (0, c0) and (2, y2)
+        lam = self.prior
+        w, x, y = self.w + 2 * lam, self.x + 2 * lam, self.y + lam * (c0 + y2)
+        xx, xy = self.xx + 4 * lam, self.xy + 2 * lam * y2
+        mx, my = x / w, y / w
+        d = (xy / w - mx * my) / (xx / w - mx * mx)
+        c = my - d * mx
+        if d < 0.0:
+            return my, 0.0
+        if c < 0.0:
+            return 0.0, my / mx
+        return c, d
+
+    def __call__(self, x: float) -> float:
+        c, d = self.coefficients()
+        return c + d * x
+
+
+def verify_line(alpha: float = 0.05) -> LineFit:
+    """Seconds of verification against tokens drafted (batch size - 1), starting from
+    the assumed curve's shape: VERIFY_SLOPE of a step per extra token."""
+    return LineFit(alpha, guess=VERIFY_SLOPE, prior=VERIFY_PRIOR_WEIGHT)
+
+
+def draft_line(alpha: float = 0.1) -> LineFit:
+    """Seconds of drafting against tokens drafted, starting from one evaluation per
+    round and one per token (a draft model evaluates the target's newest token)."""
+    return LineFit(alpha, guess=DRAFT_SLOPE)
+
+
+# --------------------------------------------------------------------------- verify cost
+
+
+# --------------------------------------------------------------------------- verify cost
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyCurve:
+    """t_v(n) in plain steps, through measured points (n, cost).
+
+    Linear between points and linear beyond the last two, because a batch's
+    cost grows about linearly once it is compute-bound; n = 1 is a plain step
+    (cost 1) unless a point says otherwise.
+    """
+
+    points: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.0 + VERIFY_SLOPE))
+    assumed: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> VerifyCurve:
+        """'1:1,8:1.3' -> points; ValueError with the reason on bad input."""
+        pts: dict[int, float] = {}
+        for item in text.split(","):
+            n_s, sep, c_s = item.strip().partition(":")
+            if not sep:
+                raise ValueError(f"{item.strip()!r} is not N:COST (e.g. 8:1.3)")
+            try:
+                n, cost = int(n_s), float(c_s)
+            except ValueError:
+                raise ValueError(f"{item.strip()!r} is not N:COST (e.g. 8:1.3)") from None
+            if n < 1 or not (0.0 < cost < math.inf):
+                raise ValueError(f"{item.strip()!r}: N must be >= 1 and COST > 0")
+            if n in pts:
+                raise ValueError(f"batch size {n} given twice")
+            pts[n] = cost
+        pts.setdefault(1, 1.0)
+        if len(pts) < 2:
+            raise ValueError("give at least one batch size besides 1 (e.g. 1:1,8:1.3)")
+        return cls(tuple(sorted(pts.items())), assumed=False)
+
+    def cost(self, n: int) -> float:
+        """t_v(n) / t_s, kept positive however steeply the points fall."""
+        pts = self.points
+        lo, hi = pts[-2], pts[-1]
+        for i in range(1, len(pts)):
+            if pts[i][0] >= n:
+                lo, hi = pts[i - 1], pts[i]
+                break
+        (n0, c0), (n1, c1) = lo, hi
+        return max(c0 + (c1 - c0) * (n - n0) / (n1 - n0), 1e-6)
+
+    def describe(self) -> str:
+        if self.assumed:
+            return (f"t_v(n) = 1 + {VERIFY_SLOPE:g} (n-1) plain steps "
+                    "(assumed; measure it and pass --verify-cost)")
+        return "t_v(n) through " + ", ".join(f"{n}:{c:g}" for n, c in self.points) + " plain steps"
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """The measured figures; times in seconds, bandwidth in bits/s (inf: free)."""
+
+    target_tps: float
+    draft_tps: float
+    acceptance: float
+    rtt_s: float = 0.0
+    bandwidth_bps: float = math.inf
+    draft_bytes: int = DEFAULT_DRAFT_BYTES
+    verdict_bytes: int = DEFAULT_VERDICT_BYTES
+    verify: VerifyCurve = field(default_factory=VerifyCurve)
+    draft_max: int = 16
+    #: draft evaluations per round beyond its k tokens (bench: the share of rounds
+    #: a draft model ended at --draft-p-min, having evaluated the declined position)
+    stop_evals: float = 0.0
+
+    def __post_init__(self) -> None:
+        _need(0.0 < self.target_tps < math.inf, "target_tps", "must be > 0")
+        _need(0.0 < self.draft_tps < math.inf, "draft_tps", "must be > 0")
+        _need(0.0 <= self.acceptance <= 1.0, "acceptance", "must be in [0, 1]")
+        _need(0.0 <= self.rtt_s < math.inf, "rtt_s", "must be >= 0")
+        _need(self.bandwidth_bps > 0.0, "bandwidth_bps", "must be > 0")
+        _need(self.draft_bytes >= 0 and self.verdict_bytes >= 0, "bytes", "must be >= 0")
+        _need(1 <= self.draft_max <= 256, "draft_max", "must be in [1, 256]")
+        _need(0.0 <= self.stop_evals <= 1.0, "stop_evals", "must be in [0, 1]")
+
+    @property
+    def t_s(self) -> float:
+        return 1.0 / self.target_tps
+
+    @property
+    def t_d(self) -> float:
+        return 1.0 / self.draft_tps
+
+    def verify_s(self, n: int) -> float:
+        """Seconds to evaluate a batch of n tokens on the target."""
+        return self.t_s * self.verify.cost(n)
+
+    def sync_draft_s(self, k: float) -> float:
+        """What the target waits for a synchronous draft of k tokens: drafting them (and
+        the stop_evals evaluations), the round trip and the link."""
+        return (k + self.stop_evals) * self.t_d + self.rtt_s + self.transfer_s(k)
+
+    def transfer_s(self, k: float) -> float:
+        """Serialisation time of k draft tokens and one verdict on the link."""
+        return 8.0 * (k * self.draft_bytes + self.verdict_bytes) / self.bandwidth_bps
+
+    def draft_cost(self) -> float:
+        """TK-SLT's L: one draft token, computed and sent, in target steps."""
+        return (self.t_d + 8.0 * self.draft_bytes / self.bandwidth_bps) / self.t_s
+
+    def local(self) -> PlanInputs:
+        """The same figures with the drafter in-process: no round trip, no link."""
+        return replace(self, rtt_s=0.0, bandwidth_bps=math.inf)
+
+
+def _need(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+# --------------------------------------------------------------------------- the modes
+
+
+def plain_rate(p: PlanInputs) -> float:
+    """Tokens/s without a draft: one token per plain step."""
+    return p.target_tps
+
+
+def sync_round_s(p: PlanInputs, k: int) -> float:
+    """One synchronous round: draft k, ship them, verify k + 1, ship the verdict.
+
+    Nothing overlaps: the target waits for the draft and the drafter for the
+    verdict. k = 0 is a plain step (no drafter is asked, nothing is sent).
+    """
+    if k == 0:
+        return p.t_s
+    return p.sync_draft_s(k) + p.verify_s(k + 1)
+
+
+def sync_rate(p: PlanInputs, k: int) -> float:
+    """Tokens/s of synchronous remote drafting; can be below the plain rate."""
+    if k == 0:
+        return 1.0 / p.t_s
+    return round_rate(p.acceptance, k, p.sync_draft_s, p.verify_s)
+
+
+def local_rate(p: PlanInputs, k: int) -> float:
+    """Draft model in the target's process: synchronous, no round trip, no link."""
+    return sync_rate(p.local(), k)
+
+
+def pipelined_rate(p: PlanInputs, k: int) -> float:
+    """Tokens/s when the remote drafter works ahead while the target verifies.
+
+    Model (assumptions stated so the prediction can be argued with):
+
+    * While the target verifies d1..dk (t_v(k+1)) the drafter assumes they
+      will all be kept and goes on drafting: its next token is its guess for
+      the target's bonus token, then k more. That run-ahead draft is valid
+      with probability h = a^(k+1) (all k kept and the bonus guessed); it
+      needs supply = (k+1) t_d + transfer, so after a hit the target waits
+      max(0, supply - t_v(k+1)). The round trip is hidden on hits.
+    * After a miss the drafter hears the verdict RTT/2 later and restarts
+      from the corrected token. The target chooses the better of two
+      fixed strategies, whichever gives the higher long-run rate:
+      - wait: idle RTT + k t_d + transfer for a fresh draft (what a fast
+        drafter on a short link wants);
+      - race (`race_plain_s`): decode plainly meanwhile, never idle, and
+        resume verifying once the drafter has caught up and its tokens
+        agreed with the plain ones. The race phase runs at the plain rate.
+    * Rounds form a renewal process: rate = E[tokens] / E[time] per round.
+
+    Because the race strategy never waits for the network and only verifies
+    a draft that has already matched the target's own tokens, round trips and
+    a slow or useless drafter cannot push it below the plain rate; only a
+    verification that costs more than the tokens it yields can
+    (E(k) t_s < max(t_v(k+1), supply)), and then the best k is 0: no draft.
+    """
+    return max(pipelined_rates(p, k).values())
+
+
+def pipelined_rates(p: PlanInputs, k: int) -> dict[str, float]:
+    """Tokens/s of the two miss strategies of `pipelined_rate`: 'wait' and 'race'."""
+    if k == 0:
+        return {"wait": plain_rate(p), "race": plain_rate(p)}
+    a, t_v = p.acceptance, p.verify_s(k + 1)
+    tokens = expected_tokens(a, k)
+    hit = a ** (k + 1)
+    hit_wait = max(0.0, (k + 1) * p.t_d + p.transfer_s(k) - t_v)
+    busy = t_v + hit * hit_wait
+    waiting = tokens / (busy + (1.0 - hit) * (p.rtt_s + k * p.t_d + p.transfer_s(k)))
+    race = race_plain_s(p, k)
+    if math.isinf(race):
+        racing = plain_rate(p)
+    else:
+        racing = (tokens + (1.0 - hit) * race / p.t_s) / (busy + (1.0 - hit) * race)
+    return {"wait": waiting, "race": racing}
+
+
+def race_plain_s(p: PlanInputs, k: int) -> float:
+    """Expected plain-decoding time after a miss until a usable draft is ready.
+
+    The target steps plainly (token i done at i t_s); the restarted drafter's
+    token i reaches it at RTT + i t_d + transfer. Verification can resume at
+    position j once draft tokens j+1..j+k have arrived by j t_s, i.e.
+    j = ceil((RTT + k t_d + transfer) / (t_s - t_d)); and the draft's first j
+    tokens must equal the plain ones (probability a^j). A mismatch at i
+    restarts the race from i. Solving P = sum_i a^(i-1)(1-a)(i t_s + P)
+    + a^j j t_s gives P = t_s (1 - a^j) / ((1 - a) a^j). Infinite when the
+    drafter is no faster than the target or can never agree.
+    """
+    a = p.acceptance
+    if p.t_d >= p.t_s:
+        return math.inf
+    j = math.ceil((p.rtt_s + k * p.t_d + p.transfer_s(k)) / (p.t_s - p.t_d) - 1e-12)
+    if j <= 0 or a >= 1.0:
+        return 0.0
+    agree = a ** j
+    if agree <= 0.0:
+        return math.inf
+    return p.t_s * (1.0 - agree) / ((1.0 - a) * agree)
+
+
+def free_rate(p: PlanInputs, k: int) -> float:
+    """Tokens/s of a free and instant drafter at acceptance a: a round is only its
+    verification, t_v(k + 1). No drafter with the same acceptance can beat it on this
+    target, so a configuration's share of it says what drafting costs and what is left."""
+    return expected_tokens(p.acceptance, k) / p.verify_s(k + 1)
+
+
+RateFn = Callable[[PlanInputs, int], float]
+
+RATE_FNS: dict[str, RateFn] = {
+    "local": local_rate,
+    "synchronous": sync_rate,
+    "pipelined": pipelined_rate,
+}
