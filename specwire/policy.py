@@ -100,11 +100,12 @@ class FixedPolicy:
     def start(self) -> None:
         pass
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, batch_tokens: int = 0) -> int:
+        """--draft-max, whatever else shares the target's decode."""
         return min(self.n_max, limit)
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                confidence: list[float] | None = None) -> None:
+                confidence: list[float] | None = None, batch_tokens: int = 0) -> None:
         pass
 
 
@@ -196,18 +197,25 @@ class AdaptivePolicy:
         draft model evaluates the tokens it missed; a remote or n-gram drafter, nothing."""
         return self.catch_up_s / self.catch_up_tokens if self.catch_up_tokens else 0.0
 
-    def rate(self, k: int) -> float:
-        """Expected tokens per second of a round asked for k tokens."""
+    def rate(self, k: int, batch_tokens: int = 0) -> float:
+        """Expected tokens per second of a round asked for k tokens, in a target decode
+        that other sequences fill with batch_tokens tokens (its cost is then only what
+        this round adds to theirs: throughput.verify_share)."""
         draft_s = self.draft_cost if k else self._catch_up_s
         return throughput.round_rate(self.acceptance, k, draft_s, self.verify_cost,
-                                     self.continuation)
+                                     self.continuation, batch_tokens)
 
     def _catch_up_s(self, _drafted: float) -> float:
         return self.catch_up_cost()
 
-    def choose(self, limit: int) -> int:
-        self.asked = self._best(min(self.n_max, limit))
-        self.round_rate = self.rate(self.asked) if self.asked else 0.0
+    def choose(self, limit: int, batch_tokens: int = 0) -> int:
+        """The k with the best expected rate, at most limit. batch_tokens: how many tokens
+        other sequences put into the same target decode. Alone (0) a round pays a whole
+        step, which drafting spreads over several tokens; in a big batch the step is
+        paid anyway and a round pays only for the tokens it adds, so drafting is chosen
+        only where its tokens still earn their verification and drafting time."""
+        self.asked = self._best(min(self.n_max, limit), batch_tokens)
+        self.round_rate = self.rate(self.asked, batch_tokens) if self.asked else 0.0
         return self.asked
 
     def stop_threshold(self) -> float:
@@ -226,8 +234,8 @@ class AdaptivePolicy:
             self.stop.threshold = self.stop_threshold()
         return self.stop(i, confidence)
 
-    def _best(self, limit: int) -> int:
-        rates = [self.rate(k) for k in range(limit + 1)]
+    def _best(self, limit: int, batch_tokens: int) -> int:
+        rates = [self.rate(k, batch_tokens) for k in range(limit + 1)]
         best_k = 0
         for k in range(1, limit + 1):
             if rates[k] > rates[best_k] * 1.0001:
@@ -252,7 +260,10 @@ class AdaptivePolicy:
         return try_k
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                confidence: list[float] | None = None) -> None:
+                confidence: list[float] | None = None, batch_tokens: int = 0) -> None:
+        """A round's outcome. verify_s is the whole target decode, which also carried
+        batch_tokens tokens of other sequences: the verification line is fitted on
+        the decode's size, so that choose can price what a round adds to it."""
         w = 1.0 - self.alpha
         if confidence:
             self.calibration.learn(confidence, accepted)
@@ -272,7 +283,7 @@ class AdaptivePolicy:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
         self.warm = self.asked > 0
-        self.verify.add(drafted, verify_s)
+        self.verify.add(batch_tokens + drafted, verify_s)
 
 
 Policy = FixedPolicy | AdaptivePolicy

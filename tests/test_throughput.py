@@ -1,5 +1,6 @@
 """One throughput model: `specwire plan`, the adaptive policy and bench's predictions
-give the same numbers for the same inputs."""
+give the same numbers for the same inputs, and the policy prices a round by what it
+adds to a shared target decode."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from specwire.bench.predict import Rounds, fit_acceptance, predict
 from specwire.bench.runner import Config
-from specwire.policy import AdaptivePolicy
+from specwire.policy import AdaptivePolicy, FixedPolicy
 from specwire.throughput import (
     VERIFY_SLOPE,
     LineFit,
@@ -86,3 +87,69 @@ def test_verify_share_is_what_a_round_adds_to_the_decode() -> None:
     assert verify_share(CURVE.cost, 4, batch=0) == CURVE.cost(4)
     assert verify_share(CURVE.cost, 4, batch=16) == pytest.approx(CURVE.cost(20) - CURVE.cost(16))
     assert verify_share(CURVE.cost, 4, batch=16) == pytest.approx(0.4)
+
+
+# --------------------------------------------------------------------------- batch-aware
+
+
+def _batch_policy() -> AdaptivePolicy:
+    """A target whose decode costs 10 ms to read the weights plus 1 ms a token; a drafter
+    at 0.5 ms a round and 0.5 ms a token, kept at a = 0.6; past the early rounds."""
+    p = AdaptivePolicy(8, accepted=600.0, rejected=400.0, continued=1.0, stopped=0.0)
+    p.draft = _exact_line([(x, 0.0005 + 0.0005 * x) for x in range(1, 9)])
+    p.verify = _exact_line([(x, 0.010 + 0.001 * (x + 1)) for x in range(0, 40, 3)])
+    p.asked_rounds = p.settle
+    return p
+
+
+def test_batch_tokens_zero_is_todays_choice() -> None:
+    """The keyword's default changes nothing: same k and same round rate, round after
+    round, as a policy asked without it."""
+    a, b = _batch_policy(), _batch_policy()
+    for i in range(40):
+        limit = 1 + i % 8
+        assert a.choose(limit) == b.choose(limit, batch_tokens=0)
+        assert a.round_rate == b.round_rate
+        a.observe(a.asked, a.asked // 2, 0.002, 0.013)
+        b.observe(b.asked, b.asked // 2, 0.002, 0.013)
+
+
+def test_a_big_batch_makes_drafting_stop_where_it_stops_paying() -> None:
+    """Alone, a round pays the 10 ms weight read, and a draft spreads it over ~2 tokens;
+    in a decode already carrying 32 tokens the read is paid anyway, a plain token adds
+    1 ms, and a draft's 2 ms of drafting no longer earns its tokens."""
+    p = _batch_policy()
+    alone = p.choose(8)
+    assert alone >= 2
+    shared = p.choose(8, batch_tokens=32)
+    assert shared == 0
+    assert p.rate(0, 32) == pytest.approx(1 / 0.001, rel=1e-6)
+    assert p.rate(3, 32) == pytest.approx(
+        expected_tokens(0.6, 3) / (0.0005 + 0.0005 * 3 + 0.001 * 4), rel=1e-6)
+    assert p.rate(3) == pytest.approx(
+        expected_tokens(0.6, 3) / (0.0005 + 0.0005 * 3 + 0.010 + 0.001 * 4), rel=1e-6)
+
+
+class _Curved(AdaptivePolicy):
+    """A policy that knows a curved verification cost: flat to 8 tokens, then steep."""
+
+    CURVE = VerifyCurve.parse("1:1,8:1.2,16:2.4,64:12")
+
+    def verify_cost(self, n: float) -> float:
+        return 0.01 * self.CURVE.cost(n)
+
+
+def test_drafting_shrinks_as_the_batch_grows() -> None:
+    """With a verification that turns compute-bound (each token dearer past 8), the chosen
+    k never grows with the batch and ends at 0."""
+    p = _Curved(8, accepted=800.0, rejected=200.0, continued=1.0, stopped=0.0)
+    p.draft = _exact_line([(x, 0.0002 * x) for x in range(1, 9)])
+    p.asked_rounds = p.settle
+    ks = [p.choose(8, batch_tokens=b) for b in (0, 4, 8, 16, 32, 63)]
+    assert ks == sorted(ks, reverse=True)
+    assert ks[0] > 0 and ks[-1] == 0
+
+
+def test_fixed_policy_ignores_the_batch() -> None:
+    assert FixedPolicy(6).choose(8, batch_tokens=100) == 6
+    assert FixedPolicy(6).choose(4, batch_tokens=0) == 4
