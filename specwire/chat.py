@@ -201,7 +201,7 @@ def template_for(backend: Any, template_name: str | None) -> tuple[str, str]:
             return "custom", template_name
         raise ConfigError(f"chat template: unknown name {template_name!r}; "
                           f"known: {', '.join(sorted(TEMPLATES))}")
-    own = backend.chat_template() if hasattr(backend, "chat_template") else None
+    own = backend.chat_template()
     if own:
         return "gguf", own
     name = default_template_name(backend)
@@ -210,7 +210,7 @@ def template_for(backend: Any, template_name: str | None) -> tuple[str, str]:
 
 def default_template_name(backend: Any) -> str:
     """The named template for a GGUF without one: by its architecture, else chatml."""
-    arch = (_architecture(backend) or getattr(backend, "name", "") or "").lower()
+    arch = (_architecture(backend) or backend.name or "").lower()
     for family, name in FAMILY_TEMPLATES.items():
         if arch.startswith(family):
             return name

@@ -14,7 +14,7 @@ from specwire.backend.base import BackendError
 from specwire.cliargs import CliError, draft_model_params, spec_type, target_params
 from specwire.cliplacement import draft_flag_names
 from specwire.config import ConfigError, VerifyMode
-from specwire.drafters.base import Drafter, NoDrafter
+from specwire.drafters.base import Drafter, NoDrafter, declared
 from specwire.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,7 @@ def build_engine(a: argparse.Namespace) -> Engine:
     try:
         return Engine(target, drafter, verify=verify)
     except ConfigError as e:
-        close = getattr(drafter, "close", None)
-        if close is not None:
-            close()
+        declared(drafter).close()
         raise CliError(str(e)) from None
 
 

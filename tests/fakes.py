@@ -12,13 +12,14 @@ buffer overwritten by the next eval, and an error past the context size.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from specwire.backend.base import BackendError
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.base import Draft
+from specwire.drafters.base import Draft, DrafterBase, declared
 from specwire.sampling import SparseDraft
 from specwire.verify import Verdict, Verifier
 
@@ -91,6 +92,7 @@ class FakeBackend:
         self._buf = np.zeros((n_ctx, model.n_vocab), dtype=np.float32)
         self.evals: list[tuple[int, tuple[int, ...]]] = []
         self.truncates: list[int] = []
+        self.decode_s = 0.0
 
     @property
     def n_past(self) -> int:
@@ -109,6 +111,7 @@ class FakeBackend:
         if self.n_past + len(tokens) > self.n_ctx:
             raise BackendError(f"{self.name}: context full ({self.n_past} + {len(tokens)} > "
                                f"{self.n_ctx})")
+        t0 = time.perf_counter()
         start = self.n_past
         self.evals.append((start, tuple(tokens)))
         self._tokens.extend(tokens)
@@ -117,6 +120,7 @@ class FakeBackend:
         self._buf[:] = np.nan
         for i in range(n):
             self._buf[i] = self.model.row(self._tokens[:start + i + 1])
+        self.decode_s += time.perf_counter() - t0
         if logits == "all":
             return self._buf[:n]
         if logits == "last":
@@ -130,6 +134,10 @@ class FakeBackend:
             raise BackendError(f"{self.name}: truncate({n}) with {self.n_past} cached")
         self.truncates.append(n)
         del self._tokens[n:]
+
+    def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
+        """A list cannot shift its entries' positions: the common prefix only."""
+        return n_past
 
     def tokenize(self, text: str, add_special: bool = True,
                  parse_special: bool = True) -> list[int]:
@@ -148,13 +156,14 @@ class FakeBackend:
         return None
 
 
-class RandomDrafter:
+class RandomDrafter(DrafterBase):
     """Proposes junk tokens from its own np.random.Generator: the target never keeps one.
 
     In rejection mode it sends an honest q: uniform over the junk ids.
     """
 
     name = "random"
+    provides_q = True
 
     def __init__(self, n_vocab: int, seed: int = 0) -> None:
         self.ids = np.arange(n_vocab - JUNK, n_vocab, dtype=np.int64)
@@ -181,7 +190,7 @@ class RandomDrafter:
         return {}
 
 
-class FixedDrafter:
+class FixedDrafter(DrafterBase):
     """Proposes a function of the history (tests choose exactly what is drafted)."""
 
     name = "fixed"
@@ -205,12 +214,15 @@ class FixedDrafter:
         return {}
 
 
-class SpyDrafter:
-    """Wraps a drafter and records every call; `extra` tokens beyond max_n are asked for."""
+class SpyDrafter(DrafterBase):
+    """Wraps a drafter and records every call; `extra` tokens beyond max_n are asked for.
+    It declares what the drafter it wraps declares."""
 
     def __init__(self, inner, extra: int = 0, on_propose=None) -> None:
         self.inner, self.extra, self.on_propose = inner, extra, on_propose
         self.name = f"spy:{inner.name}"
+        caps = declared(inner)
+        self.provides_q, self.deterministic = caps.provides_q, caps.deterministic
         self.calls: list[str] = []
         self.proposals: list[tuple[tuple[int, ...], int, tuple[int, ...]]] = []
         self.learned: list[tuple[int, int, int]] = []

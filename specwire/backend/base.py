@@ -2,6 +2,10 @@
 
 A backend owns one sequence's KV cache. The engine only ever appends tokens,
 reads logits at the positions it asked for, and truncates after a rejection.
+It also declares what the engine measures and reuses: `decode_s` (its time
+inside the model, so the engine can tell its own overhead) and `reuse_chunks`
+(llama-server's --cache-reuse; a backend that cannot shift its cache keeps the
+common prefix only).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class Backend(Protocol):
     name: str  # file name, for messages and /v1/models
     n_vocab: int
     n_ctx: int
+    decode_s: float  # seconds spent evaluating so far (grows; callers take differences)
 
     @property
     def n_past(self) -> int:
@@ -38,6 +43,11 @@ class Backend(Protocol):
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens of the KV cache (rollback after a rejection)."""
+
+    def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
+        """--cache-reuse: the cache holds prompt[:n_past]; shift cached runs of at least
+        n_min tokens that the rest of the prompt repeats into place, and return how many
+        prompt tokens it then holds (n_past where nothing can be shifted)."""
 
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = True

@@ -39,6 +39,7 @@ from specwire.bench import cpus
 from specwire.bench.runner import Config
 from specwire.cliargs import CliError, draft_model_params
 from specwire.cliplacement import draft_flag_names, node_flags
+from specwire.drafters.base import declared
 from specwire.netemu import LinkEmulator
 
 MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
@@ -211,9 +212,7 @@ class Drafters:
             try:
                 yield drafter, emu
             finally:
-                close = getattr(drafter, "close", None)
-                if callable(close):
-                    close()
+                declared(drafter).close()
                 emu.cut()   # the closed drafter's channel may linger; the next one starts clean
 
     def _in_process(self, cfg: Config) -> Any:

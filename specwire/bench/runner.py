@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from specwire.bench.prompts import Prompt
 from specwire.config import DraftParams, SamplingParams
+from specwire.drafters.base import declared
 from specwire.engine import Engine, Request
 from specwire.netemu import LinkEmulator
 
@@ -112,8 +113,8 @@ def tokens_digest(tokens: Sequence[int]) -> str:
 def reset_state(engine: Engine) -> None:
     """Empty the target's and the local draft model's KV caches (no prefix reuse)."""
     engine.target.truncate(0)
-    backend = getattr(engine.drafter, "backend", None)
-    if backend is not None and hasattr(backend, "truncate"):
+    backend = declared(engine.drafter).backend
+    if backend is not None:
         backend.truncate(0)
 
 

@@ -81,6 +81,7 @@ def run(a: argparse.Namespace) -> int:
     import uvicorn
 
     from specwire import chat
+    from specwire.drafters.base import declared
     from specwire.loader import build_engine
     from specwire.server import ServerSettings, create_app
 
@@ -144,9 +145,7 @@ def run(a: argparse.Namespace) -> int:
     finally:
         sock.close()
         for e in engines:
-            close = getattr(e.drafter, "close", None)
-            if callable(close):
-                close()
+            declared(e.drafter).close()
     return 0
 
 

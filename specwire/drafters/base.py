@@ -1,25 +1,39 @@
 """The drafter protocol: two methods, propose and learn, inside a begin/end pair.
 
 Local model, n-gram and remote drafters all implement it, so the engine loop is
-the same in one process and across the network. A drafter that can stop a draft
-by the adaptive policy's rule also has `steer(policy | None)`, which the engine
-calls around an adaptive request.
+the same in one process and across the network.
 
-What a drafter can do in rejection mode it declares with class attributes, which
-the engine checks when it is built (drafters/guard.py): `provides_q` (its
-drafts carry their sparse q), `deterministic` (its drafts never depend on the
-target's random draws, so a point mass is their exact q), and `remote` (its q
-comes over the network and is trusted, which is logged once).
+Beyond that, a drafter declares what it can do instead of callers probing for
+it; DrafterBase gives every capability a do-nothing default:
+
+* `steer(policy | None)`: stop drafts by the adaptive policy's rule (the engine
+  calls it around an adaptive request);
+* `constrain(grammar | None)`: draft only what a request's grammar allows;
+* `cache_use()`: (tokens reused from its cache, prompt tokens evaluated), or None;
+* `close()`: release what outlives requests (threads, connections);
+* `backend`: the local draft model's backend, if any (bench empties its cache);
+* `pipelined`: it drafts on its own while the target verifies, so asking is free;
+* for rejection mode, checked when the engine is built (drafters/guard.py):
+  `provides_q` (its drafts carry their sparse q), `deterministic` (its drafts
+  never depend on the target's random draws, so a point mass is their exact q),
+  and `remote` (its q comes over the network and is trusted, logged once).
+
+A drafter written before these were declared is given the defaults for what it
+lacks by `declared`, once, where the engine is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.sampling import SparseDraft
+
+if TYPE_CHECKING:
+    from specwire.backend.base import Backend
+    from specwire.constraints.grammar import GrammarSpec
 
 
 @dataclass(slots=True)
@@ -48,6 +62,11 @@ class Draft:
 
 class Drafter(Protocol):
     name: str
+    provides_q: bool
+    deterministic: bool
+    remote: bool
+    pipelined: bool
+    backend: Backend | None  # the local draft model's backend, if any
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
         """A new sequence starts; a remote drafter may start prefilling now."""
@@ -64,8 +83,76 @@ class Drafter(Protocol):
     def stats(self) -> dict[str, float]:
         """Cumulative figures the drafter measured (ms of network wait, bytes...)."""
 
+    def steer(self, policy: Any) -> None:
+        """Stop drafts by this adaptive policy's rule (None: by its own)."""
 
-class StatelessDrafter:
+    def constrain(self, spec: GrammarSpec | None) -> None:
+        """Draft only what this grammar allows (None: anything)."""
+
+    def cache_use(self) -> tuple[int, int] | None:
+        """(draft_cache_n, draft_prompt_n) of the sequence, if it keeps a cache."""
+
+    def close(self) -> None:
+        """Release what outlives requests."""
+
+
+class DrafterBase:
+    """Every optional capability of the Drafter protocol, declared absent: subclasses
+    override what they can do."""
+
+    name = "drafter"
+    provides_q = False
+    deterministic = False
+    remote = False
+    pipelined = False
+    backend: Backend | None = None
+
+    def steer(self, policy: Any) -> None:
+        pass
+
+    def constrain(self, spec: GrammarSpec | None) -> None:
+        pass
+
+    def cache_use(self) -> tuple[int, int] | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+#: The capabilities `declared` fills in, with DrafterBase's defaults.
+CAPABILITIES = ("provides_q", "deterministic", "remote", "pipelined", "steer", "constrain",
+                "cache_use", "close", "backend")
+
+
+class _Declared(DrafterBase):
+    """A drafter that does not derive from DrafterBase, with the defaults for what it
+    lacks: the protocol's calls forward to it, absent capabilities do nothing."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.name = str(getattr(inner, "name", "?"))
+        for attr in ("provides_q", "deterministic", "remote", "pipelined"):
+            setattr(self, attr, bool(getattr(inner, attr, False)))
+        for method in ("begin", "propose", "learn", "end", "stats"):
+            setattr(self, method, getattr(inner, method))
+        for method in ("steer", "constrain", "cache_use", "close"):
+            own = getattr(inner, method, None)
+            if callable(own):
+                setattr(self, method, own)
+        self.backend = getattr(inner, "backend", None)
+
+
+def declared(drafter: object) -> Drafter:
+    """The drafter itself when it derives from DrafterBase, else a view of it that
+    declares every capability (absent ones as DrafterBase's no-ops). Called once,
+    where an engine is built, so that nothing later probes a drafter for a method."""
+    if isinstance(drafter, DrafterBase):
+        return drafter  # type: ignore[return-value]
+    return _Declared(drafter)  # type: ignore[return-value]
+
+
+class StatelessDrafter(DrafterBase):
     """A drafter that keeps no per-sequence state: begin, learn and end do nothing.
 
     Subclasses propose, and count what they proposed in `drafted`.

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.base import Draft, Drafter
+from specwire.drafters.base import Draft, Drafter, declared
 from specwire.sampling import SparseDraft
 
 log = logging.getLogger("specwire.engine")
@@ -38,16 +38,6 @@ class DrafterFailure(Exception):
     """A drafter returned something the engine cannot use; the message says what."""
 
 
-def provides_q(drafter: object) -> bool:
-    """The drafter sends its own q in rejection mode."""
-    return bool(getattr(drafter, "provides_q", False))
-
-
-def is_deterministic(drafter: object) -> bool:
-    """The drafter's tokens never depend on the target's random draws (q: a point mass)."""
-    return bool(getattr(drafter, "deterministic", False))
-
-
 def point_q(tokens: Sequence[int]) -> list[SparseDraft]:
     one = np.ones(1, dtype=np.float32)
     return [SparseDraft(int(t), np.array([t], dtype=np.int64), one.copy()) for t in tokens]
@@ -58,8 +48,13 @@ class DraftGuard:
     draft and a pause. Lives as long as its engine, so the pause spans requests."""
 
     def __init__(self, drafter: Drafter, n_vocab: int) -> None:
-        self.drafter, self.n_vocab = drafter, n_vocab
-        self.name = drafter.name
+        self.drafter, self.n_vocab = declared(drafter), n_vocab
+        self.name = self.drafter.name
+        self.provides_q = self.drafter.provides_q
+        self.deterministic = self.drafter.deterministic
+        self.remote = self.drafter.remote
+        self.pipelined = self.drafter.pipelined
+        self.backend = self.drafter.backend
         self.failures = 0  # in a row
         self.total_failures = 0
         self.retry_at = 0.0
@@ -71,7 +66,7 @@ class DraftGuard:
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
         self._sampling, self._params = sampling, params
         rejection = params.mode is VerifyMode.REJECTION and not sampling.greedy
-        self._one_hot = rejection and not provides_q(self.drafter)
+        self._one_hot = rejection and not self.provides_q
         self._live = False
         self._start(prompt)
 
@@ -111,32 +106,31 @@ class DraftGuard:
         return out
 
     def steer(self, policy) -> None:
-        self._forward("steer", policy)
+        try:
+            self.drafter.steer(policy)
+        except Exception as e:  # noqa: BLE001
+            self._failed("steer", e)
 
     def cache_use(self) -> tuple[int, int] | None:
         """(draft_cache_n, draft_prompt_n) from a drafter that keeps a cache, else None."""
-        use = getattr(self.drafter, "cache_use", None)
-        if use is None:
-            return None
         try:
-            return use()
+            return self.drafter.cache_use()
         except Exception as e:  # noqa: BLE001
             self._failed("cache_use", e)
             return None
 
     def constrain(self, spec) -> None:
         """Pass a request's grammar to a drafter that can follow it (more accepted tokens)."""
-        self._forward("constrain", spec)
-
-    def _forward(self, method: str, arg: object) -> None:
-        """An optional drafter method, called inside the boundary; absent, nothing happens."""
-        call = getattr(self.drafter, method, None)
-        if call is None:
-            return
         try:
-            call(arg)
+            self.drafter.constrain(spec)
         except Exception as e:  # noqa: BLE001
-            self._failed(method, e)
+            self._failed("constrain", e)
+
+    def close(self) -> None:
+        try:
+            self.drafter.close()
+        except Exception as e:  # noqa: BLE001
+            log.warning("drafter %s: close failed: %s", self.name, _describe(e))
 
     # -- inside the boundary ----------------------------------------------------------
 
@@ -196,25 +190,27 @@ def _describe(e: Exception) -> str:
 
 def check_verify_mode(drafter: object, mode: VerifyMode) -> None:
     """Refuse a drafter that cannot take part in `mode` (raises ValueError naming it);
-    log once that rejection mode trusts a remote drafter's q."""
+    log once that rejection mode trusts a remote drafter's q. A deterministic drafter
+    without q passes: DraftGuard gives its drafts a one-hot q."""
     if mode is not VerifyMode.REJECTION:
         return
-    if not provides_q(drafter) and not is_deterministic(drafter):
+    d = declared(drafter)
+    if not d.provides_q and not d.deterministic:
         raise ValueError(
-            f"--verify rejection: the drafter {getattr(drafter, 'name', '?')} gives no draft "
+            f"--verify rejection: the drafter {d.name} gives no draft "
             f"distribution q and its drafts are not deterministic; use --verify coupled")
-    if getattr(drafter, "remote", False):
-        _log_trust_once(drafter)
+    if d.remote:
+        _log_trust_once(d)
 
 
 _trust_logged = False
 
 
-def _log_trust_once(drafter: object) -> None:
+def _log_trust_once(drafter: Drafter) -> None:
     global _trust_logged
     if _trust_logged:
         return
     _trust_logged = True
     log.warning("--verify rejection trusts the q that the remote drafter %s sends: a hostile "
                 "one can steer the output; coupled verification (the default) cannot be "
-                "steered by any draft", getattr(drafter, "name", "?"))
+                "steered by any draft", drafter.name)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.base import Draft, Drafter
+from specwire.drafters.base import Draft, Drafter, DrafterBase, declared
 from specwire.drafters.ngram import NgramDrafter, Offer
 from specwire.throughput import draft_line, expected_tokens, verify_line
 
@@ -47,14 +47,14 @@ def _kept(draft: Sequence[int], new: Sequence[int]) -> int:
     return n
 
 
-class HybridDrafter:
+class HybridDrafter(DrafterBase):
     """Composes an NgramDrafter and a model drafter (local, threaded or remote)."""
 
     def __init__(self, ngram: NgramDrafter, model: Drafter, alpha: float = 0.1) -> None:
-        self.ngram, self.model, self.alpha = ngram, model, alpha
-        self.name = f"hybrid:{model.name}"
+        self.ngram, self.model, self.alpha = ngram, declared(model), alpha
+        self.name = f"hybrid:{self.model.name}"
         # asking costs the target nothing when the model drafts on its own (node, thread)
-        self.ahead = bool(getattr(model, "pipelined", False))
+        self.ahead = self.model.pipelined
         self.verify = verify_line()     # seconds vs tokens drafted
         self.drafting = draft_line()    # model seconds vs tokens drafted
         self.accepted, self.rejected = 1.5, 0.5             # the model's a, pseudo-counts
@@ -67,13 +67,11 @@ class HybridDrafter:
     @property
     def backend(self):
         """The local draft model's backend, if any (bench empties its cache per prompt)."""
-        return getattr(self.model, "backend", None)
+        return self.model.backend
 
     def steer(self, policy) -> None:
         self.ngram.steer(policy)
-        steer = getattr(self.model, "steer", None)
-        if steer is not None:
-            steer(policy)
+        self.model.steer(policy)
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
         self.ngram.begin(prompt, sampling, params)
@@ -186,9 +184,7 @@ class HybridDrafter:
 
     def close(self) -> None:
         """Close the model drafter's connection, if it has one."""
-        close = getattr(self.model, "close", None)
-        if callable(close):
-            close()
+        self.model.close()
 
     def stats(self) -> dict[str, float]:
         return {**self.model.stats(), **{k: v for k, v in self.ngram.stats().items()

@@ -16,10 +16,10 @@ from specwire.backend.base import Backend, reusable_prefix, sync_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.constraints.grammar import Grammar, GrammarSpec
 from specwire.constraints.trail import GrammarTrail
-from specwire.drafters.base import Draft
+from specwire.drafters.base import Draft, DrafterBase
 
 
-class ModelDrafter:
+class ModelDrafter(DrafterBase):
     """Drafts by running a small model autoregressively, token by token.
 
     How the draft picks each token follows the verification mode: argmax for
@@ -73,7 +73,7 @@ class ModelDrafter:
             sampling_ = replace(sampling_, seed=params.seed)
         self.sampling, self.params = sampling_, params
         self._drafted = 0
-        self._decode0 = getattr(self.backend, "decode_s", 0.0)
+        self._decode0 = self.backend.decode_s
         kept = reusable_prefix(self.backend.tokens, prompt)
         self._cache_use = (kept, len(prompt) - kept)
 
@@ -153,7 +153,7 @@ class ModelDrafter:
 
     def stats(self) -> dict[str, float]:
         """Counters since begin(): tokens drafted, ms inside the draft's llama_decode."""
-        decode_ms = 1000 * (getattr(self.backend, "decode_s", 0.0) - self._decode0)
+        decode_ms = 1000 * (self.backend.decode_s - self._decode0)
         return {"drafted": float(self._drafted), "decode_ms": decode_ms}
 
 

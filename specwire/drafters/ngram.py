@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.base import Draft
+from specwire.drafters.base import Draft, DrafterBase
 from specwire.drafters.ngram_cache import LookupCache
 from specwire.drafters.ngram_index import HistoryIndex, continuation
 from specwire.sampling import SparseDraft
@@ -125,7 +125,7 @@ class Offer:
         return total
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Longest-match lookup with learned stops and a cross-request cache.
 
     n_max, n_min: the longest match measured and the shortest one used. keep: a fixed

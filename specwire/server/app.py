@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from specwire import chat
+from specwire.backend.base import Backend
 from specwire.engine import Engine
 from specwire.server import limits, schemas
 from specwire.server.errors import ApiError, install_handlers
@@ -52,9 +53,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.25
 
 
-def model_names(target: object, alias: str | None) -> list[str]:
+def model_names(target: Backend, alias: str | None) -> list[str]:
     """Names a request may use for the served model: the alias first (listed by /v1/models)."""
-    file_name = str(getattr(target, "name", "model"))
+    file_name = str(target.name)
     names = [alias] if alias else []
     for n in (file_name, Path(file_name).stem):
         if n not in names:

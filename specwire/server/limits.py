@@ -184,9 +184,8 @@ def longest_token_bytes(backend: Any) -> int:
 
 def fewest_tokens(text: str, backend: Any) -> int:
     """A lower bound on the tokens `text` becomes, without tokenizing it (0: too short to
-    bound, or a backend that cannot print its tokens). Only long texts pay for the
-    vocabulary scan."""
+    bound). Only long texts pay for the vocabulary scan."""
     size = len(text.encode("utf-8"))
-    if size <= backend.n_ctx or not hasattr(backend, "detokenize"):
+    if size <= backend.n_ctx:
         return 0
     return size // (TOKEN_BOUND_SLACK * longest_token_bytes(backend))
