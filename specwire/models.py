@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specwire.backend.base import BackendError
+from specwire.backend.gguf import check_gguf
 
 log = logging.getLogger(__name__)
 
@@ -112,26 +112,6 @@ def home() -> Path:
 def bundled_path(role: str) -> Path:
     """Where the bundled file for `role` (base, target, draft, f16) lives; may not exist yet."""
     return home() / _recipe(role).name
-
-
-def check_gguf(path: str | os.PathLike) -> None:
-    """Raise BackendError naming `path` unless it is a readable file starting with b'GGUF'.
-
-    Catches the common mistakes (wrong path, a .safetensors or an HTML error page
-    saved as .gguf) before llama.cpp turns them into an opaque load failure.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise BackendError(f"{p}: no such model file")
-    if not p.is_file():
-        raise BackendError(f"{p}: not a file")
-    try:
-        with p.open("rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise BackendError(f"{p}: cannot read: {e.strerror}") from None
-    if magic != b"GGUF":
-        raise BackendError(f"{p}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
 
 
 def file_sha256(path: str | os.PathLike, progress: bool = False) -> str:
@@ -385,10 +365,13 @@ def _quantize(src: Path, dst: Path, ftype: int, etype: int | None, threads: int,
     params.nthread = threads
     if etype is not None:
         params.token_embedding_type = etype
-    with _bar(f"quantize {label}", None, progress, unit="tensor") as bar, \
-            _captured_logs(_TensorProgress(bar)) as logs:
-        rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst),
-                                            ctypes.byref(params))
+    from specwire.backend.llama_process import log_tap
+
+    with _bar(f"quantize {label}", None, progress, unit="tensor") as bar:
+        logs = _LogLines(_TensorProgress(bar))
+        with log_tap(logs, quiet=True):
+            rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst),
+                                                ctypes.byref(params))
     if rc != 0 or not dst.exists():
         detail = logs.errors() or "no error message from llama.cpp"
         raise BackendError(f"quantizing {src} to {label} failed: {detail}")
@@ -411,63 +394,27 @@ class _TensorProgress:
             self.bar.update(done - self.bar.n)
 
 
-class _LogSink:
-    """Collects llama.cpp log lines while a quantization runs (ggml levels: 4 = error)."""
-
-    ERROR = 4
-    CONT = 5
+class _LogLines:
+    """llama.cpp's log lines while a quantization runs; continuation lines (level CONT)
+    take the level of the line they continue."""
 
     def __init__(self, on_line: Callable[[str], None]) -> None:
         self.on_line = on_line
         self.lines: list[tuple[int, str]] = []
 
-    def add(self, level: int, text: str) -> None:
-        if level == self.CONT and self.lines:
+    def __call__(self, level: int, text: str) -> None:
+        from specwire.backend.llama_process import CONT
+
+        if level == CONT and self.lines:
             level = self.lines[-1][0]
         self.lines.append((level, text))
         self.on_line(text)
 
     def errors(self) -> str:
-        picked = [t for lv, t in self.lines if lv == self.ERROR] or [t for _, t in self.lines[-3:]]
+        from specwire.backend.llama_process import ERROR
+
+        picked = [t for lv, t in self.lines if lv == ERROR] or [t for _, t in self.lines[-3:]]
         return " ".join(" ".join(t.split()) for t in picked).strip()
-
-
-_sink: _LogSink | None = None
-_sink_lock = threading.Lock()  # llama.cpp has one global log callback: one capture at a time
-_callback = None  # the ctypes callback object: must outlive every call into llama.cpp
-
-
-def _log_callback(level: int, text: bytes, _user_data) -> None:
-    sink = _sink
-    if sink is not None:
-        with contextlib.suppress(Exception):
-            sink.add(level, text.decode("utf-8", errors="replace"))
-
-
-@contextlib.contextmanager
-def _captured_logs(on_line: Callable[[str], None]) -> Iterator[_LogSink]:
-    """Route llama.cpp's log to a sink (the quantizer logs every tensor), then restore it."""
-    global _sink, _callback
-    llama_cpp = _llama()
-    with _sink_lock:
-        if _callback is None:
-            _callback = llama_cpp.llama_log_callback(_log_callback)
-        _sink = sink = _LogSink(on_line)
-        llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
-        try:
-            yield sink
-        finally:
-            _sink = None
-            _restore_default_log(llama_cpp)
-
-
-def _restore_default_log(llama_cpp) -> None:
-    """Hand logging back to llama-cpp-python's own callback (which honours verbose=False)."""
-    try:
-        from llama_cpp import _logger
-        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
-    except (ImportError, AttributeError):  # pragma: no cover - layout of other versions
-        llama_cpp.llama_log_set(None, ctypes.c_void_p(0))
 
 
 # --------------------------------------------------------------------------- files, lock

@@ -64,7 +64,7 @@ def test_home_env_and_default(monkeypatch, tmp_path):
 
 def test_check_gguf(tmp_path):
     models.check_gguf(fake_gguf(tmp_path / "ok.gguf"))
-    with pytest.raises(BackendError, match=r"missing\.gguf: no such model file"):
+    with pytest.raises(BackendError, match=r"missing\.gguf: model file not found"):
         models.check_gguf(tmp_path / "missing.gguf")
     (tmp_path / "page.gguf").write_text("<html>404</html>")
     with pytest.raises(BackendError, match=r"page\.gguf: not a GGUF file"):
@@ -159,7 +159,7 @@ def test_cli_make_draft_errors_are_cli_errors(tmp_path):
     with pytest.raises(CliError, match="unknown quantization type 'Q9'"):
         models_cmd.run(args)
     args = parse(["models", "make-draft", "--from", str(tmp_path / "nope.gguf"), "-o", "o.gguf"])
-    with pytest.raises(CliError, match="no such model file"):
+    with pytest.raises(CliError, match="model file not found"):
         models_cmd.run(args)
 
 

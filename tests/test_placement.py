@@ -329,7 +329,8 @@ def overridden(lines: list[str]) -> dict[str, str]:
 
 
 def load_with_log(argv: list[str], path: Path):
-    from specwire.backend.llama import LlamaBackend, llama_log, load_model
+    from specwire.backend.llama import LlamaBackend, load_model
+    from specwire.backend.llama_process import llama_log
     params = target_params(parse("generate", "x", "-m", str(path), "-c", "256", *argv),
                            str(path))
     with llama_log() as lines:
@@ -341,7 +342,8 @@ def load_with_log(argv: list[str], path: Path):
 @pytest.mark.slow
 def test_moe_is_a_moe_with_the_gemma_vocabulary(moe) -> None:
     from specwire import models, moe_fixture
-    from specwire.backend.llama import check_pair, llama_log, load_model
+    from specwire.backend.llama import check_pair, load_model
+    from specwire.backend.llama_process import llama_log
     from specwire.config import ModelParams
     names = moe_fixture.tensor_names()
     assert sum(bool(re.search(EXPS, n)) for n in names) == 3 * moe_fixture.MoeSpec().n_layer

@@ -19,14 +19,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from specwire.backend import placement
 from specwire.backend.base import BackendError
-from specwire.config import NUMA_STRATEGIES, ModelParams
+from specwire.backend.gguf import check_gguf
+from specwire.backend.llama_process import init_backend
+from specwire.config import ModelParams
 
 try:
     import llama_cpp as C
@@ -46,67 +48,6 @@ _GGML_TYPES = {
     "iq4_nl": 20,
     "bf16": 30,
 }
-_init_lock = threading.Lock()
-_initialised = False
-_numa: str | None = None
-_log_taps: list[list[str]] = []   # lines collected by llama_log() while it runs
-
-
-@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation. llama.cpp is chatty;
-    # keep problems, and hand every line to a llama_log() capture while one is open.
-    if not text:
-        return
-    for tap in list(_log_taps):
-        tap.append(text.decode(errors="replace"))
-    if level in (3, 4):
-        log.log(
-            logging.ERROR if level >= 4 else logging.DEBUG, text.decode(errors="replace").rstrip()
-        )
-
-
-def init_backend(numa: str = "disabled") -> None:
-    """llama.cpp's process-wide setup, once: log callback, backends, --numa strategy."""
-    global _initialised, _numa
-    with _init_lock:
-        if not _initialised:
-            C.llama_log_set(_log_callback, ctypes.c_void_p())
-            C.llama_backend_init()
-            _initialised = True
-        if numa != "disabled" and numa != _numa:
-            if _numa is not None:
-                raise BackendError(f"--numa {numa}: this process already runs --numa {_numa}")
-            C.llama_numa_init(NUMA_STRATEGIES[numa])
-            _numa = numa
-
-
-@contextlib.contextmanager
-def llama_log() -> Iterator[list[str]]:
-    """Collect llama.cpp's log lines (every level) while the block runs.
-
-    The callback is installed again on entry: the quantizer (models.py) hands
-    logging to llama-cpp-python's own callback when it finishes.
-    """
-    init_backend()
-    lines: list[str] = []
-    with _init_lock:
-        C.llama_log_set(_log_callback, ctypes.c_void_p())
-        _log_taps.append(lines)
-    try:
-        yield lines
-    finally:
-        _log_taps.remove(lines)
-
-
-def check_gguf(path: str) -> None:
-    """Refuse a missing file or one that is not a GGUF, naming it."""
-    if not os.path.isfile(path):
-        raise BackendError(f"model file not found: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise BackendError(f"not a GGUF model file (magic {magic!r}): {path}")
 
 
 @dataclass(slots=True)

@@ -100,7 +100,7 @@ def ggml() -> _Ggml:
     """The bound registry (llama.cpp's backends registered first)."""
     global _ggml
     if _ggml is None:
-        from specwire.backend.llama import init_backend
+        from specwire.backend.llama_process import init_backend
         init_backend()
         _ggml = _Ggml()
     return _ggml

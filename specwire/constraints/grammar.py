@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import sys
 import tempfile
@@ -71,17 +70,6 @@ def _stderr_captured() -> Iterator[list[str]]:
                 sys.stderr.write(text)
 
 
-class _LogLines(logging.Handler):
-    """Collects what llama.cpp logs (through specwire.backend.llama) while a grammar compiles."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage().strip())
-
-
 class Grammar:
     """One compiled grammar and its parse state, for one sequence."""
 
@@ -99,21 +87,19 @@ class Grammar:
 
         if not spec.text.strip():
             raise ConfigError(f"{spec.origin}: the grammar is empty")
-        from specwire.backend import llama as backend_llama
+        from specwire.backend.llama_process import ERROR, WARN, log_tap
 
-        backend_llama.init_backend()  # llama.cpp's log goes through `logging` from now on
-        logged = _LogLines()
-        logger = logging.getLogger(backend_llama.__name__)
-        with _compile_lock, _stderr_captured() as printed:
-            logger.addHandler(logged)
-            try:
-                smpl = C.llama_sampler_init_grammar(vocab, spec.text.encode(),
-                                                    spec.root.encode())
-            finally:
-                logger.removeHandler(logged)
+        problems: list[str] = []
+
+        def keep(level: int, text: str) -> None:
+            if level in (WARN, ERROR):
+                problems.append(text.strip())
+
+        with _compile_lock, _stderr_captured() as printed, log_tap(keep):
+            smpl = C.llama_sampler_init_grammar(vocab, spec.text.encode(), spec.root.encode())
         if not smpl:
             why = _parse_error("".join(printed)) or "; ".join(
-                ln for ln in logged.lines if "failed to parse" not in ln)
+                ln for ln in problems if "failed to parse" not in ln)
             raise ConfigError(f"{spec.origin}: invalid grammar: {why or 'llama.cpp rejected it'}")
         return cls(smpl, spec)
 
