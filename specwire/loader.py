@@ -1,21 +1,21 @@
-"""Build an Engine from command-line settings: target, drafter, compatibility checks.
+"""Build an Engine from typed settings: target, drafter, compatibility checks.
 
 Shared by generate, serve and bench so that every command resolves the bundled
-defaults, refuses incompatible pairs and picks the drafter the same way.
+defaults, refuses incompatible pairs and picks the drafter the same way. The
+commands build the settings from their flags (specwire/commands/settings.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 
-from specwire.backend.base import BackendError
-from specwire.cliargs import CliError, draft_model_params, spec_type, target_params
+from specwire.backend.base import Backend, BackendError
+from specwire.cliargs import CliError
 from specwire.cliplacement import draft_flag_names
-from specwire.config import ConfigError, VerifyMode
+from specwire.config import ConfigError
 from specwire.drafters.base import Drafter, NoDrafter, declared
 from specwire.engine import Engine
+from specwire.settings import DraftSettings, EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ def resolve_draft(path: str | None) -> str:
     return str(models.default_draft())
 
 
-def build_engine(a: argparse.Namespace) -> Engine:
-    """The target backend plus the drafter the flags ask for (bundled pair by default).
+def build_engine(s: EngineSettings) -> Engine:
+    """The target backend plus the drafter the settings ask for.
 
     Both models' placements are checked (buffer types, devices) before either loads,
     so a bad -otd does not wait for a big target to load first.
@@ -43,74 +43,45 @@ def build_engine(a: argparse.Namespace) -> Engine:
     from specwire.backend.llama import LlamaBackend
     from specwire.backend.placement import check
     try:
-        tparams = target_params(a, resolve_target(a.model))
-        kind = drafter_kind(a)
-        dparams = (draft_model_params(a, resolve_draft(a.model_draft)) if kind == "model"
-                   else None)
-        check(tparams.placement)
-        if dparams is not None:
-            check(dparams.placement, draft_flag_names())
-        target = LlamaBackend(tparams)
-        drafter = build_drafter(a, kind, target, dparams)
+        check(s.target.placement)
+        if s.draft.model is not None:
+            check(s.draft.model.placement, draft_flag_names())
+        target = LlamaBackend(s.target)
+        drafter = build_drafter(s.draft, target)
     except BackendError as e:
         raise CliError(str(e)) from None
-    sampled = getattr(a, "temp", 0.0) > 0
-    verify = VerifyMode(a.verify) if sampled and getattr(a, "verify", None) else None
     try:
-        return Engine(target, drafter, verify=verify)
+        return Engine(target, drafter, verify=s.verify)
     except ConfigError as e:
         declared(drafter).close()
         raise CliError(str(e)) from None
 
 
-def drafter_kind(a: argparse.Namespace) -> str:
-    """none, ngram, remote or model (a draft model in this process)."""
-    kind = spec_type(a)
-    if getattr(a, "no_draft", False) or kind == "none":
-        kind = "none"
-    elif getattr(a, "draft_ngram", False) or kind == "ngram":
-        kind = "ngram"
-    else:
-        kind = "remote" if getattr(a, "draft_url", None) else "model"
-    if getattr(a, "draft_hybrid", False) and kind not in ("remote", "model"):
-        raise CliError("--draft-hybrid: needs a draft model (-md or --draft-url), not "
-                       "--no-draft or --draft-ngram")
-    return kind
-
-
-def build_drafter(a: argparse.Namespace, kind: str, target, dparams) -> Drafter:
-    if getattr(a, "draft_hybrid", False):
+def build_drafter(s: DraftSettings, target: Backend) -> Drafter:
+    if s.hybrid:
         from specwire.drafters.hybrid import HybridDrafter
         from specwire.drafters.ngram import NgramDrafter
-        return HybridDrafter(NgramDrafter(), build_model_drafter(a, kind, target, dparams))
-    if kind == "none":
+        return HybridDrafter(NgramDrafter(), build_model_drafter(s, target))
+    if s.kind == "none":
         return NoDrafter()
-    if kind == "ngram":
+    if s.kind == "ngram":
         from specwire.drafters.ngram import NgramDrafter
         return NgramDrafter()
-    return build_model_drafter(a, kind, target, dparams)
+    return build_model_drafter(s, target)
 
 
-def build_model_drafter(a: argparse.Namespace, kind: str, target, dparams) -> Drafter:
+def build_model_drafter(s: DraftSettings, target: Backend) -> Drafter:
     """A draft model: remote (--draft-url) or in this process (-md or the bundled one)."""
-    if kind == "remote":
+    if s.kind == "remote":
         from specwire.wire.client import make_remote_drafter
-        return make_remote_drafter(a.draft_url, a, target)
+        return make_remote_drafter(list(s.urls), s.remote, target)
     from specwire.backend.llama import LlamaBackend, check_pair, load_model
-    dmodel = load_model(dparams, draft_flag_names())
+    assert s.model is not None  # DraftSettings refuses kind model without one
+    dmodel = load_model(s.model, draft_flag_names())
     check_pair(target.model, dmodel)
-    backend = LlamaBackend(dparams, dmodel)
-    if local_mode(a) == "pipelined":
+    backend = LlamaBackend(s.model, dmodel)
+    if s.threaded:
         from specwire.drafters.threaded import ThreadedDrafter
         return ThreadedDrafter(backend)
     from specwire.drafters.model import ModelDrafter
     return ModelDrafter(backend)
-
-
-def local_mode(a: argparse.Namespace) -> str:
-    """A local draft works ahead on its own thread only when a core is free for it."""
-    mode = getattr(a, "draft_mode", "auto")
-    if mode != "auto":
-        return mode
-    cores = os.cpu_count() or 1
-    return "pipelined" if a.threads + a.threads_draft <= cores else "sync"

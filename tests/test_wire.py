@@ -22,7 +22,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -49,6 +48,7 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
 from specwire.cliargs import CliError
 from specwire.engine import Engine
 from specwire.netemu import LinkEmulator
+from specwire.settings import RemoteSettings
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
@@ -596,10 +596,8 @@ def test_incompatible_node_is_refused_at_connect(target) -> None:
             asyncio.run(link.connect())
         assert target.backend.name in str(e.value) and "llama-2-7b-draft.gguf" in str(e.value)
         assert "32000" in str(e.value) and not link.up and not link.ready_to_try()
-        args = SimpleNamespace(draft_token=None, draft_tls_ca=None, draft_tls_cert=None,
-                               draft_tls_key=None, draft_mode="pipelined")
         with pytest.raises(CliError, match="incompatible models") as e:
-            make_remote_drafter([fake.url], args, target.backend)
+            make_remote_drafter([fake.url], RemoteSettings(pipelined=True), target.backend)
         assert target.backend.name in str(e.value) and "llama-2-7b-draft.gguf" in str(e.value)
     other = protocol.PROTOCOL_VERSION + 1
     with (FakeNode(target.fingerprint, target.n_vocab, protocol_version=other) as fake,

@@ -20,9 +20,7 @@ predictions.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from specwire.settings import MeasureSettings
 from specwire.throughput import VerifyCurve
 
 VERIFY_SIZES = (1, 2, 4, 8, 16)
@@ -107,66 +106,22 @@ class Measurement:
                 f"({self.draft_n_accepted}/{self.draft_n}), {self.verify.describe()}")
 
 
-def add_measure_args(p: argparse.ArgumentParser) -> None:
-    """`--measure` and the model flags it needs (generate's names), in their own group."""
-    from specwire.cliargs import add_draft_model_args, add_model_args
-    g = p.add_argument_group("measuring (--measure)")
-    g.add_argument("--measure", action="store_true",
-                   help="measure target/draft speed, verification cost and acceptance on this "
-                   "machine (bundled pair unless -m/-md); flags given explicitly win")
-    g.add_argument("--measure-prompts", default="code", metavar="SET",
-                   help="prompt set(s) for the measurement (default code)")
-    g.add_argument("--measure-limit", type=int, default=4, metavar="N",
-                   help="prompts used from each set (default 4)")
-    g.add_argument("--measure-n", type=int, default=64, metavar="N",
-                   help="tokens generated per prompt (default 64)")
-    g.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft",
-                   help="draft GGUF (default: the bundled Q2_K draft)")
-    add_model_args(p, draft=False)
-    add_draft_model_args(g)
-
-
-def apply_measurement(args: argparse.Namespace) -> None:
-    """Fill the figures `plan` was not given from a measurement (--measure), else insist."""
-    missing = [f for f in ("target_tps", "draft_tps", "acceptance") if getattr(args, f) is None]
-    if not getattr(args, "measure", False):
-        if missing:
-            from specwire.cliargs import CliError
-            flags = ", ".join("--" + f.replace("_", "-") for f in missing)
-            raise CliError(f"missing {flags} (or --measure to measure them here)")
-        return
-    m = measure(args)
-    print(m.describe(), file=sys.stderr)
-    if args.target_tps is None:
-        args.target_tps = repr(m.target_tps)
-    if args.draft_tps is None:
-        args.draft_tps = repr(m.draft_tps)
-    if args.acceptance is None:
-        args.acceptance = repr(m.acceptance)
-    if args.verify_cost is None:
-        args.verify_cost = ",".join(f"{n}:{c:g}" for n, c in m.verify.points)
-
-
-def measure(a: argparse.Namespace) -> Measurement:
+def measure(s: MeasureSettings) -> Measurement:
     """Load the pair, then the four figures (target and draft one after the other)."""
     from specwire.backend.base import BackendError
     from specwire.backend.llama import LlamaBackend, check_pair, load_model
     from specwire.backend.placement import check
     from specwire.bench import prompts as prompt_sets
     from specwire.bench.runner import Config, Workload, run_config
-    from specwire.cliargs import CliError, draft_model_params, target_params
+    from specwire.cliargs import CliError
     from specwire.cliplacement import draft_flag_names
     from specwire.config import DraftParams, SamplingParams
     from specwire.drafters.model import ModelDrafter
     from specwire.engine import Engine
-    from specwire.loader import resolve_draft, resolve_target
 
-    if a.measure_limit < 1 or a.measure_n < 1:
-        raise CliError("--measure-limit and --measure-n must be >= 1")
+    tparams, dparams = s.target, s.draft
     try:
-        plist = prompt_sets.resolve(a.measure_prompts, a.measure_limit)
-        tparams = target_params(a, resolve_target(a.model))
-        dparams = draft_model_params(a, resolve_draft(a.model_draft))
+        plist = prompt_sets.resolve(s.prompts, s.limit)
         check(tparams.placement)                        # both, before either loads
         check(dparams.placement, draft_flag_names())
         target = LlamaBackend(tparams)
@@ -177,7 +132,7 @@ def measure(a: argparse.Namespace) -> Measurement:
         raise CliError(str(e)) from None
     tokens = [prompt_sets.tokenize(p, target) for p in plist]
     work = Workload(plist, tokens, SamplingParams(temperature=0.0), DraftParams(),
-                    n_predict=a.measure_n)
+                    n_predict=s.n_predict)
     plain = run_config(Engine(target), work, Config("plain"))
     spec = run_config(Engine(target, ModelDrafter(draft)), work,
                       Config("local", DraftParams().n_max))

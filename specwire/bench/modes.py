@@ -32,7 +32,6 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from specwire.bench import cpus
@@ -41,6 +40,7 @@ from specwire.cliargs import CliError, draft_model_params
 from specwire.cliplacement import draft_flag_names, node_flags
 from specwire.drafters.base import declared
 from specwire.netemu import LinkEmulator
+from specwire.settings import RemoteSettings
 
 MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
          "ngram-classic", "random", "llama-server", "hybrid", "hybrid-pipelined")
@@ -251,9 +251,9 @@ class Drafters:
         """A fresh Link + RemoteDrafter through the emulator, handshake done."""
         from specwire.wire.client import make_remote_drafter
         a = self.a
-        opts = SimpleNamespace(draft_token=a.draft_token, draft_tls_ca=a.draft_tls_ca,
-                               draft_tls_cert=a.draft_tls_cert, draft_tls_key=a.draft_tls_key,
-                               draft_mode="pipelined" if pipelined else "sync")
+        opts = RemoteSettings(token=a.draft_token, tls_ca=a.draft_tls_ca,
+                              tls_cert=a.draft_tls_cert, tls_key=a.draft_tls_key,
+                              pipelined=pipelined)
         drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
         link = drafter.links[0]
         if not link.up:

@@ -64,6 +64,7 @@ def read_prompt(a: argparse.Namespace) -> str | list[dict]:
 
 
 def run(a: argparse.Namespace) -> int:
+    from specwire.commands.settings import engine_settings
     from specwire.engine import Request
     from specwire.loader import build_engine
     from specwire.textstream import TextStream
@@ -72,7 +73,7 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"-n: must be >= 0, got {a.n_predict}")
     prompt = read_prompt(a)
     sp, dp = sampling_params(a), draft_params(a)
-    engine = build_engine(a)
+    engine = build_engine(engine_settings(a))
     target = engine.target
     if isinstance(prompt, list):
         from specwire.chat import render_for

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
 from specwire.bench import calibrate
-from specwire.cliargs import CliError
+from specwire.cliargs import CliError, add_draft_model_args, add_model_args
+from specwire.commands.settings import measure_settings
 from specwire.netemu import parse_bandwidth, parse_duration
 from specwire.plan import MODES, Plan, plan
 from specwire.throughput import VERIFY_SLOPE, PlanInputs, VerifyCurve
@@ -54,15 +56,53 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verdict-bytes", default="32", metavar="B",
                    help="bytes on the wire per verdict (default 32)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    calibrate.add_measure_args(p)
+    add_measure_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    calibrate.apply_measurement(args)      # --measure fills the figures not given
+    apply_measurement(args)      # --measure fills the figures not given
     result = plan(inputs_from_args(args))
     print(json.dumps(result.to_dict(), indent=2) if args.json else render(result))
     return 0
+
+
+def add_measure_args(p: argparse.ArgumentParser) -> None:
+    """`--measure` and the model flags it needs (generate's names), in their own group."""
+    g = p.add_argument_group("measuring (--measure)")
+    g.add_argument("--measure", action="store_true",
+                   help="measure target/draft speed, verification cost and acceptance on this "
+                   "machine (bundled pair unless -m/-md); flags given explicitly win")
+    g.add_argument("--measure-prompts", default="code", metavar="SET",
+                   help="prompt set(s) for the measurement (default code)")
+    g.add_argument("--measure-limit", type=int, default=4, metavar="N",
+                   help="prompts used from each set (default 4)")
+    g.add_argument("--measure-n", type=int, default=64, metavar="N",
+                   help="tokens generated per prompt (default 64)")
+    g.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft",
+                   help="draft GGUF (default: the bundled Q2_K draft)")
+    add_model_args(p, draft=False)
+    add_draft_model_args(g)
+
+
+def apply_measurement(args: argparse.Namespace) -> None:
+    """Fill the figures `plan` was not given from a measurement (--measure), else insist."""
+    missing = [f for f in ("target_tps", "draft_tps", "acceptance") if getattr(args, f) is None]
+    if not getattr(args, "measure", False):
+        if missing:
+            flags = ", ".join("--" + f.replace("_", "-") for f in missing)
+            raise CliError(f"missing {flags} (or --measure to measure them here)")
+        return
+    m = calibrate.measure(measure_settings(args))
+    print(m.describe(), file=sys.stderr)
+    if args.target_tps is None:
+        args.target_tps = repr(m.target_tps)
+    if args.draft_tps is None:
+        args.draft_tps = repr(m.draft_tps)
+    if args.acceptance is None:
+        args.acceptance = repr(m.acceptance)
+    if args.verify_cost is None:
+        args.verify_cost = ",".join(f"{n}:{c:g}" for n, c in m.verify.points)
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:

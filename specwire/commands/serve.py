@@ -81,6 +81,7 @@ def run(a: argparse.Namespace) -> int:
     import uvicorn
 
     from specwire import chat
+    from specwire.commands.settings import engine_settings
     from specwire.drafters.base import declared
     from specwire.loader import build_engine
     from specwire.server import ServerSettings, create_app
@@ -123,7 +124,8 @@ def run(a: argparse.Namespace) -> int:
                               max_body=a.max_body, reasoning_format=a.reasoning_format,
                               reasoning_budget=a.reasoning_budget,
                               slot_prompt_similarity=a.slot_prompt_similarity)
-    engines = [build_engine(a) for _ in range(a.parallel)]
+    engine_s = engine_settings(a)
+    engines = [build_engine(engine_s) for _ in range(a.parallel)]
     for e in engines:
         e.cache_reuse = a.cache_reuse
     sock = _listen(a.host, a.port)

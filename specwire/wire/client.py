@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from specwire.drafters.branch import BranchDrafter
+from specwire.settings import RemoteSettings
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.http2 import Connection, CreditTimeout, GrpcStatus, H2Error
@@ -432,7 +433,7 @@ def _undecodable(e: grpc.RpcError) -> bool:
             and "deserializ" in (e.details() or "").lower())
 
 
-def make_remote_drafter(urls: list[str], a, target) -> object:
+def make_remote_drafter(urls: list[str], remote: RemoteSettings, target) -> object:
     """Build the drafter for --draft-url flags: gRPC nodes, or a llama-server over HTTP."""
     from specwire.cliargs import CliError
 
@@ -443,16 +444,16 @@ def make_remote_drafter(urls: list[str], a, target) -> object:
 
         return LlamaServerDrafter(urls[0])
     settings = LinkSettings(
-        token=a.draft_token,
-        tls_ca=a.draft_tls_ca,
-        tls_cert=a.draft_tls_cert,
-        tls_key=a.draft_tls_key,
+        token=remote.token,
+        tls_ca=remote.tls_ca,
+        tls_cert=remote.tls_cert,
+        tls_key=remote.tls_key,
     )
     links = [
         Link(u, settings, target.vocab_fingerprint(), target.n_vocab, target.name) for u in urls
     ]
-    drafter = RemoteDrafter(links, target.n_vocab, pipelined=a.draft_mode != "sync")
-    if getattr(a, "draft_no_poll", False):
+    drafter = RemoteDrafter(links, target.n_vocab, pipelined=remote.pipelined)
+    if not remote.poll:
         drafter.forecast = None
     errors = drafter.handshake()
     fatal = [e for e in errors if e and e.startswith("incompatible")]

@@ -1,0 +1,70 @@
+"""What the commands hand below them: typed settings built from the command line.
+
+argparse namespaces stay in specwire/commands/ (specwire/commands/settings.py
+builds these from them); the loader, the remote drafter's factory and the
+calibration take these instead, so what they depend on is spelt out and a
+caller without a command line (a test, the benchmark) builds them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specwire.config import ModelParams, VerifyMode
+
+DRAFTER_KINDS = ("none", "ngram", "remote", "model")
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSettings:
+    """How to reach draft nodes (--draft-token, --draft-tls-*) and use them (--draft-mode,
+    --draft-no-poll)."""
+
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    pipelined: bool = True   # --draft-mode other than sync: the node drafts ahead
+    poll: bool = True        # --draft-no-poll turns the arrival forecast off
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSettings:
+    """Which drafter: kind is none, ngram, remote (urls) or model (a draft model in this
+    process, `model`); hybrid puts an n-gram lookup in front of the remote or model one."""
+
+    kind: str = "none"
+    hybrid: bool = False
+    urls: tuple[str, ...] = ()
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
+    model: ModelParams | None = None
+    threaded: bool = False   # a local draft model drafts ahead on its own thread
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter kind: {self.kind!r} is not one of {DRAFTER_KINDS}")
+        if self.kind == "model" and self.model is None:
+            raise ValueError("drafter kind model: needs the draft model's parameters")
+        if self.kind == "remote" and not self.urls:
+            raise ValueError("drafter kind remote: needs at least one --draft-url")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """A target, its drafter, and the verification mode requests will use if known (a
+    drafter that cannot serve it is refused when the engine is built)."""
+
+    target: ModelParams
+    draft: DraftSettings = field(default_factory=DraftSettings)
+    verify: VerifyMode | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MeasureSettings:
+    """`plan --measure`: the pair to load and the prompts to run."""
+
+    target: ModelParams
+    draft: ModelParams
+    prompts: str = "code"
+    limit: int = 4
+    n_predict: int = 64
