@@ -96,7 +96,7 @@ def build_drafter(a: argparse.Namespace, kind: str, target, dparams) -> Drafter:
 def build_model_drafter(a: argparse.Namespace, kind: str, target, dparams) -> Drafter:
     """A draft model: remote (--draft-url) or in this process (-md or the bundled one)."""
     if kind == "remote":
-        from specwire.wire.client import make_remote_drafter
+        from specwire.drafters.remote import make_remote_drafter
         return make_remote_drafter(a.draft_url, a, target)
     from specwire.backend.llama import LlamaBackend, check_pair, load_model
     dmodel = load_model(dparams, draft_flag_names())

@@ -47,12 +47,12 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
 )
 
 from specwire.cliargs import CliError
+from specwire.drafters.remote import make_remote_drafter
 from specwire.engine import Engine
 from specwire.netemu import LinkEmulator
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.client import make_remote_drafter
 from specwire.wire.http2 import Connection, H2Error
 from specwire.wire.link import LinkError, LinkSettings
 from specwire.wire.protocol import ProtocolError

@@ -1,6 +1,6 @@
 """The target's side of a drafter that works ahead: on another machine, or on a thread.
 
-A draft node (specwire/wire/session.py) drafts a *branch* of tokens past the
+A draft node (specwire/drafters/session.py) drafts a *branch* of tokens past the
 last verdict and streams it in chunks tagged with a branch number `gen`. This
 class keeps the newest branch and, each round, hands the engine the part that
 extends the committed history; every buffered token is checked against the

@@ -2,7 +2,7 @@
 
 llama.cpp's own speculative decoding alternates: draft k tokens, then verify,
 so on a machine with a spare core one core always waits. Here the draft node's
-session logic (wire/session.py) runs on a thread of this process, messages
+session logic (drafters/session.py) runs on a thread of this process, messages
 are passed by function call instead of gRPC, and the engine takes the branch
 through the same BranchDrafter as a remote node: the draft drafts while the
 target verifies (llama.cpp releases the GIL inside decode).
@@ -17,10 +17,10 @@ from specwire.backend.base import Backend
 from specwire.config import DraftParams, SamplingParams
 from specwire.constraints.grammar import GrammarSpec
 from specwire.drafters.branch import BranchDrafter
+from specwire.drafters.session import DraftSession
 from specwire.policy import Calibration
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.protocol import ProtocolError
-from specwire.wire.session import DraftSession
 
 log = logging.getLogger("specwire.threaded")
 

@@ -1,6 +1,7 @@
-"""The remote drafter: the target's side of the draft link (gRPC transport).
+"""The target's transport of the draft link: gRPC streams and the synchronous port.
 
-The branch bookkeeping lives in drafters/branch.py; this file moves messages.
+The branch bookkeeping lives in drafters/branch.py and RemoteDrafter
+(drafters/remote.py) joins the two; this file only moves messages.
 Each session has a thread of its own that reads the node's chunks from a
 blocking gRPC stream into a buffer; the engine thread only reads that buffer
 under a lock and queues verdicts (handshakes run on a background asyncio
@@ -25,11 +26,10 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from specwire.drafters.branch import BranchDrafter
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.http2 import Connection, CreditTimeout, GrpcStatus, H2Error
-from specwire.wire.link import Link, LinkError, LinkSettings
+from specwire.wire.link import Link, LinkError
 from specwire.wire.protocol import ProtocolError
 
 log = logging.getLogger("specwire.remote")
@@ -80,10 +80,15 @@ class ArrivalForecast:
         self.per_token_s += 0.125 * (sample - self.per_token_s)
 
 
-class RemoteDrafter(BranchDrafter):
-    """Drafts from a draft node over gRPC; pipelined or synchronous."""
+class GrpcTransport:
+    """The gRPC and synchronous-port transport of a BranchDrafter, as a mixin.
 
-    remote = True
+    It implements the transport hooks BranchDrafter declares (_live, _post, _open,
+    _revive, _await, _poll, _detach, _useful, _useless) and uses what BranchDrafter
+    provides: its lock and session number (_cv, _session), its counters, _on_chunk,
+    _open_msg, _start, and the request's state (_history, _active, _want). Used as
+    `class RemoteDrafter(GrpcTransport, BranchDrafter)`; it knows no drafter itself.
+    """
 
     def __init__(
         self,
@@ -430,39 +435,6 @@ def _undecodable(e: grpc.RpcError) -> bool:
     """grpcio ends a blocking call whose response it could not parse with INTERNAL."""
     return (isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.INTERNAL
             and "deserializ" in (e.details() or "").lower())
-
-
-def make_remote_drafter(urls: list[str], a, target) -> object:
-    """Build the drafter for --draft-url flags: gRPC nodes, or a llama-server over HTTP."""
-    from specwire.cliargs import CliError
-
-    if any(u.startswith(("http://", "https://")) for u in urls):
-        if len(urls) != 1:
-            raise CliError("--draft-url: a llama-server URL cannot be mixed with others")
-        from specwire.wire.llama_server import LlamaServerDrafter
-
-        return LlamaServerDrafter(urls[0])
-    settings = LinkSettings(
-        token=a.draft_token,
-        tls_ca=a.draft_tls_ca,
-        tls_cert=a.draft_tls_cert,
-        tls_key=a.draft_tls_key,
-    )
-    links = [
-        Link(u, settings, target.vocab_fingerprint(), target.n_vocab, target.name) for u in urls
-    ]
-    drafter = RemoteDrafter(links, target.n_vocab, pipelined=a.draft_mode != "sync")
-    if getattr(a, "draft_no_poll", False):
-        drafter.forecast = None
-    errors = drafter.handshake()
-    fatal = [e for e in errors if e and e.startswith("incompatible")]
-    if fatal:
-        drafter.close()
-        raise CliError(fatal[0])
-    for u, e in zip(urls, errors, strict=True):
-        if e:
-            log.warning("draft node %s not reachable yet (%s); decoding plainly until it is", u, e)
-    return drafter
 
 
 async def _close_all(links: list[Link]) -> None:

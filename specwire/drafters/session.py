@@ -8,7 +8,7 @@ verdicts arrive from a reader thread and are applied between tokens, so the
 branch, the gen and the KV cache are only ever touched by one thread.
 
 A session starts from whatever its backend's cache holds of the history (the
-node's memory, wire/kv_cache.py, hands it the best cached prefix) and tells the
+node's memory, node/kv_cache.py, hands it the best cached prefix) and tells the
 target how much that was (DraftChunk.cache_n, prompt_n). A long catch-up is
 announced at once, and evaluated a batch at a time so that a Close stops it;
 meanwhile a synchronous session answers each verdict with an empty chunk, and

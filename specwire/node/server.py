@@ -2,7 +2,7 @@
 
 Each Session stream gets its own llama.cpp context over the shared weights, so
 sequences from several targets are isolated from each other. Contexts and the
-KV caches of finished sessions are kept (wire/kv_cache.py, --cache-ram and
+KV caches of finished sessions are kept (node/kv_cache.py, --cache-ram and
 --cache-sessions), so a chat's next turn evaluates only its new tokens. The node runs
 grpcio's threaded server rather than grpc.aio: a session is compute, and on a
 thread per RPC a synchronous round (read verdict, draft, write chunk) happens
@@ -25,16 +25,16 @@ import grpc
 
 from specwire.backend.llama import Model, load_model, open_contexts
 from specwire.config import ModelParams
+from specwire.drafters.session import DraftSession, error_message
+from specwire.node.calibrations import Calibrations, target_key
+from specwire.node.kv_cache import KvCache
+from specwire.node.metrics import NodeMetrics
+from specwire.node.watchdog import Lease, Watchdog
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.calibrations import Calibrations, target_key
-from specwire.wire.kv_cache import KvCache
-from specwire.wire.node_metrics import NodeMetrics
 from specwire.wire.protocol import ProtocolError
-from specwire.wire.session import DraftSession, error_message
 from specwire.wire.sync_server import SyncServer, tls_context
-from specwire.wire.watchdog import Lease, Watchdog
 
 log = logging.getLogger("specwire.node")
 
@@ -53,7 +53,7 @@ class NodeSettings:
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
     cache_ram_mib: int = 8192  # finished sessions' KV caches kept in RAM (0: none kept)
     cache_sessions: int = 32  # and at most this many of them
-    metrics_port: int | None = None  # Prometheus figures (node_metrics.py; None: off)
+    metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
 
 
 #: A call must send its first message (a Session's Open, a ping) this soon, and a Ping
