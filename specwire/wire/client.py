@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
+from specwire.draftlink.messages import Close, Failure, TargetMessage
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.http2 import Connection, CreditTimeout, GrpcStatus, H2Error
@@ -164,12 +165,13 @@ class GrpcTransport:
     def _live(self) -> bool:
         return self._call is not None or self._sync is not None
 
-    def _post(self, msg: pb.TargetMessage) -> None:
+    def _post(self, message: TargetMessage) -> None:
+        msg = protocol.target_to_pb(message)
         call = self._sync
         if call is not None:
             data = msg.SerializeToString()
             self.counters["bytes_up"] += len(data) + 5
-            close = msg.WhichOneof("kind") == "close"
+            close = isinstance(message, Close)
             try:
                 # A verdict is a few bytes: a node granting too little credit for it within
                 # the round's deadline is broken (or hostile), and the round decodes plainly.
@@ -391,16 +393,14 @@ class GrpcTransport:
 
     def _take(self, session: int, msg: pb.DraftMessage) -> None:
         """A message from the node, either transport; ProtocolError for a broken peer."""
-        kind = msg.WhichOneof("kind")
-        if kind == "error":
-            raise ProtocolError(f"draft node reported: {msg.error.message}")
-        if kind != "chunk":
-            raise ProtocolError("draft message with neither a chunk nor an error")
-        self._on_chunk(session, msg.chunk)
+        got = protocol.draft_from_pb(msg)
+        if isinstance(got, Failure):
+            raise ProtocolError(f"draft node reported: {got.message}")
+        self._on_chunk(session, got)
 
     def _first_message(self, history: list[int]) -> pb.TargetMessage:
         """The session's Open, counted as bytes sent."""
-        first = pb.TargetMessage(open=self._open_msg(history))
+        first = protocol.target_to_pb(self._open_msg(history))
         n = protocol.message_bytes(first)
         self.counters["bytes_up"] += n
         self.counters["bytes_open"] += n
