@@ -238,11 +238,13 @@ class DraftSession:
         else:  # dead, or passed: this end holds the whole branch, so it is over
             self.branch, self.confidence, self.sent, self.gen = [], [], 0, self.gen + 1
         if not self.pipelined:
+            # A smaller want drops what is unsent past it, never what was sent: the target
+            # holds that (or will, from a chunk on its way) and would read new tokens of
+            # this gen as a chunk that contradicts it (tests/test_draftlink.py).
             self.budget = v.want or self.budget
-            if len(self.branch) > self.budget:
-                del self.branch[self.budget :]
-                del self.confidence[self.budget :]
-                self.sent = min(self.sent, self.budget)
+            keep = max(self.budget, self.sent)
+            del self.branch[keep:]
+            del self.confidence[keep:]
         self.stalled = False
 
     def _calibrate(self, accepted: int, tokens: list[int]) -> None:
