@@ -73,7 +73,7 @@ def build_drafter(s: DraftSettings, target: Backend) -> Drafter:
 def build_model_drafter(s: DraftSettings, target: Backend) -> Drafter:
     """A draft model: remote (--draft-url) or in this process (-md or the bundled one)."""
     if s.kind == "remote":
-        from specwire.wire.client import make_remote_drafter
+        from specwire.drafters.remote import make_remote_drafter
         return make_remote_drafter(list(s.urls), s.remote, target)
     from specwire.backend.llama import LlamaBackend, check_pair, load_model
     assert s.model is not None  # DraftSettings refuses kind model without one

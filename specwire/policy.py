@@ -17,7 +17,7 @@ token, in place of --draft-p-min: while P(every token so far is kept) stays
 above stop_threshold(), by the draft's confidence calibrated against what
 verification kept (Calibration). A draft model in this process asks
 keep_drafting; a synchronous draft node calibrates on its own verdicts and is
-sent the threshold (specwire.wire.session).
+sent the threshold (specwire.drafters.session).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import pytest
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.branch import BranchDrafter
-from specwire.wire import specwire_pb2 as pb
+from specwire.draftlink.messages import Chunk, TargetMessage, Verdict
+from specwire.wire import protocol
 
 V = 100
 PROMPT = [1, 2, 3, 4]
@@ -22,14 +23,14 @@ class ScriptedDrafter(BranchDrafter):
 
     def __init__(self, pipelined: bool = False) -> None:
         super().__init__(V, pipelined=pipelined, sync_timeout_s=0.5)
-        self.sent: list[pb.TargetMessage] = []
-        self.script: list[pb.DraftChunk] = []
+        self.sent: list[TargetMessage] = []
+        self.script: list[Chunk] = []
         self.waits = 0
 
     def _live(self) -> bool:
         return True
 
-    def _post(self, msg: pb.TargetMessage) -> None:
+    def _post(self, msg: TargetMessage) -> None:
         self.sent.append(msg)
 
     def _open(self, session: int, history: list[int]) -> None:
@@ -41,8 +42,8 @@ class ScriptedDrafter(BranchDrafter):
             self._on_chunk(self.session, self.script.pop(0))
 
 
-def _chunk(gen: int, start: int, tokens: list[int], done: bool = True) -> pb.DraftChunk:
-    return pb.DraftChunk(gen=gen, start=start, tokens=tokens, done=done)
+def _chunk(gen: int, start: int, tokens: list[int], done: bool = True) -> Chunk:
+    return Chunk(gen, start, tokens, done=done)
 
 
 def test_a_stale_branch_does_not_end_the_wait_for_the_answer_to_the_verdict() -> None:
@@ -53,7 +54,7 @@ def test_a_stale_branch_does_not_end_the_wait_for_the_answer_to_the_verdict() ->
     d.script = [_chunk(0, 4, [50, 51]),         # the answer to Open: right, but behind
                 _chunk(1, 7, [60, 61, 62])]     # the answer to the verdict below
     draft = d.propose(history, 3)
-    assert d.sent[-1].verdict.position == 4 and list(d.sent[-1].verdict.tokens) == [50, 51, 52]
+    assert d.sent[-1].position == 4 and d.sent[-1].tokens == [50, 51, 52]
     assert draft.tokens == [60, 61, 62]
     assert d.waits == 2
 
@@ -97,26 +98,27 @@ def test_a_synchronous_verdict_waits_for_the_next_request_and_carries_its_k() ->
     d.learn([*PROMPT, 7, 8, 40], 1, 2)                        # 8 kept, then the target's 40
     d.learn([*PROMPT, 7, 8, 40, 41], 0, 1)                    # two plain steps, k = 0
     d.learn([*PROMPT, 7, 8, 40, 41, 42], 0, 1)
-    assert [m.WhichOneof("kind") for m in d.sent] == ["verdict"]   # only the first token's
+    assert [type(m) for m in d.sent] == [Verdict]   # only the first token's
     policy.threshold = 0.34                                   # within 15%: not sent
     d.script = [_chunk(1, 9, [50, 51])]
     assert d.propose([*PROMPT, 7, 8, 40, 41, 42], 2).tokens == [50, 51]
-    v = d.sent[-1].verdict
+    v = d.sent[-1]
     assert (v.position, v.accepted, list(v.tokens), v.want) == (5, 1, [40, 41, 42], 2)
     assert v.keep_min == 0.0
     d.learn([*PROMPT, 7, 8, 40, 41, 42, 50, 60], 1, 2)
     policy.threshold = 0.5
     d.script = [_chunk(2, 11, [61])]
     assert d.propose([*PROMPT, 7, 8, 40, 41, 42, 50, 60], 1).tokens == [61]
-    v = d.sent[-1].verdict
+    v = d.sent[-1]
     assert (v.position, v.accepted, list(v.tokens), v.want) == (9, 1, [60], 1)
     assert v.keep_min == pytest.approx(0.5)
     d.learn([*PROMPT, 7, 8, 40, 41, 42, 50, 60, 70], 0, 1)   # 61 rejected: the target's 70
     d.script = [_chunk(3, 12, [80])]
     assert d.propose([*PROMPT, 7, 8, 40, 41, 42, 50, 60, 70], 1).tokens == [80]
-    v = d.sent[-1].verdict        # nothing kept, k unchanged: neither gen nor want is sent
+    v = d.sent[-1]        # nothing kept, k unchanged: neither gen nor want is sent
     assert (v.position, v.accepted, list(v.tokens)) == (11, 0, [70])
-    assert v.keep_min == 0.0 and v.ByteSize() == 5     # position 2 bytes, tokens 3
+    assert v.keep_min == 0.0         # on the wire: position 2 bytes, tokens 3
+    assert protocol.target_to_pb(v).verdict.ByteSize() == 5
     assert (v.gen, v.want) == (0, 0)
     d.steer(None)
     assert not d._open_msg(list(PROMPT)).calibrated

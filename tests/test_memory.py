@@ -1,6 +1,6 @@
 """Conversation memory on both ends: the draft node's KV cache and the server's slots.
 
-* the node's memory in-process (wire/kv_cache.py on the bundled draft model):
+* the node's memory in-process (node/kv_cache.py on the bundled draft model):
   saved states restore exactly, the budget and the sequence count evict least
   recently used first;
 * draft nodes as subprocesses over real links: turn 2 of a chat reuses turn 1
@@ -42,7 +42,7 @@ from specwire.backend import kv_state
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import ModelParams
 from specwire.engine import Engine
-from specwire.wire.kv_cache import MIB, KvCache
+from specwire.node.kv_cache import MIB, KvCache
 
 ROOT = Path(__file__).resolve().parents[1]
 

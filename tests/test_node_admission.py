@@ -1,7 +1,7 @@
 """The draft node's admission: deadlines for silent peers, Ping under the session limit,
 the Open checked before a context is allocated, a calibration per target, its /metrics.
 
-An in-process node (wire.node.start) on the bundled draft model, reached over real
+An in-process node (node.server.start) on the bundled draft model, reached over real
 sockets by grpcio's client and by raw TCP; the handshake deadlines are shortened
 so that a silent peer is dropped within a second.
 """
@@ -20,13 +20,14 @@ from wire_helpers import CODE, GREEDY, Target, draft_model_path, request, run_to
 
 from specwire.config import ModelParams
 from specwire.engine import Engine
+from specwire.node import kv_cache
+from specwire.node import server as node_mod
+from specwire.node.calibrations import Calibrations
+from specwire.node.server import NodeSettings, RunningNode
 from specwire.server.metrics import parse_figures
-from specwire.wire import kv_cache, protocol, sync_server
-from specwire.wire import node as node_mod
+from specwire.wire import protocol, sync_server
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.calibrations import Calibrations
-from specwire.wire.node import NodeSettings, RunningNode
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 0.5

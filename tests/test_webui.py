@@ -132,7 +132,7 @@ def test_no_webui_means_404() -> None:
 def test_an_unreachable_draft_node_shows_down_with_its_error() -> None:
     from test_server import _free_port
 
-    from specwire.wire.client import RemoteDrafter
+    from specwire.drafters.remote import RemoteDrafter
     from specwire.wire.link import Link, LinkSettings
 
     url = f"127.0.0.1:{_free_port()}"           # nothing listens there

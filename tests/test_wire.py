@@ -46,13 +46,14 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
 )
 
 from specwire.cliargs import CliError
+from specwire.drafters.remote import make_remote_drafter
+from specwire.draftlink.messages import Chunk
 from specwire.engine import Engine
 from specwire.netemu import LinkEmulator
 from specwire.settings import RemoteSettings
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.client import make_remote_drafter
 from specwire.wire.http2 import Connection, H2Error
 from specwire.wire.link import LinkError, LinkSettings
 from specwire.wire.protocol import ProtocolError
@@ -73,15 +74,23 @@ def _dc(**kw) -> pb.DraftChunk:
     return pb.DraftChunk(**kw)
 
 
+def check_chunk(m: pb.DraftChunk, n_vocab: int, max_position: int) -> Chunk:
+    """What a target does with a chunk off the wire: convert it (wire/protocol.py), then
+    check it against its vocabulary and history (BranchDrafter._on_chunk)."""
+    c = protocol.chunk_from_pb(m)
+    c.check(n_vocab, max_position)
+    return c
+
+
 def test_check_chunk_accepts_a_well_formed_chunk() -> None:
     """A valid chunk (with a sparse q) comes back as a Chunk with the same fields."""
     m = _dc(gen=3, start=10, tokens=[5, 7], q_k=2, q_ids=[5, 9, 7, 1],
             q_probs=[0.75, 0.25, 1.0, 0.0], done=True)
-    c = protocol.check_chunk(m, V, max_position=20)
+    c = check_chunk(m, V, max_position=20)
     assert (c.gen, c.start, c.tokens, c.done) == (3, 10, [5, 7], True)
     assert [sd.token for sd in c.sparse] == [5, 7]
     assert c.sparse[0].ids.tolist() == [5, 9]
-    assert protocol.check_chunk(_dc(start=5, tokens=[1]), V, 20).sparse is None
+    assert check_chunk(_dc(start=5, tokens=[1]), V, 20).sparse is None
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -106,18 +115,18 @@ def test_check_chunk_accepts_a_well_formed_chunk() -> None:
 def test_check_chunk_refuses_malformed_chunks(fields: dict, message: str) -> None:
     """Every malformed field raises ProtocolError with a message naming the problem."""
     with pytest.raises(ProtocolError, match=message.replace(".", r"\.").replace("(", r"\(")):
-        protocol.check_chunk(_dc(**fields), V, max_position=1000)
+        check_chunk(_dc(**fields), V, max_position=1000)
 
 
-def test_check_sparse_directly() -> None:
-    """_check_sparse builds one SparseDraft per token and refuses NaN mass by position."""
+def test_sparse_q_by_position() -> None:
+    """A chunk's q arrays become one SparseDraft per token; NaN mass is refused by position."""
     m = _dc(start=40, tokens=[5, 7], q_k=2, q_ids=[5, 6, 8, 7], q_probs=[0.5, 0.5, 0.1, 0.9])
-    out = protocol._check_sparse(m, [5, 7], V)
+    out = check_chunk(m, V, 1000).sparse
     assert [sd.token for sd in out] == [5, 7]
     assert np.allclose(out[1].probs, [0.1, 0.9])
     bad = _dc(start=40, tokens=[5, 7], q_k=2, q_ids=[5, 6, 8, 7], q_probs=[0.5, 0.5, math.nan, 1])
     with pytest.raises(ProtocolError, match="q for position 41 is not a distribution"):
-        protocol._check_sparse(bad, [5, 7], V)
+        check_chunk(bad, V, 1000)
 
 
 def _random_chunk(rng: random.Random, n_vocab: int) -> pb.DraftChunk:
@@ -159,7 +168,7 @@ def test_check_chunk_on_random_chunks_raises_only_protocol_error() -> None:
     for _ in range(2000):
         m = _random_chunk(rng, n_vocab)
         try:
-            c = protocol.check_chunk(m, n_vocab, max_position)
+            c = check_chunk(m, n_vocab, max_position)
         except ProtocolError:
             refused += 1
             continue
@@ -179,12 +188,19 @@ def test_check_chunk_on_random_chunks_raises_only_protocol_error() -> None:
 
 def _open(**kw) -> pb.Open:
     kw.setdefault("history", [2, 100, 200])
+    kw.setdefault("sampling", protocol.sampling_to_pb(GREEDY))
     return pb.Open(**kw)
+
+
+def check_open(m: pb.Open, n_vocab: int, n_ctx: int) -> None:
+    """What a node does with an Open off the wire: convert it, then check it against its
+    model (node/server.py)."""
+    protocol.open_from_pb(m).check(n_vocab, n_ctx)
 
 
 def test_check_open_accepts_a_well_formed_open() -> None:
     """A plain pipelined Open passes."""
-    protocol.check_open(_open(pipelined=True, lookahead=16, want=8, p_min=0.75, top_k_q=8),
+    check_open(_open(pipelined=True, lookahead=16, want=8, p_min=0.75, top_k_q=8),
                         V, 1024)
 
 
@@ -206,7 +222,7 @@ def test_check_open_accepts_a_well_formed_open() -> None:
 def test_check_open_refuses_malformed_opens(fields: dict, message: str) -> None:
     """Each malformed Open raises ProtocolError naming the field."""
     with pytest.raises(ProtocolError, match=message.replace(".", r"\.").replace("(", r"\(")):
-        protocol.check_open(_open(**fields), V, 1024)
+        check_open(_open(**fields), V, 1024)
 
 
 def test_sampling_and_mode_from_the_wire_are_checked() -> None:

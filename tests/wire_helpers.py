@@ -34,12 +34,12 @@ import pytest
 
 from specwire.backend.llama import LlamaBackend
 from specwire.config import DraftParams, ModelParams, SamplingParams
+from specwire.drafters.remote import RemoteDrafter
 from specwire.engine import Engine, Generation, Request
 from specwire.netemu import LinkEmulator
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.client import RemoteDrafter
 from specwire.wire.link import Link, LinkSettings
 
 ROOT = Path(__file__).resolve().parents[1]

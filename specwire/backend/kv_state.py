@@ -3,7 +3,7 @@
 `save` copies sequence 0's cells (K, V and their positions) into bytes with
 llama_state_seq_get_data; `restore` puts them back into a context of the same
 model and settings with llama_state_seq_set_data. The bytes are what the draft
-node keeps of a finished conversation (wire/kv_cache.py) and what its
+node keeps of a finished conversation (node/kv_cache.py) and what its
 --cache-ram budget counts.
 
 `reuse_chunks` is llama-server's --cache-reuse: past the common prefix, runs of

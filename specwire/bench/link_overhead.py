@@ -41,9 +41,9 @@ from specwire.bench import cpus
 from specwire.bench.modes import DraftNode
 from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.drafters.model import ModelDrafter
+from specwire.drafters.remote import RemoteDrafter
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.client import RemoteDrafter
 from specwire.wire.link import Link, LinkSettings
 
 PROMPT = "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"

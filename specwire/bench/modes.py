@@ -249,7 +249,7 @@ class Drafters:
 
     def _remote(self, emu: LinkEmulator, pipelined: bool) -> Any:
         """A fresh Link + RemoteDrafter through the emulator, handshake done."""
-        from specwire.wire.client import make_remote_drafter
+        from specwire.drafters.remote import make_remote_drafter
         a = self.a
         opts = RemoteSettings(token=a.draft_token, tls_ca=a.draft_tls_ca,
                               tls_cert=a.draft_tls_cert, tls_key=a.draft_tls_key,
@@ -262,7 +262,7 @@ class Drafters:
         return drafter
 
     def _llama_server(self, emu: LinkEmulator) -> Any:
-        from specwire.wire.llama_server import LlamaServerDrafter
+        from specwire.drafters.llama_server import LlamaServerDrafter
         path = urllib.parse.urlsplit(self.a.llama_server).path.rstrip("/")
         return LlamaServerDrafter(f"http://127.0.0.1:{emu.port}{path}",
                                   n_vocab=self.target.n_vocab)

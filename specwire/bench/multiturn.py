@@ -34,8 +34,8 @@ from specwire.backend.llama import LlamaBackend
 from specwire.bench import cpus
 from specwire.bench.modes import DraftNode
 from specwire.config import DraftParams, ModelParams, SamplingParams
+from specwire.drafters.remote import RemoteDrafter
 from specwire.engine import Engine, Request
-from specwire.wire.client import RemoteDrafter
 from specwire.wire.link import Link, LinkSettings
 
 GREEDY = SamplingParams(temperature=0.0)

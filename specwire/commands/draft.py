@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(a: argparse.Namespace) -> int:
     from specwire.backend.base import BackendError
     from specwire.loader import resolve_draft
-    from specwire.wire.node import NodeSettings, serve
+    from specwire.node.server import NodeSettings, serve
 
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in 0..65535, got {a.port}")

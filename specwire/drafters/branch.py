@@ -1,6 +1,6 @@
 """The target's side of a drafter that works ahead: on another machine, or on a thread.
 
-A draft node (specwire/wire/session.py) drafts a *branch* of tokens past the
+A draft node (specwire/drafters/session.py) drafts a *branch* of tokens past the
 last verdict and streams it in chunks tagged with a branch number `gen`. This
 class keeps the newest branch and, each round, hands the engine the part that
 extends the committed history; every buffered token is checked against the
@@ -20,9 +20,18 @@ from dataclasses import replace
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire.protocol import ProtocolError
+from specwire.draftlink.messages import (
+    MAX_CHUNK_TOKENS,
+    NOTICE_AFTER,
+    Chunk,
+    Close,
+    Open,
+    ProtocolError,
+    TargetMessage,
+    Verdict,
+    f32_sampling,
+)
+from specwire.draftlink.rule import LEFT, follow
 
 log = logging.getLogger("specwire.branch")
 
@@ -92,7 +101,7 @@ class BranchDrafter:
         """A session is open and can take verdicts."""
         raise NotImplementedError
 
-    def _post(self, msg: pb.TargetMessage) -> None:
+    def _post(self, msg: TargetMessage) -> None:
         """Deliver a verdict or close message to the drafter."""
         raise NotImplementedError
 
@@ -114,7 +123,7 @@ class BranchDrafter:
     # -- Drafter protocol (engine thread) -----------------------------------------
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
-        self._sampling, self._params = protocol.wire_sampling(sampling), params
+        self._sampling, self._params = f32_sampling(sampling), params
         self._history = list(prompt)
         self._active, self._late, self._want = True, False, params.n_max
         self._cache_use = None
@@ -208,7 +217,7 @@ class BranchDrafter:
         with self._cv:
             self._session += 1
         if self._live():
-            self._post(pb.TargetMessage(close=pb.Close()))
+            self._post(Close())
         self._detach()
 
     def stats(self) -> dict[str, float]:
@@ -231,11 +240,9 @@ class BranchDrafter:
         with self._cv:
             self._done = False  # the drafter works again after a verdict
             gen = max(self._gen, 0)
-        # Fields that say nothing new stay unset, as protobuf then sends no byte for them:
-        # gen when no token is accepted, want when it is unchanged or the drafter pipelined.
-        msg = pb.TargetMessage(verdict={"position": position, "accepted": accepted,
-                                        "tokens": own})
-        v = msg.verdict  # filled in place: a Verdict built apart is copied into the message
+        # Fields that say nothing new stay 0, which the wire sends no byte for: gen when
+        # no token is accepted, want when it is unchanged or the drafter pipelined.
+        v = Verdict(position, accepted, own)
         if accepted:
             v.gen = gen
         if not self.pipelined and self._want != self._want_told:
@@ -247,7 +254,7 @@ class BranchDrafter:
             keep_min = self._policy.stop_threshold()
             if abs(keep_min - self._keep_min) > KEEP_MIN_SLACK * self._keep_min:
                 v.keep_min = self._keep_min = min(1.0, max(keep_min, 1e-6))
-        self._post(msg)
+        self._post(v)
 
     def _calibrated(self) -> bool:
         return not self.pipelined and self._policy is not None
@@ -265,15 +272,15 @@ class BranchDrafter:
     def _detach(self) -> None:
         """Forget the current session (a transport may override to release it)."""
 
-    def _open_msg(self, history: list[int]) -> pb.Open:
+    def _open_msg(self, history: list[int]) -> Open:
         p, mode = self._params, self._params.mode
         if self._sampling.greedy:
             mode = VerifyMode.GREEDY
         sampling = self._sampling if p.seed is None else replace(self._sampling, seed=p.seed)
-        return pb.Open(
+        return Open(
             history=history,
-            sampling=protocol.sampling_to_pb(sampling),
-            mode=protocol.mode_to_pb(mode),
+            sampling=sampling,
+            mode=mode,
             pipelined=self.pipelined,
             lookahead=self.lookahead or 2 * max(1, p.n_max),
             want=self._open_want(),
@@ -309,15 +316,14 @@ class BranchDrafter:
         n = len(history)
         if self._gen < 0 or self._gen <= self._dead_gen:
             return Draft(), False
-        off = n - self._buf_start
-        if off < 0:
-            return Draft(), False
-        if off > len(self._buf):
-            # A branch from before the last verdict (its `done` is stale too): the answer
-            # to that verdict is on its way, so a synchronous round waits for it.
-            return Draft(), False
-        if self._buf[:off] != list(history[self._buf_start : n]):
+        off = follow(self._buf_start, self._buf, history)
+        if off == LEFT:
             self._dead_gen = self._gen
+            return Draft(), False
+        if off < 0:
+            # PASSED: a branch from before the last verdict (its `done` is stale too): the
+            # answer to that verdict is on its way, so a synchronous round waits for it.
+            # (AHEAD: a chunk past the history, which only a broken drafter sends.)
             return Draft(), False
         # Trim what the history has confirmed: the check is O(new tokens) per round.
         del self._buf[:off]
@@ -329,20 +335,18 @@ class BranchDrafter:
         complete = len(tokens) >= min(max_n, self._want) or self._done
         return Draft(tokens, sparse), complete
 
-    def _on_chunk(self, session: int, m: pb.DraftChunk) -> None:
+    def _on_chunk(self, session: int, c: Chunk) -> None:
         """A chunk arrived (transport thread). Raises ProtocolError for a broken peer."""
-        c = protocol.check_chunk(
-            m, self.n_vocab, len(self._history) + 4 * protocol.MAX_CHUNK_TOKENS
-        )
+        c.check(self.n_vocab, len(self._history) + 4 * MAX_CHUNK_TOKENS)
         with self._cv:
             if session != self._session:
                 self.counters["stale_chunks"] += 1
                 return
             self.counters["chunks"] += 1
             self.counters["tokens_received"] += len(c.tokens)
-            self.counters["node_busy_ms"] += m.busy_us / 1000
-            if m.HasField("cache_n"):
-                self._count_cache(m.cache_n, m.prompt_n)
+            self.counters["node_busy_ms"] += c.busy_us / 1000
+            if c.cache_n is not None:
+                self._count_cache(c.cache_n, c.prompt_n or 0)
             if c.gen < self._gen or c.gen <= self._dead_gen:
                 self.counters["stale_chunks"] += 1
                 return
@@ -361,9 +365,9 @@ class BranchDrafter:
             self._done = c.done or not self.pipelined  # a synchronous chunk is whole
             # An empty chunk saying the drafter is catching up (its first, on many tokens,
             # or a later one still behind): decode plainly, not waiting, until drafts come.
-            behind = m.prompt_n if m.HasField("prompt_n") else 0
+            behind = c.prompt_n or 0
             self._late = not c.tokens and (
-                behind > protocol.NOTICE_AFTER or (behind > 0 and not m.HasField("cache_n")))
+                behind > NOTICE_AFTER or (behind > 0 and c.cache_n is None))
             self._cv.notify_all()
 
     def _count_cache(self, cache_n: int, prompt_n: int) -> None:

@@ -2,10 +2,10 @@
 
 llama.cpp's own speculative decoding alternates: draft k tokens, then verify,
 so on a machine with a spare core one core always waits. Here the draft node's
-session logic (wire/session.py) runs on a thread of this process, messages
-are passed by function call instead of gRPC, and the engine takes the branch
-through the same BranchDrafter as a remote node: the draft drafts while the
-target verifies (llama.cpp releases the GIL inside decode).
+session logic (drafters/session.py) runs on a thread of this process, the
+messages of specwire/draftlink pass by function call instead of gRPC, and the
+engine takes the branch through the same BranchDrafter as a remote node: the
+draft drafts while the target verifies (llama.cpp releases the GIL inside decode).
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from specwire.backend.base import Backend
 from specwire.config import DraftParams, SamplingParams
 from specwire.constraints.grammar import GrammarSpec
 from specwire.drafters.branch import BranchDrafter
+from specwire.drafters.session import DraftSession
+from specwire.draftlink.messages import Chunk, DraftMessage, ProtocolError, TargetMessage, Verdict
 from specwire.policy import Calibration
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire.protocol import ProtocolError
-from specwire.wire.session import DraftSession
 
 log = logging.getLogger("specwire.threaded")
 
@@ -49,24 +48,24 @@ class ThreadedDrafter(BranchDrafter):
         s = self._draft_session
         return s is not None and s.error is None
 
-    def _post(self, msg: pb.TargetMessage) -> None:
+    def _post(self, msg: TargetMessage) -> None:
         s = self._draft_session
         if s is None:
             return
-        if msg.WhichOneof("kind") == "verdict":
-            s.push(msg.verdict)
+        if isinstance(msg, Verdict):
+            s.push(msg)
         else:
             s.close()
 
     def _open(self, session: int, history: list[int]) -> None:
-        def deliver(m: pb.DraftMessage) -> None:
-            if m.WhichOneof("kind") == "chunk":
+        def deliver(m: DraftMessage) -> None:
+            if isinstance(m, Chunk):
                 try:
-                    self._on_chunk(session, m.chunk)
+                    self._on_chunk(session, m)
                 except ProtocolError as e:   # a bug, not a peer: say so loudly
                     log.error("threaded drafter sent a bad chunk: %s", e)
             else:
-                log.error("threaded drafter failed: %s", m.error.message)
+                log.error("threaded drafter failed: %s", m.message)
                 self._wake()
 
         self._draft_session = DraftSession(self.backend, self._open_msg(history), deliver,

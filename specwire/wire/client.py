@@ -1,6 +1,7 @@
-"""The remote drafter: the target's side of the draft link (gRPC transport).
+"""The target's transport of the draft link: gRPC streams and the synchronous port.
 
-The branch bookkeeping lives in drafters/branch.py; this file moves messages.
+The branch bookkeeping lives in drafters/branch.py and RemoteDrafter
+(drafters/remote.py) joins the two; this file only moves messages.
 Each session has a thread of its own that reads the node's chunks from a
 blocking gRPC stream into a buffer; the engine thread only reads that buffer
 under a lock and queues verdicts (handshakes run on a background asyncio
@@ -25,12 +26,11 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from specwire.drafters.branch import BranchDrafter
-from specwire.settings import RemoteSettings
+from specwire.draftlink.messages import Close, Failure, TargetMessage
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.http2 import Connection, CreditTimeout, GrpcStatus, H2Error
-from specwire.wire.link import Link, LinkError, LinkSettings
+from specwire.wire.link import Link, LinkError
 from specwire.wire.protocol import ProtocolError
 
 log = logging.getLogger("specwire.remote")
@@ -81,10 +81,15 @@ class ArrivalForecast:
         self.per_token_s += 0.125 * (sample - self.per_token_s)
 
 
-class RemoteDrafter(BranchDrafter):
-    """Drafts from a draft node over gRPC; pipelined or synchronous."""
+class GrpcTransport:
+    """The gRPC and synchronous-port transport of a BranchDrafter, as a mixin.
 
-    remote = True
+    It implements the transport hooks BranchDrafter declares (_live, _post, _open,
+    _revive, _await, _poll, _detach, _useful, _useless) and uses what BranchDrafter
+    provides: its lock and session number (_cv, _session), its counters, _on_chunk,
+    _open_msg, _start, and the request's state (_history, _active, _want). Used as
+    `class RemoteDrafter(GrpcTransport, BranchDrafter)`; it knows no drafter itself.
+    """
 
     def __init__(
         self,
@@ -160,12 +165,13 @@ class RemoteDrafter(BranchDrafter):
     def _live(self) -> bool:
         return self._call is not None or self._sync is not None
 
-    def _post(self, msg: pb.TargetMessage) -> None:
+    def _post(self, message: TargetMessage) -> None:
+        msg = protocol.target_to_pb(message)
         call = self._sync
         if call is not None:
             data = msg.SerializeToString()
             self.counters["bytes_up"] += len(data) + 5
-            close = msg.WhichOneof("kind") == "close"
+            close = isinstance(message, Close)
             try:
                 # A verdict is a few bytes: a node granting too little credit for it within
                 # the round's deadline is broken (or hostile), and the round decodes plainly.
@@ -387,16 +393,14 @@ class RemoteDrafter(BranchDrafter):
 
     def _take(self, session: int, msg: pb.DraftMessage) -> None:
         """A message from the node, either transport; ProtocolError for a broken peer."""
-        kind = msg.WhichOneof("kind")
-        if kind == "error":
-            raise ProtocolError(f"draft node reported: {msg.error.message}")
-        if kind != "chunk":
-            raise ProtocolError("draft message with neither a chunk nor an error")
-        self._on_chunk(session, msg.chunk)
+        got = protocol.draft_from_pb(msg)
+        if isinstance(got, Failure):
+            raise ProtocolError(f"draft node reported: {got.message}")
+        self._on_chunk(session, got)
 
     def _first_message(self, history: list[int]) -> pb.TargetMessage:
         """The session's Open, counted as bytes sent."""
-        first = pb.TargetMessage(open=self._open_msg(history))
+        first = protocol.target_to_pb(self._open_msg(history))
         n = protocol.message_bytes(first)
         self.counters["bytes_up"] += n
         self.counters["bytes_open"] += n
@@ -431,39 +435,6 @@ def _undecodable(e: grpc.RpcError) -> bool:
     """grpcio ends a blocking call whose response it could not parse with INTERNAL."""
     return (isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.INTERNAL
             and "deserializ" in (e.details() or "").lower())
-
-
-def make_remote_drafter(urls: list[str], remote: RemoteSettings, target) -> object:
-    """Build the drafter for --draft-url flags: gRPC nodes, or a llama-server over HTTP."""
-    from specwire.cliargs import CliError
-
-    if any(u.startswith(("http://", "https://")) for u in urls):
-        if len(urls) != 1:
-            raise CliError("--draft-url: a llama-server URL cannot be mixed with others")
-        from specwire.wire.llama_server import LlamaServerDrafter
-
-        return LlamaServerDrafter(urls[0])
-    settings = LinkSettings(
-        token=remote.token,
-        tls_ca=remote.tls_ca,
-        tls_cert=remote.tls_cert,
-        tls_key=remote.tls_key,
-    )
-    links = [
-        Link(u, settings, target.vocab_fingerprint(), target.n_vocab, target.name) for u in urls
-    ]
-    drafter = RemoteDrafter(links, target.n_vocab, pipelined=remote.pipelined)
-    if not remote.poll:
-        drafter.forecast = None
-    errors = drafter.handshake()
-    fatal = [e for e in errors if e and e.startswith("incompatible")]
-    if fatal:
-        drafter.close()
-        raise CliError(fatal[0])
-    for u, e in zip(urls, errors, strict=True):
-        if e:
-            log.warning("draft node %s not reachable yet (%s); decoding plainly until it is", u, e)
-    return drafter
 
 
 async def _close_all(links: list[Link]) -> None:

@@ -1,36 +1,50 @@
-"""What both ends of the draft link agree on: version, limits, conversions, checks.
+"""The edge of the draft link: protobuf to and from the domain messages, and the
+version, limits and headers both ends agree on.
 
-Everything read from the wire passes through a `check_*` function here before
-it touches the engine; a violation raises ProtocolError naming the field, and
-the reader drops the peer. Verification makes a hostile drafter harmless to
-the output; these checks make it harmless to the process.
+This is the only module that converts: everything read from the wire becomes a
+checked message of specwire/draftlink/messages.py here (a violation raises
+ProtocolError naming the field, and the reader drops the peer), and nothing
+past here sees protobuf. Verification makes a hostile drafter harmless to the
+output; these checks make it harmless to the process.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
-from dataclasses import dataclass
 
 import numpy as np
 
 from specwire.config import ConfigError, SamplingParams, VerifyMode
+from specwire.draftlink.messages import (
+    MAX_CHUNK_TOKENS,
+    MAX_HISTORY,
+    MAX_Q_K,
+    NOTICE_AFTER,
+    Chunk,
+    Close,
+    DraftMessage,
+    Failure,
+    Open,
+    ProtocolError,
+    TargetMessage,
+    Verdict,
+    check_probability,
+    check_tokens,
+    f32,
+)
+from specwire.draftlink.messages import f32_sampling as wire_sampling
 from specwire.sampling import SparseDraft
 from specwire.wire import specwire_pb2 as pb
 
+__all__ = ["MAX_CHUNK_TOKENS", "MAX_HISTORY", "MAX_Q_K", "NOTICE_AFTER", "ProtocolError",
+           "check_probability", "check_tokens", "wire_sampling"]
+
 PROTOCOL_VERSION = 2
-MAX_CHUNK_TOKENS = 256  # tokens in one draft chunk
-MAX_Q_K = 256  # sparse q entries per token
-MAX_HISTORY = 1 << 20  # tokens in an Open message
 MAX_MESSAGE_BYTES = 16 << 20
 AUTH_HEADER = "authorization"
 #: Call metadata naming the target process, so that a node keeps a calibration per target.
 TARGET_HEADER = "specwire-target"
 TARGET_ID = secrets.token_hex(8)  # random per process: one target, one id
-#: A session that must evaluate more history tokens than this before its first draft
-#: says so at once, in an empty first chunk with cache_n and prompt_n: a synchronous
-#: target then decodes plainly instead of waiting for drafts until the node catches up.
-NOTICE_AFTER = 256
 SESSION_PATH = f"/{pb.DESCRIPTOR.services_by_name['DraftNode'].full_name}/Session"
 
 _MODES = {
@@ -39,10 +53,6 @@ _MODES = {
     VerifyMode.REJECTION: pb.VERIFY_REJECTION,
 }
 _MODES_BACK = {v: k for k, v in _MODES.items()}
-
-
-class ProtocolError(ValueError):
-    """A peer sent something outside the protocol; the message says what."""
 
 
 def mode_to_pb(mode: VerifyMode) -> int:
@@ -72,11 +82,11 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
     """float32 on the wire: round-trip through it so both ends filter identically."""
     try:
         return SamplingParams(
-            temperature=_f32(m.temperature),
+            temperature=f32(m.temperature),
             top_k=m.top_k,
-            top_p=_f32(m.top_p),
-            min_p=_f32(m.min_p),
-            repeat_penalty=_f32(m.repeat_penalty),
+            top_p=f32(m.top_p),
+            min_p=f32(m.min_p),
+            repeat_penalty=f32(m.repeat_penalty),
             repeat_last_n=m.repeat_last_n,
             seed=m.seed,
         )
@@ -84,50 +94,101 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
         raise ProtocolError(f"sampling settings: {e}") from None
 
 
-def wire_sampling(s: SamplingParams) -> SamplingParams:
-    """The settings as the other end will see them after float32 transport."""
-    return sampling_from_pb(sampling_to_pb(s))
+# -- the target's messages ---------------------------------------------------------
 
 
-def _f32(x: float) -> float:
-    return float(np.float32(x))
+def open_to_pb(o: Open) -> pb.Open:
+    return pb.Open(history=o.history, sampling=sampling_to_pb(o.sampling),
+                   mode=mode_to_pb(o.mode), pipelined=o.pipelined, lookahead=o.lookahead,
+                   want=o.want, p_min=o.p_min, top_k_q=o.top_k_q, timing=o.timing,
+                   calibrated=o.calibrated, keep_min=o.keep_min)
 
 
-def check_tokens(tokens, n_vocab: int, what: str) -> list[int]:
-    out = list(tokens)
-    for t in out:
-        if not 0 <= t < n_vocab:
-            raise ProtocolError(f"{what}: token id {t} outside the vocabulary (0..{n_vocab - 1})")
+def open_from_pb(m: pb.Open) -> Open:
+    return Open(list(m.history), sampling_from_pb(m.sampling), mode_from_pb(m.mode),
+                pipelined=m.pipelined, lookahead=m.lookahead, want=m.want, p_min=m.p_min,
+                top_k_q=m.top_k_q, timing=m.timing, calibrated=m.calibrated,
+                keep_min=m.keep_min)
+
+
+def verdict_from_pb(m: pb.Verdict) -> Verdict:
+    return Verdict(m.position, m.accepted, list(m.tokens), gen=m.gen, want=m.want,
+                   keep_min=m.keep_min)
+
+
+def target_to_pb(msg: TargetMessage) -> pb.TargetMessage:
+    """One message for the Session stream. Zero fields send no byte (proto3)."""
+    if isinstance(msg, Verdict):
+        out = pb.TargetMessage(verdict={"position": msg.position, "accepted": msg.accepted,
+                                        "tokens": msg.tokens})
+        v = out.verdict  # filled in place: a Verdict built apart is copied into the message
+        if msg.gen:
+            v.gen = msg.gen
+        if msg.want:
+            v.want = msg.want
+        if msg.keep_min:
+            v.keep_min = msg.keep_min
+        return out
+    if isinstance(msg, Open):
+        return pb.TargetMessage(open=open_to_pb(msg))
+    if isinstance(msg, Close):
+        return pb.TargetMessage(close=pb.Close())
+    raise TypeError(f"not a target message: {type(msg).__name__}")
+
+
+def target_from_pb(m: pb.TargetMessage) -> TargetMessage:
+    kind = m.WhichOneof("kind")
+    if kind == "verdict":
+        return verdict_from_pb(m.verdict)
+    if kind == "open":
+        return open_from_pb(m.open)
+    if kind == "close":
+        return Close()
+    raise ProtocolError("target message with neither an open, a verdict nor a close")
+
+
+# -- the drafter's messages ---------------------------------------------------------
+
+
+def draft_to_pb(msg: DraftMessage) -> pb.DraftMessage:
+    if isinstance(msg, Failure):
+        return pb.DraftMessage(error=pb.DraftError(message=msg.message))
+    out = pb.DraftMessage(chunk={"gen": msg.gen, "start": msg.start, "tokens": msg.tokens,
+                                 "done": msg.done})
+    c = out.chunk  # filled in place, as above
+    if msg.busy_us:
+        c.busy_us = msg.busy_us
+    if msg.sparse:
+        c.q_k = len(msg.sparse[0].ids)
+        c.q_ids.extend(np.concatenate([sd.ids for sd in msg.sparse]).tolist())
+        c.q_probs.extend(np.concatenate([sd.probs for sd in msg.sparse]).tolist())
+    if msg.cache_n is not None:
+        c.cache_n = msg.cache_n
+    if msg.prompt_n is not None:
+        c.prompt_n = msg.prompt_n
     return out
 
 
-@dataclass(slots=True)
-class Chunk:
-    """A checked DraftChunk."""
-
-    gen: int
-    start: int
-    tokens: list[int]
-    sparse: list[SparseDraft] | None
-    done: bool
+def draft_from_pb(m: pb.DraftMessage) -> DraftMessage:
+    kind = m.WhichOneof("kind")
+    if kind == "chunk":
+        return chunk_from_pb(m.chunk)
+    if kind == "error":
+        return Failure(m.error.message)
+    raise ProtocolError("draft message with neither a chunk nor an error")
 
 
-def check_chunk(m: pb.DraftChunk, n_vocab: int, max_position: int) -> Chunk:
-    """Validate a draft chunk from the node; positions must lie before max_position."""
-    if len(m.tokens) > MAX_CHUNK_TOKENS:
-        raise ProtocolError(f"chunk of {len(m.tokens)} tokens (limit {MAX_CHUNK_TOKENS})")
-    if m.start + len(m.tokens) > max_position:
-        raise ProtocolError(
-            f"chunk at positions {m.start}..{m.start + len(m.tokens)} beyond {max_position}"
-        )
-    tokens = check_tokens(m.tokens, n_vocab, "draft chunk")
-    sparse = None
+def chunk_from_pb(m: pb.DraftChunk) -> Chunk:
+    """The chunk as sent; its content is checked by the target (Chunk.check)."""
+    c = Chunk(m.gen, m.start, list(m.tokens), done=m.done, busy_us=m.busy_us,
+              cache_n=m.cache_n if m.HasField("cache_n") else None,
+              prompt_n=m.prompt_n if m.HasField("prompt_n") else None)
     if m.q_k or m.q_ids or m.q_probs:
-        sparse = _check_sparse(m, tokens, n_vocab)
-    return Chunk(m.gen, m.start, tokens, sparse, m.done)
+        c.sparse = _sparse_from_pb(m, c.tokens)
+    return c
 
 
-def _check_sparse(m: pb.DraftChunk, tokens: list[int], n_vocab: int) -> list[SparseDraft]:
+def _sparse_from_pb(m: pb.DraftChunk, tokens: list[int]) -> list[SparseDraft]:
     k = m.q_k
     if not 1 <= k <= MAX_Q_K:
         raise ProtocolError(f"q_k {k} outside 1..{MAX_Q_K}")
@@ -135,46 +196,9 @@ def _check_sparse(m: pb.DraftChunk, tokens: list[int], n_vocab: int) -> list[Spa
         raise ProtocolError(
             f"q arrays of {len(m.q_ids)}/{len(m.q_probs)} entries, expected {k * len(tokens)}"
         )
-    ids = np.asarray(check_tokens(m.q_ids, n_vocab, "q_ids"), dtype=np.int64).reshape(-1, k)
+    ids = np.asarray(m.q_ids, dtype=np.int64).reshape(-1, k)
     probs = np.asarray(m.q_probs, dtype=np.float32).reshape(-1, k)
-    out = []
-    for i, tok in enumerate(tokens):
-        p = probs[i]
-        if not np.all(np.isfinite(p)) or p.min() < 0.0 or abs(float(p.sum()) - 1.0) > 1e-3:
-            raise ProtocolError(f"q for position {m.start + i} is not a distribution")
-        if tok not in ids[i] or len(set(ids[i].tolist())) != k:
-            raise ProtocolError(f"q for position {m.start + i} does not contain its token once")
-        out.append(SparseDraft(token=tok, ids=ids[i], probs=p))
-    return out
-
-
-def sparse_to_pb(chunk: pb.DraftChunk, sparse: list[SparseDraft], k: int) -> None:
-    """Append each position's q, padded to exactly k entries with zero mass."""
-    for sd in sparse:
-        ids, probs = sd.ids.tolist(), sd.probs.tolist()
-        pad = [i for i in range(k + len(ids)) if i not in set(ids)][: k - len(ids)]
-        chunk.q_ids.extend(ids + pad)
-        chunk.q_probs.extend(probs + [0.0] * len(pad))
-    chunk.q_k = k
-
-
-def check_open(m: pb.Open, n_vocab: int, n_ctx: int) -> None:
-    if not m.history:
-        raise ProtocolError("open: empty history")
-    if len(m.history) > min(MAX_HISTORY, n_ctx):
-        raise ProtocolError(
-            f"open: history of {len(m.history)} tokens exceeds the node's context ({n_ctx})"
-        )
-    check_tokens(m.history, n_vocab, "open history")
-    if m.lookahead > 256 or m.want > 256 or m.top_k_q > MAX_Q_K:
-        raise ProtocolError("open: lookahead, want or top_k_q above 256")
-    for name in ("p_min", "keep_min"):
-        check_probability(getattr(m, name), f"open: {name}")
-
-
-def check_probability(x: float, what: str) -> None:
-    if not (math.isfinite(x) and 0.0 <= x <= 1.0):
-        raise ProtocolError(f"{what} {x} outside [0, 1]")
+    return [SparseDraft(token=tok, ids=ids[i], probs=probs[i]) for i, tok in enumerate(tokens)]
 
 
 def message_bytes(msg) -> int:

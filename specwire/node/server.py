@@ -2,7 +2,7 @@
 
 Each Session stream gets its own llama.cpp context over the shared weights, so
 sequences from several targets are isolated from each other. Contexts and the
-KV caches of finished sessions are kept (wire/kv_cache.py, --cache-ram and
+KV caches of finished sessions are kept (node/kv_cache.py, --cache-ram and
 --cache-sessions), so a chat's next turn evaluates only its new tokens. The node runs
 grpcio's threaded server rather than grpc.aio: a session is compute, and on a
 thread per RPC a synchronous round (read verdict, draft, write chunk) happens
@@ -25,16 +25,16 @@ import grpc
 
 from specwire.backend.llama import Model, load_model, open_contexts
 from specwire.config import ModelParams
+from specwire.drafters.session import DraftSession, error_message
+from specwire.node.calibrations import Calibrations, target_key
+from specwire.node.kv_cache import KvCache
+from specwire.node.metrics import NodeMetrics
+from specwire.node.watchdog import Lease, Watchdog
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.calibrations import Calibrations, target_key
-from specwire.wire.kv_cache import KvCache
-from specwire.wire.node_metrics import NodeMetrics
 from specwire.wire.protocol import ProtocolError
-from specwire.wire.session import DraftSession, error_message
 from specwire.wire.sync_server import SyncServer, tls_context
-from specwire.wire.watchdog import Lease, Watchdog
 
 log = logging.getLogger("specwire.node")
 
@@ -53,7 +53,7 @@ class NodeSettings:
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
     cache_ram_mib: int = 8192  # finished sessions' KV caches kept in RAM (0: none kept)
     cache_sessions: int = 32  # and at most this many of them
-    metrics_port: int | None = None  # Prometheus figures (node_metrics.py; None: off)
+    metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
 
 
 #: A call must send its first message (a Session's Open, a ping) this soon, and a Ping
@@ -168,7 +168,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
                     session.step(verdict)
             except Exception as e:  # noqa: BLE001 - the node must survive any one session
                 log.info("session from %s ends: %s", context.peer(), e)
-                send(error_message(e))
+                send(protocol.draft_to_pb(error_message(e)))
             finally:
                 self._close(session)
 
@@ -226,17 +226,17 @@ class DraftNodeService(pbg.DraftNodeServicer):
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
             log.info("session from %s ends: %s", context.peer(), e)
             yield from _drain(out)
-            yield error_message(e)
+            yield protocol.draft_to_pb(error_message(e))
         finally:
             lease.release()
             self._close(session)
 
-    def _open(self, open_msg: pb.Open, send, context) -> DraftSession:
-        """Check everything the Open says, then take a llama.cpp context (from memory)."""
+    def _open(self, m: pb.Open, send, context) -> DraftSession:
+        """Check everything the Open says, then take a llama.cpp context (from memory).
+        The session's messages go to `send` as protobuf."""
         try:
-            protocol.check_open(open_msg, self.model.n_vocab, self.settings.model.n_ctx)
-            protocol.sampling_from_pb(open_msg.sampling)
-            protocol.mode_from_pb(open_msg.mode)
+            open_msg = protocol.open_from_pb(m)
+            open_msg.check(self.model.n_vocab, self.settings.model.n_ctx)
         except ProtocolError:
             self.metrics.refuse("bad_open")
             raise
@@ -244,8 +244,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
             else None
         backend = self.memory.acquire(open_msg.history)
         try:
-            session = DraftSession(backend, open_msg, send, seed=self.settings.seed,
-                                   calibration=calibration)
+            session = DraftSession(backend, open_msg, lambda msg: send(protocol.draft_to_pb(msg)),
+                                   seed=self.settings.seed, calibration=calibration)
         except Exception:
             self.memory.release(backend)
             raise
@@ -288,7 +288,7 @@ def _verdicts(requests, lease: Lease | None = None):
             return
         if kind != "verdict":
             raise ProtocolError(f"unexpected {kind} message")
-        yield m.verdict
+        yield protocol.verdict_from_pb(m.verdict)
 
 
 def _pipelined(session: DraftSession, outbox: queue.SimpleQueue, verdicts, context):
@@ -302,7 +302,7 @@ def _pipelined(session: DraftSession, outbox: queue.SimpleQueue, verdicts, conte
         except grpc.RpcError:
             pass
         except Exception as e:  # noqa: BLE001 - reported to the peer, the node stays up
-            outbox.put(error_message(e))
+            outbox.put(protocol.draft_to_pb(error_message(e)))
         finally:
             outbox.put(None)
 

@@ -8,7 +8,7 @@ verdicts arrive from a reader thread and are applied between tokens, so the
 branch, the gen and the KV cache are only ever touched by one thread.
 
 A session starts from whatever its backend's cache holds of the history (the
-node's memory, wire/kv_cache.py, hands it the best cached prefix) and tells the
+node's memory, node/kv_cache.py, hands it the best cached prefix) and tells the
 target how much that was (DraftChunk.cache_n, prompt_n). A long catch-up is
 announced at once, and evaluated a batch at a time so that a Close stops it;
 meanwhile a synchronous session answers each verdict with an empty chunk, and
@@ -32,10 +32,18 @@ from dataclasses import replace
 from specwire.backend.base import Backend, reusable_prefix, sync_prefix
 from specwire.config import DraftParams
 from specwire.drafters.model import ModelDrafter
+from specwire.draftlink.messages import (
+    NOTICE_AFTER,
+    Chunk,
+    DraftMessage,
+    Failure,
+    Open,
+    ProtocolError,
+    Verdict,
+    pad_sparse,
+)
+from specwire.draftlink.rule import follow
 from specwire.policy import CalibratedStop, Calibration
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +58,17 @@ class DraftSession:
     def __init__(
         self,
         backend: Backend,
-        open_msg: pb.Open,
-        send: Callable[[pb.DraftMessage], None],
+        open_msg: Open,
+        send: Callable[[DraftMessage], None],
         seed: int | None = None,
         calibration: Calibration | None = None,
     ) -> None:
-        protocol.check_open(open_msg, backend.n_vocab, backend.n_ctx)
+        open_msg.check(backend.n_vocab, backend.n_ctx)
         self.backend, self.send = backend, send
-        sampling = protocol.sampling_from_pb(open_msg.sampling)
+        sampling = open_msg.sampling
         if seed is not None:  # the node's own --seed wins over the target's
             sampling = replace(sampling, seed=seed)
-        self.mode = protocol.mode_from_pb(open_msg.mode)
+        self.mode = open_msg.mode
         self.pipelined = open_msg.pipelined
         self.lookahead = max(1, open_msg.lookahead)
         self.q_k = max(1, open_msg.top_k_q)
@@ -89,7 +97,7 @@ class DraftSession:
         self.stalled = False  # p_min ended the branch; wait for a verdict
         self.timing = open_msg.timing
         self._busy_since = 0.0  # perf_counter when the work for the next chunk began
-        self._inbox: collections.deque[pb.Verdict] = collections.deque()
+        self._inbox: collections.deque[Verdict] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
         self.error: str | None = None
@@ -107,7 +115,7 @@ class DraftSession:
         cache figures now in an empty chunk (otherwise they ride on the first draft); a
         synchronous session then catches up on a thread of its own, so that it can
         answer verdicts (with nothing) and hear a Close meanwhile."""
-        if self.prompt_n > protocol.NOTICE_AFTER and not self._told_cache:
+        if self.prompt_n > NOTICE_AFTER and not self._told_cache:
             self._busy_since = time.perf_counter()
             self._flush([], [], done=False)
             if not self.pipelined:
@@ -122,7 +130,7 @@ class DraftSession:
             if t is not None and t.is_alive():
                 t.join()
 
-    def step(self, verdict: pb.Verdict | None) -> None:
+    def step(self, verdict: Verdict | None) -> None:
         """Apply a verdict (None right after the Open), then draft the tokens wanted."""
         self._busy_since = time.perf_counter()
         if self._catcher is not None:
@@ -144,7 +152,7 @@ class DraftSession:
     def start(self) -> None:
         self.thread.start()
 
-    def push(self, verdict: pb.Verdict) -> None:
+    def push(self, verdict: Verdict) -> None:
         with self._cv:
             self._inbox.append(verdict)
             self._cv.notify()
@@ -185,7 +193,7 @@ class DraftSession:
                 self._draft_burst()
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
             msg = error_message(e)
-            self.error = msg.error.message
+            self.error = msg.message
             self.send(msg)
 
     def _next_burst(self) -> bool:
@@ -204,40 +212,39 @@ class DraftSession:
         room = self.backend.n_ctx - len(self.committed) - 1
         return max(0, min(self.budget, room))
 
-    def _apply(self, v: pb.Verdict) -> None:
-        """The branch rule (see specwire.proto)."""
+    def _apply(self, v: Verdict) -> None:
+        """The branch rule (specwire/draftlink/rule.py), on a verdict checked here."""
         if v.position != len(self.committed):
             raise ProtocolError(f"verdict at position {v.position}, expected {len(self.committed)}")
-        if v.want > 256:  # the limit check_open puts on Open.want
-            raise ProtocolError(f"verdict: want {v.want} above 256")
-        protocol.check_probability(v.keep_min, "verdict: keep_min")
         a = v.accepted
         if a > self.sent or (a and v.gen != self.gen):
             raise ProtocolError(
                 f"verdict accepts {a} tokens of gen {v.gen}; sent {self.sent} of gen {self.gen}"
             )
-        tokens = protocol.check_tokens(v.tokens, self.backend.n_vocab, "verdict")
+        tokens = v.check(self.backend.n_vocab)
         if len(self.committed) + a + len(tokens) > self.backend.n_ctx:
             raise ProtocolError("verdict runs past the node's context")
         if self.stop is not None:
             self._calibrate(a, tokens)
             if v.keep_min:
                 self.stop.threshold = v.keep_min
-        rest = self.branch[a:]
+        start = len(self.committed)
         self.committed += self.branch[:a] + tokens
-        n = len(tokens)
-        if len(rest) >= n and rest[:n] == tokens:
-            self.branch = rest[n:]
-            del self.confidence[: a + n]
-            self.sent = max(0, self.sent - a - n)
-        else:
+        n = follow(start, self.branch, self.committed)
+        if n >= 0:
+            self.branch = self.branch[n:]
+            del self.confidence[:n]
+            self.sent = max(0, self.sent - n)
+        else:  # dead, or passed: this end holds the whole branch, so it is over
             self.branch, self.confidence, self.sent, self.gen = [], [], 0, self.gen + 1
         if not self.pipelined:
+            # A smaller want drops what is unsent past it, never what was sent: the target
+            # holds that (or will, from a chunk on its way) and would read new tokens of
+            # this gen as a chunk that contradicts it (tests/test_draftlink.py).
             self.budget = v.want or self.budget
-            if len(self.branch) > self.budget:
-                del self.branch[self.budget :]
-                del self.confidence[self.budget :]
-                self.sent = min(self.sent, self.budget)
+            keep = max(self.budget, self.sent)
+            del self.branch[keep:]
+            del self.confidence[keep:]
         self.stalled = False
 
     def _calibrate(self, accepted: int, tokens: list[int]) -> None:
@@ -280,15 +287,12 @@ class DraftSession:
                behind: int | None = None) -> None:
         start = len(self.committed) + self.sent
         # A synchronous chunk is the whole answer to its verdict: no `done` to send.
-        msg = pb.DraftMessage(chunk={"gen": self.gen, "start": start, "tokens": pending,
-                                     "done": done and self.pipelined})
-        chunk = msg.chunk  # filled in place: a chunk built apart is copied into the message
+        chunk = Chunk(self.gen, start, list(pending), done=done and self.pipelined,
+                      sparse=pad_sparse(sparse_pending, self.q_k) if sparse_pending else None)
         if self.timing:
             now = time.perf_counter()
             chunk.busy_us = min(2**32 - 1, int(1e6 * (now - self._busy_since)))
             self._busy_since = now
-        if sparse_pending:
-            protocol.sparse_to_pb(chunk, sparse_pending, self.q_k)
         if not self._told_cache:
             chunk.cache_n, chunk.prompt_n, self._told_cache = self.cache_n, self.prompt_n, True
         elif behind is not None:
@@ -296,10 +300,10 @@ class DraftSession:
         self.sent += len(pending)
         pending.clear()
         sparse_pending.clear()
-        self.send(msg)
+        self.send(chunk)
 
 
-def error_message(e: Exception) -> pb.DraftMessage:
+def error_message(e: Exception) -> Failure:
     """The DraftError that ends a session: a peer's mistake, or this node's own failure."""
     if isinstance(e, ProtocolError):
         log.warning("draft session: protocol error: %s", e)
@@ -307,4 +311,4 @@ def error_message(e: Exception) -> pb.DraftMessage:
     else:
         log.error("draft session failed", exc_info=e)
         text = f"{type(e).__name__}: {e}"
-    return pb.DraftMessage(error=pb.DraftError(message=text))
+    return Failure(text)

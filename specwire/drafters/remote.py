@@ -1,0 +1,57 @@
+"""The remote drafter: the target's side of the draft link, drafting on a draft node.
+
+BranchDrafter (drafters/branch.py) keeps the branch and checks every token
+against the history; wire/client.py's GrpcTransport moves the messages. This
+module joins the two and builds the drafter the --draft-url flags name.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from specwire.drafters.branch import BranchDrafter
+from specwire.settings import RemoteSettings
+from specwire.wire.client import GrpcTransport
+from specwire.wire.link import Link, LinkSettings
+
+log = logging.getLogger("specwire.remote")
+
+
+class RemoteDrafter(GrpcTransport, BranchDrafter):
+    """Drafts from a draft node over gRPC; pipelined or synchronous."""
+
+    remote = True
+
+
+def make_remote_drafter(urls: list[str], remote: RemoteSettings, target) -> object:
+    """Build the drafter for --draft-url flags: gRPC nodes, or a llama-server over HTTP."""
+    from specwire.cliargs import CliError
+
+    if any(u.startswith(("http://", "https://")) for u in urls):
+        if len(urls) != 1:
+            raise CliError("--draft-url: a llama-server URL cannot be mixed with others")
+        from specwire.drafters.llama_server import LlamaServerDrafter
+
+        return LlamaServerDrafter(urls[0])
+    settings = LinkSettings(
+        token=remote.token,
+        tls_ca=remote.tls_ca,
+        tls_cert=remote.tls_cert,
+        tls_key=remote.tls_key,
+    )
+    links = [
+        Link(u, settings, target.vocab_fingerprint(), target.n_vocab, target.name) for u in urls
+    ]
+    drafter = RemoteDrafter(links, target.n_vocab, pipelined=remote.pipelined)
+    if not remote.poll:
+        drafter.forecast = None
+    errors = drafter.handshake()
+    fatal = [e for e in errors if e and e.startswith("incompatible")]
+    if fatal:
+        drafter.close()
+        raise CliError(fatal[0])
+    for u, e in zip(urls, errors, strict=True):
+        if e:
+            log.warning("draft node %s not reachable yet (%s); decoding plainly until it is", u, e)
+    return drafter
+
