@@ -69,10 +69,10 @@ def test_no_namespace_travels_to_the_loader_the_wire_or_the_calibration() -> Non
 
     from specwire import loader
     from specwire.bench import calibrate
-    from specwire.wire import client
+    from specwire.drafters import remote
 
     for module in (loader, calibrate):
         assert "argparse" not in inspect.getsource(module)
-    assert "argparse" not in inspect.getsource(client.make_remote_drafter)
-    assert inspect.signature(client.make_remote_drafter).parameters["remote"].annotation \
+    assert "argparse" not in inspect.getsource(remote.make_remote_drafter)
+    assert inspect.signature(remote.make_remote_drafter).parameters["remote"].annotation \
         == "RemoteSettings"
