@@ -37,7 +37,7 @@ def http() -> Iterator[TestClient]:
         yield c
 
 
-@settings(FAST, max_examples=25)
+@settings(FAST, max_examples=15)
 @given(path=st.sampled_from(POSTS), data=st.data())
 def test_generated_bodies_never_get_a_5xx(http: TestClient, path: str, data) -> None:
     raw = json.dumps(data.draw(bodies(path))).encode()
