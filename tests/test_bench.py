@@ -245,6 +245,7 @@ def test_prediction_plain_local_and_mixture() -> None:
 # --------------------------------------------------------------------------- plots, CLI
 
 
+@pytest.mark.slow
 def test_plots_are_written(tmp_path: Path) -> None:
     plain = [_run("a", 10)]
     recs = [report.aggregate(Config("plain"), plain, plain, True)]

@@ -1,4 +1,5 @@
-"""`specwire generate` end to end, and its answers to bad input: one line, exit 2, no traceback."""
+"""`specwire generate` end to end (slow), and its answers to bad input: one line, exit 2, no
+traceback (in this process, and as a real process in the full suite)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def other_vocab(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_generate_json_reports_llama_server_timings() -> None:
     r = run("generate", "def add(a, b):", "-n", "12", "--temp", "0", "--json", "-c", "256")
     assert r.returncode == 0, r.stderr
@@ -45,6 +47,7 @@ def test_generate_json_reports_llama_server_timings() -> None:
     assert t["predicted_n"] == 12 and t["draft_n"] >= t["draft_n_accepted"] >= 0
 
 
+@pytest.mark.slow
 def test_generate_streams_text_then_stats() -> None:
     r = run("generate", "def add(a, b):", "-n", "8", "--temp", "0", "--draft-ngram", "-c", "256")
     assert r.returncode == 0, r.stderr
@@ -53,6 +56,7 @@ def test_generate_streams_text_then_stats() -> None:
         assert label in r.stderr
 
 
+@pytest.mark.slow
 def test_incompatible_pair_is_refused_naming_both_files(other_vocab: Path) -> None:
     target = load_model(ModelParams(str(models.default_target())))
     with pytest.raises(BackendError) as e:
@@ -70,14 +74,15 @@ def test_incompatible_pair_is_refused_naming_both_files(other_vocab: Path) -> No
     (["x", "--top-p", "1.5"], "--top-p"),
     (["x", "--draft-max", "1000"], "--draft-max"),
     (["x", "-n", "-3"], "-n"),
-    (["x", "-c", "256", "-n", "1000"], "exceeds the context"),
+    pytest.param(["x", "-c", "256", "-n", "1000"], "exceeds the context",
+                 marks=pytest.mark.slow),      # checked with the target loaded
     (["x", "--verify", "sideways"], "--verify"),
     (["--messages", "not json"], "--messages"),
     (["x", "--file", "/no/such/prompt.txt"], "--file"),
     ([], "give exactly one"),
 ])
-def test_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
-    r = run("generate", *args)
+def test_bad_input_is_one_clear_line(specwire_cli, args: list[str], needle: str) -> None:
+    r = specwire_cli("generate", *args)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
@@ -89,8 +94,9 @@ def test_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
     (["--port", "7070", "--sync-port", "7070"], "is --port already"),
     (["--max-sessions", "0"], "--max-sessions"),
 ])
-def test_draft_node_bad_flags_are_one_clear_line(args: list[str], needle: str) -> None:
-    r = run("draft", *args)
+def test_draft_node_bad_flags_are_one_clear_line(specwire_cli, args: list[str], needle: str
+                                                 ) -> None:
+    r = specwire_cli("draft", *args)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert needle in r.stderr
     assert "Traceback" not in r.stderr

@@ -210,8 +210,8 @@ def test_generate_with_draft_hybrid_writes_what_plain_decoding_writes() -> None:
     assert "draft_n" in hybrid.stderr
 
 
-def test_draft_hybrid_without_a_model_is_one_clear_error() -> None:
-    r = _cli("generate", "x", "-n", "1", "--draft-hybrid", "--draft-ngram")
+def test_draft_hybrid_without_a_model_is_one_clear_error(specwire_cli) -> None:
+    r = specwire_cli("generate", "x", "-n", "1", "--draft-hybrid", "--draft-ngram")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].count("--draft-hybrid") == 1
 

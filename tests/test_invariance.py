@@ -26,6 +26,7 @@ from specwire.drafters.random import RandomDrafter
 from specwire.drafters.threaded import ThreadedDrafter
 from specwire.engine import Engine, Request
 
+pytestmark = pytest.mark.slow
 PROMPTS = {
     "prose": "The old lighthouse keeper climbed the stairs every evening, and",
     "code": "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"

@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -421,7 +419,7 @@ def test_cache_reuse_shifts_a_cached_chunk_into_place(target) -> None:
         assert list(target.backend.tokens[:len(second)]) == second
 
 
-def test_cache_flags_are_refused_with_one_clear_line() -> None:
+def test_cache_flags_are_refused_with_one_clear_line(specwire_cli) -> None:
     import argparse
 
     from specwire.cliargs import CliError
@@ -431,8 +429,7 @@ def test_cache_flags_are_refused_with_one_clear_line() -> None:
 
     for args, needle in ((["--cache-ram", "-1"], "--cache-ram"),
                          (["--cache-sessions", "-2"], "--cache-sessions")):
-        r = subprocess.run([sys.executable, "-m", "specwire", "draft", *args],
-                           capture_output=True, text=True, timeout=120)
+        r = specwire_cli("draft", *args)
         assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())

@@ -178,6 +178,7 @@ def test_cli_parses_subcommands():
 # --------------------------------------------------------------------------- the base only (tmp)
 
 
+@pytest.mark.slow
 def test_interrupted_assembly_then_recovery(tmp_home, monkeypatch):
     real_copy = models._copy_hashing
     calls = []
@@ -208,6 +209,7 @@ def test_assembly_hash_mismatch_is_refused(tmp_home, monkeypatch, tmp_path):
     assert not (tmp_home / models.BASE.name).exists()
 
 
+@pytest.mark.slow
 def test_size_check_by_default_hash_check_on_verify(tmp_home):
     base = models.ensure_model("base", progress=False)
     size = base.stat().st_size
@@ -226,6 +228,7 @@ def test_size_check_by_default_hash_check_on_verify(tmp_home):
     assert base.stat().st_size == size
 
 
+@pytest.mark.slow
 def test_lost_manifest_adopts_a_good_base(tmp_home):
     base = models.ensure_model("base", progress=False)
     mtime = base.stat().st_mtime_ns
@@ -236,6 +239,7 @@ def test_lost_manifest_adopts_a_good_base(tmp_home):
     assert entry["sha256"] == models._expected_base_sha256()
 
 
+@pytest.mark.slow
 def test_parallel_preparation(tmp_home):
     code = "from specwire import models; print(models.ensure_model('base', progress=False))"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

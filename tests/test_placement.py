@@ -193,37 +193,39 @@ def fake_gguf(tmp_path_factory) -> Path:
     (["-devd", "CUDA7"], "-devd: invalid device 'CUDA7'"),
     (["-dev", "CUDA0,none"], "-dev: expected a comma list of device names or 'none'"),
 ])
-def test_bad_values_are_one_line_naming_the_flag(fake_gguf: Path, args, needle) -> None:
-    r = run("generate", "x", "-m", str(fake_gguf), "-md", str(fake_gguf), *args)
+def test_bad_values_are_one_line_naming_the_flag(specwire_cli, fake_gguf: Path, args, needle
+                                                ) -> None:
+    r = specwire_cli("generate", "x", "-m", str(fake_gguf), "-md", str(fake_gguf), *args)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_draft_node_bad_override_is_one_line(fake_gguf: Path) -> None:
-    r = run("draft", "-m", str(fake_gguf), "-ot", "exps=NOPE", "--port", "0")
+def test_draft_node_bad_override_is_one_line(specwire_cli, fake_gguf: Path) -> None:
+    r = specwire_cli("draft", "-m", str(fake_gguf), "-ot", "exps=NOPE", "--port", "0")
     assert r.returncode == 2 and "-ot: unknown buffer type 'NOPE'" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("cmd", [["bench", "--quick", "--no-progress"], ["plan", "--measure"]])
-def test_bench_and_plan_check_both_placements_before_loading(fake_gguf: Path, cmd, tmp_path):
-    r = run(*cmd, "-m", str(fake_gguf), "-md", str(fake_gguf), "-otd", "x=NOPE",
+def test_bench_and_plan_check_both_placements_before_loading(specwire_cli, fake_gguf: Path, cmd,
+                                                            tmp_path):
+    r = specwire_cli(*cmd, "-m", str(fake_gguf), "-md", str(fake_gguf), "-otd", "x=NOPE",
             *(["--out", str(tmp_path)] if cmd[0] == "bench" else []))
     assert r.returncode == 2, r.stderr
     assert "-otd: unknown buffer type 'NOPE' in x=NOPE; available: CPU" in r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_bench_refuses_spec_type() -> None:
-    r = run("bench", "--spec-type", "ngram-simple")
+def test_bench_refuses_spec_type(specwire_cli) -> None:
+    r = specwire_cli("bench", "--spec-type", "ngram-simple")
     assert r.returncode == 2 and "--spec-type: not a bench flag" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("cmd", [["generate"], ["serve"], ["draft"], ["bench"]])
-def test_list_devices_prints_this_builds_devices(cmd: list[str]) -> None:
-    r = run(*cmd, "--list-devices")
+def test_list_devices_prints_this_builds_devices(specwire_cli, cmd: list[str]) -> None:
+    r = specwire_cli(*cmd, "--list-devices")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Available devices:\n")
     assert re.search(r"^  CPU: .* \(\d+ MiB, \d+ MiB free\)", r.stdout, re.M), r.stdout

@@ -19,9 +19,12 @@ The docs/ pages' specwire commands get the `--help` check.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import re
+import runpy
 import shlex
 import socket
 import subprocess
@@ -29,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pytest
@@ -142,10 +146,16 @@ def _env() -> dict[str, str]:
 
 @functools.cache
 def _help(program: tuple[str, ...]) -> str:
-    r = subprocess.run(_argv([*program, "--help"]), capture_output=True, text=True, env=_env(),
-                       timeout=120)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+    """`PROGRAM --help`, in this process (argparse prints the same text; a start-up each
+    would cost the fast suite seconds)."""
+    argv = _argv([*program, "--help"])
+    assert argv[0] == sys.executable and argv[1] == "-m", argv
+    out = io.StringIO()
+    with (contextlib.redirect_stdout(out), mock.patch.object(sys, "argv", argv[2:]),
+          pytest.raises(SystemExit) as end):
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    assert end.value.code in (0, None), out.getvalue()
+    return out.getvalue()
 
 
 # -------------------------------------------------------------------------------- the tests

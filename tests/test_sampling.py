@@ -301,6 +301,7 @@ def test_gumbel_coupling_agrees_as_often_as_theory_says() -> None:
     assert tv_distance(p, q) > 0.1                    # the rows do differ
 
 
+@pytest.mark.slow
 def test_sparse_draft_is_distributed_as_its_q() -> None:
     """q is the draft's filtered distribution cut to its top K and renormalised;
     the drafted token follows q (chi-square over 6k seeds) and is one of q's ids."""
@@ -323,6 +324,7 @@ def test_sparse_draft_is_distributed_as_its_q() -> None:
     assert stat < chi_square_limit(df)
 
 
+@pytest.mark.slow
 def test_sparse_draft_noise_is_independent_of_the_targets() -> None:
     """Rejection mode must not share noise: with the same row, the draft token and the
     target's coupled sample agree at rate sum_x p_x q_x (independent), not ~1 (shared).

@@ -277,6 +277,7 @@ def test_toy_dropped_stream_frees_slot_and_drafter_at_once(toy) -> None:
     assert _metric(url, 'requests_finished_total{outcome="cancelled"}') == 1
 
 
+@pytest.mark.slow
 def test_toy_queue_full_then_waiting_client_leaves(toy) -> None:
     url, _ = toy
     long = {"prompt": "z", "n_predict": 3000, "stream": True}

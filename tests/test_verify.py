@@ -273,6 +273,7 @@ def _rejection_counts(verifier_cls, q_row: np.ndarray, k_q: int, n: int) -> np.n
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("q_row", "k_q"), [(Q_ROW, 3), (Q_SHARP, 4)])
 def test_rejection_round_with_the_keyed_generator_is_the_target(q_row, k_q: int) -> None:
     """Monte Carlo with the real streams (draft DRAFT, accept ACCEPT, residual RESIDUAL):
@@ -332,6 +333,7 @@ def _compare(counts: dict, exact: dict) -> tuple[float, float, int]:
     return tv_distance(c / c.sum(), p), stat, df
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [VerifyMode.COUPLED, VerifyMode.REJECTION])
 def test_engine_three_token_sequences_follow_the_target(mode: VerifyMode) -> None:
     """Joint law of (t1, t2, t3) over 2000 seeds vs the enumerated target (27 outcomes):

@@ -242,6 +242,7 @@ def test_sampling_and_mode_from_the_wire_are_checked() -> None:
 # nodes never run beside it.
 
 
+@pytest.mark.slow
 def test_token_authentication(target, tmp_path) -> None:
     """A node started with --token: a target with the wrong token or none is refused at the
     handshake (UNAUTHENTICATED, and the node logs 'refused connection'), a Session without
@@ -263,6 +264,7 @@ def test_token_authentication(target, tmp_path) -> None:
         _drafts_like_plain(target, n.url, pipelined=False, settings=LinkSettings(token="secret"))
 
 
+@pytest.mark.slow
 def test_tls_and_mutual_tls(target, tmp_path) -> None:
     """A TLS node refuses a plain-text target and serves one that trusts its CA; with
     --tls-client-ca it also refuses targets without a client certificate or with one from
@@ -318,6 +320,7 @@ def _drafts_like_plain(target, url: str, pipelined: bool, settings: LinkSettings
 RUNS = [(1, 0.01), (4, 0.0), (16, 0.01)]     # (draft length, one-way delay): both RTTs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_output_equals_plain_decoding_over_the_link(target, node, pipelined, sampling) -> None:
@@ -348,6 +351,7 @@ def test_output_equals_plain_decoding_over_the_link(target, node, pipelined, sam
             rd.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 def test_rejection_mode_over_the_link(target, tmp_path, pipelined) -> None:
     """Rejection verification over the link, where each drafted token travels with its
@@ -387,6 +391,7 @@ def _kill_once(node: NodeProcess, after_tokens: int, state: dict):
     return on_step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sync"])
 def test_node_killed_mid_generation_then_restarted(target, node, pipelined) -> None:
     """SIGKILL the node while a request is drafting: the request completes with the same
@@ -422,6 +427,7 @@ def test_node_killed_mid_generation_then_restarted(target, node, pipelined) -> N
         rd.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 def test_stalled_node_costs_at_most_one_deadline(target, node, pipelined) -> None:
     """The link goes silent (blackhole) mid-generation: the request completes with the same
@@ -506,6 +512,7 @@ def _violations(n_vocab: int, seed: int = 7) -> list[tuple[str, object]]:
     ]
 
 
+@pytest.mark.slow
 def test_malformed_frames_drop_the_peer_and_leave_the_output_alone(target) -> None:
     """A fake node answers each session with one kind of malformed frame (fixed seeds):
     the RemoteDrafter drops it every time (dropped_peers counts each), reconnects, and
@@ -534,6 +541,7 @@ def test_malformed_frames_drop_the_peer_and_leave_the_output_alone(target) -> No
             rd.close()
 
 
+@pytest.mark.slow
 def test_a_node_that_ends_every_session_is_backed_off(target) -> None:
     """A node that greets, then ends each session right after the Open: the target backs
     off longer each time instead of reopening every round, and decodes plainly."""
@@ -577,6 +585,7 @@ def _continuation(target, wrong: bool, stale: bool):
     return script
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["right", "wrong", "stale"])
 def test_fake_node_drafts_are_verified(target, kind) -> None:
     """Well-formed drafts from a fake node go through verification: the right tokens are
@@ -603,6 +612,7 @@ def test_fake_node_drafts_are_verified(target, kind) -> None:
             rd.close()
 
 
+@pytest.mark.slow
 def test_incompatible_node_is_refused_at_connect(target) -> None:
     """A node with another vocabulary (or protocol) fails the handshake: Link.connect and
     make_remote_drafter raise an error naming both models and saying 'incompatible'."""
@@ -663,6 +673,7 @@ def _sync_open(history: list[int], want: int = 2, **kw) -> pb.Open:
                    want=want, **kw)
 
 
+@pytest.mark.slow
 def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node) -> None:
     """Malformed Opens, messages out of order and verdicts that break the branch rule each
     get a DraftError naming the problem and end that stream only: the node process stays
@@ -741,6 +752,7 @@ def test_node_answers_malformed_messages_with_an_error_and_stays_up(target, node
     assert node.alive
 
 
+@pytest.mark.slow
 def test_a_calibrated_session_stops_where_the_target_says(target, node) -> None:
     """A synchronous Open with `calibrated` stops drafts by keep_min instead of p_min: at a
     tiny keep_min the node drafts all it is asked for, though p_min 1 alone would stop it
@@ -774,6 +786,7 @@ def test_a_calibrated_session_stops_where_the_target_says(target, node) -> None:
     assert node.alive
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_adaptive_sync_drafts_stop_on_the_node_and_keep_the_output(target, node,
                                                                     sampling) -> None:
@@ -792,6 +805,7 @@ def test_adaptive_sync_drafts_stop_on_the_node_and_keep_the_output(target, node,
         rd.close()
 
 
+@pytest.mark.slow
 def test_ping_echoes_after_its_hold_and_refuses_a_long_one(node) -> None:
     """Ping answers each message with its seq after hold_us of work on the node; a hold
     above MAX_PING_HOLD_US is refused (INVALID_ARGUMENT) rather than tying up a node thread."""
@@ -811,6 +825,7 @@ def test_ping_echoes_after_its_hold_and_refuses_a_long_one(node) -> None:
 # ============================================================================ sessions
 
 
+@pytest.mark.slow
 def test_two_targets_draft_from_one_node_at_once(target, node) -> None:
     """Two target contexts over the same weights, each with its own RemoteDrafter, run
     concurrently against one node: each output equals its own plain decoding and each
@@ -848,6 +863,7 @@ def test_two_targets_draft_from_one_node_at_once(target, node) -> None:
 # ============================================================================ bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 def test_bytes_per_drafted_token(target, node, pipelined, record_property) -> None:
     """Greedy over the link: bytes received from the node per token it drafted stay within
@@ -875,6 +891,7 @@ def test_bytes_per_drafted_token(target, node, pipelined, record_property) -> No
         rd.close()
 
 
+@pytest.mark.slow
 def test_bytes_both_ways_per_round(target, node, record_property) -> None:
     """Synchronous greedy drafting, the verdicts and the chunks together, the prompts'
     Opens aside: a round's framing (verdict, chunk header, gRPC's 5-byte prefixes) stays
@@ -900,6 +917,7 @@ def test_bytes_both_ways_per_round(target, node, record_property) -> None:
         rd.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("timing", [False, True], ids=["quiet", "timing"])
 def test_node_reports_its_drafting_time_only_when_asked(target, node, timing) -> None:
     """Open.timing makes the node fill DraftChunk.busy_us (what link_overhead subtracts from
@@ -925,6 +943,7 @@ def test_node_reports_its_drafting_time_only_when_asked(target, node, timing) ->
 # ============================================================================ the sync port
 
 
+@pytest.mark.slow
 def test_sync_port_serves_grpcio_clients(target, node) -> None:
     """The node's synchronous port is gRPC as grpcio speaks it: an ordinary grpcio client
     runs a synchronous Session there (a chunk for the Open, one per verdict); a pipelined
@@ -953,6 +972,7 @@ def test_sync_port_serves_grpcio_clients(target, node) -> None:
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+@pytest.mark.slow
 def test_unreachable_sync_port_falls_back_to_the_main_port(target, node) -> None:
     """Behind a relay that forwards only the main port, the advertised synchronous port
     cannot be reached: synchronous sessions run on the main port and still draft."""
@@ -1008,6 +1028,7 @@ def _not_http2(conn: Connection, sid: int, o: pb.Open) -> None:
     conn.sock.sendall(bytes(range(256)) * 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reply", [_out_of_vocabulary, _not_a_draft_message, _not_http2],
                          ids=["out-of-vocabulary", "undecodable", "not-http2"])
 def test_hostile_sync_port_cannot_change_the_output(target, reply) -> None:

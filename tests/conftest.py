@@ -1,0 +1,47 @@
+"""Shared test set-up: the fast-suite guard (tests/fast_guard.py), pytester for its own
+test, and `specwire_cli`, which runs `specwire ...` twice over: in this process (fast)
+and as a real process (slow)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+
+pytest_plugins = ("fast_guard", "pytester")
+
+CliRun = Callable[..., subprocess.CompletedProcess]
+
+
+def run_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`specwire ARGS` through specwire.cli.main in this process, answered as subprocess.run
+    answers: an error that escapes main (a traceback in a real process) fails the test."""
+    from specwire import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:          # argparse's own errors, --help
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(["specwire", *args], code, out.getvalue(), err.getvalue())
+
+
+def run_process(*args: str) -> subprocess.CompletedProcess:
+    """`python -m specwire ARGS` as a real process: what the user sees, llama.cpp's own
+    writes to stderr included."""
+    return subprocess.run([sys.executable, "-m", "specwire", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(params=[pytest.param(run_in_process, id="in-process"),
+                        pytest.param(run_process, id="process", marks=pytest.mark.slow)])
+def specwire_cli(request: pytest.FixtureRequest) -> CliRun:
+    """For command-line errors, which are decided before a model loads: the fast suite
+    checks them in this process in milliseconds, the full suite also as real processes
+    (a Python start-up each)."""
+    return request.param
