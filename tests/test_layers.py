@@ -25,6 +25,11 @@ FORBIDDEN = {
     "drafters": ("specwire.node", *PB),
     "node": ("specwire.engine", "specwire.server", "specwire.commands"),
 }
+#: The lower layers, by what they may import of specwire at all.
+ALLOWED = {
+    "wire": ("specwire.wire", "specwire.draftlink", "specwire.config", "specwire.sampling"),
+    "draftlink": ("specwire.draftlink", "specwire.config", "specwire.sampling"),
+}
 #: The one drafter that travels over the wire: the transport's client, nothing else of it.
 WIRE_FOR_DRAFTERS = {"remote.py": ("specwire.wire.client", "specwire.wire.link")}
 
@@ -55,6 +60,15 @@ def test_imports_go_one_way(package: str) -> None:
     """No module imports what its package must not know."""
     bad = {p.name: _hits(imports(p), FORBIDDEN[package]) for p in _modules(package)}
     assert not {k: v for k, v in bad.items() if v}
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_the_lower_layers_stand_alone(package: str) -> None:
+    """The transport and the domain import only each other, the settings and sampling."""
+    for path in _modules(package):
+        own = _hits(imports(path), ("specwire",))
+        assert not [n for n in own if n != "specwire" and not _hits({n}, ALLOWED[package])], \
+            (path.name, own)
 
 
 def test_only_the_remote_drafter_touches_the_wire() -> None:

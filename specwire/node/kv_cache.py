@@ -42,7 +42,7 @@ from specwire.backend import kv_state
 from specwire.backend.base import BackendError
 from specwire.backend.llama import LlamaBackend, Model
 from specwire.config import ModelParams
-from specwire.wire import protocol
+from specwire.draftlink.messages import NOTICE_AFTER
 
 log = logging.getLogger("specwire.node")
 
@@ -51,7 +51,7 @@ MIB = 1 << 20
 WAIT_FOR_CLOSE_S = 1.0
 #: ...when that one holds more than this many tokens of it beyond what the memory has
 #: (fewer are evaluated sooner than a session ends; as many as a catch-up notice are not).
-WORTH_WAITING = protocol.NOTICE_AFTER
+WORTH_WAITING = NOTICE_AFTER
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
