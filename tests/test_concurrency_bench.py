@@ -93,6 +93,7 @@ def test_server_commands_use_llama_cpp_flags() -> None:
     ll = llama_server_command("/bin/llama-server", f, 8080, [])
     assert ll[0] == "/bin/llama-server" and _after(ll, "-c") == "2048"    # 512 per slot
     assert _after(ll, "-td") == "2" and _after(ll, "-md") == "d.gguf"
+    assert _after(ll, "--spec-draft-n-max") == "8"
     plain = ServerFlags("t.gguf", None, 4, 2, 2, 512, 8)
     assert "--no-draft" in specwire_command(plain, 1, [])
     assert "-md" not in llama_server_command("ls", plain, 1, [])

@@ -56,7 +56,7 @@ def llama_server_command(binary: str, flags: ServerFlags, port: int,
     if flags.draft is None:
         return [*cmd, *extra]
     return [*cmd, "-md", flags.draft, "-td", str(flags.threads_draft),
-            "--draft-max", str(flags.draft_max), *extra]
+            "--spec-draft-n-max", str(flags.draft_max), *extra]   # --draft-max: removed there
 
 
 def free_port() -> int:
