@@ -94,6 +94,7 @@ def test_server_commands_use_llama_cpp_flags() -> None:
     assert ll[0] == "/bin/llama-server" and _after(ll, "-c") == "2048"    # 512 per slot
     assert _after(ll, "-td") == "2" and _after(ll, "-md") == "d.gguf"
     assert _after(ll, "--spec-draft-n-max") == "8"
+    assert _after(ll, "--spec-type") == "draft-simple"          # else -md loads but never drafts
     plain = ServerFlags("t.gguf", None, 4, 2, 2, 512, 8)
     assert "--no-draft" in specwire_command(plain, 1, [])
     assert "-md" not in llama_server_command("ls", plain, 1, [])

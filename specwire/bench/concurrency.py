@@ -47,6 +47,10 @@ class UsageError(ValueError):
     """A bad flag: printed as one line, exit status 2."""
 
 
+class WarmUpError(RuntimeError):
+    """A server answered its warm-up request with an error: nothing would be measured."""
+
+
 @dataclass(frozen=True, slots=True)
 class Server:
     """A configuration and the process that serves it."""
@@ -174,7 +178,7 @@ def measure(servers: list[Server], a: argparse.Namespace, levels: list[int],
     for s in servers:
         b = fire(s.process.url, a.endpoint, warm, 8, a.timeout)
         if b.errors:
-            raise RuntimeError(f"{s.config.label}: warm-up failed: {b.errors[0]}")
+            raise WarmUpError(f"{s.config.label}: warm-up failed: {b.errors[0]}")
     plan = assign_prompts(prompts, levels, a.repeats)
     runs: list[tuple[str, Burst]] = []
     for r in range(a.repeats):
@@ -307,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    except ServerStartError as e:
+    except (ServerStartError, WarmUpError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -55,8 +55,9 @@ def llama_server_command(binary: str, flags: ServerFlags, port: int,
            "-np", str(flags.parallel), "--no-webui"]
     if flags.draft is None:
         return [*cmd, *extra]
-    return [*cmd, "-md", flags.draft, "-td", str(flags.threads_draft),
-            "--spec-draft-n-max", str(flags.draft_max), *extra]   # --draft-max: removed there
+    # this llama.cpp drafts only with a --spec-type, and removed --draft-max
+    return [*cmd, "-md", flags.draft, "--spec-type", "draft-simple",
+            "-td", str(flags.threads_draft), "--spec-draft-n-max", str(flags.draft_max), *extra]
 
 
 def free_port() -> int:
