@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0], conflict_handler="resolve",
         epilog="Examples: specwire bench --quick;  specwire bench --prompts code,qa "
         "--modes plain,local,remote-sync,remote-pipelined,ngram --rtt 0.2ms,2ms,20ms "
-        "--draft-max 4,8 --out bench-out")
+        "--draft-max 4,8 --out bench-out;  several requests in flight against specwire serve "
+        "and llama-server: python -m specwire.bench.concurrency --help")
     g = p.add_argument_group("benchmark")
     g.add_argument("--prompts", default=None, metavar="SETS",
                    help="JSONL files or shipped sets (code, prose, qa), comma separated "
