@@ -100,7 +100,7 @@ class FixedPolicy:
     def start(self) -> None:
         pass
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, batch_tokens: int = 0) -> int:
         return min(self.n_max, limit)
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
@@ -206,6 +206,7 @@ class AdaptivePolicy:
     calibration: Calibration = field(default_factory=Calibration)
     stop: CalibratedStop = field(init=False)
     round_rate: float = 0.0  # expected tokens/s of the round in progress
+    batch_tokens: int = 0  # tokens the other sequences put into the round's decode
 
     def __post_init__(self) -> None:
         self.stop = CalibratedStop(self.calibration)
@@ -243,15 +244,23 @@ class AdaptivePolicy:
         return self.catch_up_s / self.catch_up_tokens if self.catch_up_tokens else 0.0
 
     def rate(self, k: int) -> float:
-        """Expected tokens per second of a round asked for k tokens."""
+        """Expected tokens per second of a round asked for k tokens, counting the tokens
+        of the step's other sequences (batch_tokens) as its yield and its cost too: in a
+        batch, a draft is worth its tokens only where it beats the batch's own rate at
+        the marginal cost of verifying it there. (Each of the others' tokens counted as
+        output is an upper bound, so drafting is chosen only where it surely pays.)"""
+        b = self.batch_tokens
         if k == 0:
-            return 1.0 / (self.verify_cost(1) + self.catch_up_cost())
+            return (1.0 + b) / (self.verify_cost(1 + b) + self.catch_up_cost())
         g, a = self.continuation, self.acceptance
         drafted = g * expected_tokens(g, k - 1)  # g + ... + g^k
         tokens = expected_tokens(g * a, k)  # 1 + ga + ... + (ga)^k
-        return tokens / (self.draft_cost(drafted) + self.verify_cost(1 + drafted))
+        return (tokens + b) / (self.draft_cost(drafted) + self.verify_cost(1 + drafted + b))
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, batch_tokens: int = 0) -> int:
+        """k for the next round; batch_tokens: what the other sequences put into the same
+        decode (0 alone)."""
+        self.batch_tokens = batch_tokens
         self.asked = self._best(min(self.n_max, limit))
         self.round_rate = self.rate(self.asked) if self.asked else 0.0
         return self.asked
@@ -318,7 +327,7 @@ class AdaptivePolicy:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
         self.warm = self.asked > 0
-        self.verify.add(drafted, verify_s)
+        self.verify.add(drafted + self.batch_tokens, verify_s)
 
 
 Policy = FixedPolicy | AdaptivePolicy
