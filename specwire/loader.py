@@ -34,9 +34,11 @@ def resolve_draft(path: str | None) -> str:
     return str(models.default_draft())
 
 
-def build_engine(a: argparse.Namespace) -> Engine:
+def build_engine(a: argparse.Namespace, n_seq: int = 1) -> Engine:
     """The target backend plus the drafter the flags ask for (bundled pair by default).
 
+    n_seq: sequences the target holds in one context (serve -np), each with a drafter of
+    its own (a local draft model: a context per sequence on the same weights).
     Both models' placements are checked (buffer types, devices) before either loads,
     so a bad -otd does not wait for a big target to load first.
     """
@@ -50,18 +52,19 @@ def build_engine(a: argparse.Namespace) -> Engine:
         check(tparams.placement)
         if dparams is not None:
             check(dparams.placement, draft_flag_names())
-        target = LlamaBackend(tparams)
-        drafter = build_drafter(a, kind, target, dparams)
+        target = LlamaBackend(tparams, n_seq=n_seq)
+        drafters = [build_drafter(a, kind, target, dparams) for _ in range(n_seq)]
     except BackendError as e:
         raise CliError(str(e)) from None
     sampled = getattr(a, "temp", 0.0) > 0
     verify = VerifyMode(a.verify) if sampled and getattr(a, "verify", None) else None
     try:
-        return Engine(target, drafter, verify=verify)
+        return Engine(target, drafters, verify=verify)
     except ConfigError as e:
-        close = getattr(drafter, "close", None)
-        if close is not None:
-            close()
+        for drafter in drafters:
+            close = getattr(drafter, "close", None)
+            if close is not None:
+                close()
         raise CliError(str(e)) from None
 
 

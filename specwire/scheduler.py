@@ -65,7 +65,8 @@ class BatchScheduler:
         try:
             gen.finish()
         except Exception as e:  # noqa: BLE001 - reported to its owner, not to the batch
-            log.debug("sequence %d: ending failed", gen.seq, exc_info=True)
+            log.error("sequence %d: ending the drafter's sequence failed", gen.seq,
+                      exc_info=True)
             if gen.error is None:
                 gen.error = e
 
