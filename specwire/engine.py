@@ -10,6 +10,7 @@ goes on as plain decoding.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -177,19 +178,22 @@ class Generation:
             self._out.extend(self._emit([first]))
             return
         rnd, self._round = self._round, None
+        tv = time.perf_counter()
         self._decode_s += decode_s
         draft, history = rnd.draft, self._history
         verdict = self._verifier.verify(rows, history, draft.tokens, draft.sparse)
         self.target.truncate(len(history) + verdict.accepted)
-        tc = time.perf_counter()
-        st.draft_ms += 1000 * (rnd.drafted - rnd.started)
-        st.verify_ms += 1000 * (tc - rnd.drafted)
+        # Verification: the step's decode and this sequence's own check, not the time the
+        # other sequences of the step spent drafting or verifying.
+        verify_s = decode_s + time.perf_counter() - tv
+        draft_s = rnd.drafted - rnd.started
+        st.draft_ms += 1000 * draft_s
+        st.verify_ms += 1000 * verify_s
         if not draft.tokens:
             st.plain_steps += 1
-            st.plain_ms += 1000 * (tc - rnd.drafted)
+            st.plain_ms += 1000 * verify_s
         st.record_round(len(draft), verdict.accepted, rnd.k)
-        self._policy.observe(len(draft), verdict.accepted, rnd.drafted - rnd.started,
-                             tc - rnd.drafted, draft.confidence)
+        self._policy.observe(len(draft), verdict.accepted, draft_s, verify_s, draft.confidence)
         appended = [*draft.tokens[: verdict.accepted], verdict.token]
         new = self._emit(appended)
         history.extend(new)
@@ -208,7 +212,7 @@ class Generation:
         self.probs = self._verifier.probs
         # Plain requests leave the learned policies alone: they would teach them nothing.
         if req.draft.enabled:
-            self._policy = eng.memories[self.seq].policy(req.draft.policy, req.draft.n_max)
+            self._policy = eng.policy(self.seq, req.draft.policy, req.draft.n_max)
         prompt = req.prompt
         if len(prompt) + (1 if req.n_predict else 0) > target.n_ctx:
             raise ConfigError(
@@ -326,6 +330,19 @@ class Engine:
     def generate(self, req: Request, seq: int | None = None) -> Generation:
         """A generation in sequence `seq` (default: a free one); it joins the batch now."""
         return self.scheduler.join(lambda s: Generation(self, req, s), seq)
+
+    def policy(self, seq: int, name: str, n_max: int) -> Policy:
+        """Sequence seq's policy for (name, n_max). A sequence's first one starts from what
+        the most experienced other sequence learned (the costs are the machine's, the
+        acceptance the drafter's), not from the priors."""
+        memory = self.memories[seq]
+        key = (name, n_max)
+        if key not in memory.policies:
+            donors = [m.policies[key] for m in self.memories if key in m.policies]
+            if donors:
+                best = max(donors, key=lambda p: getattr(p, "asked_rounds", 0))
+                memory.policies[key] = copy.deepcopy(best)
+        return memory.policy(name, n_max)
 
     def step(self) -> None:
         """One decode for every running sequence (see BatchScheduler.step)."""

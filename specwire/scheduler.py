@@ -33,6 +33,7 @@ class BatchScheduler:
         self.batch = batch
         self.running: list[Generation] = []
         self._lock = threading.RLock()   # join/leave from other threads than the stepper
+        self._turn = 0                   # who plans first: rotates, so none is always last
 
     def free(self) -> list[int]:
         """Sequences no running generation holds."""
@@ -89,9 +90,12 @@ class BatchScheduler:
             self.leave(gen)
 
     def plan(self) -> list[tuple[Generation, Part]]:
-        """The step's parts, within the budget: decoding sequences first."""
+        """The step's parts, within the budget: decoding sequences first, in turns."""
         with self._lock:
-            gens = sorted(self.running, key=lambda g: not g.decoding)
+            n = len(self.running)
+            self._turn += 1
+            turn = [self.running[(self._turn + i) % n] for i in range(n)] if n else []
+        gens = sorted(turn, key=lambda g: not g.decoding)
         budget = self.batch.n_batch
         n_decoding = sum(g.decoding for g in gens)
         planned: list[tuple[Generation, Part]] = []
