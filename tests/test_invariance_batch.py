@@ -90,3 +90,31 @@ def test_each_request_gets_its_own_tokens_in_a_batch(single, batched, alone, sam
     assert 0 < len(gens[3].tokens) < N_PREDICT[3], "the cancelled request ended early"
     assert gens[0].stats.draft_n > 0 and gens[2].stats.draft_n > 0
     assert gens[1].stats.draft_n == 0
+
+
+def test_a_sequence_keeps_its_own_cache_between_requests(single, batched, alone) -> None:
+    """Sequence 2's next request starts from its own cached prefix (cache_prompt), and with
+    --cache-reuse a chunk of its cache is shifted into place on its own cells; the other
+    sequences' caches are untouched, and the output equals the same two requests in a
+    context of their own (a shifted chunk is not a fresh prefill: it remembers the
+    dropped passage, as in llama-server)."""
+    target, plain = batched.target, DraftParams(enabled=False)
+    view = batched.batch.seq(2)
+    head, a, b = (target.tokenize(t) for t in PROMPTS[:3])
+    first, second = head + a[1:] + b[1:], head + b[1:]
+    others = [list(batched.batch.seq(i).tokens) for i in (0, 1, 3)]
+    batched.cache_reuse = 4
+    try:
+        batched.generate(Request(first, 4, GREEDY, plain), seq=2).run()
+        g = batched.generate(Request(second, 8, GREEDY, plain), seq=2)
+        out = g.run()
+    finally:
+        batched.cache_reuse = 0
+    assert g.stats.cache_n == len(second) - 1, g.stats.to_dict()   # prefix + shifted chunk
+    assert list(view.tokens[:len(second)]) == second
+    assert [list(batched.batch.seq(i).tokens) for i in (0, 1, 3)] == others
+    single.truncate(0)
+    solo = Engine(single)
+    solo.cache_reuse = 4
+    solo.generate(Request(first, 4, GREEDY, plain)).run()
+    assert out == solo.generate(Request(second, 8, GREEDY, plain)).run()
