@@ -299,7 +299,8 @@ class AdaptivePolicy:
             return try_k
         # Probe now and then, or the estimates could never recover: soon when drafting
         # looks almost worth it, rarely when it looks hopeless.
-        gap = 1.0 - rates[try_k] / rates[0]
+        # In a batch the others' tokens dilute the gap; probe by this sequence's own share.
+        gap = min(1.0, (1.0 - rates[try_k] / rates[0]) * (1 + self.batch_tokens))
         self.idle_rounds += 1
         if self.idle_rounds < min(self.probe_every, max(2, int(4 * self.probe_every * gap))):
             return 0
