@@ -250,12 +250,18 @@ class AdaptivePolicy:
         the marginal cost of verifying it there. (Each of the others' tokens counted as
         output is an upper bound, so drafting is chosen only where it surely pays.)"""
         b = self.batch_tokens
+        # Alone, what plain steps make the drafter redo is charged to them; in a batch the
+        # drafter's catch-up holds up every sequence of the step, so the round that asks
+        # a drafter which has fallen behind pays for it.
+        behind = 0.0 if b == 0 or self.warm else self.catch_up_cost() * self.skipped
         if k == 0:
-            return (1.0 + b) / (self.verify_cost(1 + b) + self.catch_up_cost())
+            plain = self.catch_up_cost() if b == 0 else 0.0
+            return (1.0 + b) / (self.verify_cost(1 + b) + plain)
         g, a = self.continuation, self.acceptance
         drafted = g * expected_tokens(g, k - 1)  # g + ... + g^k
         tokens = expected_tokens(g * a, k)  # 1 + ga + ... + (ga)^k
-        return (tokens + b) / (self.draft_cost(drafted) + self.verify_cost(1 + drafted + b))
+        return (tokens + b) / (self.draft_cost(drafted) + behind
+                               + self.verify_cost(1 + drafted + b))
 
     def choose(self, limit: int, batch_tokens: int = 0) -> int:
         """k for the next round; batch_tokens: what the other sequences put into the same
