@@ -10,17 +10,23 @@ goes on as plain decoding.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from specwire.backend.base import Backend, reusable_prefix
+from specwire.backend.batch import BatchBackend, Part, as_batch
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.constraints.grammar import Grammar, GrammarSpec
 from specwire.drafters.base import Draft, Drafter, NoDrafter
 from specwire.drafters.guard import DraftGuard, check_verify_mode
 from specwire.logprobs import LogprobsSpec, TokenProb
-from specwire.policy import AdaptivePolicy, FixedPolicy, PolicyMemory
+from specwire.policy import AdaptivePolicy, FixedPolicy, Policy, PolicyMemory
+from specwire.scheduler import BatchScheduler
+from specwire.sequence import Round
 from specwire.stats import Stats
 from specwire.verify import Verifier
 
@@ -48,33 +54,61 @@ class Request:
 class Generation:
     """A running request: iterate for lists of new token ids; then read stats.
 
-    stop_type is llama-server's: "eos", "limit" (n_predict or context), or
-    "word" when the caller stops it on a stop string via stop(). Closing the
-    iterator early (client gone) ends the drafter's sequence at once.
-    `probs` holds one TokenProb per generated token when the request asked for them.
+    It is one sequence of its engine's batch: the engine's step (scheduler.py) asks
+    it for its part of the decode (`plan`) and hands it its logits rows (`take`);
+    iterating it alone runs those steps until it has new tokens, so a single request
+    is the batch of one. stop_type is llama-server's: "eos", "limit" (n_predict or
+    context), or "word" when the caller stops it on a stop string via stop().
+    Closing it early (client gone) ends the drafter's sequence and frees the
+    sequence at once. `probs` holds one TokenProb per generated token when the
+    request asked for them.
     """
 
-    def __init__(self, engine: Engine, req: Request) -> None:
-        self.engine, self.req = engine, req
+    def __init__(self, engine: Engine, req: Request, seq: int) -> None:
+        self.engine, self.req, self.seq = engine, req, seq
         self.stats = Stats()
         self.tokens: list[int] = []
         self.stop_type = "none"
         self.truncated = False
         self.probs: list[TokenProb] = []
+        self.error: Exception | None = None
+        self.done = False               # left the batch (finished, stopped, failed or closed)
         self._stopped = False
-        self._it = self._run()
+        self._out: list[int] = []       # tokens not yet handed to the iterator
+        self._round: Round | None = None
+        self._started = self._begun = False
+        self._t0 = self._t1 = 0.0
+        self._prefilled = 0             # prompt tokens in the target's cache
+        self._history: list[int] = []
+        self._decode_s = 0.0            # the target's decode time in this request's steps
+        self.target = engine.batch.seq(seq)
+        self.drafter: DraftGuard | NoDrafter = (engine.guards[seq] if req.draft.enabled
+                                                else engine.no_drafter)
+        self._grammar: Grammar | None = None
+        self._verifier: Verifier | None = None
+        self._policy: Policy = FixedPolicy(0)
+        self._steer = self._constrain = None
 
     def __iter__(self) -> Iterator[list[int]]:
         return self
 
     def __next__(self) -> list[int]:
-        return next(self._it)
+        while not self._out:
+            if self.error is not None:
+                err, self.error = self.error, None
+                raise err
+            if self.done:
+                raise StopIteration
+            self.engine.step()
+        out, self._out = self._out, []
+        return out
 
     def stop(self, stop_type: str = "word") -> None:
         self.stop_type, self._stopped = stop_type, True
 
     def close(self) -> None:
-        self._it.close()
+        """Leave the batch now (a no-op once done)."""
+        self.engine.scheduler.leave(self)
 
     def run(self) -> list[int]:
         """Drive to the end; return the generated token ids."""
@@ -82,101 +116,153 @@ class Generation:
             pass
         return self.tokens
 
-    def _run(self) -> Iterator[list[int]]:
-        eng, req, st = self.engine, self.req, self.stats
-        target, drafter = eng.target, eng.guard if req.draft.enabled else eng.no_drafter
-        grammar = Grammar.for_backend(req.grammar, target) if req.grammar is not None else None
-        verifier = Verifier(req.sampling, req.draft.mode, grammar, req.logprobs)
-        self.probs = verifier.probs
+    def pending(self) -> list[int]:
+        """The tokens produced since the last call (the server's worker reads them)."""
+        out, self._out = self._out, []
+        return out
+
+    # -- the scheduler's side --------------------------------------------------
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt: its parts are a round (last token and draft), not a chunk."""
+        return self._started and self._prefilled == len(self.req.prompt)
+
+    def plan(self, budget: int, batch_tokens: int) -> Part | None:
+        """This step's part, at most `budget` tokens; None to sit this step out. Ends
+        the generation (done) when it has nothing more to do. batch_tokens: what the
+        other sequences put into the same decode (the adaptive policy's concern)."""
+        if not self._started:
+            self._start()
+            if self.done:
+                return None
+        if self._stopped:
+            self.done = True
+            return None
+        if budget <= 0:
+            return None
+        prompt = self.req.prompt
+        if self._prefilled < len(prompt):
+            chunk = prompt[self._prefilled:self._prefilled + budget]
+            last = self._prefilled + len(chunk) == len(prompt)
+            return Part(self.seq, chunk, "last" if last else "none")
+        remaining = self.req.n_predict - len(self.tokens)
+        room = self.target.n_ctx - len(self._history)
+        if remaining <= 0 or room <= 0:
+            self.stop_type, self.truncated = "limit", room <= 0 and remaining > 0
+            self.done = True
+            return None
+        # A round appends up to k + 1 tokens; plain decoding stops at a full context.
+        k = min(self._policy.choose(min(remaining, room) - 1, batch_tokens=batch_tokens),
+                budget - 1)
+        ta = time.perf_counter()
+        draft = self.drafter.propose(self._history, k) if k > 0 else Draft()
+        if len(draft) > k:
+            draft = draft.cut(k)
+        if len(draft) < self.req.draft.n_min:
+            draft = Draft()
+        self._round = Round(draft, k, ta, time.perf_counter())
+        return Part(self.seq, [self._history[-1], *draft.tokens], "all")
+
+    def take(self, rows: np.ndarray, decode_s: float) -> None:
+        """The step's rows for this sequence's part: verify, roll back, emit."""
+        prompt, st = self.req.prompt, self.stats
+        if self._round is None:     # a prompt chunk
+            self._prefilled = self.target.n_past
+            if self._prefilled < len(prompt):
+                return
+            first = self._verifier.sample(rows[-1], prompt)
+            self._t1 = time.perf_counter()
+            st.prompt_ms += 1000 * (self._t1 - self._t0)
+            self._history = [*prompt, first]
+            self._out.extend(self._emit([first]))
+            return
+        rnd, self._round = self._round, None
+        tv = time.perf_counter()
+        self._decode_s += decode_s
+        draft, history = rnd.draft, self._history
+        verdict = self._verifier.verify(rows, history, draft.tokens, draft.sparse)
+        self.target.truncate(len(history) + verdict.accepted)
+        # Verification: the step's decode and this sequence's own check, not the time the
+        # other sequences of the step spent drafting or verifying.
+        verify_s = decode_s + time.perf_counter() - tv
+        draft_s = rnd.drafted - rnd.started
+        st.draft_ms += 1000 * draft_s
+        st.verify_ms += 1000 * verify_s
+        if not draft.tokens:
+            st.plain_steps += 1
+            st.plain_ms += 1000 * verify_s
+        st.record_round(len(draft), verdict.accepted, rnd.k)
+        self._policy.observe(len(draft), verdict.accepted, draft_s, verify_s, draft.confidence)
+        appended = [*draft.tokens[: verdict.accepted], verdict.token]
+        new = self._emit(appended)
+        history.extend(new)
+        self._out.extend(new)
+        if self.stop_type == "none" and not self._stopped:
+            self.drafter.learn(history, verdict.accepted, len(appended))
+
+    def _start(self) -> None:
+        """Joining the batch: the verifier, the policy, the drafter's sequence, the cache."""
+        eng, req, target, drafter = self.engine, self.req, self.target, self.drafter
+        self._started = True
+        self._t0 = time.perf_counter()
+        self._grammar = (Grammar.for_backend(req.grammar, target) if req.grammar is not None
+                         else None)
+        self._verifier = Verifier(req.sampling, req.draft.mode, self._grammar, req.logprobs)
+        self.probs = self._verifier.probs
         # Plain requests leave the learned policies alone: they would teach them nothing.
-        policy = (eng.policies.policy(req.draft.policy, req.draft.n_max) if req.draft.enabled
-                  else FixedPolicy(0))
+        if req.draft.enabled:
+            self._policy = eng.policy(self.seq, req.draft.policy, req.draft.n_max)
         prompt = req.prompt
         if len(prompt) + (1 if req.n_predict else 0) > target.n_ctx:
             raise ConfigError(
                 f"prompt: {len(prompt)} tokens do not fit the context of {target.n_ctx} (-c)"
             )
         if req.n_predict == 0:
-            self.stop_type = "limit"
+            self.stop_type, self.done = "limit", True
             return
         # A draft model stops where the adaptive policy finds the next token not worth it.
-        steer = getattr(drafter, "steer", None) if isinstance(policy, AdaptivePolicy) else None
-        if steer is not None:
-            steer(policy)
-        # A drafter that can follow the grammar drafts only what it allows: more accepted tokens.
-        constrain = getattr(drafter, "constrain", None) if req.grammar is not None else None
-        if constrain is not None:
-            constrain(req.grammar)
+        if isinstance(self._policy, AdaptivePolicy):
+            self._steer = drafter.steer
+            self._steer(self._policy)
+        # A drafter that can follow the grammar drafts only what it allows: more accepted.
+        if req.grammar is not None:
+            self._constrain = drafter.constrain
+            self._constrain(req.grammar)
+        self._begun = True
         drafter.begin(prompt, req.sampling, req.draft)
-        try:
-            t0 = time.perf_counter()
-            kept = eng.reuse_cache(prompt) if req.cache_prompt else 0
-            if kept < target.n_past:
-                target.truncate(kept)
-            rows = target.eval(prompt[kept:], logits="last")
-            first = verifier.sample(rows[-1], prompt)
-            t1 = time.perf_counter()
-            st.prompt_n, st.prompt_ms = len(prompt) - kept, 1000 * (t1 - t0)
-            st.cache_n = kept
-            decode0 = getattr(target, "decode_s", 0.0)
-            history = [*prompt, first]
-            new = self._emit([first])
-            if new:
-                yield new
-            while not self._stopped:
-                remaining = req.n_predict - len(self.tokens)
-                room = target.n_ctx - len(history)
-                if remaining <= 0 or room <= 0:
-                    self.stop_type, self.truncated = "limit", room <= 0 and remaining > 0
-                    break
-                # A round appends up to k + 1 tokens; plain decoding stops at a full context.
-                k = policy.choose(min(remaining, room) - 1)
-                ta = time.perf_counter()
-                draft = drafter.propose(history, k) if k > 0 else Draft()
-                if len(draft) > k:
-                    draft = draft.cut(k)
-                if len(draft) < req.draft.n_min:
-                    draft = Draft()
-                tb = time.perf_counter()
-                rows = target.eval([history[-1], *draft.tokens], logits="all")
-                verdict = verifier.verify(rows, history, draft.tokens, draft.sparse)
-                target.truncate(len(history) + verdict.accepted)
-                tc = time.perf_counter()
-                st.draft_ms += 1000 * (tb - ta)
-                st.verify_ms += 1000 * (tc - tb)
-                if not draft.tokens:
-                    st.plain_steps += 1
-                    st.plain_ms += 1000 * (tc - tb)
-                st.record_round(len(draft), verdict.accepted, k)
-                policy.observe(len(draft), verdict.accepted, tb - ta, tc - tb, draft.confidence)
-                appended = [*draft.tokens[: verdict.accepted], verdict.token]
-                new = self._emit(appended)
-                history.extend(new)
-                if new:
-                    yield new
-                if self.stop_type == "none" and not self._stopped:
-                    drafter.learn(history, verdict.accepted, len(appended))
+        kept = eng.reuse_cache(target, prompt) if req.cache_prompt else 0
+        if kept < target.n_past:
+            target.truncate(kept)
+        self._prefilled = kept
+        self.stats.prompt_n, self.stats.cache_n = len(prompt) - kept, kept
+
+    def finish(self) -> None:
+        """Leaving the batch: final figures, and the drafter's sequence ended."""
+        st = self.stats
+        if self._t1:
             st.predicted_n = len(self.tokens)
-            st.predicted_ms = 1000 * (time.perf_counter() - t1)
-            st.target_decode_ms = 1000 * (getattr(target, "decode_s", 0.0) - decode0)
+            st.predicted_ms = 1000 * (time.perf_counter() - self._t1)
+            st.target_decode_ms = 1000 * self._decode_s
+        try:
+            if self._begun:
+                st.drafter = self.drafter.stats()
+                if (got := self.drafter.cache_use()) is not None:
+                    st.draft_cache_n, st.draft_prompt_n = got
+                self.drafter.end()
         finally:
-            st.drafter = drafter.stats()
-            use = getattr(drafter, "cache_use", None)
-            if callable(use) and (got := use()) is not None:
-                st.draft_cache_n, st.draft_prompt_n = got
-            drafter.end()
-            if steer is not None:
-                steer(None)
-            if constrain is not None:
-                constrain(None)
-            if grammar is not None:
-                grammar.close()
+            if self._steer is not None:
+                self._steer(None)
+            if self._constrain is not None:
+                self._constrain(None)
+            if self._grammar is not None:
+                self._grammar.close()
 
     def _emit(self, tokens: Sequence[int]) -> list[int]:
         """Append tokens to the output up to end-of-generation or n_predict."""
         out = []
         for t in tokens:
-            if not self.req.ignore_eos and self.engine.target.is_eog(t):
+            if not self.req.ignore_eos and self.target.is_eog(t):
                 self.stop_type = "eos"
                 self._stopped = True
                 break
@@ -186,46 +272,89 @@ class Generation:
                 self._stopped = True
                 break
         self.tokens.extend(out)
+        if self._stopped:
+            self.done = True
         return out
 
 
 class Engine:
-    """A target backend, the drafter that serves it, and what its draft policy learned.
+    """A target holding one or more sequences, a drafter per sequence, and what the draft
+    policies learned.
 
-    Requests run one at a time; `policies` may be shared by engines that take
+    With a plain Backend (or a LlamaBackend of one sequence) requests run one at a time;
+    with a LlamaBackend of n_seq sequences, up to n_seq run at once and every step is one
+    decode for all of them (scheduler.py). `policies` may be shared by engines that take
     turns on the same target and drafter (bench rebuilds the drafter per prompt).
     """
 
     def __init__(
-        self, target: Backend, drafter: Drafter | None = None, policies: PolicyMemory | None = None,
-        verify: VerifyMode | None = None,
+        self, target: Backend | BatchBackend, drafter: Drafter | Sequence[Drafter] | None = None,
+        policies: PolicyMemory | None = None, verify: VerifyMode | None = None,
     ) -> None:
-        """verify: the verification mode requests will use, if known: a drafter that cannot
+        """drafter: one per sequence of the target (one drafter holds one sequence).
+        verify: the verification mode requests will use, if known: a drafter that cannot
         serve it is refused here (ConfigError) rather than mid-request."""
-        self.target = target
+        self.batch = as_batch(target)
+        self.target = self.batch.seq(0)
         #: llama-server's --cache-reuse: shift cached chunks of at least this many tokens
         #: past the common prefix into place (0: the common prefix only).
         self.cache_reuse = 0
         self.no_drafter = NoDrafter()
-        self.drafter = drafter or self.no_drafter
+        drafters = (list(drafter) if isinstance(drafter, (list, tuple))
+                    else [drafter or self.no_drafter] * (1 if drafter else self.batch.n_seq))
+        if len(drafters) != self.batch.n_seq:
+            raise ConfigError(f"{len(drafters)} drafters for {self.batch.n_seq} sequences: "
+                              "each sequence needs a drafter of its own")
+        self.drafters = drafters
+        self.drafter = drafters[0]
         if verify is not None:
             try:
-                check_verify_mode(self.drafter, verify)
+                for d in drafters:
+                    check_verify_mode(d, verify)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        self.guard = DraftGuard(self.drafter, target.n_vocab)
+        self.guards = [DraftGuard(d, self.target.n_vocab) for d in drafters]
+        self.guard = self.guards[0]
         self.policies = policies if policies is not None else PolicyMemory()
+        #: each sequence's policies: a policy holds the state of its round in progress
+        self.memories = [self.policies, *(PolicyMemory() for _ in drafters[1:])]
+        self.scheduler = BatchScheduler(self.batch)
 
-    def generate(self, req: Request) -> Generation:
-        return Generation(self, req)
+    @property
+    def n_seq(self) -> int:
+        return self.batch.n_seq
 
-    def reuse_cache(self, prompt: Sequence[int]) -> int:
-        """How many prompt tokens the target's cache can keep: the common prefix, and with
+    def generate(self, req: Request, seq: int | None = None) -> Generation:
+        """A generation in sequence `seq` (default: a free one); it joins the batch now."""
+        return self.scheduler.join(lambda s: Generation(self, req, s), seq)
+
+    def policy(self, seq: int, name: str, n_max: int) -> Policy:
+        """Sequence seq's policy for (name, n_max). A sequence's first one starts from what
+        the most experienced other sequence learned (the costs are the machine's, the
+        acceptance the drafter's), not from the priors."""
+        memory = self.memories[seq]
+        key = (name, n_max)
+        if key not in memory.policies:
+            donors = [m.policies[key] for m in self.memories if key in m.policies]
+            if donors:
+                best = max(donors, key=_experience)
+                memory.policies[key] = copy.deepcopy(best)
+        return memory.policy(name, n_max)
+
+    def step(self) -> None:
+        """One decode for every running sequence (see BatchScheduler.step)."""
+        self.scheduler.step()
+
+    def reuse_cache(self, target: Backend, prompt: Sequence[int]) -> int:
+        """How many prompt tokens a sequence's cache can keep: the common prefix, and with
         --cache-reuse the chunks shifted into place after it (a backend that cannot shift
         keeps the prefix only)."""
-        kept = reusable_prefix(self.target.tokens, prompt)
-        if self.cache_reuse > 0 and kept < len(self.target.tokens):
-            shift = getattr(self.target, "reuse_chunks", None)
-            if callable(shift):
-                kept = shift(prompt, kept, self.cache_reuse)
+        kept = reusable_prefix(target.tokens, prompt)
+        if self.cache_reuse > 0 and kept < len(target.tokens):
+            kept = target.reuse_chunks(prompt, kept, self.cache_reuse)
         return kept
+
+
+def _experience(policy: Policy) -> int:
+    """Rounds a policy has learned from: only the adaptive one learns."""
+    return policy.asked_rounds if isinstance(policy, AdaptivePolicy) else 0

@@ -34,9 +34,11 @@ def resolve_draft(path: str | None) -> str:
     return str(models.default_draft())
 
 
-def build_engine(s: EngineSettings) -> Engine:
+def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
     """The target backend plus the drafter the settings ask for.
 
+    n_seq: sequences the target holds in one context (serve -np), each with a drafter of
+    its own (a local draft model: a context per sequence on the same weights).
     Both models' placements are checked (buffer types, devices) before either loads,
     so a bad -otd does not wait for a big target to load first.
     """
@@ -46,14 +48,15 @@ def build_engine(s: EngineSettings) -> Engine:
         check(s.target.placement)
         if s.draft.model is not None:
             check(s.draft.model.placement, draft_flag_names())
-        target = LlamaBackend(s.target)
-        drafter = build_drafter(s.draft, target)
+        target = LlamaBackend(s.target, n_seq=n_seq)
+        drafters = [build_drafter(s.draft, target) for _ in range(n_seq)]
     except BackendError as e:
         raise CliError(str(e)) from None
     try:
-        return Engine(target, drafter, verify=s.verify)
+        return Engine(target, drafters, verify=s.verify)
     except ConfigError as e:
-        declared(drafter).close()
+        for drafter in drafters:
+            declared(drafter).close()
         raise CliError(str(e)) from None
 
 

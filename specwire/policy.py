@@ -160,6 +160,7 @@ class AdaptivePolicy:
     calibration: Calibration = field(default_factory=Calibration)
     stop: CalibratedStop = field(init=False)
     round_rate: float = 0.0  # expected tokens/s of the round in progress
+    batch_tokens: int = 0  # tokens the other sequences put into the round's decode
 
     def __post_init__(self) -> None:
         self.stop = CalibratedStop(self.calibration)
@@ -197,25 +198,35 @@ class AdaptivePolicy:
         draft model evaluates the tokens it missed; a remote or n-gram drafter, nothing."""
         return self.catch_up_s / self.catch_up_tokens if self.catch_up_tokens else 0.0
 
-    def rate(self, k: int, batch_tokens: int = 0) -> float:
-        """Expected tokens per second of a round asked for k tokens, in a target decode
-        that other sequences fill with batch_tokens tokens (its cost is then only what
-        this round adds to theirs: throughput.verify_share)."""
+    def rate(self, k: int, batch_tokens: int | None = None) -> float:
+        """Expected tokens per second of the target decode in which this sequence's round
+        asks for k tokens beside batch_tokens tokens of other sequences (default: what
+        choose was last told). Alone this is throughput.round_rate; in a batch it is
+        throughput.step_rate, which compares the whole step's tokens and time, because
+        this sequence's drafting and catch-up hold up every sequence of the step."""
+        b = self.batch_tokens if batch_tokens is None else batch_tokens
         draft_s = self.draft_cost if k else self._catch_up_s
-        return throughput.round_rate(self.acceptance, k, draft_s, self.verify_cost,
-                                     self.continuation, batch_tokens)
+        if b == 0:
+            return throughput.round_rate(self.acceptance, k, draft_s, self.verify_cost,
+                                         self.continuation)
+        # Alone, what plain steps make the drafter redo is charged to them; in a batch the
+        # round that asks a drafter which has fallen behind pays for it.
+        behind = 0.0 if k == 0 or self.warm else self.catch_up_cost() * self.skipped
+        return throughput.step_rate(self.acceptance, k, self.draft_cost, self.verify_cost,
+                                    self.continuation, b, behind)
 
     def _catch_up_s(self, _drafted: float) -> float:
         return self.catch_up_cost()
 
     def choose(self, limit: int, batch_tokens: int = 0) -> int:
         """The k with the best expected rate, at most limit. batch_tokens: how many tokens
-        other sequences put into the same target decode. Alone (0) a round pays a whole
-        step, which drafting spreads over several tokens; in a big batch the step is
-        paid anyway and a round pays only for the tokens it adds, so drafting is chosen
-        only where its tokens still earn their verification and drafting time."""
-        self.asked = self._best(min(self.n_max, limit), batch_tokens)
-        self.round_rate = self.rate(self.asked, batch_tokens) if self.asked else 0.0
+        other sequences put into the same target decode (0 alone). Alone a round pays a
+        whole step, which drafting spreads over several tokens; in a big batch the step
+        is paid anyway, so drafting is chosen only where it still beats the batch's own
+        rate."""
+        self.batch_tokens = batch_tokens
+        self.asked = self._best(min(self.n_max, limit))
+        self.round_rate = self.rate(self.asked) if self.asked else 0.0
         return self.asked
 
     def stop_threshold(self) -> float:
@@ -234,8 +245,8 @@ class AdaptivePolicy:
             self.stop.threshold = self.stop_threshold()
         return self.stop(i, confidence)
 
-    def _best(self, limit: int, batch_tokens: int) -> int:
-        rates = [self.rate(k, batch_tokens) for k in range(limit + 1)]
+    def _best(self, limit: int) -> int:
+        rates = [self.rate(k) for k in range(limit + 1)]
         best_k = 0
         for k in range(1, limit + 1):
             if rates[k] > rates[best_k] * 1.0001:
@@ -252,7 +263,8 @@ class AdaptivePolicy:
             return try_k
         # Probe now and then, or the estimates could never recover: soon when drafting
         # looks almost worth it, rarely when it looks hopeless.
-        gap = 1.0 - rates[try_k] / rates[0]
+        # In a batch the others' tokens dilute the gap; probe by this sequence's own share.
+        gap = min(1.0, (1.0 - rates[try_k] / rates[0]) * (1 + self.batch_tokens))
         self.idle_rounds += 1
         if self.idle_rounds < min(self.probe_every, max(2, int(4 * self.probe_every * gap))):
             return 0
@@ -260,10 +272,12 @@ class AdaptivePolicy:
         return try_k
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                confidence: list[float] | None = None, batch_tokens: int = 0) -> None:
+                confidence: list[float] | None = None,
+                batch_tokens: int | None = None) -> None:
         """A round's outcome. verify_s is the whole target decode, which also carried
-        batch_tokens tokens of other sequences: the verification line is fitted on
-        the decode's size, so that choose can price what a round adds to it."""
+        batch_tokens tokens of other sequences (default: what choose was told): the
+        verification line is fitted on the decode's size, so that choose can price what a
+        round adds to it."""
         w = 1.0 - self.alpha
         if confidence:
             self.calibration.learn(confidence, accepted)
@@ -283,7 +297,8 @@ class AdaptivePolicy:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
         self.warm = self.asked > 0
-        self.verify.add(batch_tokens + drafted, verify_s)
+        self.verify.add(drafted + (self.batch_tokens if batch_tokens is None else batch_tokens),
+                        verify_s)
 
 
 Policy = FixedPolicy | AdaptivePolicy

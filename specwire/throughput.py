@@ -83,6 +83,21 @@ def round_rate(a: float, k: int, draft_s: Callable[[float], float],
     return tokens / (draft_s(drafted) + verify_share(verify_s, 1.0 + drafted, batch))
 
 
+def step_rate(a: float, k: int, draft_s: Callable[[float], float],
+              verify_s: Callable[[float], float], g: float = 1.0, batch: float = 0.0,
+              behind: float = 0.0) -> float:
+    """Expected tokens per second of a whole target decode in which one sequence's round
+    asks for k tokens beside `batch` tokens of other sequences. Its drafting (and the
+    catch-up `behind` of a drafter that fell behind) holds up every sequence of the
+    step, so the step's tokens are compared with the step's time. Counting each of the
+    others' tokens as output is an upper bound, so drafting is chosen only where it surely
+    pays. With batch 0 and behind 0 this is round_rate for k > 0."""
+    drafted = drafted_tokens(g, k)
+    tokens = expected_tokens(g * a, k) + batch
+    spent = (draft_s(drafted) if k else 0.0) + behind + verify_s(1.0 + drafted + batch)
+    return tokens / spent
+
+
 # --------------------------------------------------------------------------- online lines
 
 

@@ -156,6 +156,30 @@ class FakeBackend:
         return None
 
 
+class FakeBatch:
+    """n_seq FakeBackends in one "context": decode() appends several sequences' parts at once
+    (the BatchBackend protocol), with a -b budget; `decodes` logs each decode's parts as
+    (seq, n_past_before, tokens)."""
+
+    def __init__(self, model: FakeModel, n_seq: int, n_ctx: int = 512, n_batch: int = 512,
+                 eog: Sequence[int] = ()) -> None:
+        self.n_seq, self.n_batch, self.decode_s = n_seq, n_batch, 0.0
+        self.seqs = [FakeBackend(model, n_ctx, eog=eog) for _ in range(n_seq)]
+        self.decodes: list[list[tuple[int, int, tuple[int, ...]]]] = []
+
+    def seq(self, i: int) -> FakeBackend:
+        return self.seqs[i]
+
+    def decode(self, parts) -> list[np.ndarray]:
+        total = sum(len(p.tokens) for p in parts)
+        if total > self.n_batch:
+            raise BackendError(f"a step of {total} tokens exceeds -b {self.n_batch}")
+        if len({p.seq for p in parts}) != len(parts):
+            raise BackendError("two parts of one sequence in a step")
+        self.decodes.append([(p.seq, self.seqs[p.seq].n_past, tuple(p.tokens)) for p in parts])
+        return [self.seqs[p.seq].eval(p.tokens, p.logits).copy() for p in parts]
+
+
 class RandomDrafter(DrafterBase):
     """Proposes junk tokens from its own np.random.Generator: the target never keeps one.
 

@@ -116,17 +116,18 @@ def test_batch_tokens_zero_is_todays_choice() -> None:
 
 def test_a_big_batch_makes_drafting_stop_where_it_stops_paying() -> None:
     """Alone, a round pays the 10 ms weight read, and a draft spreads it over ~2 tokens;
-    in a decode already carrying 32 tokens the read is paid anyway, a plain token adds
-    1 ms, and a draft's 2 ms of drafting no longer earns its tokens."""
+    in a decode already carrying 32 tokens the read is paid anyway, and a draft's 2 ms of
+    drafting, which holds up the whole step, no longer earns its tokens: the step's rate
+    (its tokens over its time) is best without it."""
     p = _batch_policy()
     alone = p.choose(8)
     assert alone >= 2
     shared = p.choose(8, batch_tokens=32)
     assert shared == 0
-    assert p.rate(0, 32) == pytest.approx(1 / 0.001, rel=1e-6)
+    assert p.rate(0, 32) == pytest.approx(33 / (0.010 + 0.001 * 33), rel=1e-6)
     assert p.rate(3, 32) == pytest.approx(
-        expected_tokens(0.6, 3) / (0.0005 + 0.0005 * 3 + 0.001 * 4), rel=1e-6)
-    assert p.rate(3) == pytest.approx(
+        (expected_tokens(0.6, 3) + 32) / (0.0005 + 0.0005 * 3 + 0.010 + 0.001 * 36), rel=1e-6)
+    assert p.rate(3, 0) == pytest.approx(
         expected_tokens(0.6, 3) / (0.0005 + 0.0005 * 3 + 0.010 + 0.001 * 4), rel=1e-6)
 
 

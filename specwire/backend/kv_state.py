@@ -71,7 +71,8 @@ def can_shift(backend: LlamaBackend) -> bool:
     return bool(C.llama_memory_can_shift(backend.mem))
 
 
-def reuse_chunks(backend: LlamaBackend, prompt: Sequence[int], n_past: int, n_min: int) -> int:
+def reuse_chunks(backend: LlamaBackend, prompt: Sequence[int], n_past: int, n_min: int,
+                 seq: int = 0) -> int:
     """Move runs of >= n_min cached tokens past the first n_past (the common prefix) to
     where the prompt has them; return how many prompt tokens the cache now holds.
 
@@ -90,14 +91,14 @@ def reuse_chunks(backend: LlamaBackend, prompt: Sequence[int], n_past: int, n_mi
                and cache[head_c + n] == prompt[head_p + n]):
             n += 1
         if n >= n_min:
-            C.llama_memory_seq_rm(backend.mem, 0, head_p, head_c)
-            C.llama_memory_seq_add(backend.mem, 0, head_c, head_c + n, head_p - head_c)
+            C.llama_memory_seq_rm(backend.mem, seq, head_p, head_c)
+            C.llama_memory_seq_add(backend.mem, seq, head_c, head_c + n, head_p - head_c)
             head_p += n
             head_c += n
             n_past, moved = head_p, True
         else:
             head_c += 1
     if moved:
-        C.llama_memory_seq_rm(backend.mem, 0, n_past, -1)
+        C.llama_memory_seq_rm(backend.mem, seq, n_past, -1)
         backend.adopt(prompt[:n_past])
     return n_past

@@ -26,6 +26,7 @@ import numpy as np
 
 from specwire.backend import placement
 from specwire.backend.base import BackendError
+from specwire.backend.batch import Part
 from specwire.backend.gguf import check_gguf
 from specwire.backend.llama_process import init_backend
 from specwire.config import ModelParams
@@ -174,18 +175,30 @@ def _count_context(delta: int) -> None:
 
 
 class LlamaBackend:
-    """One llama.cpp context = one sequence's KV cache, with rows only where asked."""
+    """One llama.cpp context holding n_seq sequences' KV caches, with rows only where asked.
 
-    def __init__(self, params: ModelParams, model: Model | None = None) -> None:
+    The backend itself speaks the Backend protocol for sequence 0; `seq(i)` is sequence
+    i's view, and `decode` appends parts of several sequences in one llama_decode, so
+    that the weights are read once for all of them. -c (params.n_ctx) is each sequence's
+    context, as when every slot had a context of its own: the context holds n_seq times
+    that, in one unified KV cache (one stream, so a step of uneven parts is one ubatch).
+    """
+
+    def __init__(self, params: ModelParams, model: Model | None = None, n_seq: int = 1) -> None:
+        if n_seq < 1:
+            raise BackendError(f"n_seq: must be >= 1, got {n_seq}")
         self.params = params
         self.model = model or load_model(params)
         self.name = self.model.name
         self.n_vocab = self.model.n_vocab
+        self.n_seq = n_seq
         cp = C.llama_context_default_params()
-        cp.n_ctx = params.n_ctx
+        cp.n_ctx = params.n_ctx * n_seq
         cp.n_batch = params.n_batch
         placement.set_field(cp, "n_ubatch", min(params.n_ubatch, params.n_batch), "-ub")
-        cp.n_seq_max = 1
+        cp.n_seq_max = n_seq
+        if n_seq > 1 and placement.has_field(cp, "kv_unified"):
+            cp.kv_unified = True
         cp.n_threads = params.n_threads
         cp.n_threads_batch = params.n_threads_batch or params.n_threads
         cp.type_k = _GGML_TYPES[params.type_k]
@@ -198,80 +211,123 @@ class LlamaBackend:
         self.ctx = C.llama_init_from_model(self.model.ptr, cp)
         if not self.ctx:
             raise BackendError(
-                f"llama.cpp could not create a context (-c {params.n_ctx}) for {params.path}"
+                f"llama.cpp could not create a context (-c {params.n_ctx} x {n_seq} "
+                f"sequences) for {params.path}"
             )
         _count_context(+1)
-        self.n_ctx = int(C.llama_n_ctx(self.ctx))
+        self.n_ctx = int(C.llama_n_ctx(self.ctx)) // n_seq   # per sequence
         self.mem = C.llama_get_memory(self.ctx)
-        self._cap = params.n_batch
+        self.n_batch = self._cap = params.n_batch
         self._batch = C.llama_batch_init(self._cap, 0, 1)
         self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self._cap,))
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self._cap,))
         self._nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self._cap,))
         self._out = np.ctypeslib.as_array(self._batch.logits, shape=(self._cap,))
-        for i in range(self._cap):
-            self._batch.seq_id[i][0] = 0
+        self._seq_ptrs = [self._batch.seq_id[i] for i in range(self._cap)]
+        for p in self._seq_ptrs:
+            p[0] = 0
         self._nseq[:] = 1
-        self._tokens: list[int] = []
+        self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
+        self._views = [self, *(SeqView(self, i) for i in range(1, n_seq))]
         self.decode_s = 0.0          # time inside llama_decode, to measure our own overhead
 
-    # -- the Backend protocol ------------------------------------------------
+    # -- the Backend protocol (sequence 0) -------------------------------------
 
     @property
     def n_past(self) -> int:
-        return len(self._tokens)
+        return len(self._seqs[0])
 
     @property
     def tokens(self) -> Sequence[int]:
-        return self._tokens
+        return self._seqs[0]
 
     def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray:
         """Append tokens; rows: "last" (1, V), "all" (n, V), "none" (0, V)."""
-        n = len(tokens)
-        if n == 0:
-            raise BackendError("eval of an empty token list")
-        if self.n_past + n > self.n_ctx:
-            raise BackendError(f"context full: {self.n_past} + {n} tokens > -c {self.n_ctx}")
-        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise BackendError(f"token id {bad[0]} outside the vocabulary (0..{self.n_vocab - 1})")
-        if logits == "all" and n > self._cap:
-            raise BackendError(f"cannot return logits for {n} tokens at once (batch {self._cap})")
-        done = 0
-        while done < n:
-            m = min(self._cap, n - done)
-            chunk = tokens[done : done + m]
-            last_chunk = done + m == n
-            self._tok[:m] = chunk
-            self._pos[:m] = np.arange(self.n_past, self.n_past + m)
-            self._out[:m] = 1 if logits == "all" else 0
-            if logits == "last" and last_chunk:
-                self._out[m - 1] = 1
-            self._batch.n_tokens = m
-            t0 = time.perf_counter()
-            rc = C.llama_decode(self.ctx, self._batch)
-            self.decode_s += time.perf_counter() - t0
-            if rc != 0:
-                self.truncate(self.n_past)  # drop whatever the failed batch left behind
-                raise BackendError(
-                    f"llama_decode failed ({rc}) on {m} tokens at position "
-                    f"{self.n_past} in {self.name}"
-                )
-            self._tokens.extend(chunk)
-            done += m
-        rows = {"all": n, "last": 1, "none": 0}[logits]
-        if rows == 0:
-            return np.empty((0, self.n_vocab), dtype=np.float32)
-        ptr = C.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+        return self.eval_seq(0, tokens, logits)
 
     def truncate(self, n: int) -> None:
-        if n < 0 or n > len(self._tokens):
-            raise BackendError(f"truncate to {n} outside 0..{len(self._tokens)}")
-        if not C.llama_memory_seq_rm(self.mem, 0, n, -1):
-            C.llama_memory_clear(self.mem, True)
+        self.truncate_seq(0, n)
+
+    # -- several sequences ---------------------------------------------------
+
+    def seq(self, i: int) -> LlamaBackend | SeqView:
+        """Sequence i as a Backend of its own (sequence 0 is this object)."""
+        if not 0 <= i < self.n_seq:
+            raise BackendError(f"sequence {i} outside 0..{self.n_seq - 1}")
+        return self._views[i]
+
+    def eval_seq(self, seq: int, tokens: Sequence[int], logits: str = "last") -> np.ndarray:
+        """One sequence's tokens alone, in chunks of -b (rows from the last chunk only)."""
+        n = len(tokens)
+        if logits == "all" and n > self._cap:
+            raise BackendError(f"cannot return logits for {n} tokens at once (batch {self._cap})")
+        if n == 0:
+            raise BackendError("eval of an empty token list")
+        done = 0
+        rows = np.empty((0, self.n_vocab), dtype=np.float32)
+        while done < n:
+            m = min(self._cap, n - done)
+            last = done + m == n
+            (rows,) = self.decode([Part(seq, list(tokens[done:done + m]),
+                                        logits if last else "none")])
+            done += m
+        return rows
+
+    def decode(self, parts: Sequence[Part]) -> list[np.ndarray]:
+        """Every part appended to its sequence in one llama_decode; each part's rows."""
+        total = sum(len(p.tokens) for p in parts)
+        if total > self._cap:
+            raise BackendError(f"a step of {total} tokens exceeds the batch (-b {self._cap})")
+        i = 0
+        for p in parts:
+            n, past = len(p.tokens), len(self._seqs[p.seq])
+            if n == 0:
+                raise BackendError("eval of an empty token list")
+            if past + n > self.n_ctx:
+                raise BackendError(f"context full: {past} + {n} tokens > -c {self.n_ctx}")
+            bad = [t for t in p.tokens if not 0 <= t < self.n_vocab]
+            if bad:
+                raise BackendError(
+                    f"token id {bad[0]} outside the vocabulary (0..{self.n_vocab - 1})")
+            self._tok[i:i + n] = p.tokens
+            self._pos[i:i + n] = np.arange(past, past + n)
+            if self.n_seq > 1:
+                for j in range(i, i + n):
+                    self._seq_ptrs[j][0] = p.seq
+            self._out[i:i + n] = 1 if p.logits == "all" else 0
+            if p.logits == "last":
+                self._out[i + n - 1] = 1
+            i += n
+        self._batch.n_tokens = total
+        t0 = time.perf_counter()
+        rc = C.llama_decode(self.ctx, self._batch)
+        self.decode_s += time.perf_counter() - t0
+        if rc != 0:
+            for p in parts:   # drop whatever the failed batch left behind
+                self.truncate_seq(p.seq, len(self._seqs[p.seq]))
+            where = ", ".join(f"sequence {p.seq} at {len(self._seqs[p.seq])}" for p in parts)
+            raise BackendError(f"llama_decode failed ({rc}) on {total} tokens ({where}) "
+                               f"in {self.name}")
+        n_rows = sum(p.n_rows for p in parts)
+        buf = (np.ctypeslib.as_array(C.llama_get_logits(self.ctx),
+                                     shape=(n_rows, self.n_vocab)) if n_rows
+               else np.empty((0, self.n_vocab), dtype=np.float32))
+        out, r = [], 0
+        for p in parts:
+            self._seqs[p.seq].extend(p.tokens)
+            out.append(buf[r:r + p.n_rows])
+            r += p.n_rows
+        return out
+
+    def truncate_seq(self, seq: int, n: int) -> None:
+        """Keep sequence seq's first n tokens (llama_memory_seq_rm on its cells alone)."""
+        held = self._seqs[seq]
+        if n < 0 or n > len(held):
+            raise BackendError(f"truncate to {n} outside 0..{len(held)}")
+        if not C.llama_memory_seq_rm(self.mem, seq, n, -1):
+            C.llama_memory_seq_rm(self.mem, seq, -1, -1)
             n = 0
-        del self._tokens[n:]
+        del held[n:]
 
     def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
         """--cache-reuse: see backend/kv_state.py."""
@@ -282,7 +338,7 @@ class LlamaBackend:
     def adopt(self, tokens: Sequence[int]) -> None:
         """The KV cache now holds `tokens` (after a state restore or a KV shift made by
         backend/kv_state.py, which changes the cache behind eval's back)."""
-        self._tokens = list(tokens)
+        self._seqs[0] = list(tokens)
 
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = True
@@ -311,6 +367,58 @@ class LlamaBackend:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
+
+
+class SeqView:
+    """Sequence i (> 0) of a LlamaBackend, speaking the Backend protocol on its own."""
+
+    def __init__(self, owner: LlamaBackend, seq: int) -> None:
+        self.owner, self.seq_id = owner, seq
+        self.model, self.name, self.params = owner.model, owner.name, owner.params
+        self.n_vocab, self.n_ctx, self.mem = owner.n_vocab, owner.n_ctx, owner.mem
+
+    @property
+    def n_past(self) -> int:
+        return len(self.owner._seqs[self.seq_id])
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return self.owner._seqs[self.seq_id]
+
+    @property
+    def decode_s(self) -> float:
+        return self.owner.decode_s
+
+    def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray:
+        return self.owner.eval_seq(self.seq_id, tokens, logits)
+
+    def truncate(self, n: int) -> None:
+        self.owner.truncate_seq(self.seq_id, n)
+
+    def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
+        from specwire.backend import kv_state
+
+        return kv_state.reuse_chunks(self, prompt, n_past, n_min, self.seq_id)
+
+    def adopt(self, tokens: Sequence[int]) -> None:
+        self.owner._seqs[self.seq_id] = list(tokens)
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        return self.owner.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        return self.owner.detokenize(tokens)
+
+    def is_eog(self, token: int) -> bool:
+        return self.owner.is_eog(token)
+
+    def vocab_fingerprint(self) -> str:
+        return self.owner.vocab_fingerprint()
+
+    def chat_template(self) -> str | None:
+        return self.owner.chat_template()
 
 
 def check_pair(target: Model, draft: Model) -> None:

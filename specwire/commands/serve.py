@@ -57,7 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--reasoning-budget", type=int, default=-1,
                    help="-1: unlimited thinking; 0: thinking off (enable_thinking false)")
     g.add_argument("-np", "--parallel", type=int, default=1,
-                   help="slots: engines generating at once (each has its own KV cache and drafter)")
+                   help="slots: requests generating at once, batched into one decode per step "
+                   "(each has its own sequence of the KV cache, of -c tokens, and its own "
+                   "drafter)")
     g.add_argument("--queue-size", type=int, default=16,
                    help="requests that may wait for a slot; more are refused with 429")
     g.add_argument("-n", "--n-predict", type=int, default=-1,
@@ -125,7 +127,7 @@ def run(a: argparse.Namespace) -> int:
                               reasoning_budget=a.reasoning_budget,
                               slot_prompt_similarity=a.slot_prompt_similarity)
     engine_s = engine_settings(a)
-    engines = [build_engine(engine_s) for _ in range(a.parallel)]
+    engines = [build_engine(engine_s, n_seq=a.parallel)]
     for e in engines:
         e.cache_reuse = a.cache_reuse
     sock = _listen(a.host, a.port)
@@ -138,7 +140,7 @@ def run(a: argparse.Namespace) -> int:
     host = f"[{a.host}]" if ":" in a.host else a.host
     target, drafter = engines[0].target, engines[0].drafter
     log.info("listening on http://%s:%d (target %s, drafter %s, %d slot%s, context %d)",
-             host, port, target.name, drafter.name, len(engines), "s" * (len(engines) > 1),
+             host, port, target.name, drafter.name, a.parallel, "s" * (a.parallel > 1),
              target.n_ctx)
     if a.webui:
         log.info("live page: http://%s:%d/", host, port)
@@ -147,7 +149,8 @@ def run(a: argparse.Namespace) -> int:
     finally:
         sock.close()
         for e in engines:
-            declared(e.drafter).close()
+            for d in e.drafters:
+                declared(d).close()
     return 0
 
 

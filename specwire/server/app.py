@@ -65,7 +65,7 @@ def model_names(target: Backend, alias: str | None) -> list[str]:
 
 def create_app(engine: Engine | Sequence[Engine],
                settings: ServerSettings | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` (or several engines, one slot each).
+    """The FastAPI app serving `engine` (or several engines): one slot per sequence.
 
     The worker threads start with the app's lifespan and stop with it, so the
     app must be run by a server that runs the lifespan (uvicorn does).
@@ -112,7 +112,7 @@ def create_app(engine: Engine | Sequence[Engine],
         return {"id": names[0], "object": "model", "created": started, "owned_by": "specwire",
                 "meta": {"file": target.name, "n_ctx": target.n_ctx, "n_vocab": target.n_vocab,
                          "drafter": engines[0].drafter.name, "chat_template": label,
-                         "slots": len(engines)}}
+                         "slots": len(scheduler.slots)}}
 
     @api.get("/v1/models")
     @api.get("/models")
@@ -134,7 +134,8 @@ def create_app(engine: Engine | Sequence[Engine],
                     **settings.sampling.to_dict(), "speculative": d.enabled,
                     "speculative.n_max": d.n_max, "speculative.n_min": d.n_min,
                     "speculative.p_min": d.p_min},
-                "total_slots": len(engines), "model_alias": names[0], "model_path": target.name,
+                "total_slots": len(scheduler.slots), "model_alias": names[0],
+                "model_path": target.name,
                 "drafter": engines[0].drafter.name, "chat_template_name": label,
                 "chat_template": source, "queue_size": settings.queue_size}
 
@@ -211,7 +212,7 @@ def create_app(engine: Engine | Sequence[Engine],
     if settings.webui:
         install_webui(app, api, exposition, scheduler, recent,
                       {"model": names[0], "drafter": engines[0].drafter.name,
-                       "slots": len(engines), "n_ctx": target.n_ctx, "started": started})
+                       "slots": len(scheduler.slots), "n_ctx": target.n_ctx, "started": started})
     app.include_router(api)
     return app
 

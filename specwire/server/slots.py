@@ -1,19 +1,21 @@
-"""The queue and the worker threads that own the engines.
+"""The queue and the worker thread that runs the engines' batches.
 
-An Engine (its llama.cpp context and its drafter) holds one sequence and is
-not thread-safe, so each engine is driven by exactly one worker thread, a
-"slot" in llama-server's words. Requests wait in one bounded FIFO shared by
-the slots: first come, first served, and a request that finds the queue full
-is refused at once (429) instead of piling up behind a long generation. A
-request goes to the idle slot whose KV cache already holds most of its prompt
-(llama-server's --slot-prompt-similarity), so a chat's next turn finds its
-history where it left it.
+An Engine holds up to n_seq sequences in one target context (serve -np N); each
+sequence is a "slot" in llama-server's words. One worker thread runs the
+engines' steps: every running request's round goes into the same decode
+(specwire/scheduler.py), so N concurrent requests read the target's weights
+once per step, not N times. Requests wait in one bounded FIFO: first come,
+first served, and a request that finds the queue full is refused at once (429)
+instead of piling up behind a long generation. A request goes to the idle slot
+whose KV cache already holds most of its prompt (llama-server's
+--slot-prompt-similarity), so a chat's next turn finds its history where it
+left it; it joins the batch at the next step.
 
 The HTTP side never blocks on generation: a Job carries an asyncio queue, and
 the worker hands it events (text pieces, then the result) through
 `loop.call_soon_threadsafe`. A job whose client went away is cancelled: taken
-out of the queue if it is still waiting, or closed by its worker before the
-next round, which ends the drafter's sequence and frees the slot.
+out of the queue if it is still waiting, or closed by the worker after the
+current step, which ends the drafter's sequence and frees the slot at once.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 
 from specwire.backend.base import BackendError
 from specwire.config import ConfigError
-from specwire.engine import Engine, Request
+from specwire.engine import Engine, Generation, Request
 from specwire.server.errors import ApiError
 from specwire.server.metrics import Metrics
 from specwire.server.stops import StopMatcher
@@ -117,6 +119,7 @@ class JobQueue:
         self._closed = False
         self._idle = 0          # workers blocked in get(): a job for them does not wait
         self._idle_slots: list[Slot] = []   # those of them that are slots
+        self._free = 0          # free slots of the batch worker: it takes a job at its next step
 
     def has_room(self) -> bool:
         """Whether a job put now would be taken (racy: put decides; this saves the work
@@ -127,7 +130,7 @@ class JobQueue:
     def _would_wait(self) -> int:
         """Jobs left waiting, this one included, if one more were put now."""
         n = len(self._jobs) + 1
-        return n - min(n, self._idle)
+        return n - min(n, self._idle + self._free)
 
     def put(self, job: Job) -> None:
         with self._cv:
@@ -157,9 +160,32 @@ class JobQueue:
                     self._idle_slots.remove(slot)
                 self._cv.notify_all()   # the next job's pick among those left
 
+    def take(self, idle: Sequence[Slot]) -> tuple[Job, Slot] | None:
+        """Without blocking: the oldest job and the idle slot `pick_slot` chooses for it;
+        None if no job waits or no slot is idle. Records how many slots are free."""
+        with self._cv:
+            self._free = len(idle)
+            if not self._jobs or not idle or self._closed:
+                return None
+            slot = pick_slot(self._jobs[0].request.prompt, idle, self.similarity)
+            self._free -= 1
+            return self._jobs.popleft(), slot
+
+    def set_free(self, n: int) -> None:
+        """How many slots of the batch worker are free (it takes their jobs at once)."""
+        with self._cv:
+            self._free = n
+
+    def wait(self) -> bool:
+        """Block until a job waits or the queue closes; False once closed."""
+        with self._cv:
+            while not self._closed and not self._jobs:
+                self._cv.wait()
+            return not self._closed
+
     def _waiting(self) -> int:
-        """Jobs that no idle worker is about to take."""
-        return len(self._jobs) - min(len(self._jobs), self._idle)
+        """Jobs that no idle worker or free slot is about to take."""
+        return len(self._jobs) - min(len(self._jobs), self._idle + self._free)
 
     def remove(self, job: Job) -> bool:
         with self._cv:
@@ -198,7 +224,7 @@ def pick_slot(prompt: Sequence[int], idle: Sequence[Slot], similarity: float) ->
     best, best_n = None, 0
     if similarity > 0 and prompt:
         for s in idle:
-            n = common_prefix(s.engine.target.tokens, prompt)
+            n = common_prefix(s.target.tokens, prompt)
             if n > best_n and n / len(prompt) > similarity:
                 best, best_n = s, n
     if best is None:
@@ -207,80 +233,112 @@ def pick_slot(prompt: Sequence[int], idle: Sequence[Slot], similarity: float) ->
 
 
 class Slot:
-    """One engine and the thread that runs its generations, one at a time."""
+    """One sequence of an engine's batch, and the job it serves."""
 
-    def __init__(self, index: int, engine: Engine, queue: JobQueue, metrics: Metrics) -> None:
-        self.index, self.engine, self.queue, self.metrics = index, engine, queue, metrics
+    def __init__(self, index: int, engine: Engine, seq: int, metrics: Metrics) -> None:
+        self.index, self.engine, self.seq, self.metrics = index, engine, seq, metrics
+        self.target = engine.batch.seq(seq)
+        self.drafter = engine.drafters[seq]
         self.job: Job | None = None
+        self.gen: Generation | None = None
         self.last_used = 0.0  # time.monotonic() when its last job ended
-        self.thread = threading.Thread(target=self._loop, name=f"slot-{index}", daemon=True)
+        self._text: TextStream | None = None
+        self._stops = StopMatcher(())
+        self._clock: _Clock | None = None
+        self._done = 0        # tokens whose probabilities were sent
 
-    def _loop(self) -> None:
-        while (job := self.queue.get(self)) is not None:
-            if job.cancelled.is_set():      # its client left while it was being handed over
-                job.finished = True
-                self.metrics.outcome("cancelled")
-                continue
-            self.job = job
-            try:
-                self.serve(job)
-            finally:
-                job.finished = True
-                self.job = None
-                self.last_used = time.monotonic()
-
-    def serve(self, job: Job) -> None:
-        """Run one job to its end (or until cancelled); never raises."""
-        engine = self.engine
-        gen = engine.generate(job.request)
-        text = TextStream(engine.target.detokenize)
-        stops = StopMatcher(job.stops)
-        clock = _Clock(self.metrics, job.created)
-        done = 0
+    def start(self, job: Job) -> None:
+        """The job joins the engine's batch in this slot's sequence (at the next step)."""
+        self.job = job
+        self._text = TextStream(self.target.detokenize)
+        self._stops = StopMatcher(job.stops)
+        self._clock = _Clock(self.metrics, job.created)
+        self._done = 0
         try:
-            for new in gen:
-                clock.tick(len(new))
+            self.gen = self.engine.generate(job.request, seq=self.seq)
+        except Exception as e:  # noqa: BLE001 - the job fails, the slot goes on
+            self._fail(e)
+            self._end()
+
+    def pump(self) -> None:
+        """After a step: hand the job its new text, and its result once the generation
+        ended; close it if its client is gone. Never raises."""
+        job, gen = self.job, self.gen
+        if job is None or gen is None:
+            return
+        try:
+            new = gen.pending()
+            if new:
+                self._clock.tick(len(new))
                 if job.cancelled.is_set():
                     self.metrics.outcome("cancelled")
-                    return          # finally closes the generation: drafter state freed now
-                piece = stops.push(text.push(new))
-                if stops.stopped:
+                    self._end()         # the generation closes: drafter state freed now
+                    return
+                piece = self._stops.push(self._text.push(new))
+                if self._stops.stopped:
                     gen.stop("word")
-                probs = gen.probs[done:done + len(new)]
-                done += len(new)
+                    gen.close()
+                probs = gen.probs[self._done:self._done + len(new)]
+                self._done += len(new)
                 if job.stream and (piece or new):
                     job.emit(Chunk(piece, list(new), probs))
-            tail = stops.push(text.flush())
-            tail += stops.finish()
-            if job.stream and tail:
-                job.emit(Chunk(tail, []))
-            st = gen.stats
-            job.emit(Done(Result(
-                content=stops.text, tokens=list(gen.tokens), stop_type=gen.stop_type,
-                stopping_word=stops.word or "", truncated=gen.truncated,
-                tokens_evaluated=len(job.request.prompt), tokens_predicted=len(gen.tokens),
-                timings=st.timings(), slot=self.index, drafter=engine.drafter.name,
-                stats=st, probs=gen.probs[:len(gen.tokens)])))
-            self.metrics.outcome(gen.stop_type)
-        except ConfigError as e:
-            self.metrics.outcome("failed")
-            job.emit(Failed(ApiError(400, str(e))))
-        except BackendError as e:
+            elif job.cancelled.is_set():
+                self.metrics.outcome("cancelled")
+                self._end()
+                return
+            if gen.error is not None:
+                self._fail(gen.error)
+                self._end()
+            elif gen.done:
+                self._finish(job, gen)
+                self._end()
+        except Exception as e:  # noqa: BLE001 - a bug must not kill the worker
+            self._fail(e)
+            self._end()
+
+    def _finish(self, job: Job, gen: Generation) -> None:
+        stops = self._stops
+        tail = stops.push(self._text.flush())
+        tail += stops.finish()
+        if job.stream and tail:
+            job.emit(Chunk(tail, []))
+        st = gen.stats
+        job.emit(Done(Result(
+            content=stops.text, tokens=list(gen.tokens), stop_type=gen.stop_type,
+            stopping_word=stops.word or "", truncated=gen.truncated,
+            tokens_evaluated=len(job.request.prompt), tokens_predicted=len(gen.tokens),
+            timings=st.timings(), slot=self.index, drafter=self.drafter.name,
+            stats=st, probs=gen.probs[:len(gen.tokens)])))
+        self.metrics.outcome(gen.stop_type)
+
+    def _fail(self, e: Exception) -> None:
+        self.metrics.outcome("failed")
+        if isinstance(e, ConfigError):
+            self.job.emit(Failed(ApiError(400, str(e))))
+        elif isinstance(e, BackendError):
             log.error("slot %d: %s", self.index, e)
-            self.metrics.outcome("failed")
-            job.emit(Failed(ApiError(500, str(e), "server_error")))
-        except Exception as e:  # noqa: BLE001 - a bug must not kill the slot
-            log.exception("slot %d: generation failed", self.index)
-            self.metrics.outcome("failed")
-            job.emit(Failed(ApiError(500, f"generation failed: {type(e).__name__}: {e}",
-                                     "server_error")))
-        finally:
+            self.job.emit(Failed(ApiError(500, str(e), "server_error")))
+        else:
+            log.error("slot %d: generation failed", self.index, exc_info=e)
+            self.job.emit(Failed(ApiError(500, f"generation failed: {type(e).__name__}: {e}",
+                                          "server_error")))
+
+    def _end(self) -> None:
+        """The job is over: its sequence leaves the batch, the slot is free."""
+        gen, job = self.gen, self.job
+        self.gen, self.job = None, None
+        if gen is not None:
             try:
                 gen.close()
             except Exception:  # noqa: BLE001 - a drafter failing to end must not kill the slot
                 log.exception("slot %d: closing the generation failed", self.index)
             self.metrics.record(self.index, gen.stats, len(gen.tokens))
-            clock.finish()
+        if self._clock is not None:
+            self._clock.finish()
+            self._clock = None
+        if job is not None:
+            job.finished = True
+        self.last_used = time.monotonic()
 
 
 class _Clock:
@@ -309,22 +367,54 @@ class _Clock:
 
 
 class Scheduler:
-    """The slots and their shared queue."""
+    """The slots (every sequence of every engine), their shared queue, and the worker."""
 
     def __init__(self, engines: Sequence[Engine], queue_size: int, metrics: Metrics,
                  similarity: float = 0.1) -> None:
         if not engines:
             raise ValueError("the server needs at least one engine")
         self.metrics = metrics
+        self.engines = list(engines)
         self.queue = JobQueue(queue_size, similarity)
-        self.slots = [Slot(i, e, self.queue, metrics) for i, e in enumerate(engines)]
+        self.slots = [Slot(i, e, seq, metrics) for i, (e, seq) in
+                      enumerate((e, seq) for e in self.engines for seq in range(e.n_seq))]
+        self.queue.set_free(len(self.slots))
+        self.thread = threading.Thread(target=self._loop, name="batch", daemon=True)
         self._started = False
+        self._stopping = False
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._admit()
+            busy = [s for s in self.slots if s.job is not None]
+            if not busy:
+                if not self.queue.wait():
+                    break
+                continue
+            for e in self.engines:
+                if e.scheduler.running:
+                    e.step()
+            for s in busy:
+                s.pump()
+        for s in self.slots:
+            if s.job is not None:
+                s.job.cancelled.set()
+                s.pump()
+
+    def _admit(self) -> None:
+        """Waiting jobs into idle slots: they join the batch at the next step."""
+        while (got := self.queue.take([s for s in self.slots if s.job is None])) is not None:
+            job, slot = got
+            if job.cancelled.is_set():      # its client left while it was being handed over
+                job.finished = True
+                self.metrics.outcome("cancelled")
+                continue
+            slot.start(job)
 
     def start(self) -> None:
         if not self._started:
             self._started = True
-            for s in self.slots:
-                s.thread.start()
+            self.thread.start()
 
     def submit(self, job: Job) -> None:
         """Queue a job; QueueFull if there is no room."""
@@ -341,7 +431,7 @@ class Scheduler:
             raise QueueFull
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: drop the job if waiting, else stop it before the next round."""
+        """The client is gone: drop the job if waiting, else close it after this step."""
         if job.finished or job.cancelled.is_set():
             return
         job.cancelled.set()
@@ -350,14 +440,14 @@ class Scheduler:
             self.metrics.outcome("cancelled")
 
     def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
         for job in self.queue.close():
             job.cancelled.set()
         for s in self.slots:
             if s.job is not None:
                 s.job.cancelled.set()
         if self._started:
-            for s in self.slots:
-                s.thread.join(timeout)
+            self.thread.join(timeout)
 
     def state(self) -> dict[str, int]:
         return {"processing": sum(s.job is not None for s in self.slots),
@@ -367,7 +457,7 @@ class Scheduler:
     def link_states(self) -> list[tuple[int, dict]]:
         out = []
         for s in self.slots:
-            fn = getattr(s.engine.drafter, "link_state", None)
+            fn = getattr(s.drafter, "link_state", None)
             if callable(fn):
                 try:
                     out.append((s.index, dict(fn())))

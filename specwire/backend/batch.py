@@ -1,0 +1,86 @@
+"""Several sequences in one decode: what each puts into a step, and a backend that takes them.
+
+The engine's step asks every running sequence for its part (a chunk of its
+prompt, or its last token and its draft), hands all parts to one `decode`, and
+gives each sequence back the logits rows of its own part. A backend that holds
+many sequences in one context (LlamaBackend with n_seq > 1) reads the weights
+once for all of them; any other Backend is a batch of one (`OneSequence`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from specwire.backend.base import Backend, BackendError
+
+#: The logits rows a part asks for.
+LOGITS = ("all", "last", "none")
+
+
+@dataclass(slots=True)
+class Part:
+    """One sequence's tokens in a step, appended at its n_past."""
+
+    seq: int
+    tokens: list[int]
+    logits: str = "all"   # "all": a row per token; "last": one; "none": none
+
+    @property
+    def n_rows(self) -> int:
+        return {"all": len(self.tokens), "last": 1, "none": 0}[self.logits]
+
+
+@runtime_checkable
+class BatchBackend(Protocol):
+    """A target holding n_seq sequences, each a Backend of its own (`seq(i)`)."""
+
+    n_seq: int
+    #: The most tokens one decode takes (llama.cpp's -b): the step's budget.
+    n_batch: int
+    #: Seconds spent inside the model's decode (all sequences together).
+    decode_s: float
+
+    def seq(self, i: int) -> Backend:
+        """Sequence i's view: its tokens, truncate, eval (a decode of its part alone)."""
+
+    def decode(self, parts: Sequence[Part]) -> list[np.ndarray]:
+        """Append every part to its sequence in one decode; each part's logits rows.
+
+        The rows view the backend's buffer: valid until the next decode.
+        """
+
+
+class OneSequence:
+    """Any Backend as a batch of one sequence: its decode is the backend's eval.
+
+    The budget is unbounded: the backend's eval chunks a long prompt itself.
+    """
+
+    n_seq = 1
+    n_batch = 1 << 30
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @property
+    def decode_s(self) -> float:
+        return float(getattr(self.backend, "decode_s", 0.0))   # optional on a Backend
+
+    def seq(self, i: int) -> Backend:
+        if i != 0:
+            raise BackendError(f"sequence {i}: this backend holds one sequence")
+        return self.backend
+
+    def decode(self, parts: Sequence[Part]) -> list[np.ndarray]:
+        if len(parts) != 1 or parts[0].seq != 0:
+            raise BackendError(f"this backend decodes one sequence, not {len(parts)} parts")
+        return [self.backend.eval(parts[0].tokens, parts[0].logits)]
+
+
+def as_batch(target: Backend | BatchBackend) -> BatchBackend:
+    """The target as a batch of sequences (a plain Backend is a batch of one)."""
+    return target if isinstance(target, BatchBackend) else OneSequence(target)

@@ -1,0 +1,122 @@
+"""The engine's step: every running sequence's part in one decode.
+
+A step asks each running generation for its part, decoding sequences first
+(their last token and draft), then those still reading their prompt, which get
+what is left of the budget (-b tokens) in chunks: a long prompt does not stall
+the others. One decode for all the parts; each generation then verifies its
+own rows with its own verifier and rolls back its own KV cells. A generation
+joins at the next step and leaves as soon as it is done, failed or closed,
+which frees its sequence for the next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from specwire.backend.base import BackendError
+from specwire.backend.batch import BatchBackend, Part
+
+if TYPE_CHECKING:
+    from specwire.engine import Generation
+
+log = logging.getLogger(__name__)
+
+
+class BatchScheduler:
+    """The running generations of one batch target, and their sequences."""
+
+    def __init__(self, batch: BatchBackend) -> None:
+        self.batch = batch
+        self.running: list[Generation] = []
+        self._lock = threading.RLock()   # join/leave from other threads than the stepper
+        self._turn = 0                   # who plans first: rotates, so none is always last
+
+    def free(self) -> list[int]:
+        """Sequences no running generation holds."""
+        with self._lock:
+            held = {g.seq for g in self.running}
+        return [i for i in range(self.batch.n_seq) if i not in held]
+
+    def join(self, make: Callable[[int], Generation], seq: int | None = None) -> Generation:
+        with self._lock:
+            free = self.free()
+            if seq is None:
+                if not free:
+                    raise BackendError(f"all {self.batch.n_seq} sequences of the target are "
+                                       "busy")
+                seq = free[0]
+            elif seq not in free:
+                raise BackendError(f"sequence {seq} is busy")
+            gen = make(seq)
+            self.running.append(gen)
+            return gen
+
+    def leave(self, gen: Generation) -> None:
+        """Out of the batch at once (finished, failed or closed): its drafter sequence
+        ends and its sequence is free."""
+        with self._lock:
+            if gen not in self.running:
+                return
+            self.running.remove(gen)
+        gen.done = True
+        try:
+            gen.finish()
+        except Exception as e:  # noqa: BLE001 - reported to its owner, not to the batch
+            log.error("sequence %d: ending the drafter's sequence failed", gen.seq,
+                      exc_info=True)
+            if gen.error is None:
+                gen.error = e
+
+    def step(self) -> None:
+        """Plan every part, decode them together, hand each its rows."""
+        planned = self.plan()
+        if planned:
+            parts = [p for _, p in planned]
+            t0 = time.perf_counter()
+            try:
+                rows = self.batch.decode(parts)
+            except Exception as e:  # noqa: BLE001 - each sequence in the step reports it
+                for gen, _ in planned:
+                    self.fail(gen, e)
+                return
+            spent = time.perf_counter() - t0
+            for (gen, _), r in zip(planned, rows, strict=True):
+                self.guarded(gen, gen.take, r, spent)
+        for gen in [g for g in self.running if g.done]:
+            self.leave(gen)
+
+    def plan(self) -> list[tuple[Generation, Part]]:
+        """The step's parts, within the budget: decoding sequences first, in turns."""
+        with self._lock:
+            n = len(self.running)
+            self._turn += 1
+            turn = [self.running[(self._turn + i) % n] for i in range(n)] if n else []
+        gens = sorted(turn, key=lambda g: not g.decoding)
+        budget = self.batch.n_batch
+        n_decoding = sum(g.decoding for g in gens)
+        planned: list[tuple[Generation, Part]] = []
+        used = 0
+        for i, gen in enumerate(gens):
+            # What the others put in: those planned, and at least a token from each to come.
+            others = used + max(0, n_decoding - i - 1)
+            part = self.guarded(gen, gen.plan, budget - used, others)
+            if part is not None:
+                planned.append((gen, part))
+                used += len(part.tokens)
+        return planned
+
+    def guarded(self, gen: Generation, fn: Callable, *args):
+        """Run one generation's side of the step; an error ends that generation alone."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - handed to its owner by fail()
+            self.fail(gen, e)
+            return None
+
+    def fail(self, gen: Generation, e: Exception) -> None:
+        gen.error = e
+        self.leave(gen)

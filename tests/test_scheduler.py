@@ -1,0 +1,126 @@
+"""The batch step on fakes: many sequences in one decode give each what it gets alone.
+
+A FakeBatch holds several fake sequences and logs every decode's parts, so these
+tests see that a step is one decode for every running sequence, that a long
+prompt is read in chunks beside sequences that keep decoding, that a generation
+joins at the next step and leaves at once, and that one failing sequence leaves
+the others alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fakes import FakeBackend, FakeBatch, FakeModel, SpyDrafter
+
+from specwire.backend.base import BackendError
+from specwire.config import DraftParams, SamplingParams
+from specwire.drafters.model import ModelDrafter
+from specwire.drafters.ngram import NgramDrafter
+from specwire.engine import Engine, Request
+
+V = 40
+TARGET = FakeModel(n_vocab=V, seed=0)
+OTHER = TARGET.perturbed(0.8, seed=5)
+GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=0.9, top_k=20, seed=77)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [11, 12]]
+
+
+def drafter(kind: str):
+    if kind == "model":
+        return ModelDrafter(FakeBackend(OTHER, name="other.gguf"))
+    if kind == "ngram":
+        return NgramDrafter()
+    return None
+
+
+def request(i: int, sampling: SamplingParams, k: int, n: int = 30) -> Request:
+    return Request(list(PROMPTS[i % len(PROMPTS)]), n, sampling,
+                   DraftParams(n_max=k, p_min=0.0, enabled=k > 0))
+
+
+def alone(req: Request, kind: str) -> list[int]:
+    return Engine(FakeBackend(TARGET), drafter(kind)).generate(req).run()
+
+
+def batch_engine(n_seq: int, kinds: list[str], n_batch: int = 512) -> tuple[Engine, FakeBatch]:
+    batch = FakeBatch(TARGET, n_seq, n_batch=n_batch)
+    drafters = [drafter(k) or drafter("ngram") for k in kinds]
+    return Engine(batch, drafters), batch
+
+
+def run_all(engine: Engine, gens) -> None:
+    while any(not g.done for g in gens):
+        engine.step()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_each_sequence_gets_what_it_gets_alone(sampling, k) -> None:
+    kinds = ["model", "ngram", "model", "model"]
+    reqs = [request(i, sampling, k if i != 1 else 0) for i in range(4)]
+    want = [alone(r, kind) for r, kind in zip(reqs, kinds, strict=True)]
+    engine, batch = batch_engine(4, kinds)
+    gens = [engine.generate(r) for r in reqs]
+    run_all(engine, gens)
+    assert [g.tokens for g in gens] == want
+    assert all(g.error is None and g.stop_type == "limit" for g in gens)
+    # every step was one decode with a part per running sequence, never two of one sequence
+    assert max(len(parts) for parts in batch.decodes) == 4
+    assert sum(g.stats.draft_n for g in gens) > 0
+
+
+def test_a_long_prompt_is_read_in_chunks_while_the_others_decode() -> None:
+    engine, batch = batch_engine(2, ["ngram", "ngram"], n_batch=8)
+    short = engine.generate(request(1, GREEDY, 0, n=40))
+    engine.step()                                   # the short prompt alone: 3 tokens
+    long_prompt = [(5 * i) % (V - 8) for i in range(30)]
+    long = engine.generate(Request(long_prompt, 5, GREEDY, DraftParams(enabled=False)))
+    run_all(engine, [short, long])
+    chunks = [(n_past, len(toks)) for parts in batch.decodes for s, n_past, toks in parts
+              if s == long.seq and n_past < len(long_prompt)]
+    assert [n for _, n in chunks] == [7, 7, 7, 7, 2]    # -b 8 less the short one's token
+    steps_with_both = [parts for parts in batch.decodes if len(parts) == 2]
+    assert len(steps_with_both) >= 5, "the short sequence decoded beside every chunk"
+    assert short.tokens == alone(request(1, GREEDY, 0, n=40), "none")
+    assert long.tokens == alone(Request(long_prompt, 5, GREEDY, DraftParams(enabled=False)),
+                                "none")
+
+
+def test_join_midway_cancel_and_reuse_of_a_freed_sequence() -> None:
+    spy = SpyDrafter(drafter("model"))
+    engine, _ = batch_engine(2, ["model", "model"])
+    engine.drafters[1] = spy
+    engine.guards[1].drafter = spy
+    a = engine.generate(request(0, SEEDED, 4))
+    for _ in range(3):
+        engine.step()
+    b = engine.generate(request(2, SEEDED, 4))          # joins at the next step
+    assert b.seq == 1
+    with pytest.raises(BackendError, match="busy"):
+        engine.generate(request(3, GREEDY, 0))
+    engine.step()
+    engine.step()
+    b.close()                                           # cancelled: leaves at once
+    assert b.done and spy.calls.count("end") == 1 and b.seq not in {g.seq for g in
+                                                                     engine.scheduler.running}
+    c = engine.generate(request(3, GREEDY, 2))          # takes the freed sequence
+    assert c.seq == 1
+    run_all(engine, [a, c])
+    assert a.tokens == alone(request(0, SEEDED, 4), "model")
+    assert c.tokens == alone(request(3, GREEDY, 2), "model")
+
+
+def test_a_failing_sequence_leaves_the_others_running() -> None:
+    engine, _ = batch_engine(2, ["ngram", "ngram"])
+    ok = engine.generate(request(0, GREEDY, 4))
+    bad = engine.generate(Request(list(range(V - 8)) * 20, 4, GREEDY))   # > the context
+    run_all(engine, [ok, bad])
+    assert ok.tokens == alone(request(0, GREEDY, 4), "ngram")
+    with pytest.raises(Exception, match="do not fit the context"):
+        bad.run()
+
+
+def test_one_drafter_cannot_serve_several_sequences() -> None:
+    with pytest.raises(Exception, match="drafter of its own"):
+        Engine(FakeBatch(TARGET, 2), NgramDrafter())
