@@ -103,6 +103,9 @@ class _ParseBackend:
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list:
         return ([1] if add_special else []) + [min(ord(c), 127) for c in text]
 
+    def detokenize(self, tokens: list) -> bytes:
+        return bytes(t for t in tokens if t != 1)
+
 
 def _parse(body: dict, **settings) -> schemas.Completion:
     return schemas.completion(body, _ParseBackend(), ServerSettings(**settings), ["toy"])
