@@ -148,7 +148,10 @@ class AdaptivePolicy:
     #: what a stretch of plain steps made the drafter redo: seconds, over skipped tokens
     catch_up_s: float = 0.0
     catch_up_tokens: float = 0.0
-    probe_every: int = 32  # most rounds at k = 0 between probes
+    probe_every: int = 32  # most rounds at k = 0 between probes, before any backoff
+    probe_backoff: int = 1  # the interval's multiplier: doubles per probe that did not pay
+    probe_backoff_max: int = 8
+    probed: bool = False  # the last round asked was a probe
     margin: float = 0.2  # how much better plain steps must look to stop drafting early on
     settle: int = 12  # rounds that asked the drafter before the margin is dropped
     asked_rounds: int = 0
@@ -161,13 +164,19 @@ class AdaptivePolicy:
     stop: CalibratedStop = field(init=False)
     round_rate: float = 0.0  # expected tokens/s of the round in progress
     batch_tokens: int = 0  # tokens the other sequences put into the round's decode
+    #: the steered drafter prices each of its tokens and stops where they stop paying, at
+    #: no cost to ask (the n-gram lookup): ask it for the most, as its drafts are not the
+    #: geometric chain this model assumes (a long match is right all the way or not)
+    drafter_stops: bool = False
 
     def __post_init__(self) -> None:
         self.stop = CalibratedStop(self.calibration)
 
     def start(self) -> None:
-        """A new sequence: keep the estimates, forget the round in progress."""
-        self.asked, self.warm, self.idle_rounds = 0, False, 0
+        """A new sequence: keep the estimates, forget the round in progress. The rounds
+        since the last probe carry over, so that probes go on at their (backed-off)
+        interval across requests shorter than it."""
+        self.asked, self.warm = 0, False
         self.skipped, self.begun = 0, False
 
     @property
@@ -223,9 +232,12 @@ class AdaptivePolicy:
         other sequences put into the same target decode (0 alone). Alone a round pays a
         whole step, which drafting spreads over several tokens; in a big batch the step
         is paid anyway, so drafting is chosen only where it still beats the batch's own
-        rate."""
+        rate. A drafter that stops by itself (drafter_stops) is asked for the most."""
         self.batch_tokens = batch_tokens
-        self.asked = self._best(min(self.n_max, limit))
+        if self.drafter_stops and limit > 0:
+            self.asked = min(self.n_max, limit)     # the drafter cuts its own draft
+        else:
+            self.asked = self._best(min(self.n_max, limit))
         self.round_rate = self.rate(self.asked) if self.asked else 0.0
         return self.asked
 
@@ -253,6 +265,8 @@ class AdaptivePolicy:
                 best_k = k
         if best_k > 0 or limit == 0:
             self.idle_rounds = 0
+            if best_k > 0:
+                self.probed, self.probe_backoff = False, 1
             return best_k
         try_k = max(range(1, limit + 1), key=rates.__getitem__)
         # Early on, stop drafting only when plain steps look clearly better: the first
@@ -262,13 +276,19 @@ class AdaptivePolicy:
             self.idle_rounds = 0
             return try_k
         # Probe now and then, or the estimates could never recover: soon when drafting
-        # looks almost worth it, rarely when it looks hopeless.
+        # looks almost worth it, rarely when it looks hopeless, and more rarely after
+        # each probe that left drafting not worth it (a useless drafter's probes are
+        # pure cost; a probe whose tokens are kept resets the interval).
+        if self.probed:
+            self.probed = False
+            self.probe_backoff = min(2 * self.probe_backoff, self.probe_backoff_max)
         # In a batch the others' tokens dilute the gap; probe by this sequence's own share.
         gap = min(1.0, (1.0 - rates[try_k] / rates[0]) * (1 + self.batch_tokens))
         self.idle_rounds += 1
-        if self.idle_rounds < min(self.probe_every, max(2, int(4 * self.probe_every * gap))):
+        interval = min(self.probe_every, max(2, int(4 * self.probe_every * gap)))
+        if self.idle_rounds < interval * self.probe_backoff:
             return 0
-        self.idle_rounds = 0
+        self.idle_rounds, self.probed = 0, True
         return try_k
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
@@ -293,6 +313,8 @@ class AdaptivePolicy:
             self.skipped, self.begun = 0, True
         elif self.begun:
             self.skipped += 1
+        if self.probed and accepted:
+            self.probed, self.probe_backoff = False, 1
         if drafted:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)

@@ -227,3 +227,46 @@ def test_a_model_that_costs_more_than_it_yields_is_seldom_asked() -> None:
     gen = run(hybrid, SAMPLED, n=60, prompt=[31, 30, 29])
     assert gen.tokens == reference(SAMPLED, 60, [31, 30, 29])
     assert len(junk.proposals) <= gen.stats.rounds // 4
+
+
+def test_probes_of_a_useless_model_grow_rarer() -> None:
+    """The junk model above over a long run: after each probe that leaves it not worth
+    asking, the next comes twice as late (up to PROBE_MAX), so over 300 rounds it is
+    asked far less often than once per PROBE_EVERY plain steps."""
+    import time as time_
+
+    from specwire.drafters.hybrid import PROBE_EVERY
+
+    junk = SpyDrafter(FixedDrafter(lambda h, k: [(h[-1] * 5 + 3) % V] * k),
+                      on_propose=lambda _h: time_.sleep(0.005))
+    hybrid = HybridDrafter(lookup(), junk)
+    gen = run(hybrid, SAMPLED, n=300, prompt=[31, 30, 29])
+    assert gen.tokens == reference(SAMPLED, 300, [31, 30, 29])
+    plain = gen.stats.rounds - hybrid.stats()["ngram_rounds"]
+    assert 1 <= len(junk.proposals) <= plain // (2 * PROBE_EVERY) + 2
+
+
+def test_the_model_is_charged_for_catching_up() -> None:
+    """A model that takes 2 ms per token it has to catch up on (added while it was not
+    asked: n-gram rounds) and nearly nothing to draft: the hybrid learns a catch-up
+    cost per token apart from its drafting time."""
+    import time as time_
+
+    seen = {"n": 0}
+
+    def slow_catch_up(h) -> None:
+        time_.sleep(0.002 * max(0, len(h) - seen["n"] - 2))   # a steady round: none
+        seen["n"] = len(h)
+
+    head = [7, 8, 9, 10, 11]
+    cont = reference(SAMPLED, 60, head)
+    prompt = [*head, *cont[:16], 20, *head]   # the lookup copies, then mostly guesses
+    model = SpyDrafter(FixedDrafter(lambda h, k: reference(SAMPLED, 1, h)[:k]),
+                       on_propose=slow_catch_up)
+    hybrid = HybridDrafter(lookup(), model)
+    gen = run(hybrid, SAMPLED, n=48, prompt=prompt)
+    assert gen.tokens == reference(SAMPLED, 48, prompt)
+    st = hybrid.stats()
+    assert st["ngram_rounds"] > 0 and st["model_rounds"] > 0
+    assert hybrid.catch_up_tokens > 0
+    assert hybrid.catch_up_cost(10) > max(0.002, 2 * hybrid.drafting(1))

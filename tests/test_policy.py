@@ -253,7 +253,7 @@ def test_memory_keeps_what_a_policy_learned_for_the_next_request() -> None:
     p.asked, p.idle_rounds = 3, 5
     again = mem.policy("adaptive", 8)
     assert again is p
-    assert (again.asked, again.warm, again.idle_rounds) == (0, False, 0)
+    assert (again.asked, again.warm, again.idle_rounds) == (0, False, 5)   # probes go on
     assert again.acceptance == learned
     assert again.choose(8) == 0                     # no fresh optimism on the next request
     assert mem.policy("adaptive", 4) is not p

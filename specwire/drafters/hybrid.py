@@ -16,7 +16,13 @@ its drafts (also when the n-gram's draft was verified instead).
 A model in this process drafts only when asked, so it is asked only when its
 candidate is worth more by those estimates: a good match skips its drafting
 time, and with no match a plain step (1 / t_v(0)) is taken instead when the
-model's rate is below it (the model is still asked every PROBE_EVERY rounds).
+model's rate is below it. Its cost counts what it must catch up on first: the
+tokens added since it was last asked (n-gram rounds, plain steps), which it
+evaluates before drafting, at a per-token cost measured apart from t_d, so
+that a run of n-gram rounds makes the model dearer, not its t_d noisier. A
+model judged not worth it is still asked now and then (after PROBE_EVERY plain
+steps, twice as many after each probe that did not make it worth it again, up
+to PROBE_MAX), so that its estimates can recover.
 A drafter that works ahead (a remote node, a thread) costs the target
 nothing to ask, so it is always asked and its draft compared as it is; the
 lookup then runs on the target while the node drafts, and the node is told
@@ -33,8 +39,10 @@ from specwire.drafters.base import Draft, Drafter, DrafterBase, declared
 from specwire.drafters.ngram import NgramDrafter, Offer
 from specwire.throughput import draft_line, expected_tokens, verify_line
 
-#: Most plain steps in a row without asking a model that did not look worth it.
+#: Plain steps in a row without asking a model that did not look worth it, at first...
 PROBE_EVERY = 16
+#: ...and at most, after probes that did not pay.
+PROBE_MAX = 128
 
 
 def _kept(draft: Sequence[int], new: Sequence[int]) -> int:
@@ -59,6 +67,12 @@ class HybridDrafter(DrafterBase):
         self.drafting = draft_line()    # model seconds vs tokens drafted
         self.accepted, self.rejected = 1.5, 0.5             # the model's a, pseudo-counts
         self.model_len = 0.0                                # mean length of its drafts
+        # seconds per token the model evaluates to catch up (tokens added while not asked)
+        self.catch_up_s, self.catch_up_tokens = 0.0, 0.0
+        self._model_at = -1       # len(history) when the model was last asked (-1: never)
+        self._asked_last = False  # the model was asked in the previous round
+        self._probe_gap = PROBE_EVERY
+        self._probing = False     # the model was last asked only to probe
         # the round in progress: len(history), model draft, tokens handed out, when
         self._round: tuple[int, list[int] | None, int, float] | None = None
         self._idle = 0  # plain steps in a row where the model was not worth asking
@@ -70,13 +84,16 @@ class HybridDrafter(DrafterBase):
         return self.model.backend
 
     def steer(self, policy) -> None:
-        self.ngram.steer(policy)
+        # the lookup stops at the policy's threshold, but the policy keeps choosing the
+        # length: the model's drafts are what it models
+        self.ngram.policy = policy
         self.model.steer(policy)
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
         self.ngram.begin(prompt, sampling, params)
         self.model.begin(prompt, sampling, params)
         self._round = None
+        self._model_at, self._asked_last = 0, False    # the prompt is its first catch-up
 
     # -- the estimates ------------------------------------------------------------------
 
@@ -91,15 +108,29 @@ class HybridDrafter(DrafterBase):
         v = self._verify_s(len(offer.tokens))
         return None if v is None else (1.0 + offer.expected_kept()) / v
 
-    def model_rate(self, k: float, drafting_s: float | None = None) -> float | None:
+    def model_rate(self, k: float, drafting_s: float | None = None,
+                   behind: int = 0) -> float | None:
         """Expected tokens/s of a model draft of k tokens; drafting_s: its drafting time
-        (None: the fitted estimate)."""
+        (None: the fitted estimate, plus catching up on `behind` tokens)."""
         v = self._verify_s(round(k))
         if v is None:
             return None
         kept = expected_tokens(self.acceptance, round(k)) - 1.0
-        cost = self.drafting(k) if drafting_s is None else drafting_s
+        cost = (self.drafting(k) + self.catch_up_cost(behind) if drafting_s is None
+                else drafting_s)
         return (1.0 + kept) / (cost + v)
+
+    def catch_up_cost(self, behind: int) -> float:
+        """Seconds the model spends evaluating `behind` tokens it missed while not asked."""
+        per = self.catch_up_s / self.catch_up_tokens if self.catch_up_tokens else 0.0
+        return per * behind
+
+    def _behind(self, history: Sequence[int]) -> int:
+        """Tokens added since the model was last asked, when that was before the previous
+        round (0 in a steady run of model rounds, whose drafting time t_d covers it)."""
+        if self._model_at < 0 or self._asked_last:
+            return 0
+        return len(history) - self._model_at
 
     # -- a round ---------------------------------------------------------------------------
 
@@ -113,24 +144,38 @@ class HybridDrafter(DrafterBase):
                 if ng is None or m is None else ng > m)
             return self._hand_out(history, offer, draft, use_ngram)
         k = self.model_len or max_n
-        ng, m = self.ngram_rate(offer), self.model_rate(min(k, max_n))
+        behind = self._behind(history)
+        self._asked_last = False
+        ng, m = self.ngram_rate(offer), self.model_rate(min(k, max_n), behind=behind)
         if offer.tokens and (ng is None and offer.expected_kept() >= 1.0
                              or ng is not None and m is not None and ng > m):
             return self._hand_out(history, offer, None, True)
         # No match worth it: the model, unless a plain step is worth more (its drafting
         # and catching up cost more than its tokens yield); asked now and then anyway,
-        # so that its estimates can recover.
+        # so that its estimates can recover, less often while such probes do not pay.
         v0 = self._verify_s(0)
-        if (not offer.tokens and m is not None and v0 is not None and m * v0 < 1.0
-                and self._idle < PROBE_EVERY):
+        worse = not offer.tokens and m is not None and v0 is not None and m * v0 < 1.0
+        if worse and self._probing:
+            self._probe_gap = min(2 * self._probe_gap, PROBE_MAX)
+        elif not worse:
+            self._probe_gap = PROBE_EVERY
+        self._probing = False
+        if worse and self._idle < self._probe_gap:
             self._idle += 1
             return self._hand_out(history, offer, None, False)
-        self._idle = 0
+        self._probing, self._idle = worse, 0
         t0 = time.perf_counter()
         draft = self.model.propose(history, max_n)
         took = time.perf_counter() - t0
         if draft.tokens:
-            self.drafting.add(len(draft), took)
+            if not behind:              # a steady round: its time is drafting
+                self.drafting.add(len(draft), took)
+            else:
+                w = 1.0 - self.alpha
+                extra = max(0.0, took - self.drafting(len(draft)))
+                self.catch_up_s = w * self.catch_up_s + extra
+                self.catch_up_tokens = w * self.catch_up_tokens + behind
+        self._model_at, self._asked_last = len(history), True
         # what the model proposed may still be worth less than the match
         use_ngram = bool(offer.tokens) and ng is not None and (
             self.model_rate(len(draft), took) or 0.0) < ng

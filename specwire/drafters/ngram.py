@@ -160,8 +160,15 @@ class NgramDrafter(DrafterBase):
         self.counters = {"drafted": 0.0, "cache_drafts": 0.0, "stopped_early": 0.0}
 
     def steer(self, policy) -> None:
-        """Stop drafts at the adaptive policy's threshold (None: at `keep` again)."""
+        """Stop drafts at the adaptive policy's threshold (None: at `keep` again), and have
+        it ask for the most tokens: a lookup costs nothing, and its own stop, per match
+        and token, decides better where a draft ends (or whether there is one) than the
+        policy's chain of equal per-token chances."""
+        if self.policy is not None and hasattr(self.policy, "drafter_stops"):
+            self.policy.drafter_stops = False
         self.policy = policy
+        if policy is not None and hasattr(policy, "drafter_stops"):
+            policy.drafter_stops = True
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
         self.index.clear()

@@ -1,0 +1,68 @@
+"""The adaptive policy's probes: rarer while they fail, at once frequent again when they pay.
+
+A useless drafter's probes are pure cost (each one verifies a token that is never
+kept), so the interval between them doubles per failed probe, up to a bound; a
+drafter that turns useful again is found within that bound and drafting resumes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from specwire.policy import AdaptivePolicy, PolicyMemory
+
+
+def _verify(n: int) -> float:
+    return 0.01 * (1 + 0.3 * (n - 1))
+
+
+def _drive(p: AdaptivePolicy, rounds: int, good: bool) -> list[int]:
+    ks = []
+    for _ in range(rounds):
+        k = p.choose(16)
+        p.observe(k, k if good else 0, 0.0001 * k, _verify(k + 1))
+        ks.append(k)
+    return ks
+
+
+def test_failed_probes_back_off_to_the_bound() -> None:
+    """After the first probes fail, the gaps between them grow, never beyond probe_every x
+    probe_backoff_max, and a useless drafter is probed at least 4x less often than
+    without the backoff."""
+    p = AdaptivePolicy(8)
+    ks = _drive(p, 2000, good=False)
+    probes = [i for i, k in enumerate(ks) if k and i > 50]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert all(ks[i] == 1 for i in probes)                  # one-token probes
+    assert max(gaps) <= p.probe_every * p.probe_backoff_max
+    assert gaps[-1] >= 4 * gaps[0]
+    flat = AdaptivePolicy(8, probe_backoff_max=1)
+    tail = sum(1 for k in _drive(flat, 2000, good=False)[-1024:] if k)
+    assert 4 * sum(1 for k in ks[-1024:] if k) <= tail
+
+
+def test_a_drafter_that_turns_useful_is_found_within_the_bound() -> None:
+    """Backed off as far as it goes, a probe still comes within the bound, its kept token
+    resets the interval, and drafting resumes."""
+    p = AdaptivePolicy(8)
+    _drive(p, 2000, good=False)
+    assert p.probe_backoff == p.probe_backoff_max
+    ks = _drive(p, p.probe_every * p.probe_backoff_max + 200, good=True)
+    assert all(k >= 4 for k in ks[-50:])
+    assert p.probe_backoff == 1
+
+
+def test_probe_interval_carries_across_short_requests() -> None:
+    """Requests shorter than the interval still get probes, as many as one long request
+    would: the count of rounds since the last probe is the policy's, not the request's."""
+    mem = PolicyMemory()
+    p = mem.policy("adaptive", 8)
+    _drive(p, 2000, good=False)
+    one = copy.deepcopy(p)
+    rounds = 3 * p.probe_every * p.probe_backoff_max
+    asked = 0
+    for _ in range(rounds // 32):                           # 32-round requests
+        p = mem.policy("adaptive", 8)
+        asked += sum(1 for k in _drive(p, 32, good=False) if k)
+    assert asked >= 3
+    assert abs(asked - sum(1 for k in _drive(one, rounds, good=False) if k)) <= 1
