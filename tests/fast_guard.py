@@ -48,7 +48,7 @@ def model_command(args: str | bytes | os.PathLike | Sequence) -> str | None:
         argv = [os.fsdecode(a) for a in args]
     for i, arg in enumerate(argv):
         name = os.path.basename(arg)
-        if name.startswith("llama-"):
+        if name.startswith("llama-") and not _script(arg):
             return name
         if name == "specwire" and (i == 0 or argv[i - 1] == "-m"):
             rest = argv[i + 1:]
@@ -56,6 +56,16 @@ def model_command(args: str | bytes | os.PathLike | Sequence) -> str | None:
             if command in MODEL_COMMANDS and not {"-h", "--help"} & set(rest):
                 return f"specwire {command}"
     return None
+
+
+def _script(path: str) -> bool:
+    """A stand-in written as a script (#!), as tests write for llama.cpp's binaries: it
+    loads no model. Real llama.cpp binaries are compiled."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return False
 
 
 def _check(what: str) -> None:
