@@ -103,8 +103,11 @@ def build_model_drafter(a: argparse.Namespace, kind: str, target, dparams) -> Dr
     check_pair(target.model, dmodel)
     backend = LlamaBackend(dparams, dmodel)
     if local_mode(a) == "pipelined":
+        from specwire.drafters.alternates import branch_params
         from specwire.drafters.threaded import ThreadedDrafter
-        return ThreadedDrafter(backend)
+        drafter = ThreadedDrafter(backend)
+        drafter.branches = branch_params(getattr(a, "draft_branches", None))
+        return drafter
     from specwire.drafters.model import ModelDrafter
     return ModelDrafter(backend)
 

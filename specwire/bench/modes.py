@@ -222,8 +222,11 @@ class Drafters:
             from specwire.drafters.model import ModelDrafter
             return ModelDrafter(self.draft_backend())
         if mode == "local-pipelined":
+            from specwire.drafters.alternates import branch_params
             from specwire.drafters.threaded import ThreadedDrafter
-            return ThreadedDrafter(self.draft_backend())
+            drafter = ThreadedDrafter(self.draft_backend())
+            drafter.branches = branch_params(getattr(self.a, "draft_branches", None))
+            return drafter
         if mode == "ngram":
             return self._ngram(cfg)
         if mode == "hybrid":
@@ -254,7 +257,8 @@ class Drafters:
         a = self.a
         opts = SimpleNamespace(draft_token=a.draft_token, draft_tls_ca=a.draft_tls_ca,
                                draft_tls_cert=a.draft_tls_cert, draft_tls_key=a.draft_tls_key,
-                               draft_mode="pipelined" if pipelined else "sync")
+                               draft_mode="pipelined" if pipelined else "sync",
+                               draft_branches=getattr(a, "draft_branches", None))
         drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
         link = drafter.links[0]
         if not link.up:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from specwire.drafters.alternates import branch_params
 from specwire.drafters.branch import BranchDrafter
 from specwire.wire.client import GrpcTransport
 from specwire.wire.link import Link, LinkSettings
@@ -44,6 +45,7 @@ def make_remote_drafter(urls: list[str], a, target) -> object:
     drafter = RemoteDrafter(links, target.n_vocab, pipelined=a.draft_mode != "sync")
     if getattr(a, "draft_no_poll", False):
         drafter.forecast = None
+    drafter.branches = branch_params(getattr(a, "draft_branches", None))
     errors = drafter.handshake()
     fatal = [e for e in errors if e and e.startswith("incompatible")]
     if fatal:
