@@ -173,28 +173,32 @@ def test_drafting_an_alternate_leaves_the_cache_as_it_was() -> None:
 
 
 class Branching(Joined):
-    """Joined, pipelined, asking for alternates; after each verdict the node also drafts
-    the alternates its full lookahead leaves time for, as its own thread would."""
+    """Joined, pipelined, asking for alternates; after each verdict the node drafts its
+    branch and its alternates as its own thread would, until it would wait."""
 
     def __init__(self, backend: FakeBackend) -> None:
         super().__init__(backend, pipelined=True)
         self.branches = BranchParams(value_min=0.05, top_below=0.95)
 
     def _pipelined_step(self, v: Verdict) -> None:
-        super()._pipelined_step(v)
-        self._alternates()
+        self.node._apply(v)
+        self._work()
 
     def _open(self, session: int, history: list[int]) -> None:
         super()._open(session, history)
-        self._alternates()
+        self._work()
 
-    def _alternates(self) -> None:
+    def _work(self) -> None:
+        """What the session's thread does until it would wait (DraftSession._next_work)."""
         node = self.node
-        while not node.stalled and len(node.branch) >= node._limit():
-            j = node._late_alternate_at()
-            if j is None:
+        while True:
+            j = node._alternate_first()
+            if j is not None:
+                node._draft_late_alternate(j)
+            elif not node.stalled and len(node.branch) < node._limit():
+                node._draft_burst()
+            else:
                 return
-            node._draft_late_alternate(j)
 
 
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])

@@ -39,6 +39,10 @@ class BranchParams:
     # choice, judged by the draft (the product of its top probabilities since the last
     # verdict, times the second's probability), is at least this
     value_min: float = 0.15
+    # Before the branch's next token: an alternate of worth w costs length - 1 drafted
+    # tokens and, taken, saves a round without a draft (about `gain` tokens verified); the
+    # next token is worth the chance the target ever verifies it.
+    gain: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.per_chunk <= MAX_ALTERNATES:
@@ -100,6 +104,12 @@ def worth_branching(two: TopTwo | None, reach: float, params: BranchParams) -> b
     at the branch's unverified positions before this one) and pick the second choice."""
     return (two is not None and params.per_chunk > 0 and two.p_first < params.top_below
             and reach * two.p_second >= params.value_min)
+
+
+def alternate_first(value: float, reach_next: float, params: BranchParams) -> bool:
+    """Draft an alternate of this worth before the branch's next token, whose chance of
+    being verified at all is reach_next: when its worth per token drafted is higher."""
+    return value * params.gain / max(1, params.length - 1) > reach_next
 
 
 def draft_alternate(backend: Backend, params: SamplingParams, ctx: list[int], first: int,

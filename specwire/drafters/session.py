@@ -213,29 +213,44 @@ class DraftSession:
             self.send(msg)
 
     def _next_work(self) -> str | int | None:
-        """Apply verdicts; wait until there is work: "draft" the branch on, or the index
-        of a sent branch token worth an alternate now (while the branch is full). None
-        when closed."""
+        """Apply verdicts; wait until there is work: the index of a sent branch token
+        whose alternate is worth drafting first, or "draft" the branch on. None when
+        closed."""
         with self._cv:
             while True:
                 while self._inbox:
                     self._apply(self._inbox.popleft())
                 if self._closed:
                     return None
-                if not self.stalled and len(self.branch) < self._limit():
-                    return "draft"
-                j = self._late_alternate_at()
+                j = self._alternate_first()
                 if j is not None:
                     return j
+                if not self.stalled and len(self.branch) < self._limit():
+                    return "draft"
                 self._cv.wait()
 
-    def _late_alternate_at(self) -> int | None:
+    def _alternate_first(self) -> int | None:
+        """The sent branch token whose alternate to draft before the branch's next token:
+        any worth it while the branch waits (its lookahead full), else one whose worth per
+        token drafted beats the chance that the target will ever verify that next token
+        (drafters/alternates.py, alternate_first). None for sessions without alternates."""
+        j, value = self._late_alternate_at()
+        if j is None:
+            return None
+        if self.stalled or len(self.branch) >= self._limit():
+            return j
+        reach = 1.0
+        for c in self.choices:
+            reach *= 1.0 if c is None else c.p_first
+        return j if alt.alternate_first(value, reach, self.branching) else None
+
+    def _late_alternate_at(self) -> tuple[int | None, float]:
         """The sent branch token whose alternate is now worth most (drafters/
-        alternates.py): as verdicts keep the branch, its later positions come within
-        reach. None when there is none, or the session drafts no alternates."""
+        alternates.py), and its worth: as verdicts keep the branch, its later positions
+        come within reach. None when there is none, or the session drafts none."""
         bp = self.branching
         if bp is None:
-            return None
+            return None, 0.0
         best, best_value, reach = None, 0.0, 1.0
         start = len(self.committed)
         for j, two in enumerate(self.choices[: self.sent]):
@@ -248,14 +263,11 @@ class DraftSession:
             reach *= two.p_first
             if reach < bp.value_min:
                 break
-        return best
+        return best, best_value
 
     def _draft_late_alternate(self, j: int) -> None:
         """Draft the alternate for branch token j and send it in a chunk of its own; a
-        verdict cuts it short. The branch's own drafting goes first (alternates are
-        drafted only while it waits, with its lookahead full), so an alternate never
-        delays it by more than one token's drafting; the cache re-syncs to the branch
-        at its next burst."""
+        verdict cuts it short. The cache re-syncs to the branch at its next burst."""
         self._busy_since = time.perf_counter()
         ctx = self.committed + self.branch[:j]
         kept = sync_prefix(self.backend, ctx)
@@ -360,6 +372,8 @@ class DraftSession:
                 sparse_pending.append(sd)
             if self.pipelined and (self.sent == 0 or len(pending) >= 2):
                 self._flush(pending, sparse_pending, done=False)
+                if self.branching is not None and self._alternate_first() is not None:
+                    return False  # an alternate first: the next work says which
             return not self._inbox and not self._closed
 
         result = self.drafter.draft_from(
