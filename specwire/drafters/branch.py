@@ -423,8 +423,14 @@ class BranchDrafter:
                     f"{self._buf_start + len(self._buf)}"
                 )
             self._buf.extend(c.tokens)
+            # Only positions not yet committed: the chunk check bounds them to the positions
+            # a branch may reach, so a flood of alternates cannot grow this.
+            n = len(self._history)
+            if self._alts and min(self._alts) < n:
+                self._alts = {p: t for p, t in self._alts.items() if p >= n}
             for a in c.alternates:
-                self._alts[a.at] = a.tokens
+                if a.at >= n:
+                    self._alts[a.at] = a.tokens
             self.counters["alternates_received"] += len(c.alternates)
             if c.sparse is not None and self._sparse is not None:
                 self._sparse.extend(c.sparse)
