@@ -289,3 +289,18 @@ def test_a_verdict_that_takes_an_alternate_never_sent_ends_the_session() -> None
     with pytest.raises(ProtocolError, match="alternate at 4"):
         node._apply(Verdict(4, 0, [39], gen=node.gen, alternate=True))
     target.end()
+
+
+def test_alternates_for_committed_positions_are_not_kept() -> None:
+    """A node that floods alternates for positions the history has passed costs the
+    target nothing: it keeps only those still ahead."""
+    from test_branch import PROMPT, ScriptedDrafter
+
+    d = ScriptedDrafter(pipelined=True)
+    d.begin(PROMPT, GREEDY, DraftParams(n_max=4, p_min=0.0))
+    d._on_chunk(d.session, Chunk(0, 4, [10, 11], alternates=[Alternate(4, [12, 13])]))
+    assert 4 in d._alts
+    assert d.propose([*PROMPT, 10, 11], 4).tokens == []
+    for _ in range(50):
+        d._on_chunk(d.session, Chunk(0, 6, [], alternates=[Alternate(5, [14, 15])] * 4))
+    assert d._alts == {}
