@@ -3,11 +3,14 @@
 A pipelined draft node works ahead of the target's verdicts, but after a
 rejection its lookahead is gone and the target has nothing to verify until a
 fresh draft arrives. At the positions where the draft model itself hesitates
-(its first choice below `top_below`, its second at least `second_min`), the node
-also drafts a short continuation of the second choice and sends it with the
-chunk. If the target rejects the branch there and its own token is that second
-choice, the continuation is verified at once, and the verdict tells the node to
-continue from it (specwire.proto, DraftChunk.alternates and Verdict.alternate).
+(its first choice below `top_below`, and the target, by the draft's own judgment,
+likely to get there and pick the second: `worth_branching`), the node also
+drafts the second choice and a few tokens after it, and sends them in a chunk;
+it does so while its lookahead is full, or first when that pays more than the
+branch's next token (`alternate_first`). If the target rejects the branch there
+and its own token is that second choice, the continuation is verified at once,
+and the verdict tells the node to continue from it (specwire.proto,
+DraftChunk.alternates and Verdict.alternate; docs/protocol.md).
 
 Only the draft's tokens change: verification is untouched, so output stays
 lossless. Alternates are drafted for greedy and coupled verification, where a
