@@ -150,6 +150,15 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         "draft model when -t + -td fit the cores",
     )
     d.add_argument(
+        "--draft-branches",
+        type=_branch_count,
+        default=2,
+        metavar="N",
+        help="pipelined drafting: where the draft is unsure, it also drafts its second "
+        "choice a few tokens on, up to N per chunk, so that a rejection there has a draft "
+        "at once (0: off; at most 4)",
+    )
+    d.add_argument(
         "--draft-no-poll",
         action="store_true",
         help="with a synchronous draft node, sleep until each draft arrives instead of "
@@ -327,3 +336,16 @@ def _build(cls, flags: dict[str, str] = FLAG_OF, **kw):
     except ConfigError as e:
         field, _, rest = str(e).partition(": ")
         raise CliError(f"{flags.get(field, field)}: {rest}") from None
+
+
+def _branch_count(text: str) -> int:
+    """--draft-branches: alternates per chunk, 0..MAX_ALTERNATES (the protocol's limit)."""
+    from specwire.draftlink.messages import MAX_ALTERNATES
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= n <= MAX_ALTERNATES:
+        raise argparse.ArgumentTypeError(f"{n} outside 0..{MAX_ALTERNATES}")
+    return n

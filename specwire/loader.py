@@ -84,7 +84,10 @@ def build_model_drafter(s: DraftSettings, target: Backend) -> Drafter:
     check_pair(target.model, dmodel)
     backend = LlamaBackend(s.model, dmodel)
     if s.threaded:
+        from specwire.drafters.alternates import branch_params
         from specwire.drafters.threaded import ThreadedDrafter
-        return ThreadedDrafter(backend)
+        drafter = ThreadedDrafter(backend)
+        drafter.branches = branch_params(s.branches)
+        return drafter
     from specwire.drafters.model import ModelDrafter
     return ModelDrafter(backend)

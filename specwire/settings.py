@@ -26,6 +26,7 @@ class RemoteSettings:
     tls_key: str | None = None
     pipelined: bool = True   # --draft-mode other than sync: the node drafts ahead
     poll: bool = True        # --draft-no-poll turns the arrival forecast off
+    branches: int | None = None  # --draft-branches: alternates per chunk (None: default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,7 @@ class DraftSettings:
     remote: RemoteSettings = field(default_factory=RemoteSettings)
     model: ModelParams | None = None
     threaded: bool = False   # a local draft model drafts ahead on its own thread
+    branches: int | None = None  # --draft-branches for the threaded drafter (None: default)
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:

@@ -221,8 +221,11 @@ class Drafters:
             from specwire.drafters.model import ModelDrafter
             return ModelDrafter(self.draft_backend())
         if mode == "local-pipelined":
+            from specwire.drafters.alternates import branch_params
             from specwire.drafters.threaded import ThreadedDrafter
-            return ThreadedDrafter(self.draft_backend())
+            drafter = ThreadedDrafter(self.draft_backend())
+            drafter.branches = branch_params(getattr(self.a, "draft_branches", None))
+            return drafter
         if mode == "ngram":
             return self._ngram(cfg)
         if mode == "hybrid":
@@ -253,7 +256,7 @@ class Drafters:
         a = self.a
         opts = RemoteSettings(token=a.draft_token, tls_ca=a.draft_tls_ca,
                               tls_cert=a.draft_tls_cert, tls_key=a.draft_tls_key,
-                              pipelined=pipelined)
+                              pipelined=pipelined, branches=getattr(a, "draft_branches", None))
         drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
         link = drafter.links[0]
         if not link.up:

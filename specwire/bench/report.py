@@ -153,6 +153,24 @@ def wire_bytes(runs: Sequence[PromptRun]) -> dict:
                 (d_up - d_open + d_down) / drafted if drafted else None}
 
 
+def starved(runs: Sequence[PromptRun]) -> dict | None:
+    """A drafter working ahead: rounds after a rejection with nothing to verify, their
+    share of the rounds and of the decoding time; rounds drafted from a pre-drafted
+    alternate instead. None for drafters that do not count them."""
+    def drafter(key: str) -> float:
+        return sum(r.stats.get("drafter", {}).get(key, 0.0) for r in runs)
+
+    if not any("starved_rounds" in r.stats.get("drafter", {}) for r in runs):
+        return None
+    rounds = sum(r.stats.get("rounds", 0) for r in runs)
+    total = sum(r.stats.get("predicted_ms", 0.0) for r in runs)
+    n, ms = drafter("starved_rounds"), drafter("starved_ms")
+    return {"rejections": drafter("rejections"), "rounds": n, "ms": ms,
+            "share_of_rounds": n / rounds if rounds else None,
+            "share_of_time": ms / total if total else None,
+            "alternate_rounds": drafter("alternate_rounds")}
+
+
 def by_category(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None) -> dict:
     groups: dict[str, list[PromptRun]] = defaultdict(list)
     for r in runs:
@@ -195,6 +213,7 @@ def aggregate(cfg: Config, runs: Sequence[PromptRun], plain: Sequence[PromptRun]
         "by_position": merge_by_position(r.stats.get("by_position", []) for r in runs),
         "time": time_split(cfg, runs),
         "bytes": wire_bytes(runs),
+        "starved": starved(runs),
         "tokens_match_plain": match,
         "mismatched_prompts": mismatched,
         "by_category": by_category(runs, plain),
@@ -398,6 +417,13 @@ def render_summary(results: dict) -> str:
                          f"{_num(a['adaptive_tps'], 0, 2)} vs k={a['best_fixed_k']} "
                          f"{_num(a['best_fixed_tps'], 0, 2)} ({_x(a['ratio'], 0)}"
                          f"{_interval(a.get('interval'))}, paired {_x(a['paired'], 0)})")
+    for r in records:
+        sv = r.get("starved")
+        if sv and sv["rejections"]:
+            parts.append(f"  {r['label']}: {sv['rounds']:.0f} of {r['rounds']} rounds found "
+                         f"nothing to verify after a rejection ({_pct(sv['share_of_rounds'])}%, "
+                         f"{_pct(sv['share_of_time'])}% of decoding time); "
+                         f"{sv['alternate_rounds']:.0f} verified a pre-drafted alternate")
     errs = [abs(r["plan"]["error_pct"]) for r in records
             if r.get("plan") and r["mode"] != "plain"]
     if errs:

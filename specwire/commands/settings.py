@@ -29,7 +29,8 @@ def engine_settings(a: argparse.Namespace) -> EngineSettings:
     draft = DraftSettings(kind=kind, hybrid=bool(getattr(a, "draft_hybrid", False)),
                           urls=tuple(getattr(a, "draft_url", None) or ()),
                           remote=remote_settings(a), model=model,
-                          threaded=kind == "model" and local_mode(a) == "pipelined")
+                          threaded=kind == "model" and local_mode(a) == "pipelined",
+                          branches=getattr(a, "draft_branches", None))
     return EngineSettings(target, draft, verify)
 
 
@@ -56,7 +57,8 @@ def remote_settings(a: argparse.Namespace, draft_mode: str | None = None) -> Rem
                           tls_cert=getattr(a, "draft_tls_cert", None),
                           tls_key=getattr(a, "draft_tls_key", None),
                           pipelined=mode != "sync",
-                          poll=not getattr(a, "draft_no_poll", False))
+                          poll=not getattr(a, "draft_no_poll", False),
+                          branches=getattr(a, "draft_branches", None))
 
 
 def local_mode(a: argparse.Namespace) -> str:

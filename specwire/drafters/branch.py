@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.drafters.alternates import BranchParams
 from specwire.drafters.base import Draft
 from specwire.draftlink.messages import (
     MAX_CHUNK_TOKENS,
@@ -31,7 +32,7 @@ from specwire.draftlink.messages import (
     Verdict,
     f32_sampling,
 )
-from specwire.draftlink.rule import LEFT, follow
+from specwire.draftlink.rule import LEFT, follow, take_alternate
 
 log = logging.getLogger("specwire.branch")
 
@@ -57,6 +58,9 @@ class BranchDrafter:
         # link_overhead needs to tell the link's cost from drafting. Off by default,
         # as it adds about 4 bytes to every chunk.
         self.timing = False
+        # Pipelined: ask the drafter for pre-drafted branches (drafters/alternates.py);
+        # None asks for none. A drafter that predates them ignores the request.
+        self.branches: BranchParams | None = BranchParams() if pipelined else None
         self._cv = threading.Condition()
         self._session = 0  # bumps at every open: older chunks are ignored
         self._history: list[int] = []
@@ -93,7 +97,20 @@ class BranchDrafter:
             "useless_answers": 0,  # synchronous answers that extended nothing
             "draft_cache_n": 0,  # history tokens the drafter found cached, all requests
             "draft_prompt_n": 0,  # history tokens it evaluated to catch up, all requests
+            # Pipelined: rounds after a rejection that found nothing to verify (the engine
+            # decodes plainly meanwhile: the bubble a free drafter would not leave), and the
+            # time those rounds took, propose to verdict.
+            "rejections": 0,
+            "starved_rounds": 0,
+            "starved_ms": 0.0,
+            "alternates_received": 0,
+            "alternate_rounds": 0,  # rounds after a rejection that verify an alternate
+            "alternate_misses": 0,  # rejections at an alternate the target did not pick
         }
+        self._drafted = 0  # tokens proposed in the current round
+        self._draft_gen = -1  # the branch they came from
+        self._starving = False  # since a rejection, no round has had a draft
+        self._starved_at: float | None = None  # perf_counter of a starved round's propose
 
     # -- what a transport provides ------------------------------------------------
 
@@ -126,6 +143,7 @@ class BranchDrafter:
         self._sampling, self._params = f32_sampling(sampling), params
         self._history = list(prompt)
         self._active, self._late, self._want = True, False, params.n_max
+        self._drafted, self._starving, self._starved_at = 0, False, None
         self._cache_use = None
         self._start(list(prompt))
 
@@ -137,6 +155,7 @@ class BranchDrafter:
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         self._history = history if isinstance(history, list) else list(history)
+        self._draft_gen = -1
         if not self.pipelined:
             self._want = max_n
         if not self._live():
@@ -177,7 +196,17 @@ class BranchDrafter:
                 self._await(left)
         self.counters["wait_ms"] += 1000 * (time.perf_counter() - t0)
         self._judge_answer(draft, useless)
+        self._note_starved(draft)
         return draft
+
+    def _note_starved(self, draft: Draft) -> None:
+        """Count a pipelined round that, after a rejection, has nothing to verify."""
+        self._drafted = len(draft)
+        if draft.tokens:
+            self._starving = False
+        elif self.pipelined and self._starving:
+            self.counters["starved_rounds"] += 1
+            self._starved_at = time.perf_counter()
 
     def _heard(self) -> float:
         return self.counters["chunks"] + self.counters["stale_chunks"]
@@ -207,6 +236,13 @@ class BranchDrafter:
         """Pipelined: send the verdict now, the drafter is at work. Synchronous: keep it
         for the next propose, which knows how many tokens to ask for (the adaptive k, 0
         for rounds that skip the drafter); it waits for the verdict either way."""
+        if self._starved_at is not None:
+            self.counters["starved_ms"] += 1000 * (time.perf_counter() - self._starved_at)
+            self._starved_at = None
+        if accepted < self._drafted:
+            self.counters["rejections"] += 1
+            self._starving = True
+        self._drafted = 0
         if self.pipelined:
             self._tell(history, accepted)
         elif len(history) > self._told and self._accepted is None:
@@ -240,10 +276,11 @@ class BranchDrafter:
         with self._cv:
             self._done = False  # the drafter works again after a verdict
             gen = max(self._gen, 0)
+            alternate = self._take_alternate(position + accepted, own)
         # Fields that say nothing new stay 0, which the wire sends no byte for: gen when
         # no token is accepted, want when it is unchanged or the drafter pipelined.
-        v = Verdict(position, accepted, own)
-        if accepted:
+        v = Verdict(position, accepted, own, alternate=alternate)
+        if accepted or alternate:
             v.gen = gen
         if not self.pipelined and self._want != self._want_told:
             v.want = self._want_told = self._want
@@ -255,6 +292,26 @@ class BranchDrafter:
             if abs(keep_min - self._keep_min) > KEEP_MIN_SLACK * self._keep_min:
                 v.keep_min = self._keep_min = min(1.0, max(keep_min, 1e-6))
         self._post(v)
+
+    def _take_alternate(self, at: int, own: list[int]) -> bool:
+        """After a round drafted from branch _gen was rejected at `at`: if the target's own
+        tokens begin the alternate the drafter sent for `at`, its rest becomes the branch
+        (gen + 1, as the drafter makes it on this verdict: draftlink/rule.py) and the
+        next round verifies it at once. Under self._cv."""
+        a = self._alts.get(at)
+        if a is None or self._draft_gen != self._gen or self._gen <= self._dead_gen:
+            return False
+        i = at - self._buf_start
+        if own and 0 <= i < len(self._buf) and self._buf[i] == own[0]:
+            return False  # no rejection there: the branch goes on
+        rest = take_alternate(a, own)
+        if rest is None:
+            self.counters["alternate_misses"] += 1
+            return False
+        self._gen, self._buf_start, self._buf = self._gen + 1, at + len(own), rest
+        self._sparse, self._alts = None, {}
+        self.counters["alternate_rounds"] += 1
+        return True
 
     def _calibrated(self) -> bool:
         return not self.pipelined and self._policy is not None
@@ -289,6 +346,8 @@ class BranchDrafter:
             timing=self.timing,
             calibrated=self._calibrated(),
             keep_min=self._open_keep_min(),
+            alternates=self.branches.per_chunk if self.pipelined and self.branches else 0,
+            alternate_len=self.branches.length if self.pipelined and self.branches else 0,
         )
 
     def _open_want(self) -> int:
@@ -310,6 +369,7 @@ class BranchDrafter:
         self._buf: list[int] = []
         self._sparse: list | None = None
         self._done = False  # the drafter stopped after _buf (p_min or budget)
+        self._alts: dict[int, list[int]] = {}  # alternates of branch _gen, by position
 
     def _usable(self, history: Sequence[int], max_n: int) -> tuple[Draft, bool]:
         """Tokens of the current branch that extend history; and whether to stop waiting."""
@@ -331,6 +391,8 @@ class BranchDrafter:
             del self._sparse[:off]
         self._buf_start = n
         tokens = self._buf[:max_n]
+        if tokens:
+            self._draft_gen = self._gen
         sparse = None if self._sparse is None else self._sparse[:max_n]
         complete = len(tokens) >= min(max_n, self._want) or self._done
         return Draft(tokens, sparse), complete
@@ -354,12 +416,22 @@ class BranchDrafter:
             if c.gen > self._gen:
                 self._gen, self._buf_start, self._buf = c.gen, c.start, []
                 self._sparse = [] if c.sparse is not None else None
+                self._alts = {}
             elif c.start != self._buf_start + len(self._buf):
                 raise ProtocolError(
                     f"chunk of gen {c.gen} at {c.start}, expected "
                     f"{self._buf_start + len(self._buf)}"
                 )
             self._buf.extend(c.tokens)
+            # Only positions not yet committed: the chunk check bounds them to the positions
+            # a branch may reach, so a flood of alternates cannot grow this.
+            n = len(self._history)
+            if self._alts and min(self._alts) < n:
+                self._alts = {p: t for p, t in self._alts.items() if p >= n}
+            for a in c.alternates:
+                if a.at >= n:
+                    self._alts[a.at] = a.tokens
+            self.counters["alternates_received"] += len(c.alternates)
             if c.sparse is not None and self._sparse is not None:
                 self._sparse.extend(c.sparse)
             self._done = c.done or not self.pipelined  # a synchronous chunk is whole

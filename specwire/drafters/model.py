@@ -80,11 +80,15 @@ class ModelDrafter(DrafterBase):
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         return self.draft_from(history, max_n)
 
-    def draft_from(self, history: Sequence[int], max_n: int, on_token=None) -> Draft:
+    def draft_from(self, history: Sequence[int], max_n: int, on_token=None,
+                   at_choice=None) -> Draft:
         """Draft up to max_n tokens after history.
 
         on_token(i, token, sparse_or_None) is called as each token is drafted (a draft
         node streams it from there) and may return False to stop early.
+        at_choice(row, ctx, token) is called first, while the cache holds exactly ctx
+        and token is chosen for the next position: a node drafts its alternates there
+        (it must leave the cache holding ctx).
         """
         be, sp, dp = self.backend, self.sampling, self.params
         max_n = min(max_n, be.n_ctx - len(history))
@@ -117,6 +121,8 @@ class ModelDrafter(DrafterBase):
                     grammar.accept(tok)
             except ConfigError:       # the grammar is at its end: nothing more to draft
                 break
+            if at_choice is not None:
+                at_choice(row, ctx, tok)
             if sd is not None:
                 draft.sparse.append(sd)
             draft.tokens.append(tok)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from specwire.drafters.alternates import branch_params
 from specwire.drafters.branch import BranchDrafter
 from specwire.settings import RemoteSettings
 from specwire.wire.client import GrpcTransport
@@ -45,6 +46,7 @@ def make_remote_drafter(urls: list[str], remote: RemoteSettings, target) -> obje
     drafter = RemoteDrafter(links, target.n_vocab, pipelined=remote.pipelined)
     if not remote.poll:
         drafter.forecast = None
+    drafter.branches = branch_params(remote.branches)
     errors = drafter.handshake()
     fatal = [e for e in errors if e and e.startswith("incompatible")]
     if fatal:

@@ -30,10 +30,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from specwire.backend.base import Backend, reusable_prefix, sync_prefix
-from specwire.config import DraftParams
+from specwire.config import DraftParams, VerifyMode
+from specwire.drafters import alternates as alt
 from specwire.drafters.model import ModelDrafter
 from specwire.draftlink.messages import (
     NOTICE_AFTER,
+    Alternate,
     Chunk,
     DraftMessage,
     Failure,
@@ -42,8 +44,9 @@ from specwire.draftlink.messages import (
     Verdict,
     pad_sparse,
 )
-from specwire.draftlink.rule import follow
+from specwire.draftlink.rule import follow, take_alternate
 from specwire.policy import CalibratedStop, Calibration
+from specwire.sampling import recent_window
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,16 @@ class DraftSession:
         self.drafter = ModelDrafter(backend)
         self.drafter.stop_rule = self.stop
         self.drafter.begin(open_msg.history, sampling, params)
+        # Pre-drafted branches (pipelined, where a draft token carries no q of its own).
+        self.branching: alt.BranchParams | None = None
+        if self.pipelined and open_msg.alternates and (
+                self.mode is not VerifyMode.REJECTION or sampling.greedy):
+            self.branching = alt.BranchParams(per_chunk=open_msg.alternates,
+                                              length=max(1, open_msg.alternate_len))
+        self.choices: list[alt.TopTwo | None] = []  # branching: per branch token
+        # Alternates of branch `gen` by position: drafted once, sent if longer than a token.
+        self.alts: dict[int, list[int]] = {}
+        self._pending_alts: list[Alternate] = []  # drafted, to go with the next chunk
         self.committed: list[int] = list(open_msg.history)
         # What the backend's cache already holds of the history, and what is left to evaluate.
         self.cache_n = reusable_prefix(backend.tokens, self.committed)
@@ -189,24 +202,84 @@ class DraftSession:
         try:
             self.announce()
             self._catch_up()
-            while self._next_burst():
-                self._draft_burst()
+            while (work := self._next_work()) is not None:
+                if work == "draft":
+                    self._draft_burst()
+                else:
+                    self._draft_late_alternate(work)
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
             msg = error_message(e)
             self.error = msg.message
             self.send(msg)
 
-    def _next_burst(self) -> bool:
-        """Apply verdicts; wait until there is drafting to do. False when closed."""
+    def _next_work(self) -> str | int | None:
+        """Apply verdicts; wait until there is work: the index of a sent branch token
+        whose alternate is worth drafting first, or "draft" the branch on. None when
+        closed."""
         with self._cv:
             while True:
                 while self._inbox:
                     self._apply(self._inbox.popleft())
                 if self._closed:
-                    return False
+                    return None
+                j = self._alternate_first()
+                if j is not None:
+                    return j
                 if not self.stalled and len(self.branch) < self._limit():
-                    return True
+                    return "draft"
                 self._cv.wait()
+
+    def _alternate_first(self) -> int | None:
+        """The sent branch token whose alternate to draft before the branch's next token:
+        any worth it while the branch waits (its lookahead full), else one whose worth per
+        token drafted beats the chance that the target will ever verify that next token
+        (drafters/alternates.py, alternate_first). None for sessions without alternates."""
+        j, value = self._late_alternate_at()
+        if j is None:
+            return None
+        if self.stalled or len(self.branch) >= self._limit():
+            return j
+        reach = 1.0
+        for c in self.choices:
+            reach *= 1.0 if c is None else c.p_first
+        return j if alt.alternate_first(value, reach, self.branching) else None
+
+    def _late_alternate_at(self) -> tuple[int | None, float]:
+        """The sent branch token whose alternate is now worth most (drafters/
+        alternates.py), and its worth: as verdicts keep the branch, its later positions
+        come within reach. None when there is none, or the session drafts none."""
+        bp = self.branching
+        if bp is None:
+            return None, 0.0
+        best, best_value, reach = None, 0.0, 1.0
+        start = len(self.committed)
+        for j, two in enumerate(self.choices[: self.sent]):
+            if two is None:
+                continue
+            if start + j not in self.alts and alt.worth_branching(two, reach, bp):
+                value = reach * two.p_second
+                if value > best_value:
+                    best, best_value = j, value
+            reach *= two.p_first
+            if reach < bp.value_min:
+                break
+        return best, best_value
+
+    def _draft_late_alternate(self, j: int) -> None:
+        """Draft the alternate for branch token j and send it in a chunk of its own; a
+        verdict cuts it short. The cache re-syncs to the branch at its next burst."""
+        self._busy_since = time.perf_counter()
+        ctx = self.committed + self.branch[:j]
+        kept = sync_prefix(self.backend, ctx)
+        if kept < len(ctx):
+            self.backend.eval(ctx[kept:], logits="none")
+        tokens = alt.draft_alternate(self.backend, self.drafter.sampling, ctx,
+                                     self.choices[j].second, self.branching.length,
+                                     stop=lambda: bool(self._inbox) or self._closed)
+        self.alts[len(ctx)] = tokens  # tried: never again, sent or not
+        if len(tokens) > 1:  # a lone second choice leaves nothing to verify after it
+            self._pending_alts.append(Alternate(len(ctx), tokens))
+            self._flush([], [], done=len(self.branch) >= self._limit())
 
     def _limit(self) -> int:
         room = self.backend.n_ctx - len(self.committed) - 1
@@ -228,15 +301,22 @@ class DraftSession:
             self._calibrate(a, tokens)
             if v.keep_min:
                 self.stop.threshold = v.keep_min
+        if v.alternate:
+            self._take_alternate(v, tokens)
+            return
         start = len(self.committed)
         self.committed += self.branch[:a] + tokens
         n = follow(start, self.branch, self.committed)
         if n >= 0:
             self.branch = self.branch[n:]
             del self.confidence[:n]
+            del self.choices[:n]
             self.sent = max(0, self.sent - n)
+            end = len(self.committed)
+            self.alts = {p: t for p, t in self.alts.items() if p >= end}
         else:  # dead, or passed: this end holds the whole branch, so it is over
             self.branch, self.confidence, self.sent, self.gen = [], [], 0, self.gen + 1
+            self.choices, self.alts = [], {}
         if not self.pipelined:
             # A smaller want drops what is unsent past it, never what was sent: the target
             # holds that (or will, from a chunk on its way) and would read new tokens of
@@ -246,6 +326,26 @@ class DraftSession:
             del self.branch[keep:]
             del self.confidence[keep:]
         self.stalled = False
+
+    def _take_alternate(self, v: Verdict, tokens: list[int]) -> None:
+        """A verdict that takes the alternate sent for position + accepted: its rest,
+        already sent, is branch gen + 1 (specwire/draftlink/rule.py)."""
+        at = v.position + v.accepted
+        rest = take_alternate(self.alts.get(at) if v.gen == self.gen else None, tokens)
+        if rest is None:
+            raise ProtocolError(f"verdict takes an alternate at {at} of gen {v.gen} "
+                                "that was not sent, or does not begin with its tokens")
+        self.committed += self.branch[: v.accepted] + tokens
+        self.branch, self.sent, self.gen, self.alts = rest, len(rest), self.gen + 1, {}
+        self.confidence, self.choices = [], [None] * len(rest)
+        self.stalled = False
+
+    def _branch_at(self, row, ctx: list[int], tok: int) -> None:
+        """As the branch drafts `tok`: note the draft's two best choices there, which
+        say later whether an alternate there is worth drafting (_late_alternate_at)."""
+        sp = self.drafter.sampling
+        two = alt.top_two(row, sp, len(ctx), recent_window(ctx, sp))
+        self.choices.append(two if two is not None and two.first == tok else None)
 
     def _calibrate(self, accepted: int, tokens: list[int]) -> None:
         """Judge the sent branch against what the verdict commits: its first `accepted`
@@ -272,9 +372,13 @@ class DraftSession:
                 sparse_pending.append(sd)
             if self.pipelined and (self.sent == 0 or len(pending) >= 2):
                 self._flush(pending, sparse_pending, done=False)
+                if self.branching is not None and self._alternate_first() is not None:
+                    return False  # an alternate first: the next work says which
             return not self._inbox and not self._closed
 
-        result = self.drafter.draft_from(base, target, on_token=on_token)
+        result = self.drafter.draft_from(
+            base, target, on_token=on_token,
+            at_choice=self._branch_at if self.branching is not None else None)
         if self.stop is not None:
             self.confidence += result.confidence or []
         stopped_by_pmin = len(result) < target and not self._inbox
@@ -293,6 +397,10 @@ class DraftSession:
             now = time.perf_counter()
             chunk.busy_us = min(2**32 - 1, int(1e6 * (now - self._busy_since)))
             self._busy_since = now
+        if self._pending_alts:
+            chunk.alternates = list(self._pending_alts)
+            self.alts.update((a.at, a.tokens) for a in self._pending_alts)
+            self._pending_alts.clear()
         if not self._told_cache:
             chunk.cache_n, chunk.prompt_n, self._told_cache = self.cache_n, self.prompt_n, True
         elif behind is not None:

@@ -22,6 +22,8 @@ MAX_CHUNK_TOKENS = 256  # tokens in one draft chunk
 MAX_Q_K = 256  # sparse q entries per token
 MAX_HISTORY = 1 << 20  # tokens in an Open
 MAX_WANT = 256  # Open.lookahead, Open.want, Verdict.want
+MAX_ALTERNATES = 4  # Open.alternates: alternates in one chunk
+MAX_ALTERNATE_TOKENS = 8  # Open.alternate_len: tokens in one alternate
 #: A session that must evaluate more history tokens than this before its first draft
 #: says so at once, in an empty first chunk with cache_n and prompt_n: a synchronous
 #: target then decodes plainly instead of waiting for drafts until the node catches up.
@@ -47,6 +49,10 @@ class Open:
     timing: bool = False  # fill Chunk.busy_us
     calibrated: bool = False  # synchronous: stop by keep_min, calibrated on verdicts
     keep_min: float = 0.0
+    # Pipelined: pre-drafted branches, at most `alternates` per chunk of at most
+    # `alternate_len` tokens each (drafters/alternates.py); 0: none.
+    alternates: int = 0
+    alternate_len: int = 0
 
     def __post_init__(self) -> None:
         if not self.history:
@@ -58,6 +64,9 @@ class Open:
             raise ProtocolError("open: lookahead, want or top_k_q above 256")
         check_probability(self.p_min, "open: p_min")
         check_probability(self.keep_min, "open: keep_min")
+        if self.alternates > MAX_ALTERNATES or self.alternate_len > MAX_ALTERNATE_TOKENS:
+            raise ProtocolError(f"open: alternates above {MAX_ALTERNATES} or alternate_len "
+                                f"above {MAX_ALTERNATE_TOKENS}")
 
     def check(self, n_vocab: int, n_ctx: int) -> None:
         """What the node checks against its model."""
@@ -76,9 +85,12 @@ class Verdict:
     position: int
     accepted: int
     tokens: list[int]
-    gen: int = 0  # meaningful when accepted > 0
+    gen: int = 0  # meaningful when accepted > 0 or alternate
     want: int = 0  # synchronous: draft this many after the verdict; 0 keeps the last
     keep_min: float = 0.0  # calibrated sessions: a new threshold; 0 keeps the last
+    # `tokens` begin the alternate branch `gen` sent for position + accepted: the
+    # drafter continues from the rest of that alternate (rule.take_alternate).
+    alternate: bool = False
 
     def __post_init__(self) -> None:
         if self.want > MAX_WANT:
@@ -93,6 +105,15 @@ class Verdict:
 @dataclass(slots=True)
 class Close:
     """Ends a session."""
+
+
+@dataclass(slots=True)
+class Alternate:
+    """A pre-drafted branch: tokens[0], the draft's second choice at absolute position
+    `at`, takes the place of the branch's token there; the rest continue it."""
+
+    at: int
+    tokens: list[int]
 
 
 @dataclass(slots=True)
@@ -113,8 +134,20 @@ class Chunk:
     # later empty chunk of a synchronous session catching up, still to evaluate).
     cache_n: int | None = None
     prompt_n: int | None = None
+    # Open.alternates: second choices at positions of this branch already sent or sent
+    # in this chunk, each with its continuation.
+    alternates: list[Alternate] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if len(self.alternates) > MAX_ALTERNATES:
+            raise ProtocolError(
+                f"chunk with {len(self.alternates)} alternates (limit {MAX_ALTERNATES})")
+        for a in self.alternates:
+            if not 1 <= len(a.tokens) <= MAX_ALTERNATE_TOKENS:
+                raise ProtocolError(
+                    f"alternate of {len(a.tokens)} tokens (1..{MAX_ALTERNATE_TOKENS})")
+            if a.at >= self.end:
+                raise ProtocolError(f"alternate at {a.at}, past its chunk's end {self.end}")
         if len(self.tokens) > MAX_CHUNK_TOKENS:
             raise ProtocolError(
                 f"chunk of {len(self.tokens)} tokens (limit {MAX_CHUNK_TOKENS})")
@@ -133,6 +166,8 @@ class Chunk:
             raise ProtocolError(
                 f"chunk at positions {self.start}..{self.end} beyond {max_position}")
         check_tokens(self.tokens, n_vocab, "draft chunk")
+        for a in self.alternates:
+            check_tokens(a.tokens, n_vocab, "alternate")
         if self.sparse:
             _check_sparse(self.sparse, self.start, n_vocab)
 

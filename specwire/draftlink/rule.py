@@ -7,6 +7,11 @@ where they overlap and reaches at least to its end: its first tokens are then
 committed and the rest is still a draft. Otherwise it is dead, and the drafter
 starts branch gen + 1 from the history's end.
 
+A verdict may instead take an *alternate*: a second choice the drafter sent
+for one position of its branch, with a few tokens after it (Verdict.alternate).
+The history then ends inside that alternate, and its rest, already sent,
+becomes branch gen + 1 (take_alternate).
+
 The drafter (drafters/session.py) holds its whole branch, so a history that
 runs past it ends it too. The target (drafters/branch.py) holds only what has
 arrived of the branch: there the same outcome means the rest is on its way.
@@ -38,3 +43,12 @@ def follow(start: int, branch: Sequence[int], history: Sequence[int]) -> int:
         return LEFT
     return off
 
+
+def take_alternate(alternate: Sequence[int] | None, tokens: Sequence[int]) -> list[int] | None:
+    """The rule for a verdict that takes an alternate: what is left of it after the
+    verdict's own tokens, which must begin it and leave at least one token; None when
+    they do not (or there is no alternate)."""
+    n = len(tokens)
+    if alternate is None or n == 0 or n >= len(alternate) or list(alternate[:n]) != list(tokens):
+        return None
+    return list(alternate[n:])

@@ -20,6 +20,7 @@ from specwire.draftlink.messages import (
     MAX_HISTORY,
     MAX_Q_K,
     NOTICE_AFTER,
+    Alternate,
     Chunk,
     Close,
     DraftMessage,
@@ -101,19 +102,20 @@ def open_to_pb(o: Open) -> pb.Open:
     return pb.Open(history=o.history, sampling=sampling_to_pb(o.sampling),
                    mode=mode_to_pb(o.mode), pipelined=o.pipelined, lookahead=o.lookahead,
                    want=o.want, p_min=o.p_min, top_k_q=o.top_k_q, timing=o.timing,
-                   calibrated=o.calibrated, keep_min=o.keep_min)
+                   calibrated=o.calibrated, keep_min=o.keep_min, alternates=o.alternates,
+                   alternate_len=o.alternate_len)
 
 
 def open_from_pb(m: pb.Open) -> Open:
     return Open(list(m.history), sampling_from_pb(m.sampling), mode_from_pb(m.mode),
                 pipelined=m.pipelined, lookahead=m.lookahead, want=m.want, p_min=m.p_min,
                 top_k_q=m.top_k_q, timing=m.timing, calibrated=m.calibrated,
-                keep_min=m.keep_min)
+                keep_min=m.keep_min, alternates=m.alternates, alternate_len=m.alternate_len)
 
 
 def verdict_from_pb(m: pb.Verdict) -> Verdict:
     return Verdict(m.position, m.accepted, list(m.tokens), gen=m.gen, want=m.want,
-                   keep_min=m.keep_min)
+                   keep_min=m.keep_min, alternate=m.alternate)
 
 
 def target_to_pb(msg: TargetMessage) -> pb.TargetMessage:
@@ -128,6 +130,8 @@ def target_to_pb(msg: TargetMessage) -> pb.TargetMessage:
             v.want = msg.want
         if msg.keep_min:
             v.keep_min = msg.keep_min
+        if msg.alternate:
+            v.alternate = True
         return out
     if isinstance(msg, Open):
         return pb.TargetMessage(open=open_to_pb(msg))
@@ -166,6 +170,8 @@ def draft_to_pb(msg: DraftMessage) -> pb.DraftMessage:
         c.cache_n = msg.cache_n
     if msg.prompt_n is not None:
         c.prompt_n = msg.prompt_n
+    for a in msg.alternates:
+        c.alternates.add(at=a.at, tokens=a.tokens)
     return out
 
 
@@ -182,10 +188,15 @@ def chunk_from_pb(m: pb.DraftChunk) -> Chunk:
     """The chunk as sent; its content is checked by the target (Chunk.check)."""
     c = Chunk(m.gen, m.start, list(m.tokens), done=m.done, busy_us=m.busy_us,
               cache_n=m.cache_n if m.HasField("cache_n") else None,
-              prompt_n=m.prompt_n if m.HasField("prompt_n") else None)
+              prompt_n=m.prompt_n if m.HasField("prompt_n") else None,
+              alternates=_alternates_from_pb(m))
     if m.q_k or m.q_ids or m.q_probs:
         c.sparse = _sparse_from_pb(m, c.tokens)
     return c
+
+
+def _alternates_from_pb(m: pb.DraftChunk) -> list[Alternate]:
+    return [Alternate(a.at, list(a.tokens)) for a in m.alternates]
 
 
 def _sparse_from_pb(m: pb.DraftChunk, tokens: list[int]) -> list[SparseDraft]:

@@ -67,7 +67,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("history", "sampling", "mode", "pipelined", "lookahead", "want", "p_min", "top_k_q", "timing", "calibrated", "keep_min")
+    __slots__ = ("history", "sampling", "mode", "pipelined", "lookahead", "want", "p_min", "top_k_q", "timing", "calibrated", "keep_min", "alternates", "alternate_len")
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class Open(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     CALIBRATED_FIELD_NUMBER: _ClassVar[int]
     KEEP_MIN_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATES_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATE_LEN_FIELD_NUMBER: _ClassVar[int]
     history: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     mode: VerifyMode
@@ -90,23 +92,27 @@ class Open(_message.Message):
     timing: bool
     calibrated: bool
     keep_min: float
-    def __init__(self, history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., pipelined: _Optional[bool] = ..., lookahead: _Optional[int] = ..., want: _Optional[int] = ..., p_min: _Optional[float] = ..., top_k_q: _Optional[int] = ..., timing: _Optional[bool] = ..., calibrated: _Optional[bool] = ..., keep_min: _Optional[float] = ...) -> None: ...
+    alternates: int
+    alternate_len: int
+    def __init__(self, history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., pipelined: _Optional[bool] = ..., lookahead: _Optional[int] = ..., want: _Optional[int] = ..., p_min: _Optional[float] = ..., top_k_q: _Optional[int] = ..., timing: _Optional[bool] = ..., calibrated: _Optional[bool] = ..., keep_min: _Optional[float] = ..., alternates: _Optional[int] = ..., alternate_len: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("position", "accepted", "tokens", "gen", "want", "keep_min")
+    __slots__ = ("position", "accepted", "tokens", "gen", "want", "keep_min", "alternate")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GEN_FIELD_NUMBER: _ClassVar[int]
     WANT_FIELD_NUMBER: _ClassVar[int]
     KEEP_MIN_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATE_FIELD_NUMBER: _ClassVar[int]
     position: int
     accepted: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     gen: int
     want: int
     keep_min: float
-    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., gen: _Optional[int] = ..., want: _Optional[int] = ..., keep_min: _Optional[float] = ...) -> None: ...
+    alternate: bool
+    def __init__(self, position: _Optional[int] = ..., accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., gen: _Optional[int] = ..., want: _Optional[int] = ..., keep_min: _Optional[float] = ..., alternate: _Optional[bool] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ()
@@ -123,7 +129,7 @@ class TargetMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
 
 class DraftChunk(_message.Message):
-    __slots__ = ("gen", "start", "tokens", "q_k", "q_ids", "q_probs", "done", "busy_us", "cache_n", "prompt_n")
+    __slots__ = ("gen", "start", "tokens", "q_k", "q_ids", "q_probs", "done", "busy_us", "cache_n", "prompt_n", "alternates")
     GEN_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +140,7 @@ class DraftChunk(_message.Message):
     BUSY_US_FIELD_NUMBER: _ClassVar[int]
     CACHE_N_FIELD_NUMBER: _ClassVar[int]
     PROMPT_N_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATES_FIELD_NUMBER: _ClassVar[int]
     gen: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -144,7 +151,16 @@ class DraftChunk(_message.Message):
     busy_us: int
     cache_n: int
     prompt_n: int
-    def __init__(self, gen: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_k: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., busy_us: _Optional[int] = ..., cache_n: _Optional[int] = ..., prompt_n: _Optional[int] = ...) -> None: ...
+    alternates: _containers.RepeatedCompositeFieldContainer[Alternate]
+    def __init__(self, gen: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_k: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., busy_us: _Optional[int] = ..., cache_n: _Optional[int] = ..., prompt_n: _Optional[int] = ..., alternates: _Optional[_Iterable[_Union[Alternate, _Mapping]]] = ...) -> None: ...
+
+class Alternate(_message.Message):
+    __slots__ = ("at", "tokens")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    at: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, at: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftError(_message.Message):
     __slots__ = ("message",)

@@ -70,7 +70,8 @@ class DraftNodeServicer:
 
     def Ping(self, request_iterator, context):
         """Echo each Ping after holding it hold_us: the link's own cost per round,
-        measured under the same idle time as a drafting round.
+        measured under the same idle time as a drafting round. Admitted like a Session
+        (one of the node's --max-sessions slots for the stream).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

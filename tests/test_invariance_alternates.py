@@ -1,0 +1,85 @@
+"""Pre-drafted branches never change the output: the real bundled pair, greedy and seeded,
+draft lengths 1, 2, 4 and 8, through a real draft node (pipelined) and on a thread.
+
+The alternates only change what is drafted; each is verified like any draft. The
+in-process runs draft an alternate wherever the draft is at all unsure (thresholds
+at their loosest), so that many rounds verify one.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
+    CODE,
+    GREEDY,
+    PROSE,
+    SEEDED,
+    node_fixture,
+    node_proc_fixture,
+    request,
+    run_to_end,
+    target_fixture,
+)
+
+from specwire import models
+from specwire.backend.llama import LlamaBackend, load_model
+from specwire.config import ModelParams
+from specwire.drafters import alternates
+from specwire.drafters.alternates import BranchParams
+from specwire.drafters.threaded import ThreadedDrafter
+from specwire.engine import Engine
+
+pytestmark = pytest.mark.slow
+
+DRAFT_LENGTHS = (1, 2, 4, 8)
+N = 40
+
+
+def _totals(stats: list[dict]) -> dict[str, float]:
+    keys = ("alternates_received", "alternate_rounds", "rejections", "starved_rounds")
+    return {k: sum(s.get(k, 0.0) for s in stats) for k in keys}
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_remote_pipelined_with_alternates_is_token_identical(target, node, sp) -> None:
+    seen = []
+    for text in (CODE, PROSE):
+        prompt = target.tokens(text)
+        want = target.plain(prompt, sp, N)
+        for k in DRAFT_LENGTHS:
+            remote = target.drafter(node.url, pipelined=True)
+            assert remote.branches is not None
+            try:
+                gen = Engine(target.backend, remote).generate(request(prompt, N, sp, n_max=k))
+                assert run_to_end(gen) == want, (text[:10], k)
+                seen.append(gen.stats.drafter)
+            finally:
+                remote.close()
+    assert _totals(seen)["alternates_received"] > 0, _totals(seen)
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_threaded_with_alternates_everywhere_is_token_identical(target, sp,
+                                                               monkeypatch) -> None:
+    monkeypatch.setattr(alternates, "BranchParams",
+                        partial(BranchParams, top_below=1.0, value_min=0.0))
+    p = ModelParams(str(models.default_draft(progress=False)), n_ctx=1024, n_threads=1)
+    drafter = ThreadedDrafter(LlamaBackend(p, load_model(p)))
+    drafter.branches = BranchParams(per_chunk=4, length=4)
+    seen = []
+    try:
+        for text in (CODE, PROSE):
+            prompt = target.tokens(text)
+            want = target.plain(prompt, sp, N)
+            for k in DRAFT_LENGTHS:
+                before = drafter.stats()
+                gen = Engine(target.backend, drafter).generate(request(prompt, N, sp, n_max=k))
+                assert run_to_end(gen) == want, (text[:10], k)
+                after = drafter.stats()
+                seen.append({key: after[key] - before.get(key, 0.0) for key in after})
+    finally:
+        drafter.end()
+    totals = _totals(seen)
+    assert totals["alternates_received"] > 0, totals
