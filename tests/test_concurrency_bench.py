@@ -60,6 +60,13 @@ def test_bad_flag_is_one_line_and_exit_2(capsys: pytest.CaptureFixture) -> None:
     assert "not an executable" in capsys.readouterr().err
 
 
+def test_tuning_environment_is_part_of_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    monkeypatch.setenv("HOME_OF_SOMETHING_ELSE", "x")
+    env = conc.tuning_env()
+    assert env["OMP_WAIT_POLICY"] == "passive" and "HOME_OF_SOMETHING_ELSE" not in env
+
+
 def test_configs_pair_each_row_with_its_plain_and_llama_server() -> None:
     roots = [("main", Path(".")), ("batch", Path("."))]
     confs = conc.configs(roots, ["plain", "md"], llama=True)
@@ -245,7 +252,8 @@ def test_harness_on_specwire_serve(tmp_path: Path, capsys: pytest.CaptureFixture
     for c in cells.values():
         assert not c["errors"] and c["short"] == 0 and c["aggregate_tps_median"] > 0
         assert c["same_text"] == c["compared_text"] == c["concurrency"]   # lossless
-    assert "| specwire -md | 2 |" in printed and "command: python -m specwire" in printed
+    assert "| specwire -md | 2 |" in printed
+    assert "python -m specwire.bench.concurrency --concurrency 1,2" in printed
     for cmd in report["servers"].values():                # every server is gone
         port = int(cmd.split("--port ")[1].split()[0])
         with socket.socket() as s:

@@ -64,6 +64,13 @@ def this_tree() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def tuning_env() -> dict[str, str]:
+    """Environment variables that change how the servers compute (OpenMP's wait policy...):
+    part of the command that reproduces a figure."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("OMP_", "GOMP_", "GGML_", "LLAMA_ARG_"))}
+
+
 def parse_levels(text: str) -> list[int]:
     """'1,2,4,8' -> [1, 2, 4, 8]: positive, no duplicates, order kept."""
     out: list[int] = []
@@ -219,7 +226,9 @@ def run(a: argparse.Namespace) -> dict:
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="specwire-concurrency-"))
     servers = build_servers(a, flags, confs, dict(roots), log_dir)
     report: dict = {
-        "command": f"{PROG} {shlex.join(a.argv)}".strip(), "cpus": os.cpu_count(),
+        "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in tuning_env().items()),
+                             PROG, shlex.join(a.argv)]).strip(),
+        "cpus": os.cpu_count(),
         "load_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "levels": levels, "n_predict": a.n_predict, "repeats": a.repeats,
         "endpoint": a.endpoint, "logs": str(log_dir),
