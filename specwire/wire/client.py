@@ -234,10 +234,13 @@ class RemoteDrafter(BranchDrafter):
         return not self.pipelined and link.sync_port() != 0
 
     def _sync_conn(self, link: Link) -> Connection | None:
-        """The link's connection to the synchronous port (under _sync_lock), made if needed;
+        """The link's connection to the synchronous port (under _sync_lock), made if needed
+        (also when the node closed the one it had, as it does after --idle-timeout);
         None if it cannot be made (sessions then use the main port)."""
         conn = self._sync_conns.get(link.url)
-        if conn is None or conn.closed:
+        if conn is None or not conn.alive():
+            if conn is not None:
+                conn.close()
             try:
                 conn = self._sync_conns[link.url] = link.connect_sync()
             except LinkError as e:
