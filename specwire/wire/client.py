@@ -341,7 +341,7 @@ class RemoteDrafter(BranchDrafter):
 
     def _run_session(self, session: int, history: list[int]) -> None:
         """One Session stream, on its own thread: send the Open, then read chunks."""
-        link, call = None, None
+        link, call, out = None, None, None
         try:
             picking = asyncio.run_coroutine_threadsafe(self._pick_link(), self._loop)
             # Every link's handshake has its own timeout; this one only guards against a
@@ -352,7 +352,7 @@ class RemoteDrafter(BranchDrafter):
                 return
             if self._uses_sync_port(link) and self._open_sync(link, session, history):
                 return
-            out: queue.SimpleQueue = queue.SimpleQueue()
+            out = queue.SimpleQueue()
             out.put(self._first_message(history))
             call = link.session_stub().Session(iter(out.get, None), metadata=link.metadata())
             with self._cv:  # a newer session may have started meanwhile: it owns _out then
@@ -381,6 +381,8 @@ class RemoteDrafter(BranchDrafter):
         finally:
             if call is not None:
                 call.cancel()
+            if out is not None:  # ends the request iterator: grpcio's thread that reads it
+                out.put(None)    # would otherwise wait on it for ever, one per failed call
             with self._cv:
                 if session == self._session:
                     self._out, self._call, self._opening = None, None, False
