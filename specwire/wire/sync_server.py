@@ -142,13 +142,15 @@ class SyncServer:
 
         def send(msg: pb.DraftMessage) -> None:
             nonlocal sent
+            if stream.reset is not None:
+                return  # the target cancelled the call (its request ended): nobody listens
             if not sent:
                 conn.respond(stream.sid)
                 sent = True
             conn.send_message(stream.sid, msg.SerializeToString())
 
         try:
-            self.service.serve_sync(_requests(conn, stream.sid, self.session_idle_s), send,
+            self.service.serve_sync(_requests(conn, stream, self.session_idle_s), send,
                                     _Context(stream, peer))
         except _Abort as e:
             conn.finish(stream.sid, e.code.value[0], e.details, headers_sent=sent)
@@ -158,24 +160,31 @@ class SyncServer:
         return None
 
 
-def _requests(conn: Connection, sid: int, idle_s: float) -> Iterator[pb.TargetMessage]:
-    """The call's messages, until the target ends it; the first (the Open) within the
-    handshake deadline, as an admitted call holds one of the node's session slots, each
-    next one within idle_s."""
-    try:
-        data = conn.recv_message(sid, HANDSHAKE_TIMEOUT_S)
-    except TimeoutError:
-        raise ProtocolError(f"no Open within {HANDSHAKE_TIMEOUT_S:.0f} s") from None
+def _requests(conn: Connection, stream: Stream, idle_s: float) -> Iterator[pb.TargetMessage]:
+    """The call's messages, until the target ends it (or cancels it: a RST_STREAM ends the
+    session as a Close would, and the connection goes on); the first (the Open) within
+    the handshake deadline, as an admitted call holds one of the node's session slots,
+    each next one within idle_s."""
+    data = _next(conn, stream, HANDSHAKE_TIMEOUT_S, "no Open")
     while data is not None:
         try:
             msg = pb.TargetMessage.FromString(data)
         except DecodeError:
             raise ProtocolError("undecodable frame: not a TargetMessage") from None
         yield msg
-        try:
-            data = conn.recv_message(sid, idle_s)
-        except TimeoutError:
-            raise ProtocolError(f"the target sent nothing for {idle_s:.0f} s") from None
+        data = _next(conn, stream, idle_s, "the target sent nothing")
+
+
+def _next(conn: Connection, stream: Stream, timeout_s: float, silent: str) -> bytes | None:
+    """The stream's next message; None once the target ended or cancelled the call."""
+    try:
+        return conn.recv_message(stream.sid, timeout_s)
+    except TimeoutError:
+        raise ProtocolError(f"{silent} for {timeout_s:g} s") from None
+    except H2Error:
+        if stream.reset is not None:
+            return None
+        raise
 
 
 def tls_context(cert: str, key: str | None, client_ca: str | None) -> ssl.SSLContext:
