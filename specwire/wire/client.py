@@ -267,7 +267,10 @@ class RemoteDrafter(BranchDrafter):
                                   timeout_s=link.settings.connect_timeout_s)
             except (H2Error, TimeoutError, OSError) as e:
                 conn.close()
-                link.failed(str(e))
+                if isinstance(e, CreditTimeout):  # no credit even for the Open: broken
+                    self._drop(link, str(e))
+                else:
+                    link.failed(str(e))
                 return True
             with self._cv:  # a newer session may have started meanwhile: it owns the link
                 if session == self._session:
