@@ -386,3 +386,109 @@ def test_arrival_forecast_brackets_the_answers_it_learned() -> None:
     assert 100.0 < start < 100.020 < end < 100.040
     assert f.window(100.0, 0) is None
     assert abs(f.per_token_s - 0.010) < 0.001
+
+
+def _h2_pair(short_path: bool) -> tuple[Connection, Connection, int]:
+    """Our client and our server on a socket pair, one call open and answered."""
+    a, b = socket.socketpair()
+    client = Connection(a, client=True, max_message=LIMIT)
+    server = Connection(b, client=False, max_message=LIMIT)
+    for c in (client, server):
+        c._fast.enabled = short_path
+    t = threading.Thread(target=server.handshake, args=(5,))
+    t.start()
+    client.handshake(5)
+    t.join()
+    sid = client.request(CHAT, "localhost", (), "http")
+    assert server.next_request(5).sid == sid
+    server.respond(sid)
+    return client, server, sid
+
+
+def _windows(c: Connection, sid: int) -> tuple[int, ...]:
+    h = c._h2
+    return (h.local_flow_control_window(sid), h.remote_flow_control_window(sid),
+            h.outbound_flow_control_window, h.inbound_flow_control_window)
+
+
+def test_plain_data_takes_the_short_path_and_keeps_h2s_accounts() -> None:
+    """A round's DATA frames skip h2's frame objects (datapath.py) both ways, and leave
+    h2's flow-control windows exactly where h2 itself would have: the same exchange with
+    the short path off ends with the same windows on both ends."""
+    ends = {}
+    for short in (True, False):
+        client, server, sid = _h2_pair(short)
+        try:
+            for i in range(300):  # 600 kB down, past half the 1 MiB window: WINDOW_UPDATEs
+                client.send_message(sid, b"v" * (i % 50 + 1))
+                msg = server.recv_message(sid, 5)
+                server.send_message(sid, msg * 80)
+                assert client.recv_message(sid, 5) == msg * 80
+            ends[short] = (_windows(client, sid), _windows(server, sid))
+            used = client._fast.sent + client._fast.received + server._fast.received
+            # all but the first few: headers and the first DATA may share a read (h2's then)
+            assert (used >= 890) if short else used == 0
+        finally:
+            client.close()
+            server.close()
+    assert ends[True] == ends[False]
+
+
+def _write_meanwhile(raw: socket.socket, data: bytes) -> None:
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            raw.sendall(data)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+@pytest.mark.parametrize("garbage, why", [
+    (_frame(0, 0, 1, b"\1\0\0\0\1x"), "compressed"),
+    (_frame(0, 0, 1, b"\0" + (LIMIT + 1).to_bytes(4, "big")), "above the limit"),
+    (_frame(0, 0, 5, b"\0\0\0\0\1x"), "broke HTTP/2"),  # a stream never opened
+    (_frame(0, 0, 1, _message(b"x" * (MAX_FRAME - 5))) * 65, "low control|flow control"),
+], ids=["compressed", "message-limit", "unknown-stream", "over-window"])
+def test_plain_data_breaking_a_rule_ends_as_through_h2(garbage: bytes, why: str) -> None:
+    """DATA frames that arrive at the start of a read (the short path's case) and break a
+    rule end the connection with H2Error as h2 would: the short path takes only frames it
+    may, and h2 judges the rest."""
+    conn, raw = _pair()
+    try:
+        conn.handshake(5)
+        sid = conn.request(CHAT, "localhost", (), "http")
+        other = conn.request(CHAT, "localhost", (), "http")
+        raw.sendall(SETTINGS_ACK + RESPONSE + _frame(1, 4, other, _block([(":status", "200")])))
+        with pytest.raises(TimeoutError):
+            conn.recv_message(other, 0.1)
+        assert sid == 1
+        _write_meanwhile(raw, garbage)  # more than a socket buffer: written while we read
+        with pytest.raises(H2Error, match=why):
+            for _ in range(3):  # reads what the first pass left; the stream's answer aside
+                with contextlib.suppress(TimeoutError):
+                    conn.recv_message(other, 0.3)
+    finally:
+        conn.close()
+        raw.close()
+
+
+def test_data_after_end_stream_is_left_to_h2() -> None:
+    """A DATA frame on a stream the peer already ended, alone at the start of a read: the
+    short path leaves it to h2, which answers it as a stream error (RST_STREAM)."""
+    conn, raw = _pair()
+    try:
+        conn.handshake(5)
+        sid = conn.request(CHAT, "localhost", (), "http")
+        other = conn.request(CHAT, "localhost", (), "http")
+        raw.sendall(SETTINGS_ACK + RESPONSE + _frame(0, 1, sid, _message(b"end")))
+        with pytest.raises(TimeoutError):
+            conn.recv_message(other, 0.1)
+        taken = conn._fast.received
+        raw.sendall(_frame(0, 0, sid, _message(b"after")))
+        with pytest.raises(TimeoutError):
+            conn.recv_message(other, 0.2)
+        assert conn._fast.received == taken
+        assert (3, 0, sid) in _read_frames(raw, 0.3)
+        assert conn.recv_message(sid, 1) == b"end"
+    finally:
+        conn.close()
+        raw.close()

@@ -244,11 +244,12 @@ def test_metrics_port_flag_is_checked() -> None:
         args.func(args)
 
 
-def test_idle_connections_close_and_targets_carry_on(start_node, monkeypatch) -> None:
-    """The main port closes a connection with no call (grpc.max_connection_idle_ms): a
-    target's next request reconnects by itself and still gets its drafts accepted."""
-    monkeypatch.setattr(node_mod, "IDLE_CONNECTION_MS", 500)
-    node = start_node(sync_port=None)
+@pytest.mark.parametrize("sync_port", [None, 0], ids=["main-port", "sync-port"])
+def test_idle_connections_close_and_targets_carry_on(start_node, sync_port) -> None:
+    """Either port closes a connection with no call for --idle-timeout (the main port by
+    grpc.max_connection_idle_ms, the sync port with a GOAWAY): a target's next request
+    reconnects by itself, without counting a failure, and still gets its drafts accepted."""
+    node = start_node(sync_port=sync_port, idle_s=0.5)
     target = Target()
     rd = target.drafter(f"127.0.0.1:{node.port}", pipelined=False)
     try:
@@ -258,6 +259,42 @@ def test_idle_connections_close_and_targets_carry_on(start_node, monkeypatch) ->
             g = engine.generate(request(prompt, 16, GREEDY))
             assert run_to_end(g) == target.plain(prompt, GREEDY, 16)
             assert g.stats.draft_n_accepted > 0
-            time.sleep(2.0)                 # the node drops the idle connection meanwhile
+            if node.sync is not None:       # the node drops the idle connection meanwhile
+                wait_for(lambda: node.sync._slots._value == 4 * 8, 5, "the idle close")
+            else:
+                time.sleep(2.0)
+        assert rd.counters["reconnects"] == 0
+        assert rd.counters["sync_port_sessions"] == (2 if sync_port == 0 else 0)
     finally:
         rd.close()
+
+
+def test_a_cancelled_sync_session_ends_alone(start_node, caplog) -> None:
+    """A target that cancels a synchronous session (RST_STREAM, as when its request is cut)
+    while the node drafts for it: the session ends as after a Close, without an error
+    logged, and the same connection carries the next session."""
+    from specwire.wire.http2 import Connection
+
+    node = start_node()
+    history = _history(node)
+    conn = Connection(socket.create_connection(("127.0.0.1", node.sync.port)), client=True,
+                      max_message=protocol.MAX_MESSAGE_BYTES)
+    try:
+        conn.handshake(5)
+        for cancel in (True, True, False):
+            sid = conn.request(protocol.SESSION_PATH, "node", (), "http")
+            conn.send_message(sid, _open(history, want=8).SerializeToString())
+            if cancel:     # at once: the node is drafting its first chunk meanwhile
+                conn.reset(sid)
+                continue
+            chunk = pb.DraftMessage.FromString(conn.recv_message(sid, 30))
+            assert chunk.WhichOneof("kind") == "chunk" and chunk.chunk.tokens
+            conn.send_message(sid, pb.TargetMessage(close=pb.Close()).SerializeToString(),
+                              end_stream=True)
+        wait_for(lambda: _figures(node)["specwire:node_slots_in_use"] == 0, 10,
+                 "the sessions to end")
+        assert conn.alive()
+    finally:
+        conn.close()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "reset by the peer" not in caplog.text

@@ -96,6 +96,10 @@ def _raw_bodies() -> st.SearchStrategy[bytes]:
                   st.integers(1, 6000)),
         st.builds(lambda d: b'{"prompt": "hi", "top_p": 1' + b"0" * d + b"}",
                   st.integers(1, 6000)),
+        # /tokenize and /detokenize past a context (-c 256) of tokens, by length or count
+        st.builds(lambda n: b'{"content": "' + b"z " * n + b'", "with_pieces": true}',
+                  st.integers(100, 400_000)),
+        st.builds(lambda n: b'{"tokens": [' + b"9," * n + b'9]}', st.integers(100, 400_000)),
         st.sampled_from([b'{"prompt": NaN}', b'{"prompt": "hi", "temperature": -Infinity}',
                          b'{"prompt": "\\udfff"}', b'{"content": "\\ud800\\u0041"}',
                          b'{"prompt": "hi", "seed": 1e999}', b"\xef\xbb\xbf{}", b"null"]))

@@ -118,6 +118,23 @@ def test_long_prompt_refused_by_its_length_before_tokenizing() -> None:
             assert r.json()["error"]["type"] == "exceed_context_size_error"
 
 
+def test_tokenize_and_detokenize_take_at_most_a_context(toy_url) -> None:
+    """/tokenize refuses content longer than a context (-c) of tokens, by its length before
+    tokenizing when that proves it, else by its count; /detokenize more ids than that."""
+    url, app = toy_url
+    n_ctx = 4096   # ToyBackend's: one token per byte
+    for content, bound in (("z" * 9000, "at least "), ("z" * (n_ctx + 1), "")):
+        r = httpx.post(url + "/tokenize", json={"content": content, "with_pieces": True})
+        assert f"content: {bound}" in _error(r, 400)
+        assert r.json()["error"]["type"] == "exceed_context_size_error"
+    r = httpx.post(url + "/detokenize", json={"tokens": [97] * (n_ctx + 1)})
+    assert "tokens: 4097 tokens" in _error(r, 400)
+    r = httpx.post(url + "/tokenize", json={"content": "z" * n_ctx})
+    assert r.status_code == 200 and len(r.json()["tokens"]) == n_ctx
+    r = httpx.post(url + "/detokenize", json={"tokens": [97] * n_ctx})
+    assert r.status_code == 200 and r.json()["content"] == "a" * n_ctx
+
+
 def test_full_queue_answers_429_before_reading_the_body(toy_url) -> None:
     url, _ = toy_url
     long = {"prompt": "z", "n_predict": 3000, "stream": True}

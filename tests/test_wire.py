@@ -19,6 +19,7 @@ import math
 import queue
 import random
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -391,12 +392,27 @@ def _kill_once(node: NodeProcess, after_tokens: int, state: dict):
     return on_step
 
 
+def _request_readers() -> int:
+    """grpcio's threads that read a streaming call's request iterator (found by the
+    function they run: grpcio names them only "Thread-N (_run)")."""
+    def reading(frame) -> bool:
+        while frame is not None:
+            if frame.f_code.co_name == "consume_request_iterator":
+                return True
+            frame = frame.f_back
+        return False
+
+    return sum(map(reading, sys._current_frames().values()))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "sync"])
 def test_node_killed_mid_generation_then_restarted(target, node, pipelined) -> None:
     """SIGKILL the node while a request is drafting: the request completes with the same
     tokens. Restart it on the same port: the same RemoteDrafter reconnects (counter
-    `reconnects`) and drafts again in the next request, with the same output again."""
+    `reconnects`) and drafts again in the next request, with the same output again. The
+    failed call leaves no thread behind (grpcio's reader of its request iterator)."""
+    before = _request_readers()
     prompt, n = target.tokens(CODE), 32
     want = ref(target, GREEDY, n)
     rd = target.drafter(node.url, pipelined=pipelined,
@@ -408,6 +424,7 @@ def test_node_killed_mid_generation_then_restarted(target, node, pipelined) -> N
         assert state.get("killed_at", n) < n - 8, "the node was not killed mid-generation"
         assert not node.alive and not rd.links[0].up
         assert rd.counters["dropped_peers"] == 0        # a dead node is not a hostile one
+        wait_for(lambda: _request_readers() <= before, 5, "the failed call's threads to end")
 
         node.start()
         chunks = rd.counters["chunks"]

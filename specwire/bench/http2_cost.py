@@ -9,16 +9,24 @@ CPU time of the process per round (both ends: framing, HPACK-free DATA, flow
 control, the checks), which load on the other CPUs hardly changes, and the
 median wall time of a round for reference.
 
-    python -m specwire.bench.http2_cost [--rounds 5000]
+--tree PATH measures another checkout's wire/http2.py too (an older one, say),
+each in its own process, alternating --repeat times, so that both see the same
+load; this file runs as a script there, so that tree need not have it.
+
+    python -m specwire.bench.http2_cost [--rounds 5000] [--tree PATH [--repeat 3]]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 from specwire.wire.http2 import Connection
 
@@ -63,12 +71,34 @@ def _echo(conn: Connection) -> None:
     conn.close()
 
 
+def _in(tree: Path, rounds: int) -> tuple[float, float]:
+    """CPU and wall per round with tree's specwire, in a process of its own."""
+    out = subprocess.run([sys.executable, __file__, "--rounds", str(rounds)], check=True,
+                         env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True,
+                         text=True).stdout.split()
+    return float(out[out.index("CPU") + 1]), float(out[out.index("median") + 1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5000)
-    r = measure(p.parse_args().rounds)
-    print(f"{r['rounds']} rounds: CPU {r['cpu_us_per_round']:.1f} us per round (both ends), "
-          f"wall median {r['wall_us_median']:.1f} us")
+    p.add_argument("--tree", type=Path, help="another specwire checkout to compare with")
+    p.add_argument("--repeat", type=int, default=3, help="alternations with --tree")
+    a = p.parse_args()
+    if a.tree is None:
+        r = measure(a.rounds)
+        print(f"{r['rounds']} rounds: CPU {r['cpu_us_per_round']:.1f} us per round (both "
+              f"ends), wall median {r['wall_us_median']:.1f} us")
+        return
+    trees = [Path(__file__).resolve().parents[2], a.tree.resolve()]
+    runs: dict[Path, list[tuple[float, float]]] = {t: [] for t in trees}
+    for _ in range(a.repeat):
+        for tree in trees:
+            runs[tree].append(_in(tree, a.rounds))
+    for tree, rs in runs.items():
+        cpu = ", ".join(f"{c:.1f}" for c, _ in rs)
+        print(f"{tree}: CPU per round (both ends) {cpu} us; wall median "
+              f"{statistics.median(w for _, w in rs):.1f} us")
 
 
 if __name__ == "__main__":

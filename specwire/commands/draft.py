@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "free port)")
     p.add_argument("--no-sync-port", action="store_true",
                    help="serve synchronous sessions on --port like the rest")
+    p.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="close a target's connection (either port) after this long without "
+                   "a call; the target reconnects for its next request without noticing")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context per sequence")
     p.add_argument("-s", "--seed", type=int, default=None,
                    help="this node's sampling seed for every session (default: each target's "
@@ -62,6 +65,8 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--metrics-port: must be in 0..65535, got {a.metrics_port}")
     if a.max_sessions < 1:
         raise CliError(f"--max-sessions: must be >= 1, got {a.max_sessions}")
+    if not 1 <= a.idle_timeout <= 86400:
+        raise CliError(f"--idle-timeout: must be in 1..86400 seconds, got {a.idle_timeout:g}")
     if a.cache_ram < 0:
         raise CliError(f"--cache-ram: must be >= 0 MiB, got {a.cache_ram}")
     if a.cache_sessions < 0:
@@ -78,7 +83,7 @@ def run(a: argparse.Namespace) -> int:
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
-                            cache_sessions=a.cache_sessions)
+                            cache_sessions=a.cache_sessions, idle_s=a.idle_timeout)
     try:
         serve(settings)
     except BackendError as e:

@@ -54,6 +54,7 @@ class NodeSettings:
     cache_ram_mib: int = 8192  # finished sessions' KV caches kept in RAM (0: none kept)
     cache_sessions: int = 32  # and at most this many of them
     metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
+    idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
 
 
 #: A call must send its first message (a Session's Open, a ping) this soon, and a Ping
@@ -70,8 +71,6 @@ SESSION_IDLE_S = 900.0
 MAX_PING_HOLD_US = 1_000_000
 #: Targets whose calibration the node keeps; the least recently seen is forgotten first.
 MAX_CALIBRATIONS = 64
-#: The main port closes connections that have had no call this long.
-IDLE_CONNECTION_MS = 120_000
 
 
 class DraftNodeService(pbg.DraftNodeServicer):
@@ -360,7 +359,7 @@ def start(settings: NodeSettings) -> RunningNode:
             ("grpc.so_reuseport", 0),
             # A connection with no call for this long is closed (one refused for its token
             # has none); targets reconnect on their next call without noticing.
-            ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS),
+            ("grpc.max_connection_idle_ms", int(settings.idle_s * 1000)),
         ],
     )
     service = DraftNodeService(settings, model)
@@ -412,7 +411,8 @@ def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServe
     if settings.tls_cert:
         tls = tls_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     sync = SyncServer(service, settings.host, settings.sync_port, tls,
-                      max_connections=4 * settings.max_sessions)
+                      max_connections=4 * settings.max_sessions, idle_s=settings.idle_s,
+                      session_idle_s=SESSION_IDLE_S)
     service.sync_port = sync.port
     sync.start()
     return sync

@@ -268,6 +268,14 @@ def check_fits_bound(at_least: int, n_ctx: int) -> None:
         raise _exceeds(f"at least {at_least} tokens", at_least, n_ctx)
 
 
+def _check_within_context(field: str, n: int, n_ctx: int, bound: str = "") -> None:
+    """/tokenize and /detokenize take what a prompt could hold: at most n_ctx tokens."""
+    if n > n_ctx:
+        raise ApiError(400, f"{field}: {bound}{n} tokens, more than the context of {n_ctx} "
+                       "(-c) that any prompt can hold", "exceed_context_size_error",
+                       n_prompt_tokens=n, n_ctx=n_ctx)
+
+
 def _exceeds(what: str, n_prompt: int, n_ctx: int) -> ApiError:
     return ApiError(400, f"the request exceeds the available context size: the prompt has "
                     f"{what} and the context {n_ctx} (-c)", "exceed_context_size_error",
@@ -397,13 +405,19 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
 
 
 def tokenize(body: dict, backend: Any) -> dict:
-    """POST /tokenize: {content, add_special=false, parse_special=true, with_pieces=false}."""
+    """POST /tokenize: {content, add_special=false, parse_special=true, with_pieces=false}.
+
+    Like a prompt, content may hold at most a context of tokens (-c): a text whose length
+    alone proves more is refused before it is tokenized, as a completion's prompt is."""
     f = Fields(body)
     content = f.str("content")
     if content is None:
         raise bad_request("content: required")
+    _check_within_context("content", limits.fewest_tokens(content, backend), backend.n_ctx,
+                          "at least ")
     tokens = backend.tokenize(content, add_special=f.bool("add_special"),
                               parse_special=f.bool("parse_special", default=True))
+    _check_within_context("content", len(tokens), backend.n_ctx)
     if not f.bool("with_pieces"):
         return {"tokens": tokens}
     pieces = []
@@ -424,6 +438,7 @@ def detokenize(body: dict, backend: Any) -> dict:
         raise bad_request("tokens: required")
     if not isinstance(tokens, list):
         raise bad_request(f"tokens: must be an array of token ids, got {_kind(tokens)}")
+    _check_within_context("tokens", len(tokens), backend.n_ctx)
     ids = check_token_ids(tokens, backend.n_vocab, "tokens")
     return {"content": backend.detokenize(ids).decode("utf-8", errors="replace")}
 

@@ -241,10 +241,13 @@ class GrpcTransport:
         return not self.pipelined and link.sync_port() != 0
 
     def _sync_conn(self, link: Link) -> Connection | None:
-        """The link's connection to the synchronous port (under _sync_lock), made if needed;
+        """The link's connection to the synchronous port (under _sync_lock), made if needed
+        (also when the node closed the one it had, as it does after --idle-timeout);
         None if it cannot be made (sessions then use the main port)."""
         conn = self._sync_conns.get(link.url)
-        if conn is None or conn.closed:
+        if conn is None or not conn.alive():
+            if conn is not None:
+                conn.close()
             try:
                 conn = self._sync_conns[link.url] = link.connect_sync()
             except LinkError as e:
@@ -271,7 +274,10 @@ class GrpcTransport:
                                   timeout_s=link.settings.connect_timeout_s)
             except (H2Error, TimeoutError, OSError) as e:
                 conn.close()
-                link.failed(str(e))
+                if isinstance(e, CreditTimeout):  # no credit even for the Open: broken
+                    self._drop(link, str(e))
+                else:
+                    link.failed(str(e))
                 return True
             with self._cv:  # a newer session may have started meanwhile: it owns the link
                 if session == self._session:
@@ -345,7 +351,7 @@ class GrpcTransport:
 
     def _run_session(self, session: int, history: list[int]) -> None:
         """One Session stream, on its own thread: send the Open, then read chunks."""
-        link, call = None, None
+        link, call, out = None, None, None
         try:
             picking = asyncio.run_coroutine_threadsafe(self._pick_link(), self._loop)
             # Every link's handshake has its own timeout; this one only guards against a
@@ -356,7 +362,7 @@ class GrpcTransport:
                 return
             if self._uses_sync_port(link) and self._open_sync(link, session, history):
                 return
-            out: queue.SimpleQueue = queue.SimpleQueue()
+            out = queue.SimpleQueue()
             out.put(self._first_message(history))
             call = link.session_stub().Session(iter(out.get, None), metadata=link.metadata())
             with self._cv:  # a newer session may have started meanwhile: it owns _out then
@@ -385,6 +391,8 @@ class GrpcTransport:
         finally:
             if call is not None:
                 call.cancel()
+            if out is not None:  # ends the request iterator: grpcio's thread that reads it
+                out.put(None)    # would otherwise wait on it for ever, one per failed call
             with self._cv:
                 if session == self._session:
                     self._out, self._call, self._opening = None, None, False

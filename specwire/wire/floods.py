@@ -10,6 +10,9 @@ nghttp2, Go and Envoy do for such floods). The counts come from the frame
 headers as bytes arrive, before h2 sees them, so frames that h2 silently
 drops are counted too. The wait loops also check their deadline after every
 read, so frames under these limits still cannot hold a round past it.
+
+The scan also knows where frames begin and whether a header block is open,
+which tells datapath.py when bytes may skip h2 (`settled`).
 """
 
 from __future__ import annotations
@@ -38,13 +41,19 @@ class FloodLimits:
     """Scans the frame headers of a byte stream and counts them per kind, in fixed
     one-second windows. `skip`: bytes before the first frame (a server's preface)."""
 
-    __slots__ = ("_counts", "_since", "_head", "_left")
+    __slots__ = ("_counts", "_since", "_head", "_left", "_in_block")
 
     def __init__(self, skip: int = 0) -> None:
         self._counts = dict.fromkeys(LIMITS, 0)
         self._since = time.monotonic()
         self._head = b""  # a frame header split across reads
         self._left = skip  # payload bytes of the current frame still to come
+        self._in_block = False  # a HEADERS or PUSH_PROMISE awaits its CONTINUATIONs
+
+    @property
+    def settled(self) -> bool:
+        """The next byte starts a frame, and no header block is open."""
+        return not (self._left or self._head or self._in_block)
 
     def scan(self, data: bytes) -> None:
         """Count the frames whose headers are in data; FloodError past a limit."""
@@ -63,6 +72,8 @@ class FloodLimits:
                 i += 9
             length = int.from_bytes(head[:3], "big")
             kind = head[3]
+            if kind in (1, 5, 9):  # HEADERS, PUSH_PROMISE, CONTINUATION: END_HEADERS closes
+                self._in_block = not head[4] & 4
             if kind > 9 or (length == 0 and kind == 0 and not head[4] & 1):
                 self._note("ignored")
             elif kind in _KINDS:

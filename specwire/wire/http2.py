@@ -19,7 +19,11 @@ What this module adds to h2, as no protocol library can know it:
   window of data waiting here, however long we wait for credit of our own
   (grpcframe.py also bounds the number of unread messages);
 * flood limits on the frames that carry no data (floods.py);
-* gRPC framing and a strictly parsed status (grpcframe.py).
+* gRPC framing and a strictly parsed status (grpcframe.py);
+* a short path for the plain DATA frames that make up a round (datapath.py);
+* one write per round and no syscall that a round can do without: the socket
+  stays non-blocking, a send is one send() (a poll only if the kernel's buffer
+  is full) and a read polls only when there is nothing to read.
 Every failure surfaces as H2Error, GrpcStatus or, from a wait, TimeoutError.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import ssl
 import time
@@ -39,6 +44,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from specwire.wire.datapath import DataPath
 from specwire.wire.floods import FloodError, FloodLimits
 from specwire.wire.grpcframe import (
     GrpcStatus,
@@ -77,7 +83,12 @@ class Connection:
                  max_streams: int = 100) -> None:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
         self.sock, self.client, self.max_message = sock, client, max_message
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._readable, self._writable = select.poll(), select.poll()
+        self._readable.register(sock, select.POLLIN)
+        self._writable.register(sock, select.POLLOUT)
         self.window = min(max_message + 5, 2**31 - 1)
         config = h2.config.H2Configuration(client_side=client, header_encoding="utf-8")
         self._h2 = h2.connection.H2Connection(config)
@@ -91,6 +102,7 @@ class Connection:
         self.streams: dict[int, Stream] = {}
         self._new_requests: list[int] = []
         self._floods = FloodLimits(skip=0 if client else len(PREFACE))
+        self._fast = DataPath(self._h2)
         self._handlers = {
             _E.DataReceived: self._on_data,
             _E.RequestReceived: self._on_headers,
@@ -176,6 +188,10 @@ class Connection:
         stream is reset (a message half sent is lost) and H2Error says why."""
         data = frame_message(payload)
         deadline = time.monotonic() + timeout_s
+        self._check_open(sid)
+        if not end_stream and (frame := self._fast.frame(sid, data)) is not None:
+            self._write(self._h2.data_to_send() + frame, deadline)
+            return
         off, h = 0, self._h2
         while True:
             self._check_open(sid)
@@ -258,6 +274,17 @@ class Connection:
         self._h2.acknowledge_received_data(len(msg) + 5, sid)
         return msg
 
+    def alive(self) -> bool:
+        """Whether a new call may start here: not closed, and no GOAWAY or end of stream
+        among what has arrived meanwhile (read without waiting). A server closes idle
+        connections; a client checks before reusing one, and makes a new one instead."""
+        try:
+            if not self.closed and self.goaway is None and (data := self._recv(None)):
+                self._feed(data, time.monotonic() + MIN_SEND_S)
+        except H2Error:
+            return False
+        return not self.closed and self.goaway is None
+
     def close(self, code: int = h2.errors.ErrorCodes.NO_ERROR) -> None:
         if self.closed:
             return
@@ -266,9 +293,8 @@ class Connection:
             # A GOAWAY, unless h2 already queued one for a protocol error.
             with contextlib.suppress(h2.exceptions.H2Error):
                 self._h2.close_connection(error_code=code)
-            self.sock.settimeout(MIN_SEND_S)
-            self.sock.sendall(self._h2.data_to_send())
-        except OSError:
+            self._write(self._h2.data_to_send(), 0.0)
+        except (OSError, H2Error):
             pass
         finally:
             self.sock.close()
@@ -284,12 +310,17 @@ class Connection:
 
     def _feed(self, data: bytes, deadline: float) -> None:
         try:
-            self._floods.scan(data)
-            handlers = self._handlers
-            for event in self._h2.receive_data(data):
-                handler = handlers.get(type(event))
-                if handler is not None:
-                    handler(event)
+            if self._floods.settled:
+                taken = self._fast.parse(data, self._deliver)
+                if taken:
+                    data = data[taken:]
+            if data:
+                self._floods.scan(data)
+                handlers = self._handlers
+                for event in self._h2.receive_data(data):
+                    handler = handlers.get(type(event))
+                    if handler is not None:
+                        handler(event)
         except h2.exceptions.ProtocolError as e:
             self._fail(f"the peer broke HTTP/2: {e}", getattr(e, "error_code", 1))
         except FloodError as e:
@@ -319,32 +350,53 @@ class Connection:
         return data
 
     def _recv(self, until: float | None) -> bytes | None:
-        """What recv() gives by `until` (None: without waiting), or None if nothing came."""
+        """What recv() gives by `until` (None: without waiting), or None if nothing came.
+        Polls only when it has to wait: with nothing buffered (TLS keeps decrypted bytes
+        the kernel no longer shows) and time left."""
         if self.closed:
             raise H2Error("connection closed")
-        self.sock.settimeout(0.0 if until is None else max(0.0, until - time.monotonic()))
-        try:
-            data = self.sock.recv(65536)
-        except (TimeoutError, BlockingIOError, ssl.SSLWantReadError):
-            return None
-        except OSError as e:
-            self._lost(f"connection lost: {e}")
-        if not data:
-            self._lost("connection closed by the peer")
-        return data
+        sock = self.sock
+        while True:
+            left = 0.0 if until is None else until - time.monotonic()
+            if left > 0 and not (self._tls and sock.pending()) and \
+                    not self._readable.poll(left * 1000):
+                return None
+            try:
+                data = sock.recv(65536)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                if left <= 0:
+                    return None
+                continue  # part of a TLS record: wait for the rest
+            except OSError as e:
+                self._lost(f"connection lost: {e}")
+            if not data:
+                self._lost("connection closed by the peer")
+            return data
 
     def _flush(self, deadline: float) -> None:
         """Write what h2 has queued, giving up at deadline (or MIN_SEND_S from now)."""
         out = self._h2.data_to_send()
-        if not out:
-            return
+        if out:
+            self._write(out, deadline)
+
+    def _write(self, out: bytes, deadline: float) -> None:
+        """All of out, by deadline (or MIN_SEND_S from now); a write half done cannot be
+        resumed, so one that runs out of time loses the connection."""
         if self.closed:
             raise H2Error("connection closed")
-        try:
-            self.sock.settimeout(max(MIN_SEND_S, deadline - time.monotonic()))
-            self.sock.sendall(out)
-        except OSError as e:  # a timeout included: a write half done cannot be resumed
-            self._lost(f"connection lost: {e or 'the peer does not read'}")
+        view, off, sock = memoryview(out), 0, self.sock
+        give_up = max(deadline, time.monotonic() + MIN_SEND_S)
+        while off < len(view):
+            try:
+                off += sock.send(view[off:])
+                continue
+            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                pass
+            except OSError as e:
+                self._lost(f"connection lost: {e}")
+            left = give_up - time.monotonic()
+            if left <= 0 or not self._writable.poll(left * 1000):
+                self._lost("connection lost: the peer does not read")
 
     def _call(self, fn, *args, **kw):
         """An h2 call that raises H2Error instead of h2's own exceptions."""
@@ -375,6 +427,14 @@ class Connection:
         stream = self.streams.get(e.stream_id)
         if stream is not None:
             stream.trailers = list(e.headers)
+
+    def _deliver(self, sid: int, data: bytes) -> None:
+        """A plain DATA frame's payload, from the short path (as _on_data, without h2)."""
+        stream = self.streams.get(sid)
+        if stream is None or stream.ended:
+            self._h2.acknowledge_received_data(len(data), sid)
+        else:
+            stream.take(data, self.max_message)
 
     def _on_data(self, e) -> None:
         stream = self.streams.get(e.stream_id)

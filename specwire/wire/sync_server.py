@@ -8,6 +8,13 @@ the same gRPC as the main port, so any gRPC client can use it, and it serves
 only synchronous Session calls (DraftNodeService.serve_sync), one at a time per
 connection (it advertises MAX_CONCURRENT_STREAMS 1). Pipelined sessions, Hello
 and Ping stay on the main port, where several streams share a connection.
+
+Its deadlines are the main port's: a connection must start a call within
+HANDSHAKE_TIMEOUT_S, a call must send its Open as soon, a connection with no
+call for `idle_s` is closed with a GOAWAY (the main port's
+grpc.max_connection_idle_ms; `specwire draft --idle-timeout`), and a session
+whose target sends nothing for `session_idle_s` ends. A target that finds its
+connection closed opens a new one for its next session without failing it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ from specwire.wire.protocol import ProtocolError
 log = logging.getLogger("specwire.node")
 
 HANDSHAKE_TIMEOUT_S = 10.0
-IDLE_TIMEOUT_S = 3600.0  # a target silent this long is gone
 
 
 class _Abort(Exception):
@@ -59,8 +65,9 @@ class SyncServer:
     """Listens on its own port; one thread per connection, connections bounded."""
 
     def __init__(self, service, host: str, port: int, tls: ssl.SSLContext | None,
-                 max_connections: int) -> None:
+                 max_connections: int, idle_s: float, session_idle_s: float) -> None:
         self.service, self.tls = service, tls
+        self.idle_s, self.session_idle_s = idle_s, session_idle_s
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -86,7 +93,7 @@ class SyncServer:
                              name="sync-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
-        conn = None
+        conn, served = None, 0
         try:
             if self.tls is not None:
                 sock.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -96,12 +103,18 @@ class SyncServer:
             conn.handshake(HANDSHAKE_TIMEOUT_S)
             # The first call comes soon or the connection closes; one refused for its token
             # closes it: only a target that was let in may keep a connection idle.
-            wait_s = HANDSHAKE_TIMEOUT_S
-            while (stream := conn.next_request(wait_s)) is not None:
+            while (stream := conn.next_request(
+                    self.idle_s if served else HANDSHAKE_TIMEOUT_S)) is not None:
                 if self._call(conn, stream, peer) == grpc.StatusCode.UNAUTHENTICATED:
                     break
-                wait_s = IDLE_TIMEOUT_S
-        except (H2Error, OSError) as e:  # OSError covers TLS errors and timeouts
+                served += 1
+        except TimeoutError:
+            if served:
+                log.info("sync connection from %s closed: idle for %g s", peer, self.idle_s)
+            else:
+                log.warning("sync connection from %s closed: no call within %g s", peer,
+                            HANDSHAKE_TIMEOUT_S)
+        except (H2Error, OSError) as e:  # OSError covers TLS errors
             log.warning("sync connection from %s closed: %s", peer, e)
         finally:
             if conn is not None:
@@ -129,13 +142,16 @@ class SyncServer:
 
         def send(msg: pb.DraftMessage) -> None:
             nonlocal sent
+            if stream.reset is not None:
+                return  # the target cancelled the call (its request ended): nobody listens
             if not sent:
                 conn.respond(stream.sid)
                 sent = True
             conn.send_message(stream.sid, msg.SerializeToString())
 
         try:
-            self.service.serve_sync(_requests(conn, stream.sid), send, _Context(stream, peer))
+            self.service.serve_sync(_requests(conn, stream, self.session_idle_s), send,
+                                    _Context(stream, peer))
         except _Abort as e:
             conn.finish(stream.sid, e.code.value[0], e.details, headers_sent=sent)
             return e.code
@@ -144,20 +160,31 @@ class SyncServer:
         return None
 
 
-def _requests(conn: Connection, sid: int) -> Iterator[pb.TargetMessage]:
-    """The call's messages, until the target ends it; the first (the Open) within the
-    handshake deadline, as an admitted call holds one of the node's session slots."""
-    try:
-        data = conn.recv_message(sid, HANDSHAKE_TIMEOUT_S)
-    except TimeoutError:
-        raise ProtocolError(f"no Open within {HANDSHAKE_TIMEOUT_S:.0f} s") from None
+def _requests(conn: Connection, stream: Stream, idle_s: float) -> Iterator[pb.TargetMessage]:
+    """The call's messages, until the target ends it (or cancels it: a RST_STREAM ends the
+    session as a Close would, and the connection goes on); the first (the Open) within
+    the handshake deadline, as an admitted call holds one of the node's session slots,
+    each next one within idle_s."""
+    data = _next(conn, stream, HANDSHAKE_TIMEOUT_S, "no Open")
     while data is not None:
         try:
             msg = pb.TargetMessage.FromString(data)
         except DecodeError:
             raise ProtocolError("undecodable frame: not a TargetMessage") from None
         yield msg
-        data = conn.recv_message(sid, IDLE_TIMEOUT_S)
+        data = _next(conn, stream, idle_s, "the target sent nothing")
+
+
+def _next(conn: Connection, stream: Stream, timeout_s: float, silent: str) -> bytes | None:
+    """The stream's next message; None once the target ended or cancelled the call."""
+    try:
+        return conn.recv_message(stream.sid, timeout_s)
+    except TimeoutError:
+        raise ProtocolError(f"{silent} for {timeout_s:g} s") from None
+    except H2Error:
+        if stream.reset is not None:
+            return None
+        raise
 
 
 def tls_context(cert: str, key: str | None, client_ca: str | None) -> ssl.SSLContext:
