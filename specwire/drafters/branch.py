@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.alternates import BranchParams
-from specwire.drafters.base import Draft
+from specwire.drafters.base import Draft, DrafterBase
 from specwire.draftlink.messages import (
     MAX_CHUNK_TOKENS,
     NOTICE_AFTER,
@@ -43,7 +43,7 @@ KEEP_MIN_SLACK = 0.15
 USELESS_LIMIT = 3
 
 
-class BranchDrafter:
+class BranchDrafter(DrafterBase):
     """Pipelined (never waits) or synchronous (waits for `want` tokens, with a deadline)."""
 
     name = "branch"

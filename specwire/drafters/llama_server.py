@@ -17,12 +17,12 @@ import urllib.parse
 from collections.abc import Sequence
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.base import Draft
+from specwire.drafters.base import Draft, DrafterBase
 
 log = logging.getLogger("specwire.remote")
 
 
-class LlamaServerDrafter:
+class LlamaServerDrafter(DrafterBase):
     deterministic = True  # greedy (top_k 1): a point mass is its q in rejection mode
     remote = True
 
