@@ -38,7 +38,8 @@ def build_engine(a: argparse.Namespace, n_seq: int = 1) -> Engine:
     """The target backend plus the drafter the flags ask for (bundled pair by default).
 
     n_seq: sequences the target holds in one context (serve -np), each with a drafter of
-    its own (a local draft model: a context per sequence on the same weights).
+    its own (a local draft model: one draft context of n_seq sequences, drafting in
+    lockstep; with --draft-mode pipelined or --draft-hybrid a context per sequence).
     Both models' placements are checked (buffer types, devices) before either loads,
     so a bad -otd does not wait for a big target to load first.
     """
@@ -53,7 +54,8 @@ def build_engine(a: argparse.Namespace, n_seq: int = 1) -> Engine:
         if dparams is not None:
             check(dparams.placement, draft_flag_names())
         target = LlamaBackend(tparams, n_seq=n_seq)
-        drafters = [build_drafter(a, kind, target, dparams) for _ in range(n_seq)]
+        drafters = (lockstep_drafters(a, target, dparams, n_seq) if lockstep(a, kind, n_seq)
+                    else [build_drafter(a, kind, target, dparams) for _ in range(n_seq)])
     except BackendError as e:
         raise CliError(str(e)) from None
     sampled = getattr(a, "temp", 0.0) > 0
@@ -110,6 +112,22 @@ def build_model_drafter(a: argparse.Namespace, kind: str, target, dparams) -> Dr
         return ThreadedDrafter(backend)
     from specwire.drafters.model import ModelDrafter
     return ModelDrafter(backend)
+
+
+def lockstep(a: argparse.Namespace, kind: str, n_seq: int) -> bool:
+    """Several sequences of a local draft model share one draft context and draft in
+    lockstep (unless --draft-mode pipelined or --draft-hybrid asks otherwise)."""
+    return (kind == "model" and n_seq > 1 and not getattr(a, "draft_hybrid", False)
+            and getattr(a, "draft_mode", "auto") != "pipelined")
+
+
+def lockstep_drafters(a: argparse.Namespace, target, dparams, n_seq: int) -> list[Drafter]:
+    """One draft context of n_seq sequences on the draft's weights, a drafter for each."""
+    from specwire.backend.llama import LlamaBackend, check_pair, load_model
+    from specwire.drafters.model import ModelDrafter
+    dmodel = load_model(dparams, draft_flag_names())
+    check_pair(target.model, dmodel)
+    return ModelDrafter.per_sequence(LlamaBackend(dparams, dmodel, n_seq=n_seq))
 
 
 def local_mode(a: argparse.Namespace) -> str:
