@@ -23,6 +23,7 @@ from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.constraints.grammar import Grammar, GrammarSpec
 from specwire.drafters.base import Draft, Drafter, NoDrafter
 from specwire.drafters.guard import DraftGuard, check_verify_mode
+from specwire.drafters.lockstep import Drafting
 from specwire.logprobs import LogprobsSpec, TokenProb
 from specwire.policy import AdaptivePolicy, FixedPolicy, Policy, PolicyMemory
 from specwire.scheduler import BatchScheduler
@@ -155,14 +156,31 @@ class Generation:
         # A round appends up to k + 1 tokens; plain decoding stops at a full context.
         k = min(self._policy.choose(min(remaining, room) - 1, batch_tokens=batch_tokens),
                 budget - 1)
-        ta = time.perf_counter()
-        draft = self.drafter.propose(self._history, k) if k > 0 else Draft()
-        if len(draft) > k:
-            draft = draft.cut(k)
+        now = time.perf_counter()
+        self._round = Round(Draft(), max(k, 0), now, now)
+        return Part(self.seq, [self._history[-1]], "all")
+
+    @property
+    def asked(self) -> int:
+        """The draft length this step's round asks for (0: none, or not a round)."""
+        return self._round.k if self._round is not None else 0
+
+    def drafting(self) -> Drafting | Draft:
+        """The round's draft: in progress, for the step to draft together with the other
+        sequences' (a draft model's sequence), or done now (any other drafter)."""
+        self._round.started = time.perf_counter()
+        return self.drafter.drafting(self._history, self._round.k)
+
+    def drafted(self, part: Part, run: Drafting | Draft) -> None:
+        """The round's draft is in: it follows the last token in this step's part."""
+        rnd = self._round
+        draft = self.drafter.drafted(run, rnd.k)
+        if len(draft) > rnd.k:
+            draft = draft.cut(rnd.k)
         if len(draft) < self.req.draft.n_min:
             draft = Draft()
-        self._round = Round(draft, k, ta, time.perf_counter())
-        return Part(self.seq, [self._history[-1], *draft.tokens], "all")
+        rnd.draft, rnd.drafted = draft, time.perf_counter()
+        part.tokens.extend(draft.tokens)
 
     def take(self, rows: np.ndarray, decode_s: float) -> None:
         """The step's rows for this sequence's part: verify, roll back, emit."""

@@ -38,7 +38,8 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
     """The target backend plus the drafter the settings ask for.
 
     n_seq: sequences the target holds in one context (serve -np), each with a drafter of
-    its own (a local draft model: a context per sequence on the same weights).
+    its own (a local draft model: one draft context of n_seq sequences, drafting in
+    lockstep; with --draft-mode pipelined or --draft-hybrid a context per sequence).
     Both models' placements are checked (buffer types, devices) before either loads,
     so a bad -otd does not wait for a big target to load first.
     """
@@ -49,7 +50,9 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         if s.draft.model is not None:
             check(s.draft.model.placement, draft_flag_names())
         target = LlamaBackend(s.target, n_seq=n_seq)
-        drafters = [build_drafter(s.draft, target) for _ in range(n_seq)]
+        drafters = (lockstep_drafters(s.draft, target, n_seq)
+                    if s.draft.lockstep and n_seq > 1
+                    else [build_drafter(s.draft, target) for _ in range(n_seq)])
     except BackendError as e:
         raise CliError(str(e)) from None
     try:
@@ -91,3 +94,13 @@ def build_model_drafter(s: DraftSettings, target: Backend) -> Drafter:
         return drafter
     from specwire.drafters.model import ModelDrafter
     return ModelDrafter(backend)
+
+
+def lockstep_drafters(s: DraftSettings, target: Backend, n_seq: int) -> list[Drafter]:
+    """One draft context of n_seq sequences on the draft's weights, a drafter for each."""
+    from specwire.backend.llama import LlamaBackend, check_pair, load_model
+    from specwire.drafters.model import ModelDrafter
+    assert s.model is not None  # DraftSettings refuses kind model without one
+    dmodel = load_model(s.model, draft_flag_names())
+    check_pair(target.model, dmodel)
+    return ModelDrafter.per_sequence(LlamaBackend(s.model, dmodel, n_seq=n_seq))

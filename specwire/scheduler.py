@@ -1,9 +1,11 @@
 """The engine's step: every running sequence's part in one decode.
 
 A step asks each running generation for its part, decoding sequences first
-(their last token and draft), then those still reading their prompt, which get
-what is left of the budget (-b tokens) in chunks: a long prompt does not stall
-the others. One decode for all the parts; each generation then verifies its
+(their last token, and the draft length their policy picks), then those still
+reading their prompt, which get what is left of the budget (-b tokens) in
+chunks: a long prompt does not stall the others. Then the drafts: those of one
+draft model's sequences in lockstep, one draft decode per draft position for
+all of them. One target decode for all the parts; each generation then verifies its
 own rows with its own verifier and rolls back its own KV cells. A generation
 joins at the next step and leaves as soon as it is done, failed or closed,
 which frees its sequence for the next request.
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from specwire.backend.base import BackendError
 from specwire.backend.batch import BatchBackend, Part
+from specwire.drafters.lockstep import Drafting, draft_together
 
 if TYPE_CHECKING:
     from specwire.engine import Generation
@@ -72,8 +75,11 @@ class BatchScheduler:
                 gen.error = e
 
     def step(self) -> None:
-        """Plan every part, decode them together, hand each its rows."""
+        """Plan every part (a decoding sequence's policy picks its k), draft them together,
+        decode them together, hand each its rows."""
         planned = self.plan()
+        self.draft(planned)
+        planned = [(g, p) for g, p in planned if not g.done]
         if planned:
             parts = [p for _, p in planned]
             t0 = time.perf_counter()
@@ -106,8 +112,18 @@ class BatchScheduler:
             part = self.guarded(gen, gen.plan, budget - used, others)
             if part is not None:
                 planned.append((gen, part))
-                used += len(part.tokens)
+                used += len(part.tokens) + gen.asked
         return planned
+
+    def draft(self, planned: list[tuple[Generation, Part]]) -> None:
+        """Every round's draft: those of one draft model's sequences in lockstep, a draft
+        position of all of them per draft decode (drafters/lockstep.py)."""
+        asking = [(gen, part) for gen, part in planned if gen.asked > 0]
+        runs = [self.guarded(gen, gen.drafting) for gen, _ in asking]
+        draft_together([r for r in runs if isinstance(r, Drafting)])
+        for (gen, part), run in zip(asking, runs, strict=True):
+            if not gen.done:
+                self.guarded(gen, gen.drafted, part, run)
 
     def guarded(self, gen: Generation, fn: Callable, *args):
         """Run one generation's side of the step; an error ends that generation alone."""

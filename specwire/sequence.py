@@ -14,4 +14,4 @@ class Round:
     draft: Draft
     k: int            # the draft length the policy asked for
     started: float    # perf_counter before the drafter was asked
-    drafted: float    # ... and after it answered
+    drafted: float    # ... and after its draft was in (with the others', in lockstep)

@@ -41,6 +41,9 @@ class DraftSettings:
     model: ModelParams | None = None
     threaded: bool = False   # a local draft model drafts ahead on its own thread
     branches: int | None = None  # --draft-branches for the threaded drafter (None: default)
+    #: with serve -np N, the local draft model's N sequences share one draft context and
+    #: draft in lockstep (not with --draft-mode pipelined or --draft-hybrid)
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:

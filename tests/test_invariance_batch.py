@@ -118,3 +118,38 @@ def test_a_sequence_keeps_its_own_cache_between_requests(single, batched, alone)
     solo.cache_reuse = 4
     solo.generate(Request(first, 4, GREEDY, plain)).run()
     assert out == solo.generate(Request(second, 8, GREEDY, plain)).run()
+
+
+@pytest.fixture(scope="module")
+def lockstep(single) -> Engine:
+    """serve -np 4 with the draft model: one draft context of four sequences too."""
+    target = LlamaBackend(single.params, single.model, n_seq=4)
+    dp = ModelParams(str(models.default_draft()), n_ctx=512)
+    return Engine(target, ModelDrafter.per_sequence(LlamaBackend(dp, load_model(dp), n_seq=4)))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_drafting_in_lockstep_keeps_each_request_its_own_tokens(single, lockstep, alone,
+                                                                sampling, k):
+    """Four requests drafting together (a draft position of all four per draft decode),
+    one joining late: each one's tokens are what plain decoding gives it alone."""
+    target = lockstep.target
+    draft_decodes = lockstep.drafters[0].shared.decode_s
+
+    def request(i: int) -> Request:
+        return Request(target.tokenize(PROMPTS[i]), N_PREDICT[i], sampling,
+                       DraftParams(n_max=k, p_min=0.0), cache_prompt=False)
+
+    gens = {i: lockstep.generate(request(i), seq=i) for i in (0, 1, 2)}
+    lockstep.step()
+    gens[3] = lockstep.generate(request(3), seq=3)
+    while any(not g.done for g in gens.values()):
+        lockstep.step()
+    for i, gen in gens.items():
+        assert gen.error is None, gen.error
+        if gen.tokens != alone[(i, sampling.temperature)]:
+            pytest.fail(f"request {i}, draft-max {k}:\n" + explain_mismatch(
+                single, PROMPTS[i], alone[(i, sampling.temperature)], gen.tokens))
+        assert gen.stats.draft_n > 0 and "guard_failures" not in gen.stats.drafter
+    assert lockstep.drafters[0].shared.decode_s > draft_decodes

@@ -124,3 +124,74 @@ def test_a_failing_sequence_leaves_the_others_running() -> None:
 def test_one_drafter_cannot_serve_several_sequences() -> None:
     with pytest.raises(Exception, match="drafter of its own"):
         Engine(FakeBatch(TARGET, 2), NgramDrafter())
+
+
+def solo_rounds(req: Request) -> tuple[list[int], int, int]:
+    """A request alone with the draft model in a context of its own: its tokens, the
+    tokens drafted, those accepted."""
+    g = Engine(FakeBackend(TARGET), drafter("model")).generate(req)
+    g.run()
+    return g.tokens, g.stats.draft_n, g.stats.draft_n_accepted
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_drafts_in_lockstep_are_what_each_sequence_drafts_alone(sampling, k) -> None:
+    """One fake draft "context" of four sequences: a draft position of every drafting
+    sequence in one draft decode, the first with each one's catch-up; every request's
+    tokens, drafts and acceptance equal its own alone."""
+    drafts = FakeBatch(OTHER, 4)
+    engine = Engine(FakeBatch(TARGET, 4), ModelDrafter.per_sequence(drafts))
+    reqs = [request(i, sampling, k if i != 1 else 0) for i in range(4)]
+    gens = [engine.generate(r) for r in reqs]
+    run_all(engine, gens)
+    for g, r in zip(gens, reqs, strict=True):
+        assert g.error is None
+        tokens, drafted, accepted = solo_rounds(r)
+        assert (g.tokens, g.stats.draft_n, g.stats.draft_n_accepted) == (
+            tokens, drafted, accepted)
+    assert gens[1].stats.draft_n == 0 and not drafts.seqs[1].evals   # plain: no draft
+    first = drafts.decodes[0]       # the catch-up: the prompt and the first token
+    assert sorted((s, n_past, len(t)) for s, n_past, t in first) == [
+        (i, 0, len(PROMPTS[i]) + 1) for i in (0, 2, 3)]
+    # the draft model's decodes: three sequences at once, never one decode per sequence
+    assert max(len(parts) for parts in drafts.decodes) == 3
+    per_sequence = sum(len(b.evals) for b in drafts.seqs)
+    assert len(drafts.decodes) * 2 < per_sequence
+
+
+def test_catch_ups_too_long_for_one_draft_decode_go_alone() -> None:
+    """The draft context's -b is the budget: catch-ups that overflow it are read by each
+    sequence's own eval, then the drafts go on together."""
+    drafts = FakeBatch(OTHER, 2, n_batch=12)
+    engine = Engine(FakeBatch(TARGET, 2), ModelDrafter.per_sequence(drafts))
+    reqs = [request(2, GREEDY, 4), request(0, GREEDY, 4)]     # 10 + 5 prompt tokens > 12
+    gens = [engine.generate(r) for r in reqs]
+    run_all(engine, gens)
+    assert [g.tokens for g in gens] == [solo_rounds(r)[0] for r in reqs]
+    assert len(drafts.decodes) > 0 and all(sum(len(t) for _, _, t in parts) <= 12
+                                           for parts in drafts.decodes)
+
+
+class FailingDraftBatch(FakeBatch):
+    """A draft batch whose decodes fail from the n-th on."""
+
+    def __init__(self, *a, fail_from: int, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.fail_from = fail_from
+
+    def decode(self, parts):
+        if len(self.decodes) >= self.fail_from:
+            raise BackendError("draft decode failed")
+        return super().decode(parts)
+
+
+def test_a_failing_draft_decode_is_plain_decoding_for_its_sequences() -> None:
+    drafts = FailingDraftBatch(OTHER, 2, fail_from=3)
+    engine = Engine(FakeBatch(TARGET, 2), ModelDrafter.per_sequence(drafts))
+    reqs = [request(0, GREEDY, 4), request(3, SEEDED, 4)]
+    gens = [engine.generate(r) for r in reqs]
+    run_all(engine, gens)
+    assert all(g.error is None for g in gens)
+    assert [g.tokens for g in gens] == [solo_rounds(r)[0] for r in reqs]
+    assert all(g.stats.drafter.get("guard_failures", 0) >= 1 for g in gens)

@@ -30,7 +30,9 @@ def engine_settings(a: argparse.Namespace) -> EngineSettings:
                           urls=tuple(getattr(a, "draft_url", None) or ()),
                           remote=remote_settings(a), model=model,
                           threaded=kind == "model" and local_mode(a) == "pipelined",
-                          branches=getattr(a, "draft_branches", None))
+                          branches=getattr(a, "draft_branches", None),
+                          lockstep=(kind == "model" and not getattr(a, "draft_hybrid", False)
+                                    and getattr(a, "draft_mode", "auto") != "pipelined"))
     return EngineSettings(target, draft, verify)
 
 

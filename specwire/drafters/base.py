@@ -105,6 +105,7 @@ class DrafterBase:
     deterministic = False
     remote = False
     pipelined = False
+    lockstep = False  # drafts beside other sequences of a shared draft context (lockstep.py)
     backend: Backend | None = None
 
     def steer(self, policy: Any) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, Drafter, declared
+from specwire.drafters.lockstep import Drafting
 from specwire.sampling import SparseDraft
 
 log = logging.getLogger("specwire.engine")
@@ -76,6 +77,35 @@ class DraftGuard:
         try:
             draft = self._checked(self.drafter.propose(history, max_n), max_n)
         except Exception as e:  # noqa: BLE001 - the boundary: any failure is plain decoding
+            self._failed("propose", e)
+            return Draft()
+        if draft.tokens:
+            self.failures = 0
+        return draft
+
+    def drafting(self, history: Sequence[int], max_n: int) -> Drafting | Draft:
+        """A draft to be stepped in lockstep with other sequences' (`draft_together`) from
+        a drafter that can (`drafting`), then handed to `drafted`; any other drafter's
+        draft now, as propose gives it."""
+        if not self.drafter.lockstep:
+            return self.propose(history, max_n)
+        if not self._live and not self._start(history):
+            return Draft()
+        try:
+            return self.drafter.draft_in_steps(history, max_n)
+        except Exception as e:  # noqa: BLE001
+            self._failed("propose", e)
+            return Draft()
+
+    def drafted(self, run: Drafting | Draft, max_n: int) -> Draft:
+        """The draft of a finished `drafting` (checked, as propose's), or the Draft itself."""
+        if isinstance(run, Draft):
+            return run
+        try:
+            if run.error is not None:
+                raise run.error
+            draft = self._checked(run.draft, max_n)
+        except Exception as e:  # noqa: BLE001
             self._failed("propose", e)
             return Draft()
         if draft.tokens:

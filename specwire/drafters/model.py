@@ -17,6 +17,7 @@ from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.constraints.grammar import Grammar, GrammarSpec
 from specwire.constraints.trail import GrammarTrail
 from specwire.drafters.base import Draft, DrafterBase
+from specwire.drafters.lockstep import Drafting, DraftSteps
 
 
 class ModelDrafter(DrafterBase):
@@ -38,8 +39,16 @@ class ModelDrafter(DrafterBase):
 
     provides_q = True  # its sparse top-K q in rejection mode
 
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
+    @classmethod
+    def per_sequence(cls, shared) -> list[ModelDrafter]:
+        """A drafter for each sequence of one multi-sequence draft backend (serve -np N:
+        one draft context, drafts of all requests in lockstep)."""
+        return [cls(shared.seq(i), shared, i) for i in range(shared.n_seq)]
+
+    def __init__(self, backend: Backend, shared: object = None, seq: int = 0) -> None:
+        """shared: the multi-sequence draft backend whose sequence `seq` backend is (its
+        drafts are then stepped in lockstep with the other sequences'); None: alone."""
+        self.backend, self.shared, self.seq = backend, shared, seq
         self.name = f"model:{backend.name}"
         self.sampling = SamplingParams(temperature=0.0)
         self.params = DraftParams()
@@ -80,9 +89,20 @@ class ModelDrafter(DrafterBase):
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         return self.draft_from(history, max_n)
 
+    @property
+    def lockstep(self) -> bool:
+        """Its drafts go in lockstep with other sequences' of a shared draft backend (alone,
+        propose drafts as it always did)."""
+        return self.shared is not None
+
+    def draft_in_steps(self, history: Sequence[int], max_n: int) -> Drafting:
+        """This sequence's draft in progress, for draft_together (drafters/lockstep.py) to
+        step beside the other sequences of the same draft context."""
+        return Drafting(self._steps(history, max_n), self.backend, self.shared, self.seq)
+
     def draft_from(self, history: Sequence[int], max_n: int, on_token=None,
                    at_choice=None) -> Draft:
-        """Draft up to max_n tokens after history.
+        """Draft up to max_n tokens after history, alone.
 
         on_token(i, token, sparse_or_None) is called as each token is drafted (a draft
         node streams it from there) and may return False to stop early.
@@ -90,12 +110,24 @@ class ModelDrafter(DrafterBase):
         and token is chosen for the next position: a node drafts its alternates there
         (it must leave the cache holding ctx).
         """
+        steps = self._steps(history, max_n, on_token, at_choice)
+        try:
+            want = next(steps)
+            while True:
+                want = steps.send(self.backend.eval(want, logits="last")[-1])
+        except StopIteration as stop:
+            return stop.value
+
+    def _steps(self, history: Sequence[int], max_n: int, on_token=None,
+               at_choice=None) -> DraftSteps:
+        """The draft as steps: yields the tokens to evaluate (the history's catch-up, then
+        each drafted token), is sent their last logits row, returns the draft."""
         be, sp, dp = self.backend, self.sampling, self.params
         max_n = min(max_n, be.n_ctx - len(history))
         if max_n <= 0:
             return Draft()
         kept = sync_prefix(be, history)
-        row = be.eval(history[kept:], logits="last")[-1]
+        row = yield list(history[kept:])
         rejection = dp.mode is VerifyMode.REJECTION and not sp.greedy
         stop_rule = self.stop_rule
         draft = Draft(sparse=[] if rejection else None,
@@ -103,37 +135,39 @@ class ModelDrafter(DrafterBase):
         ctx = list(history)
         grammar = self._grammar_after(history)
         allow = _cheap(grammar, be.n_vocab) if grammar is not None else None
-        for i in range(max_n):
-            if draft.confidence is not None:
-                p = sampling.top_prob(row)
-                if not (stop_rule(i, p) if stop_rule else p >= dp.p_min):
+        try:
+            for i in range(max_n):
+                if draft.confidence is not None:
+                    p = sampling.top_prob(row)
+                    if not (stop_rule(i, p) if stop_rule else p >= dp.p_min):
+                        break
+                    draft.confidence.append(p)
+                recent = sampling.recent_window(ctx, sp)
+                sd = None
+                try:
+                    if rejection:
+                        sd = sampling.sparse_draft(row, sp, dp.top_k_q, len(ctx), recent, allow)
+                        tok = sd.token
+                    else:
+                        tok = sampling.coupled(row, sp, len(ctx), recent, allow)
+                    if grammar is not None:
+                        grammar.accept(tok)
+                except ConfigError:       # the grammar is at its end: nothing more to draft
                     break
-                draft.confidence.append(p)
-            recent = sampling.recent_window(ctx, sp)
-            sd = None
-            try:
-                if rejection:
-                    sd = sampling.sparse_draft(row, sp, dp.top_k_q, len(ctx), recent, allow)
-                    tok = sd.token
-                else:
-                    tok = sampling.coupled(row, sp, len(ctx), recent, allow)
-                if grammar is not None:
-                    grammar.accept(tok)
-            except ConfigError:       # the grammar is at its end: nothing more to draft
-                break
-            if at_choice is not None:
-                at_choice(row, ctx, tok)
-            if sd is not None:
-                draft.sparse.append(sd)
-            draft.tokens.append(tok)
-            ctx.append(tok)
-            if on_token is not None and on_token(i, tok, sd) is False:
-                break
-            if i + 1 == max_n:
-                break
-            row = be.eval([tok], logits="last")[-1]
-        if grammar is not None:
-            grammar.close()
+                if at_choice is not None:
+                    at_choice(row, ctx, tok)
+                if sd is not None:
+                    draft.sparse.append(sd)
+                draft.tokens.append(tok)
+                ctx.append(tok)
+                if on_token is not None and on_token(i, tok, sd) is False:
+                    break
+                if i + 1 == max_n:
+                    break
+                row = yield [tok]
+        finally:
+            if grammar is not None:
+                grammar.close()
         self._drafted += len(draft)
         return draft
 

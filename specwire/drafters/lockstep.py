@@ -1,0 +1,99 @@
+"""Many sequences' drafts in lockstep: draft position i of every sequence in one decode.
+
+A draft model drafts one token per llama_decode; drafting for N requests in turn
+costs N decodes per draft position, each reading the draft's weights. When the
+requests' draft sequences live in one draft context (a ModelDrafter per sequence
+of one multi-sequence backend), a `Drafting` holds each sequence's draft in
+progress, and `draft_together` feeds them all: every decode takes the next
+tokens of every unfinished draft (the catch-up of the history at first, then
+one drafted token), and hands each its own logits row. Each sequence still
+picks its tokens by its own rule (argmax, or its own seeded draw), so a draft is
+what that sequence drafts alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import numpy as np
+
+from specwire.backend.batch import Part
+from specwire.drafters.base import Draft
+
+#: A draft in progress: yields the tokens to evaluate next, is sent their last logits
+#: row, and returns the draft.
+DraftSteps = Generator[list[int], np.ndarray, Draft]
+
+
+class Drafting:
+    """One sequence's draft in progress, stepped by draft_together (or alone)."""
+
+    __slots__ = ("backend", "shared", "seq", "want", "draft", "error", "_steps")
+
+    def __init__(self, steps: DraftSteps, backend: Any, shared: Any = None,
+                 seq: int = 0) -> None:
+        """backend: the sequence's own Backend; shared: the multi-sequence backend it is
+        sequence `seq` of (None: it decodes alone)."""
+        self.backend, self.shared, self.seq = backend, shared, seq
+        self.want: list[int] | None = None     # tokens to evaluate next; None once over
+        self.draft = Draft()
+        self.error: Exception | None = None
+        self._steps = steps
+        self._advance(None)
+
+    @property
+    def done(self) -> bool:
+        return self.want is None
+
+    def feed(self, row: np.ndarray) -> None:
+        """The last logits row of `want`: the draft goes on to its next tokens."""
+        self._advance(row)
+
+    def fail(self, e: Exception) -> None:
+        self.error, self.want = e, None
+        self._steps.close()
+
+    def _advance(self, row: np.ndarray | None) -> None:
+        try:
+            self.want = next(self._steps) if row is None else self._steps.send(row)
+        except StopIteration as stop:
+            self.want, self.draft = None, stop.value
+        except Exception as e:  # noqa: BLE001 - the drafter's failure, reported by its guard
+            self.error, self.want = e, None
+
+
+def draft_together(runs: Sequence[Drafting]) -> None:
+    """Step every draft to its end: those of one shared backend in one decode per step."""
+    live = [r for r in runs if not r.done]
+    while live:
+        groups: dict[int, list[Drafting]] = {}
+        for r in live:
+            groups.setdefault(id(r.shared) if r.shared is not None else id(r), []).append(r)
+        for group in groups.values():
+            _step(group)
+        live = [r for r in live if not r.done]
+
+
+def _step(group: list[Drafting]) -> None:
+    """One decode for the group (or each alone: a single draft, or catch-ups too long
+    for one batch, which the backend's eval reads in chunks)."""
+    shared = group[0].shared
+    total = sum(len(r.want) for r in group)
+    if len(group) == 1 or shared is None or total > shared.n_batch:
+        for r in group:
+            try:
+                row = r.backend.eval(r.want, "last")[-1]
+            except Exception as e:  # noqa: BLE001 - this sequence's draft fails alone
+                r.fail(e)
+                continue
+            r.feed(row)
+        return
+    try:
+        rows = shared.decode([Part(r.seq, r.want, "last") for r in group])
+    except Exception as e:  # noqa: BLE001 - the decode failed for every draft in it
+        for r in group:
+            r.fail(e)
+        return
+    for r, got in zip(group, rows, strict=True):
+        r.feed(got[-1])
