@@ -184,7 +184,8 @@ def test_the_adaptive_policy_outlives_a_request_and_plain_ones_leave_it_alone() 
     target = FakeBackend(TARGET)
     engine = Engine(target, make_drafter("random"))
     adaptive = DraftParams(n_max=8, p_min=0.0, policy="adaptive")
-    engine.generate(Request(list(PROMPT), N, GREEDY, adaptive)).run()
+    first = engine.generate(Request(list(PROMPT), N, GREEDY, adaptive))
+    first.run()
     (policy,) = engine.policies.policies.values()
     learned = policy.acceptance
     assert learned < 0.5                               # random drafts: mostly rejected
@@ -194,7 +195,9 @@ def test_the_adaptive_policy_outlives_a_request_and_plain_ones_leave_it_alone() 
     second = engine.generate(Request(list(PROMPT), N, GREEDY, adaptive))
     assert second.run() == reference(GREEDY)
     assert engine.policies.policies == {("adaptive", 8): policy}
-    assert second.stats.draft_n < 8                    # no fresh optimism: few probes
+    # No fresh optimism: the second request starts from what the first learned, so it drafts
+    # no more than the first (a probe at most; which rounds probe depends on timings).
+    assert second.stats.draft_n <= first.stats.draft_n and policy.acceptance < 0.5
 
 
 def test_the_adaptive_policy_ends_drafts_and_learns_from_their_confidence() -> None:
