@@ -814,10 +814,12 @@ def test_adaptive_sync_drafts_stop_on_the_node_and_keep_the_output(target, node,
     rd = target.drafter(node.url, pipelined=False)
     engine = Engine(target.backend, rd)
     try:
-        for _ in range(2):
+        for turn in range(2):
             g = engine.generate(request(prompt, n, sampling, 16, policy="adaptive"))
             assert run_to_end(g) == ref(target, sampling, n)
-            assert g.stats.draft_n > 0 and rd.counters["dropped_peers"] == 0
+            assert rd.counters["dropped_peers"] == 0
+            # a fresh policy drafts; a second request drafts as far as the timings say
+            assert g.stats.draft_n > 0 or turn > 0
     finally:
         rd.close()
 
