@@ -1,13 +1,15 @@
 """What the commands hand below them: typed settings built from the command line.
 
 argparse namespaces stay in specwire/commands/ (specwire/commands/settings.py
-builds these from them); the loader, the remote drafter's factory and the
-calibration take these instead, so what they depend on is spelt out and a
-caller without a command line (a test, the benchmark) builds them directly.
+and commands/bench.py build these from them); the loader, the remote drafter's
+factory, the calibration and the benchmark's sweep take these instead, so what
+they depend on is spelt out and a caller without a command line (a test, the
+benchmark) builds them directly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from specwire.config import ModelParams, VerifyMode
@@ -73,3 +75,20 @@ class MeasureSettings:
     prompts: str = "code"
     limit: int = 4
     n_predict: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    """`bench`'s models and links: the pair it loads, how a draft node it starts runs the
+    draft, how it reaches nodes and a llama-server, and the flags results.json records."""
+
+    target: ModelParams
+    draft: ModelParams | None = None  # the draft model, when a mode runs it
+    #: `specwire draft` flags after `-m DRAFT` for a node bench starts (context, threads,
+    #: placement, seed: the local draft's own)
+    node_flags: tuple[str, ...] = ()
+    remote: RemoteSettings = field(default_factory=RemoteSettings)  # pipelined set per mode
+    draft_url: str | None = None      # a running node instead of one started here
+    llama_server: str | None = None   # http://HOST:PORT for mode llama-server
+    shared_cpus: bool = False         # the node and this process share every CPU
+    flags: Mapping[str, object] = field(default_factory=dict)  # secrets already masked

@@ -23,8 +23,8 @@ to disjoint halves of the CPUs, as two machines would (bench/cpus.py says why).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import re
 import subprocess
 import sys
@@ -36,11 +36,11 @@ from typing import Any
 
 from specwire.bench import cpus
 from specwire.bench.runner import Config
-from specwire.cliargs import CliError, draft_model_params
-from specwire.cliplacement import draft_flag_names, node_flags
+from specwire.cliargs import CliError
+from specwire.cliplacement import draft_flag_names
 from specwire.drafters.base import declared
 from specwire.netemu import LinkEmulator
-from specwire.settings import RemoteSettings
+from specwire.settings import BenchSettings
 
 MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
          "ngram-classic", "random", "llama-server", "hybrid", "hybrid-pipelined")
@@ -137,16 +137,13 @@ class DraftNode:
         return "\n".join(self._log_text().splitlines()[-n:]) or "(empty)"
 
 
-def node_argv(a: argparse.Namespace, draft_path: str) -> list[str]:
-    """The draft node's command line: same model, threads and context as a local draft,
-    and no conversation memory (--cache-ram 0), so that a prompt run in several
-    configurations finds an empty cache in each, as the local draft does."""
+def node_argv(flags: tuple[str, ...], draft_path: str) -> list[str]:
+    """The draft node's command line: the local draft's model, threads and context (flags,
+    built by the command), and no conversation memory (--cache-ram 0), so that a prompt
+    run in several configurations finds an empty cache in each, as the local draft does."""
     return [sys.executable, "-m", "specwire", "draft", "-m", draft_path,
             "--host", "127.0.0.1", "--port", "0", "--max-sessions", "2", "--cache-ram", "0",
-            "-c", str(a.ctx_size_draft or a.ctx_size), "-td", str(a.threads_draft),
-            "-tbd", str(a.threads_batch_draft), "-ngl", str(a.n_gpu_layers_draft),
-            "-ctk", a.cache_type_k_draft, "-ctv", a.cache_type_v_draft, *node_flags(a),
-            *(["-s", str(a.seed_draft)] if a.seed_draft is not None else [])]
+            *flags]
 
 
 # --------------------------------------------------------------------------- drafters
@@ -160,14 +157,14 @@ class Drafters:
     on first use and stopped by the ExitStack the caller closes, also on Ctrl-C.
     """
 
-    def __init__(self, a: argparse.Namespace, target: Any, draft_path: str, out_dir: Path,
+    def __init__(self, bench: BenchSettings, target: Any, out_dir: Path,
                  stack: contextlib.ExitStack) -> None:
-        self.a, self.target, self.draft_path = a, target, draft_path
+        self.bench, self.target = bench, target
         self.out_dir, self.stack = out_dir, stack
         self._draft_backend: Any = None
         self._emulators: dict[str, LinkEmulator] = {}
         # (this process's CPUs, the node's) for a node started here
-        self._split = None if getattr(a, "shared_cpus", True) else cpus.halves()
+        self._split = None if bench.shared_cpus else cpus.halves()
         self._own_node = False
         self._sync_port = 0  # the own node's synchronous port
         # what an n-gram drafter learned, per configuration: it outlives a request in a
@@ -179,8 +176,10 @@ class Drafters:
         if self._draft_backend is None:
             from specwire.backend.base import BackendError
             from specwire.backend.llama import LlamaBackend, check_pair, load_model
+            params = self.bench.draft
+            if params is None:
+                raise CliError("no draft model for a mode that runs one")
             try:
-                params = draft_model_params(self.a, self.draft_path)
                 model = load_model(params, draft_flag_names())
                 check_pair(self.target.model, model)
                 self._draft_backend = LlamaBackend(params, model)
@@ -224,7 +223,7 @@ class Drafters:
             from specwire.drafters.alternates import branch_params
             from specwire.drafters.threaded import ThreadedDrafter
             drafter = ThreadedDrafter(self.draft_backend())
-            drafter.branches = branch_params(getattr(self.a, "draft_branches", None))
+            drafter.branches = branch_params(self.bench.remote.branches)
             return drafter
         if mode == "ngram":
             return self._ngram(cfg)
@@ -253,10 +252,7 @@ class Drafters:
     def _remote(self, emu: LinkEmulator, pipelined: bool) -> Any:
         """A fresh Link + RemoteDrafter through the emulator, handshake done."""
         from specwire.drafters.remote import make_remote_drafter
-        a = self.a
-        opts = RemoteSettings(token=a.draft_token, tls_ca=a.draft_tls_ca,
-                              tls_cert=a.draft_tls_cert, tls_key=a.draft_tls_key,
-                              pipelined=pipelined, branches=getattr(a, "draft_branches", None))
+        opts = dataclasses.replace(self.bench.remote, pipelined=pipelined)
         drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
         link = drafter.links[0]
         if not link.up:
@@ -266,7 +262,7 @@ class Drafters:
 
     def _llama_server(self, emu: LinkEmulator) -> Any:
         from specwire.drafters.llama_server import LlamaServerDrafter
-        path = urllib.parse.urlsplit(self.a.llama_server).path.rstrip("/")
+        path = urllib.parse.urlsplit(self.bench.llama_server or "").path.rstrip("/")
         return LlamaServerDrafter(f"http://127.0.0.1:{emu.port}{path}",
                                   n_vocab=self.target.n_vocab)
 
@@ -289,10 +285,13 @@ class Drafters:
 
     def _node_address(self) -> tuple[str, int]:
         """--draft-url if given, else a node started here for the rest of the run."""
-        url = getattr(self.a, "draft_url", None)
+        url = self.bench.draft_url
         if url is None:
+            draft = self.bench.draft
+            if draft is None:
+                raise CliError("no draft model for a draft node to run")
             node = self.stack.enter_context(DraftNode(
-                node_argv(self.a, self.draft_path), self.out_dir / "draft-node.log",
+                node_argv(self.bench.node_flags, draft.path), self.out_dir / "draft-node.log",
                 self._split[1] if self._split else None))
             url = node.start()
             self._own_node = True
@@ -300,7 +299,7 @@ class Drafters:
         return split_host_port(url.removeprefix("grpc://"), "--draft-url")
 
     def _llama_server_address(self) -> tuple[str, int]:
-        u = urllib.parse.urlsplit(self.a.llama_server or "")
+        u = urllib.parse.urlsplit(self.bench.llama_server or "")
         if u.scheme != "http" or not u.hostname:
             raise CliError("--llama-server: expected http://HOST:PORT (needed by mode "
                            "llama-server)")

@@ -10,7 +10,6 @@ configurations alike instead of on whichever ran during it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import shlex
 import sys
@@ -32,6 +31,7 @@ from specwire.bench.runner import (
 )
 from specwire.cliargs import CliError
 from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.settings import BenchSettings
 
 
 @dataclass(slots=True)
@@ -73,15 +73,13 @@ def configurations(s: Settings) -> list[Config]:
     return out
 
 
-def run(a: argparse.Namespace, s: Settings, sampling: SamplingParams,
+def run(s: Settings, bench: BenchSettings, sampling: SamplingParams,
         draft: DraftParams) -> dict:
     """Run the sweep; write results.json and the plots; return the results."""
     from specwire.backend.base import BackendError
     from specwire.backend.llama import LlamaBackend
     from specwire.backend.placement import check
-    from specwire.cliargs import draft_model_params, target_params
     from specwire.cliplacement import draft_flag_names
-    from specwire.loader import resolve_draft, resolve_target
 
     try:
         plist = resolve(s.prompts, s.limit)
@@ -92,31 +90,27 @@ def run(a: argparse.Namespace, s: Settings, sampling: SamplingParams,
     t_start = time.time()
     with contextlib.ExitStack() as stack:
         try:
-            target_path = resolve_target(a.model)
-            tparams = target_params(a, target_path)
-            needs_draft = any(c.mode in MODEL_MODES for c in cfgs)
-            draft_path = resolve_draft(a.model_draft) if needs_draft else (a.model_draft or "")
-            check(tparams.placement)                    # both, before either loads
-            if needs_draft:
-                check(draft_model_params(a, draft_path).placement, draft_flag_names())
-            target = LlamaBackend(tparams)
+            check(bench.target.placement)                    # both, before either loads
+            if bench.draft is not None:
+                check(bench.draft.placement, draft_flag_names())
+            target = LlamaBackend(bench.target)
         except BackendError as e:
             raise CliError(str(e)) from None
-        work = _workload(plist, target, a, s, sampling, draft)
-        drafters = Drafters(a, target, draft_path, s.out, stack)
+        work = _workload(plist, target, bench, s, sampling, draft)
+        drafters = Drafters(bench, target, s.out, stack)
         calib = _calibrate(cfgs, target, drafters, work)
         runs = _run_all(cfgs, target, drafters, work, s, stack)
-    results = _results(a, s, cfgs, runs, calib, sampling, draft, target_path, draft_path,
-                       time.time() - t_start)
+    results = _results(bench, s, cfgs, runs, calib, sampling, draft, time.time() - t_start)
     report.write_json(s.out / "results.json", results)
     if s.plots:
         results["plots"] = [str(p) for p in plots.write_all(results["records"], s.out)]
     return results
 
 
-def _workload(plist: list[Prompt], target: Any, a: argparse.Namespace, s: Settings,
+def _workload(plist: list[Prompt], target: Any, bench: BenchSettings, s: Settings,
               sampling: SamplingParams, draft: DraftParams) -> Workload:
-    """Tokenize every prompt once; refuse one that cannot fit the context with its budget."""
+    """Tokenize every prompt once; refuse one that cannot fit the context with its budget
+    (the draft model's too, when a mode runs it)."""
     from specwire.config import ConfigError
     tokens = []
     for p in plist:
@@ -126,7 +120,7 @@ def _workload(plist: list[Prompt], target: Any, a: argparse.Namespace, s: Settin
             raise CliError(f"{p.source}: {e}") from None
         tokens.append(toks)
     work = Workload(plist, tokens, sampling, draft, s.n_predict, s.ignore_eos)
-    n_ctx = min(target.n_ctx, a.ctx_size_draft or target.n_ctx)
+    n_ctx = min(target.n_ctx, bench.draft.n_ctx if bench.draft else target.n_ctx)
     for i, p in enumerate(plist):
         if len(tokens[i]) + work.budget(i) + 1 > n_ctx:
             raise CliError(f"{p.source}: prompt ({len(tokens[i])} tokens) plus "
@@ -182,9 +176,9 @@ def _run_all(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload
     return runs
 
 
-def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[list[PromptRun]],
-             calib: dict, sampling: SamplingParams, draft: DraftParams, target_path: str,
-             draft_path: str, elapsed_s: float) -> dict:
+def _results(bench: BenchSettings, s: Settings, cfgs: list[Config], runs: list[list[PromptRun]],
+             calib: dict, sampling: SamplingParams, draft: DraftParams,
+             elapsed_s: float) -> dict:
     plain = runs[0]
     lossless = sampling.greedy or draft.mode is VerifyMode.COUPLED
     records = [report.aggregate(c, r, plain, lossless) for c, r in zip(cfgs, runs, strict=True)]
@@ -196,10 +190,10 @@ def _results(a: argparse.Namespace, s: Settings, cfgs: list[Config], runs: list[
                                      report.overall_rate(rec) or 0.0)
     return {
         "command": _command_line(),
-        "args": {k: "***" if k in _SECRETS and v else v for k, v in vars(a).items()
-                 if k != "func" and _jsonable(v)},
+        "args": dict(bench.flags),
         "machine": report.machine_info(),
-        "models": {"target": target_path, "draft": draft_path or None},
+        "models": {"target": bench.target.path,
+                   "draft": bench.draft.path if bench.draft else None},
         "settings": {"prompts": s.prompts, "prompt_ids": [p["id"] for p in records[0]["prompts"]],
                      "n_predict": s.n_predict, "sampling": sampling.to_dict(),
                      "draft": {"p_min": draft.p_min, "n_min": draft.n_min,
@@ -233,7 +227,6 @@ def _prediction(rec: dict, cfg: Config, plain_tps: float, calib: dict) -> dict |
 
 
 #: Flags whose values must not land in a results file that gets shared.
-_SECRETS = ("draft_token",)
 _SECRET_FLAGS = ("--draft-token",)
 
 
@@ -252,6 +245,3 @@ def _command_line() -> str:
         out.append(arg)
     return shlex.join(out)
 
-
-def _jsonable(v: object) -> bool:
-    return v is None or isinstance(v, str | int | float | bool | list)

@@ -15,14 +15,20 @@ import math
 import sys
 from pathlib import Path
 
+from specwire.backend.base import BackendError
 from specwire.cliargs import (
     CliError,
     add_model_args,
     add_sampling_args,
+    draft_model_params,
     draft_params,
     sampling_params,
+    target_params,
 )
+from specwire.cliplacement import node_flags
+from specwire.commands.settings import remote_settings
 from specwire.netemu import parse_bandwidth, parse_duration
+from specwire.settings import BenchSettings
 
 QUICK = {"prompts": "code", "limit": 6, "n_predict": 64, "modes": "plain,local,local-pipelined"}
 DEFAULTS = {"prompts": "code,prose,qa", "limit": None, "n_predict": None, "modes": "plain,local"}
@@ -98,7 +104,8 @@ def run(a: argparse.Namespace) -> int:
     # draft_params() builds one DraftParams; the sweep then replaces n_max and the policy
     one = argparse.Namespace(**{**vars(a), "draft_max": settings.draft_max[0],
                                 "draft_policy": settings.policies[0]})
-    results = sweep.run(a, settings, sampling_params(a), draft_params(one))
+    results = sweep.run(settings, bench_settings(a, settings.modes), sampling_params(a),
+                        draft_params(one))
     print(report.render_summary(results))
     files = ["results.json", *(Path(p).name for p in results.get("plots", []))]
     print(f"wrote {', '.join(files)} to {settings.out}", file=sys.stderr)
@@ -134,6 +141,36 @@ def settings_from_args(a: argparse.Namespace):
         policies=_list("--draft-policy", a.draft_policy, _policy),
         n_predict=pick["n_predict"], ignore_eos=a.ignore_eos, chat_template=a.chat_template,
         progress=not a.no_progress, plots=not a.no_plots, interleave=not a.config_major)
+
+
+def bench_settings(a: argparse.Namespace, modes: list[str]) -> BenchSettings:
+    """Flags -> the models and links the sweep uses; the draft model only when a mode runs
+    it (a missing one is then a CliError, as is a bad placement flag)."""
+    from specwire.bench.modes import MODEL_MODES
+    from specwire.loader import resolve_draft, resolve_target
+
+    try:
+        target = target_params(a, resolve_target(a.model))
+        draft = (draft_model_params(a, resolve_draft(a.model_draft))
+                 if any(m in MODEL_MODES for m in modes) else None)
+    except BackendError as e:
+        raise CliError(str(e)) from None
+    node = ["-c", str(a.ctx_size_draft or a.ctx_size), "-td", str(a.threads_draft),
+            "-tbd", str(a.threads_batch_draft), "-ngl", str(a.n_gpu_layers_draft),
+            "-ctk", a.cache_type_k_draft, "-ctv", a.cache_type_v_draft, *node_flags(a),
+            *(["-s", str(a.seed_draft)] if a.seed_draft is not None else [])]
+    flags = {k: "***" if k in SECRETS and v else v for k, v in vars(a).items()
+             if k != "func" and _jsonable(v)}
+    return BenchSettings(target, draft, tuple(node), remote_settings(a), a.draft_url,
+                         a.llama_server, a.shared_cpus, flags)
+
+
+#: Flags whose values must not land in a results file that gets shared.
+SECRETS = ("draft_token",)
+
+
+def _jsonable(v: object) -> bool:
+    return v is None or isinstance(v, str | int | float | bool | list)
 
 
 def _list(flag: str, text: str, parse) -> list:
