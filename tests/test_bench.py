@@ -290,6 +290,24 @@ def test_bench_flags_quick_lists_and_errors(tmp_path: Path) -> None:
             bench_cmd.settings_from_args(_parse(bench_cmd, ["bench", *argv]))
 
 
+def test_bench_settings_from_flags() -> None:
+    """What the sweep gets instead of the namespace: the draft model only for modes that
+    run it, the node's flags from the draft's, remote options, and no secret in the record."""
+    models = ["-m", "t.gguf", "-md", "d.gguf"]
+    a = _parse(bench_cmd, ["bench", *models, "-c", "512", "-cd", "256", "-td", "3",
+                           "--seed-draft", "7", "--draft-token", "hush", "--shared-cpus"])
+    b = bench_cmd.bench_settings(a, ["plain", "remote-sync"])
+    assert b.target.path == "t.gguf" and b.target.n_ctx == 512
+    assert b.draft is not None and (b.draft.path, b.draft.n_ctx, b.draft.n_threads) == (
+        "d.gguf", 256, 3)
+    flags = " ".join(b.node_flags)
+    assert "-c 256" in flags and "-td 3" in flags and flags.endswith("-s 7")
+    assert b.remote.token == "hush" and b.shared_cpus and b.flags["draft_token"] == "***"
+    assert "hush" not in json.dumps(dict(b.flags))
+    b = bench_cmd.bench_settings(_parse(bench_cmd, ["bench", *models]), ["plain", "ngram"])
+    assert b.draft is None and not b.shared_cpus and b.flags["draft_token"] is None
+
+
 def test_configurations_sweep_links_only_for_remote() -> None:
     s = Settings(prompts="code", modes=["local", "remote-pipelined"], out=Path("x"),
                  rtts=[0.001, 0.01], bandwidths=[None], draft_max=[4, 8],
