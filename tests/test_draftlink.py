@@ -35,6 +35,9 @@ from specwire.wire import specwire_pb2 as pb
 
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7)
+PENALISED = SamplingParams(temperature=0.0, repeat_penalty=1.3, repeat_last_n=32,
+                           presence_penalty=0.4, frequency_penalty=-0.3,
+                           logit_bias=((3, 2.5), (17, -math.inf), (3, 0.1)))
 
 # ============================================================================ the rule
 
@@ -119,6 +122,7 @@ def _same_chunk(a: Chunk, b: Chunk) -> bool:
          lookahead=16, want=0, p_min=0.25, top_k_q=4, timing=True),
     Open([5], protocol.wire_sampling(GREEDY), VerifyMode.GREEDY, want=3, calibrated=True,
          keep_min=0.5),
+    Open([5, 3], protocol.wire_sampling(PENALISED), VerifyMode.GREEDY, want=4),
     Verdict(10, 2, [4, 9], gen=3, want=5, keep_min=0.25),
     Verdict(10, 0, [4]),
     Close(),
@@ -137,6 +141,32 @@ def test_target_messages_round_trip(message) -> None:
 def test_draft_messages_round_trip(message) -> None:
     back = _wire(message)
     assert back == message if isinstance(message, Failure) else _same_chunk(back, message)
+
+
+def test_sampling_penalties_and_bias_cross_the_wire() -> None:
+    """The node drafts under the target's penalties and logit bias; an older target that
+    sends none of them means none, and a malformed bias is refused at the edge."""
+    back = _wire(Open([1], PENALISED, VerifyMode.GREEDY)).sampling
+    assert back == protocol.wire_sampling(PENALISED) != PENALISED   # float32 on the wire
+    assert back.logit_bias[1] == (17, -math.inf) and back.presence_penalty == pytest.approx(0.4)
+    old = pb.Sampling(temperature=0.5, top_k=40, top_p=0.9, repeat_penalty=1.1,
+                      repeat_last_n=64, seed=3)          # what an older target sends
+    s = protocol.sampling_from_pb(pb.Sampling.FromString(old.SerializeToString()))
+    assert (s.presence_penalty, s.frequency_penalty, s.logit_bias) == (0.0, 0.0, ())
+    assert protocol.sampling_to_pb(SEEDED).SerializeToString() == pb.Sampling(
+        temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
+        repeat_last_n=64, seed=7).SerializeToString()   # no penalty, no byte more
+    for fields, message in (({"logit_bias_ids": [1, 2], "logit_bias_values": [1.0]},
+                             "2 logit bias ids but 1 values"),
+                            ({"logit_bias_ids": [1], "logit_bias_values": [math.nan]},
+                             "NaN, \\+inf"),
+                            ({"presence_penalty": 3.0}, "presence_penalty")):
+        with pytest.raises(ProtocolError, match=message):
+            protocol.sampling_from_pb(pb.Sampling(top_p=1.0, repeat_penalty=1.0, **fields))
+    with pytest.raises(ProtocolError, match="beyond float32"):   # +inf in float32
+        protocol.wire_sampling(SamplingParams(logit_bias=((1, 1e39),)))
+    with pytest.raises(ProtocolError, match="open logit bias: token id 17 outside"):
+        Open([1], PENALISED, VerifyMode.GREEDY).check(n_vocab=17, n_ctx=8)
 
 
 def test_unset_fields_cost_no_byte() -> None:

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -30,11 +31,13 @@ import pytest
 from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     CODE,
     GREEDY,
+    N_CTX,
     PROSE,
     SEEDED,
     FakeNode,
     NodeProcess,
     chunk,
+    draft_model_path,
     error,
     make_certs,
     node_fixture,
@@ -46,7 +49,10 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     wait_for,
 )
 
+from specwire.backend.llama import LlamaBackend
 from specwire.cliargs import CliError
+from specwire.config import DraftParams, ModelParams, SamplingParams
+from specwire.drafters.model import ModelDrafter
 from specwire.drafters.remote import make_remote_drafter
 from specwire.draftlink.messages import Chunk
 from specwire.engine import Engine
@@ -350,6 +356,51 @@ def test_output_equals_plain_decoding_over_the_link(target, node, pipelined, sam
             assert rd.counters["sync_port_sessions"] == (0 if pipelined else len(RUNS))
         finally:
             rd.close()
+
+
+@pytest.mark.slow
+def test_remote_drafts_under_penalties_are_accepted_as_local_ones(target, node) -> None:
+    """--repeat-penalty, presence and frequency penalties and a logit bias reach the node
+    (the Open's Sampling): a bias banning the draft model's own first choice moves the
+    node's first draft token as it moves the local one, its drafts are accepted as
+    often as the local ones on the same request, and the output equals plain decoding."""
+    text, n = CODE * 2, 48
+    prompt = target.tokens(text)
+    penalised = SamplingParams(temperature=0.0, repeat_penalty=1.3, repeat_last_n=64,
+                               presence_penalty=0.5, frequency_penalty=0.5)
+    local = ModelDrafter(LlamaBackend(ModelParams(draft_model_path(), n_ctx=N_CTX, n_threads=1)))
+    rd = target.drafter(node.url, pipelined=False)
+    rd.sync_timeout_s = 60.0    # the first draft: the node prefills the prompt (loaded machine)
+
+    def first_draft(drafter, sampling: SamplingParams) -> list[int]:
+        """The draft after the prompt (the remote one once its session is open)."""
+        drafter.begin(prompt, sampling, DraftParams(n_max=4, p_min=0.0))
+        try:
+            deadline = time.monotonic() + 60
+            while not (tokens := drafter.propose(prompt, 4).tokens) and (
+                    time.monotonic() < deadline):
+                time.sleep(0.05)
+            return list(tokens)
+        finally:
+            drafter.end()
+
+    try:
+        choice = first_draft(local, penalised)[0]
+        banned = replace(penalised, logit_bias=((choice, -math.inf),))
+        assert first_draft(local, banned)[0] != choice
+        remote = first_draft(rd, banned)   # not `moved` to the letter: the node's cache may
+        assert remote and remote[0] != choice   # split the prompt otherwise (a near tie)
+        want = ref(target, banned, n, text)
+        runs = []
+        for drafter in (local, rd):
+            g = Engine(target.backend, drafter).generate(request(prompt, n, banned, 4, p_min=0.0))
+            assert run_to_end(g) == want
+            runs.append((g.stats.draft_n_accepted, g.stats.draft_n))
+    finally:
+        rd.close()
+    (local_acc, local_n), (remote_acc, remote_n) = runs
+    assert local_acc > 0 and remote_n > 0
+    assert remote_acc / remote_n >= local_acc / local_n - 0.05, runs
 
 
 @pytest.mark.slow

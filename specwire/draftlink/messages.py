@@ -75,6 +75,7 @@ class Open:
                 f"open: history of {len(self.history)} tokens exceeds the node's context "
                 f"({n_ctx})")
         check_tokens(self.history, n_vocab, "open history")
+        check_tokens((t for t, _ in self.sampling.logit_bias), n_vocab, "open logit bias")
 
 
 @dataclass(slots=True)
@@ -199,11 +200,25 @@ def check_probability(x: float, what: str) -> None:
 def f32_sampling(s: SamplingParams) -> SamplingParams:
     """The settings as the link carries them, in float32: both ends then filter alike
     (an in-process drafter too). Settings that round out of range raise ProtocolError."""
+    bias = tuple((t, -math.inf if b < -F32_MAX else f32(b)) for t, b in check_bias(s.logit_bias))
     try:
         return replace(s, temperature=f32(s.temperature), top_p=f32(s.top_p),
-                       min_p=f32(s.min_p), repeat_penalty=f32(s.repeat_penalty))
+                       min_p=f32(s.min_p), repeat_penalty=f32(s.repeat_penalty),
+                       presence_penalty=f32(s.presence_penalty),
+                       frequency_penalty=f32(s.frequency_penalty), logit_bias=bias)
     except ConfigError as e:
         raise ProtocolError(f"sampling settings: {e}") from None
+
+
+def check_bias(bias: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    """A logit bias is a float32 number or -inf (a ban): NaN or +inf would poison the
+    drafter's logits."""
+    if any(math.isnan(b) or b > F32_MAX for _, b in bias):
+        raise ProtocolError("sampling settings: a logit bias is NaN, +inf or beyond float32")
+    return bias
+
+
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def f32(x: float) -> float:

@@ -29,6 +29,7 @@ from specwire.draftlink.messages import (
     ProtocolError,
     TargetMessage,
     Verdict,
+    check_bias,
     check_probability,
     check_tokens,
     f32,
@@ -76,11 +77,21 @@ def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
         repeat_penalty=s.repeat_penalty,
         repeat_last_n=s.repeat_last_n,
         seed=s.seed,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias_ids=[t for t, _ in s.logit_bias],
+        logit_bias_values=[b for _, b in s.logit_bias],
     )
 
 
 def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
-    """float32 on the wire: round-trip through it so both ends filter identically."""
+    """float32 on the wire: round-trip through it so both ends filter identically. A
+    target that sends no presence/frequency penalty or logit bias (an older one) means
+    none; the bias's token ids are checked against the vocabulary by Open.check."""
+    if len(m.logit_bias_ids) != len(m.logit_bias_values):
+        raise ProtocolError(f"sampling settings: {len(m.logit_bias_ids)} logit bias ids "
+                            f"but {len(m.logit_bias_values)} values")
+    bias = check_bias(tuple(zip(m.logit_bias_ids, map(f32, m.logit_bias_values), strict=True)))
     try:
         return SamplingParams(
             temperature=f32(m.temperature),
@@ -90,6 +101,9 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
             repeat_penalty=f32(m.repeat_penalty),
             repeat_last_n=m.repeat_last_n,
             seed=m.seed,
+            presence_penalty=f32(m.presence_penalty),
+            frequency_penalty=f32(m.frequency_penalty),
+            logit_bias=bias,
         )
     except ConfigError as e:
         raise ProtocolError(f"sampling settings: {e}") from None

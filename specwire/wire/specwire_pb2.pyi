@@ -49,7 +49,7 @@ class HelloReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., n_vocab: _Optional[int] = ..., draft_model: _Optional[str] = ..., modes: _Optional[_Iterable[str]] = ..., n_ctx: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sync_port: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed", "presence_penalty", "frequency_penalty", "logit_bias_ids", "logit_bias_values")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,10 @@ class Sampling(_message.Message):
     REPEAT_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPEAT_LAST_N_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -64,7 +68,11 @@ class Sampling(_message.Message):
     repeat_penalty: float
     repeat_last_n: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Open(_message.Message):
     __slots__ = ("history", "sampling", "mode", "pipelined", "lookahead", "want", "p_min", "top_k_q", "timing", "calibrated", "keep_min", "alternates", "alternate_len")
