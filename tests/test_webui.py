@@ -57,6 +57,17 @@ def test_exposition_reads_back_what_metrics_writes() -> None:
     assert e.total("requests_deferred") == 2 and e.total("no_such_metric") == 0
 
 
+def test_every_metric_says_what_it_measures_in_one_batch() -> None:
+    """Help texts speak of the one target batch: -np is its sequences, not engines, and
+    the per-request sums say they are sums (concurrent requests share a step)."""
+    m = Metrics()
+    helps = {f.name.removeprefix("specwire:"): f.documentation for f in m.registry.collect()}
+    assert all(helps.values()) and not any("ngine" in h for h in helps.values())
+    assert helps["slots_total"].startswith("Sequences the target batch holds")
+    for name in ("draft_rounds", "round_seconds", "prompt_seconds", "tokens_predicted_seconds"):
+        assert "summed over requests" in helps[name], name
+
+
 def test_stats_json_agrees_with_metrics_and_lists_requests() -> None:
     with serve_app(_app()) as url:
         empty = httpx.get(url + "/stats.json").json()

@@ -80,8 +80,9 @@ class Metrics:
                               "Per request: seconds per generated token after the first.",
                               buckets=TOKEN_BUCKETS, registry=self.registry)
         self.round_time = Histogram(PREFIX + "round_duration_seconds",
-                                    "Seconds per speculative round (draft, link, one target "
-                                    "batch), as the slot sees it.",
+                                    "Seconds between a request's rounds (its draft, the link, "
+                                    "the target step it shares with the other running "
+                                    "requests), as the request sees it.",
                                     buckets=TOKEN_BUCKETS, registry=self.registry)
 
     def watch(self, queue: QueueState, links: LinkStates) -> None:
@@ -154,7 +155,9 @@ class Metrics:
                            sorted(self.outcomes.items()))
             yield _counter("prompt_tokens", "Prompt tokens evaluated.", None,
                            [((), self.prompt_tokens)])
-            yield _counter("prompt_seconds", "Prompt evaluation time.", None,
+            yield _counter("prompt_seconds", "Prompt time summed over requests: from joining "
+                           "the batch to the first token (chunks share steps with the "
+                           "running requests).", None,
                            [((), self.prompt_ms / 1000)])
             yield _counter("prompt_tokens_cached", "Prompt tokens the target found in its "
                            "cache (timings.cache_n).", None, [((), self.cached_tokens)])
@@ -164,7 +167,8 @@ class Metrics:
                            "catch up (draft_prompt_n).", None, [((), self.draft_prompt_tokens)])
             yield _counter("tokens_predicted", "Generated tokens.", None,
                            [((), self.predicted_tokens)])
-            yield _counter("tokens_predicted_seconds", "Generation time.", None,
+            yield _counter("tokens_predicted_seconds", "Generation time after the first token, "
+                           "summed over requests (concurrent requests overlap).", None,
                            [((), self.predicted_ms / 1000)])
             yield _counter("draft_tokens", "Draft tokens proposed and verified.", None,
                            [((), self.draft_tokens)])
@@ -173,7 +177,8 @@ class Metrics:
             acceptance = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
             yield _gauge("draft_acceptance_ratio", "Accepted / proposed draft tokens since "
                          "start.", (), [((), acceptance)])
-            yield _counter("draft_rounds", "Speculative rounds (one target batch each).", None,
+            yield _counter("draft_rounds", "Rounds summed over requests: one per request per "
+                           "target step it decoded in (running requests share a step).", None,
                            [((), self.rounds)])
             yield _counter("draft_accepted_length", "Rounds with a draft, by how many draft "
                            "tokens were kept.", "accepted",
@@ -181,27 +186,31 @@ class Metrics:
             network = min(self.network_ms, self.draft_ms)
             phases = {"draft": self.draft_ms - network, "network": network,
                       "verify": self.verify_ms}
-            yield _counter("round_seconds", "Time in each phase of the rounds: drafting (local "
-                           "work), waiting on the draft link (network), target verification.",
+            yield _counter("round_seconds", "Time in each phase of the rounds, summed over "
+                           "requests: drafting (local work), waiting on the draft link "
+                           "(network), target verification (a step's shared decode counts for "
+                           "each request in it).",
                            "phase", [(k, v / 1000) for k, v in phases.items()])
-            yield _gauge("round_ms_avg", "Mean milliseconds per round in each phase.",
+            yield _gauge("round_ms_avg", "Mean milliseconds per request round in each phase "
+                         "(round_seconds over draft_rounds).",
                          ("phase",), [((k,), v / self.rounds if self.rounds else 0.0)
                                       for k, v in phases.items()])
-            yield _gauge("drafter_stat", "The drafter's own cumulative figures, as of its last "
-                         "generation.", ("slot", "name"),
+            yield _gauge("drafter_stat", "Each slot's drafter's own cumulative figures, as of "
+                         "its last generation.", ("slot", "name"),
                          [((str(s), k), v) for s, snap in sorted(self._drafter.items())
                           for k, v in sorted(snap.items()) if _is_number(v)])
-        yield _gauge("draft_link_up", "1 when the link to a draft node is usable.",
+        yield _gauge("draft_link_up", "1 when a slot's link to a draft node is usable.",
                      ("slot", "link"), [((str(s), str(k)), float(v)) for s, state in self._links()
                                         for k, v in state.items() if _is_number(v)])
         queue = self._queue()
-        for name, key, help_ in (("requests_processing", "processing", "Requests being "
-                                  "generated."),
+        for name, key, help_ in (("requests_processing", "processing", "Requests in the "
+                                  "batch (reading their prompt or generating)."),
                                  ("requests_deferred", "deferred", "Requests waiting in the "
                                   "queue."),
                                  ("queue_capacity", "capacity", "Most requests that may wait "
                                   "(--queue-size)."),
-                                 ("slots_total", "slots", "Engines serving requests (-np).")):
+                                 ("slots_total", "slots", "Sequences the target batch "
+                                  "holds, one request each (-np).")):
             yield _gauge(name, help_, (), [((), queue.get(key, 0))])
         yield _gauge("contexts_open", "llama.cpp contexts open in this process (target and "
                      "local draft; a draft node reports its own).", ("side",),
