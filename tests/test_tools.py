@@ -107,6 +107,21 @@ def test_not_a_valid_call_is_content(family: str) -> None:
         assert msg.calls == [] and msg.content == reply, (family, reply)
 
 
+@pytest.mark.parametrize("family", ["hermes", "qwen3-coder", "mistral", "deepseek"])
+def test_one_invalid_call_among_valid_ones_makes_the_reply_content(family: str) -> None:
+    """The shared readers (tools/base.py: calls among content, calls after a tag): a later
+    call to an unknown tool spoils the reply, and text after blocks stays content."""
+    fmt = _request(family)[0].fmt
+    reply = OUTPUTS[family][1]
+    spoilt = reply.replace("get_time", "no_such_tool")
+    parsed = fmt.parse(spoilt, {"get_weather", "get_time"})
+    assert parsed.calls == [] and parsed.content == spoilt
+    parsed = fmt.parse(reply + "\nDone.", {"get_weather", "get_time"})
+    assert [c.name for c in parsed.calls] == ["get_weather", "get_time"]
+    tail = family in ("hermes", "qwen3-coder")     # blocks among content; a tag ends it
+    assert parsed.content.split() == (["Checking.", "Done."] if tail else ["Checking."])
+
+
 @pytest.mark.parametrize("family", sorted(OUTPUTS))
 def test_forced_call_grammars_are_built_for_each_family(family: str) -> None:
     req, _ = _request(family, tool_choice={"type": "function", "function": {"name": "get_time"}})

@@ -10,7 +10,9 @@ arguments match the tool's schema.
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +104,37 @@ def call_from(obj: Any, name_key: str = "name", args_keys: tuple[str, ...] = ("a
                 call.id = obj["id"]
             return call
     return ToolCall(obj[name_key], "{}") if len(obj) == 1 else None
+
+
+def calls_among(text: str, block: re.Pattern,
+                call: Callable[[re.Match], ToolCall | None]) -> Parsed:
+    """Calls written as blocks among the content (Hermes, Qwen3-Coder): each match of
+    `block` is one call and the text around the blocks is the content. One block that is
+    not a valid call (`call` returns None) makes the whole reply content."""
+    calls, content, last = [], [], 0
+    for m in block.finditer(text):
+        c = call(m)
+        if c is None:
+            return Parsed(text)
+        calls.append(c)
+        content.append(text[last:m.start()])
+        last = m.end()
+    content.append(text[last:])
+    return Parsed("".join(content).strip() if calls else text, calls)
+
+
+def calls_after(text: str, tag: str,
+                calls: Callable[[int], Iterable[ToolCall | None]]) -> Parsed:
+    """Calls after a tag that ends the content (DeepSeek, Mistral): `calls(at)` reads
+    them from the tag at `at` on. No tag, no call, or one that is not valid (None) makes
+    the whole reply content."""
+    at = text.find(tag)
+    if at < 0:
+        return Parsed(text)
+    found = list(calls(at))
+    if not found or any(c is None for c in found):
+        return Parsed(text)
+    return Parsed(text[:at].strip(), found)
 
 
 class ToolFormat:

@@ -11,7 +11,14 @@ from __future__ import annotations
 import json
 import re
 
-from specwire.tools.base import Parsed, Tool, ToolCall, ToolFormat, as_arguments
+from specwire.tools.base import (
+    Parsed,
+    Tool,
+    ToolCall,
+    ToolFormat,
+    as_arguments,
+    calls_after,
+)
 from specwire.tools.gbnf import Builder
 
 BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -26,22 +33,14 @@ class DeepSeek(ToolFormat):
     start = BEGIN
 
     def parse(self, text: str, known: set[str]) -> Parsed:
-        at = text.find(BEGIN)
-        if at < 0:
-            return Parsed(text)
-        calls = []
-        for m in _CALL.finditer(text, at):
+        def call(m: re.Match) -> ToolCall | None:
             name = m.group(1).strip()
             try:
                 args = as_arguments(json.loads(m.group(2)))
             except ValueError:
-                args = None
-            if name not in known or args is None:
-                return Parsed(text)
-            calls.append(ToolCall(name, args))
-        if not calls:
-            return Parsed(text)
-        return Parsed(text[:at].strip(), calls)
+                return None
+            return ToolCall(name, args) if name in known and args is not None else None
+        return calls_after(text, BEGIN, lambda at: map(call, _CALL.finditer(text, at)))
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         b = Builder()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from specwire.tools.base import Parsed, Tool, ToolFormat, call_from
+from specwire.tools.base import Parsed, Tool, ToolCall, ToolFormat, call_from, calls_among
 from specwire.tools.gbnf import Builder
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -23,19 +23,12 @@ class Hermes(ToolFormat):
     start = "<tool_call>"
 
     def parse(self, text: str, known: set[str]) -> Parsed:
-        calls, content, last = [], [], 0
-        for m in _BLOCK.finditer(text):
+        def call(m: re.Match) -> ToolCall | None:
             try:
-                call = call_from(json.loads(m.group(1)), known=known)
+                return call_from(json.loads(m.group(1)), known=known)
             except ValueError:
-                call = None
-            if call is None:
-                return Parsed(text)          # not a valid call: the whole reply is content
-            calls.append(call)
-            content.append(text[last:m.start()])
-            last = m.end()
-        content.append(text[last:])
-        return Parsed("".join(content).strip() if calls else text, calls)
+                return None
+        return calls_among(text, _BLOCK, call)
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         b = Builder()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from specwire.tools.base import Parsed, Tool, ToolCall, ToolFormat, dumps
+from specwire.tools.base import Parsed, Tool, ToolCall, ToolFormat, calls_among, dumps
 from specwire.tools.gbnf import Builder
 
 _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>|$)",
@@ -32,21 +32,17 @@ class Qwen3Coder(ToolFormat):
         self.tools = {t.name: t for t in tools or []}
 
     def parse(self, text: str, known: set[str]) -> Parsed:
-        calls, content, last = [], [], 0
-        for m in _CALL.finditer(text):
+        def call(m: re.Match) -> ToolCall | None:
             name = m.group(1).strip()
             if name not in known:
-                return Parsed(text)
+                return None
             props = (self.tools.get(name) or Tool(name)).parameters.get("properties", {})
             args = {}
             for p in _PARAM.finditer(m.group(2)):
-                key, raw = p.group(1).strip(), p.group(2)
-                args[key] = _value(raw, props.get(key, {}))
-            calls.append(ToolCall(name, dumps(args)))
-            content.append(text[last:m.start()])
-            last = m.end()
-        content.append(text[last:])
-        return Parsed("".join(content).strip() if calls else text, calls)
+                key = p.group(1).strip()
+                args[key] = _value(p.group(2), props.get(key, {}))
+            return ToolCall(name, dumps(args))
+        return calls_among(text, _CALL, call)
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         b = Builder()
