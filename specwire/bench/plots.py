@@ -12,7 +12,7 @@ written, with a note saying what to sweep, so a script can rely on the files.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from specwire.bench.runner import format_bps, format_ms
@@ -35,6 +35,14 @@ def _speedup(r: dict) -> float | None:
     return s["paired_median"] if s["paired_median"] is not None else s["ratio_of_medians"]
 
 
+def _drafting(records: Sequence[dict]) -> Iterator[tuple[dict, float]]:
+    """(record, speedup) of every drafting record that has a speedup."""
+    for r in records:
+        s = _speedup(r)
+        if r["mode"] != "plain" and s is not None:
+            yield r, s
+
+
 def _link(r: dict) -> str:
     if r["rtt_ms"] is None:
         return ""
@@ -46,10 +54,7 @@ def speedup_vs_draft_length(records: Sequence[dict], path: Path) -> Path:
     """Fixed-length lines per mode and link; the adaptive policy as a dashed level."""
     lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
     levels: dict[str, float] = {}
-    for r in records:
-        s = _speedup(r)
-        if r["mode"] == "plain" or s is None:
-            continue
+    for r, s in _drafting(records):
         name = r["mode"] + _link(r)
         if r["policy"] == "fixed":
             lines[name].append((r["draft_max"], s))
@@ -69,10 +74,7 @@ def speedup_vs_rtt(records: Sequence[dict], path: Path) -> Path:
     """Remote modes against round trip; in-process drafting as a dashed reference."""
     lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
     levels: dict[str, float] = {}
-    for r in records:
-        s = _speedup(r)
-        if r["mode"] == "plain" or s is None:
-            continue
+    for r, s in _drafting(records):
         k = f"k={r['draft_max']}" if r["policy"] == "fixed" else f"adaptive<={r['draft_max']}"
         if r["rtt_ms"] is None:
             levels[f"{r['mode']} {k}"] = s
