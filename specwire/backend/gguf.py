@@ -1,4 +1,5 @@
-"""The first check of a model file, before llama.cpp sees it."""
+"""The first check of a model file, before llama.cpp sees it: llama.cpp turns a wrong
+path or a file that is no GGUF into an opaque load failure, this names the file."""
 
 from __future__ import annotations
 

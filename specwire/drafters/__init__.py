@@ -1,0 +1,6 @@
+"""Drafters: what proposes the tokens the target verifies (base.py's protocol).
+
+One module per way of drafting (a draft model in this process, n-gram lookup, a
+remote node, a llama-server, their hybrid and wrappers), so the engine loop is
+the same whatever drafts; imports go one way, drafters -> draftlink and wire.
+"""
