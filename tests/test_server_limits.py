@@ -92,6 +92,7 @@ HOSTILE = [
     ("/completion", b'{"prompt": "z", "seed": 18446744073709551616}', 400, "seed"),
     ("/completion", b'{"prompt": "z", "top_p": 1e-50}', 400, "float32"),
     ("/completion", b'{"prompt": "z", "repeat_penalty": 1e-46}', 400, "repeat_penalty"),
+    ("/completion", b'{"prompt": "z", "logit_bias": {"97": 1e39}}', 400, "logit bias"),
     ("/completion", json.dumps({"prompt": "z", "stop": ["s"] * 17}).encode(), 400, "at most 16"),
     ("/completion", json.dumps({"prompt": "z", "stop": "s" * 513}).encode(), 400, "stop[0]"),
     ("/completion", json.dumps({"prompt": [5] * 5000}).encode()[:4000], 400, "invalid JSON"),

@@ -133,10 +133,15 @@ def sampling(f: Fields, defaults: SamplingParams) -> SamplingParams:
     if seed is not None:
         changes["seed"] = secrets.randbits(32) if seed == -1 else seed
     try:
-        params = replace(defaults, **changes)
+        return replace(defaults, **changes)
     except ConfigError as e:
         raise bad_request(str(e)) from None
-    try:   # a remote drafter gets them as float32: what rounds out of range there is refused
+
+
+def as_the_link_carries(params: SamplingParams) -> SamplingParams:
+    """A remote drafter gets the settings (penalties and logit bias included) as float32:
+    what rounds out of range there is refused here."""
+    try:
         protocol.wire_sampling(params)
     except ValueError as e:
         raise bad_request(f"{str(e).removeprefix('sampling settings: ')} once rounded to "
@@ -383,6 +388,7 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
         sp = replace(sp, **structured.penalties(body, backend))
     except ConfigError as e:
         raise bad_request(str(e)) from None
+    sp = as_the_link_carries(sp)
     logprobs = structured.logprobs_spec(body, dialect)
     grammar = structured.grammar_spec(body, backend, tool_grammar)
     dp = draft(body, settings.draft)
