@@ -164,6 +164,16 @@ class Connection:
                 raise
         return self.streams[self._new_requests.pop(0)]
 
+    def take_request(self) -> Stream | None:
+        """Server: a stream the client opened that next_request has not returned, without
+        waiting (None if there is none)."""
+        return self.streams[self._new_requests.pop(0)] if self._new_requests else None
+
+    def wait(self, timeout_s: float) -> None:
+        """Read and handle what arrives within timeout_s, for whichever stream (a server
+        serving several calls on one connection); TimeoutError if nothing did."""
+        self._pump(time.monotonic() + max(timeout_s, 0.0))
+
     def respond(self, sid: int) -> None:
         """Server: the response headers that precede its messages."""
         self._call(self._h2.send_headers, sid, RESPONSE_HEADERS)
