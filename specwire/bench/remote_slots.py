@@ -1,0 +1,122 @@
+"""Concurrent requests drafting on one draft node: aggregate tokens/s, and the connections.
+
+Starts one draft node (`specwire draft`, the bundled draft, with its metrics port),
+then for each source tree (--specwire-root LABEL=DIR, as bench.concurrency; default
+this tree) a `specwire serve -np N --draft-url NODE` from that tree, and sends each
+concurrency level's burst of greedy requests (shipped prompts, n_predict tokens,
+ignore_eos) to it. Prints, per tree and level, the aggregate tokens/s, its ratio to
+level 1, the drafted and accepted tokens, and the connections that server opened to
+the node per port (counted by the node: specwire:node_connections). Trees run one after
+the other on the same node, so compare ratios within one run.
+
+    python -m specwire.bench.remote_slots --concurrency 1,4 -np 4 -n 32 --draft-mode sync \\
+        --specwire-root before=/work/main --specwire-root after=.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from specwire.bench.burst import fire
+from specwire.bench.concurrency import UsageError, parse_levels, parse_roots
+from specwire.bench.prompts import resolve
+from specwire.bench.server_process import ServerProcess, free_port
+
+
+def node_connections(metrics_url: str) -> dict[str, float]:
+    text = httpx.get(metrics_url, timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("specwire:node_connections_total{"):
+            port = line.split('port="', 1)[1].split('"', 1)[0]
+            out[port] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specwire.bench.remote_slots",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", default="1,4", metavar="LEVELS")
+    p.add_argument("-np", "--parallel", type=int, default=4)
+    p.add_argument("-n", "--n-predict", type=int, default=32)
+    p.add_argument("-t", "--threads", type=int, default=1)
+    p.add_argument("-td", "--threads-draft", type=int, default=1)
+    p.add_argument("-c", "--ctx-size", type=int, default=512)
+    p.add_argument("--draft-max", type=int, default=4)
+    p.add_argument("--draft-mode", choices=["sync", "pipelined"], default="sync")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--specwire-root", action="append", metavar="LABEL=DIR")
+    try:
+        a = p.parse_args(argv)
+        levels = parse_levels(a.concurrency)
+        roots = parse_roots(a.specwire_root)
+    except UsageError as e:
+        print(f"{p.prog}: {e}", file=sys.stderr)
+        return 2
+    from specwire import models
+    prompts = [(x.id, x.text) for x in resolve("code,prose,qa") if x.text]
+    logs = Path(tempfile.mkdtemp(prefix="remote-slots-"))
+    port, metrics = free_port(), free_port()
+    node = ServerProcess("node", [sys.executable, "-m", "specwire", "draft",
+                                  "-m", str(models.default_draft()), "--host", "127.0.0.1",
+                                  "--port", str(port), "--sync-port", str(free_port()),
+                                  "--metrics-port", str(metrics), "-td", str(a.threads_draft),
+                                  "-c", str(a.ctx_size), "--max-sessions", str(2 * a.parallel),
+                                  "--idle-timeout", "3600"],
+                         metrics, logs / "node.log")  # healthy: its metrics answer
+    metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+    print("| tree | level | tokens/s | x level 1 | drafted | accepted | connections |")
+    print("|---|---|---|---|---|---|---|")
+    try:
+        node.start(300)
+        for label, tree in roots:
+            before = node_connections(metrics_url)
+            sport = free_port()
+            cmd = [sys.executable, "-m", "specwire", "serve", "--host", "127.0.0.1",
+                   "--port", str(sport), "-m", str(models.default_target()),
+                   "-c", str(a.ctx_size), "-t", str(a.threads), "-np", str(a.parallel),
+                   "--no-webui", "--draft-url", f"127.0.0.1:{port}", "--draft-mode",
+                   a.draft_mode, "--draft-max", str(a.draft_max), "--draft-policy", "fixed",
+                   "--draft-p-min", "0"]
+            server = ServerProcess(label, cmd, sport, logs / f"{label}.log",
+                                   env={"PYTHONPATH": str(tree)})
+            try:
+                server.start(300)
+                fire(server.url, "/completion", prompts[:1], 8, 300)  # warm-up
+                base = None
+                for level in levels:
+                    burst_set = [prompts[i % len(prompts)] for i in range(level)]
+                    tps, drafted, accepted = [], 0, 0
+                    for _ in range(a.repeats):
+                        b = fire(server.url, "/completion", burst_set, a.n_predict, 900)
+                        if b.errors:
+                            print(f"{label}: {b.errors[0]}", file=sys.stderr)
+                            return 1
+                        tps.append(b.aggregate_tps)
+                        drafted += sum(r.draft_n or 0 for r in b.replies)
+                        accepted += sum(r.draft_accepted or 0 for r in b.replies)
+                    best = max(tps)
+                    base = base or best
+                    after = node_connections(metrics_url)
+                    conns = ", ".join(f"{k} {after.get(k, 0) - before.get(k, 0):g}"
+                                      for k in sorted(after))
+                    print(f"| {label} | {level} | {best:.2f} | {best / base:.2f} | {drafted} "
+                          f"| {accepted} | {conns} |", flush=True)
+            finally:
+                server.stop()
+                time.sleep(0.5)
+    finally:
+        node.stop()
+    print(f"\nload average {os.getloadavg()[0]:.1f}; logs in {logs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
