@@ -39,6 +39,7 @@ from specwire.wire.protocol import ProtocolError
 
 log = logging.getLogger("specwire.remote")
 
+
 class NodeFailure(ProtocolError):
     """The node ended one session with its error (a Failure message): that session is
     dropped, and the link backs off as for a broken peer, but the connection and the
@@ -240,7 +241,7 @@ class GrpcTransport:
             return False
         epoch = link.epoch
         try:
-            sid = line.open(self._first_message(history).SerializeToString(),
+            sid = line.open(lambda: self._first_message(history).SerializeToString(),
                             link.settings.connect_timeout_s)
         except (H2Error, TimeoutError, OSError) as e:
             if isinstance(e, CreditTimeout):  # no credit even for the Open: broken
@@ -252,6 +253,8 @@ class GrpcTransport:
             else:
                 link.failed(str(e), epoch=epoch, reconnect=False)
             return True
+        if sid is None:
+            return False
         with self._cv:  # a newer session may have started meanwhile: it owns the link
             if session == self._session:
                 self._sync, self._opening = _SyncCall(line, sid, link, epoch), False

@@ -164,6 +164,11 @@ class Connection:
                 raise
         return self.streams[self._new_requests.pop(0)]
 
+    def room(self) -> bool:
+        """Client: whether the peer's MAX_CONCURRENT_STREAMS allows another call now."""
+        h = self._h2
+        return h.open_outbound_streams < h.remote_settings.max_concurrent_streams
+
     def take_request(self) -> Stream | None:
         """Server: a stream the client opened that next_request has not returned, without
         waiting (None if there is none)."""

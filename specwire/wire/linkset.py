@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 
 from specwire.wire import protocol
 from specwire.wire.http2 import Connection
@@ -40,14 +41,19 @@ class SyncLine:
         on it has failed, not just the one that noticed."""
         return self.conn.closed or self.conn.goaway is not None
 
-    def open(self, first: bytes, timeout_s: float) -> int:
-        """A Session call whose first message (the Open) is sent; its stream id."""
+    def open(self, first: Callable[[], bytes], timeout_s: float) -> int | None:
+        """A Session call whose first message (the Open, made by `first` once the call is
+        sure to start) is sent; its stream id, or None if
+        the node takes no more calls on this connection now (a node that serves one at a
+        time: the session then uses the main port)."""
         link = self.link
         host, port = link.sync_address()
         with self.lock:
+            if not self.conn.room():
+                return None
             sid = self.conn.request(protocol.SESSION_PATH, f"{host}:{port}", link.metadata(),
                                     "https" if link.settings.tls_ca else "http")
-            self.conn.send_message(sid, first, timeout_s=timeout_s)
+            self.conn.send_message(sid, first(), timeout_s=timeout_s)
             return sid
 
     def send(self, sid: int, data: bytes, end_stream: bool, timeout_s: float) -> None:

@@ -145,8 +145,9 @@ class Calls:
             if not call.handler.take(msg):
                 self._end(call)
                 return
-        if stream.ended:  # the target half-closed or cancelled it: as a Close
-            self._end(call)
+        if stream.ended or stream.sid not in conn.streams:
+            self._end(call)  # the target half-closed or cancelled it (a Close), or we reset
+            #                  it (no flow-control credit for a chunk)
 
     def _expire(self) -> None:
         """Calls past their deadline end with an error to their target."""
