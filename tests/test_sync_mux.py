@@ -10,6 +10,7 @@ cancel, bad bytes, silence past its deadline) leaving the others going.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import grpc
@@ -27,13 +28,19 @@ class EchoCall:
     """Answers every verdict with a chunk whose start counts the call's messages."""
 
     def __init__(self, service: FakeService, send, context) -> None:
+        if service.hold is not None:         # holds the connection's thread
+            service.entered.set()
+            service.hold.wait(10)
         if len([c for c in service.calls if not c.ended]) >= service.max_calls:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
         service.calls.append(self)
         service.peers.add(context.peer())
+        self.service = service
         self.send, self.taken, self.ended, self.error = send, 0, False, ""
 
     def take(self, msg) -> bool:
+        if self.service.barrier is not None and not isinstance(msg, ProtocolError):
+            self.service.barrier.wait()      # passes only when two calls draft at once
         if isinstance(msg, ProtocolError):
             self.error = str(msg)
             self.send(pb.DraftMessage(error=pb.DraftError(message=str(msg))))
@@ -54,6 +61,9 @@ class FakeService:
         self.calls: list[EchoCall] = []
         self.peers: set[str] = set()
         self.max_calls = max_calls
+        self.barrier: threading.Barrier | None = None
+        self.hold: threading.Event | None = None
+        self.entered = threading.Event()
 
     def sync_call(self, send, context) -> EchoCall:
         return EchoCall(self, send, context)
@@ -107,6 +117,25 @@ def test_calls_on_one_connection_are_served_side_by_side(served) -> None:
     assert conn.recv_message(a, 5) is None
     assert _round(conn, b) == 3
     assert service.calls[0].ended and not service.calls[1].ended
+
+
+def test_calls_with_verdicts_waiting_draft_side_by_side(served) -> None:
+    """Two calls' verdicts waiting at once: their sessions draft at the same time (each
+    waits for the other at a barrier, which a one-at-a-time server never passes)."""
+    service, conn = served
+    a, b = _open(conn), _open(conn)
+    assert _round(conn, a) == 1 and _round(conn, b) == 1
+    service.barrier = threading.Barrier(2, timeout=10)
+    service.hold = threading.Event()         # a third call's admission holds the node's
+    _open(conn)                              # thread while both verdicts go out, so it
+    assert service.entered.wait(10)          # finds them waiting together
+    conn.send_message(a, _verdict())
+    conn.send_message(b, _verdict())
+    hold, service.hold = service.hold, None
+    hold.set()
+    got = {sid: pb.DraftMessage.FromString(conn.recv_message(sid, 15)) for sid in (a, b)}
+    assert [m.chunk.start for m in got.values()] == [2, 2], got
+    assert not service.barrier.broken
 
 
 def test_a_cancelled_call_ends_alone(served) -> None:

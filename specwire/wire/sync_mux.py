@@ -4,7 +4,11 @@ A target with several slots (`serve -np N`) opens its synchronous sessions as
 streams of one connection (wire/linkset.py). The connection's thread reads
 whatever arrives, for whichever stream, and hands each call its messages in
 turn: a verdict in, the session drafts, its chunk out, on this thread as for a
-single call (wire/sync_server.py says why). Each call keeps its own deadlines
+single call (wire/sync_server.py says why). When verdicts of several calls are
+waiting at once (a batch target sends all its slots' verdicts before it waits,
+DrafterBase.ask), their sessions draft side by side on worker threads, as they
+would on connections of their own, while this thread alone reads and writes the
+connection, sending each chunk as it is ready. Each call keeps its own deadlines
 (its Open within the handshake deadline, each next message within the session's
 idle time) and its own admission slot; what ends one call (a Close, a cancel, a
 malformed message, a deadline, a stream without flow-control credit) ends it
@@ -16,8 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import queue
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -78,6 +86,9 @@ class Calls:
         self.handshake_s, self.idle_s, self.session_idle_s = handshake_s, idle_s, session_idle_s
         self.calls: dict[int, _Call] = {}
         self.served = 0  # calls admitted so far
+        self._owner = threading.get_ident()  # the thread that reads and writes conn
+        self._pool: ThreadPoolExecutor | None = None  # made when two calls first draft at once
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # from the workers
 
     def run(self) -> None:
         """Until the target goes (returns) or stays idle (TimeoutError); H2Error for a
@@ -92,8 +103,7 @@ class Calls:
                     if self._open(stream) == grpc.StatusCode.UNAUTHENTICATED and \
                             not self.calls:
                         return  # only a target that was let in may keep a connection idle
-                for call in list(self.calls.values()):
-                    self._serve(call)
+                self._serve_all()
                 if self.calls:
                     idle_until = None
                     until = min(c.deadline for c in self.calls.values())
@@ -110,6 +120,8 @@ class Calls:
         finally:
             for call in list(self.calls.values()):
                 self._end(call)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
 
     def _open(self, stream: Stream) -> grpc.StatusCode | None:
         """Admit a new stream's call, or finish it at once with why not."""
@@ -131,23 +143,63 @@ class Calls:
         self.served += 1
         return None
 
-    def _serve(self, call: _Call) -> None:
-        """Hand the call what its stream holds; end it if it is over."""
-        stream, conn = call.stream, self.conn
-        while stream.messages:
-            data = conn.recv_message(stream.sid, 0.0)
-            try:
-                msg: pb.TargetMessage | ProtocolError = pb.TargetMessage.FromString(data)
-            except DecodeError:
-                msg = ProtocolError("undecodable frame: not a TargetMessage")
-            call.deadline = time.monotonic() + self.session_idle_s
-            call.silent, call.timeout_s = "the target sent nothing", self.session_idle_s
-            if not call.handler.take(msg):
-                self._end(call)
-                return
-        if stream.ended or stream.sid not in conn.streams:
+    def _serve_all(self) -> None:
+        """Hand every call what its stream holds, a message per call at a time (side by side
+        when several have one); end the calls that are over."""
+        while ready := [c for c in self.calls.values() if c.stream.messages]:
+            if len(ready) == 1:
+                call = ready[0]
+                if not call.handler.take(self._next(call)):
+                    self._end(call)
+            else:
+                self._together(ready)
+        conn = self.conn
+        for call in [c for c in self.calls.values()
+                     if c.stream.ended or c.stream.sid not in conn.streams]:
             self._end(call)  # the target half-closed or cancelled it (a Close), or we reset
             #                  it (no flow-control credit for a chunk)
+
+    def _next(self, call: _Call) -> pb.TargetMessage | ProtocolError:
+        """The call's next message (there is one), its deadline moved on."""
+        data = self.conn.recv_message(call.stream.sid, 0.0)
+        call.deadline = time.monotonic() + self.session_idle_s
+        call.silent, call.timeout_s = "the target sent nothing", self.session_idle_s
+        try:
+            return pb.TargetMessage.FromString(data)
+        except DecodeError:
+            return ProtocolError("undecodable frame: not a TargetMessage")
+
+    def _together(self, ready: list[_Call]) -> None:
+        """One message to each of these calls, their sessions drafting on worker threads;
+        each chunk goes out from this thread as soon as it is drafted. Waits for them all
+        (a session's step is bounded by its own draft length), and only then raises what
+        the connection did meanwhile: a session must not be closed while it drafts."""
+        if self._pool is None:
+            # a worker per core: sessions draft side by side as on connections of their own
+            self._pool = ThreadPoolExecutor(min(os.cpu_count() or 1, 16),
+                                            thread_name_prefix="sync-draft")
+        events = self._events
+        for call in ready:
+            self._pool.submit(_work, call, self._next(call), events)
+        over, failure, pending = [], None, len(ready)
+        while pending:
+            kind, call, value = events.get()
+            if kind == "send":
+                try:
+                    if failure is None:
+                        self._send(call, value)
+                except H2Error as e:
+                    failure = e
+                continue
+            pending -= 1
+            if isinstance(value, BaseException):
+                failure = failure or value
+            elif not value:
+                over.append(call)
+        if failure is not None:
+            raise failure
+        for call in over:
+            self._end(call)
 
     def _expire(self) -> None:
         """Calls past their deadline end with an error to their target."""
@@ -157,7 +209,11 @@ class Calls:
             self._end(call)
 
     def _send(self, call: _Call, msg: pb.DraftMessage) -> None:
-        """A chunk out on the call's stream; a stream the target cancelled takes none."""
+        """A chunk out on the call's stream; a stream the target cancelled takes none. From
+        a worker, the chunk goes to this connection's thread, which sends it."""
+        if threading.get_ident() != self._owner:
+            self._events.put(("send", call, msg))
+            return
         sid = call.stream.sid
         if call.stream.reset is not None or sid not in self.conn.streams:
             return
@@ -190,6 +246,15 @@ class Calls:
         except H2Error:
             if self.conn.closed:
                 raise
+
+
+def _work(call: _Call, msg: pb.TargetMessage | ProtocolError, events: queue.SimpleQueue) -> None:
+    """A worker's turn: the call takes its message; ("done", call, result) when it did."""
+    try:
+        result: bool | BaseException = call.handler.take(msg)
+    except BaseException as e:  # noqa: BLE001 - handed to the connection's thread
+        result = e
+    events.put(("done", call, result))
 
 
 def _refusal(headers: dict[str, str]) -> str | None:
