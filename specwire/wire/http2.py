@@ -294,7 +294,11 @@ class Connection:
         among what has arrived meanwhile (read without waiting). A server closes idle
         connections; a client checks before reusing one, and makes a new one instead."""
         try:
-            if not self.closed and self.goaway is None and (data := self._recv(None)):
+            # Until nothing is left (a few reads at most): the end of the connection may
+            # come after frames still unread (a reset after the last call's trailers).
+            for _ in range(8):
+                if self.closed or self.goaway is not None or not (data := self._recv(None)):
+                    break
                 self._feed(data, time.monotonic() + MIN_SEND_S)
         except H2Error:
             return False
