@@ -165,6 +165,11 @@ class Generation:
         """The draft length this step's round asks for (0: none, or not a round)."""
         return self._round.k if self._round is not None else 0
 
+    def ask(self) -> None:
+        """The round's draft request goes out now (a remote drafter's verdict and k), before
+        any sequence of the step waits for its draft."""
+        self.drafter.ask(self._history, self._round.k)
+
     def drafting(self) -> Drafting | Draft:
         """The round's draft: in progress, for the step to draft together with the other
         sequences' (a draft model's sequence), or done now (any other drafter)."""

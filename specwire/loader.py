@@ -39,7 +39,8 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
 
     n_seq: sequences the target holds in one context (serve -np), each with a drafter of
     its own (a local draft model: one draft context of n_seq sequences, drafting in
-    lockstep; with --draft-mode pipelined or --draft-hybrid a context per sequence).
+    lockstep; with --draft-mode pipelined or --draft-hybrid a context per sequence;
+    draft nodes: one connection per node and port, a stream per sequence).
     Both models' placements are checked (buffer types, devices) before either loads,
     so a bad -otd does not wait for a big target to load first.
     """
@@ -50,9 +51,13 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         if s.draft.model is not None:
             check(s.draft.model.placement, draft_flag_names())
         target = LlamaBackend(s.target, n_seq=n_seq)
-        drafters = (lockstep_drafters(s.draft, target, n_seq)
-                    if s.draft.lockstep and n_seq > 1
-                    else [build_drafter(s.draft, target) for _ in range(n_seq)])
+        if s.draft.lockstep and n_seq > 1:
+            drafters = lockstep_drafters(s.draft, target, n_seq)
+        elif s.draft.kind == "remote" and not s.draft.hybrid:
+            from specwire.drafters.remote import make_remote_drafters
+            drafters = make_remote_drafters(list(s.draft.urls), s.draft.remote, target, n_seq)
+        else:
+            drafters = [build_drafter(s.draft, target) for _ in range(n_seq)]
     except BackendError as e:
         raise CliError(str(e)) from None
     try:

@@ -119,6 +119,8 @@ class BatchScheduler:
         """Every round's draft: those of one draft model's sequences in lockstep, a draft
         position of all of them per draft decode (drafters/lockstep.py)."""
         asking = [(gen, part) for gen, part in planned if gen.asked > 0]
+        for gen, _ in asking:  # remote sessions: every request in flight before any wait
+            self.guarded(gen, gen.ask)
         runs = [self.guarded(gen, gen.drafting) for gen, _ in asking]
         draft_together([r for r in runs if isinstance(r, Drafting)])
         for (gen, part), run in zip(asking, runs, strict=True):

@@ -31,7 +31,8 @@ ALLOWED = {
     "draftlink": ("specwire.draftlink", "specwire.config", "specwire.sampling"),
 }
 #: The one drafter that travels over the wire: the transport's client, nothing else of it.
-WIRE_FOR_DRAFTERS = {"remote.py": ("specwire.wire.client", "specwire.wire.link")}
+WIRE_FOR_DRAFTERS = {"remote.py": ("specwire.wire.client", "specwire.wire.link",
+                                   "specwire.wire.linkset")}
 
 
 def imports(path: Path) -> set[str]:

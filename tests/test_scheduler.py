@@ -195,3 +195,41 @@ def test_a_failing_draft_decode_is_plain_decoding_for_its_sequences() -> None:
     assert all(g.error is None for g in gens)
     assert [g.tokens for g in gens] == [solo_rounds(r)[0] for r in reqs]
     assert all(g.stats.drafter.get("guard_failures", 0) >= 1 for g in gens)
+
+
+class AskingDrafter(NgramDrafter):
+    """An n-gram drafter that logs, in one shared list, when it is asked and proposes."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
+        super().__init__()
+        self.label, self.log = name, log
+
+    def ask(self, history, max_n: int) -> None:
+        self.log.append(("ask", self.label))
+
+    def propose(self, history, max_n: int):
+        self.log.append(("propose", self.label))
+        return super().propose(history, max_n)
+
+
+def test_every_drafter_is_asked_before_any_proposes() -> None:
+    """A step asks all its drafting sequences first (a remote drafter's verdicts all go
+    out), then collects each draft: no proposal comes before the last ask of its step."""
+    log: list[tuple[str, str]] = []
+    batch = FakeBatch(TARGET, 3, n_batch=512)
+    engine = Engine(batch, [AskingDrafter(str(i), log) for i in range(3)])
+    gens = [engine.generate(request(i, GREEDY, 4)) for i in range(3)]
+    run_all(engine, gens)
+    steps, step = [], []
+    for kind, who in log:
+        if kind == "ask" and step and step[-1][0] == "propose":
+            steps.append(step)
+            step = []
+        step.append((kind, who))
+    steps.append(step)
+    assert any(sum(k == "ask" for k, _ in s) == 3 for s in steps)
+    for s in steps:
+        asked = [who for k, who in s if k == "ask"]
+        proposed = [who for k, who in s if k == "propose"]
+        assert s[:len(asked)] == [("ask", w) for w in asked], s
+        assert sorted(proposed) == sorted(asked), s

@@ -111,6 +111,11 @@ class DrafterBase:
     def steer(self, policy: Any) -> None:
         pass
 
+    def ask(self, history: Sequence[int], max_n: int) -> None:
+        """A round is coming (propose follows in the same step): a drafter that waits on
+        another machine sends its request now, so that the requests of a batch's sequences
+        are all in flight before the first answer is awaited."""
+
     def constrain(self, spec: GrammarSpec | None) -> None:
         pass
 
@@ -122,8 +127,8 @@ class DrafterBase:
 
 
 #: The capabilities `declared` fills in, with DrafterBase's defaults.
-CAPABILITIES = ("provides_q", "deterministic", "remote", "pipelined", "steer", "constrain",
-                "cache_use", "close", "backend")
+CAPABILITIES = ("provides_q", "deterministic", "remote", "pipelined", "steer", "ask",
+                "constrain", "cache_use", "close", "backend")
 
 
 class _Declared(DrafterBase):
@@ -137,7 +142,7 @@ class _Declared(DrafterBase):
             setattr(self, attr, bool(getattr(inner, attr, False)))
         for method in ("begin", "propose", "learn", "end", "stats"):
             setattr(self, method, getattr(inner, method))
-        for method in ("steer", "constrain", "cache_use", "close"):
+        for method in ("steer", "ask", "constrain", "cache_use", "close"):
             own = getattr(inner, method, None)
             if callable(own):
                 setattr(self, method, own)

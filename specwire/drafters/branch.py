@@ -153,6 +153,15 @@ class BranchDrafter(DrafterBase):
         pipelined drafter drafts on its own core and is never stopped early.)"""
         self._policy = policy
 
+    def ask(self, history: Sequence[int], max_n: int) -> None:
+        """Synchronous: send this round's verdict and k now; the propose that follows finds
+        it told and only waits (a batch's sessions then draft at the same time)."""
+        if self.pipelined or not self._live():
+            return
+        self._history = history if isinstance(history, list) else list(history)
+        self._want = max_n
+        self._tell(history, self._accepted or 0)
+
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         self._history = history if isinstance(history, list) else list(history)
         self._draft_gen = -1

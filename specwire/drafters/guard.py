@@ -83,6 +83,15 @@ class DraftGuard:
             self.failures = 0
         return draft
 
+    def ask(self, history: Sequence[int], max_n: int) -> None:
+        """Let a live drafter send this round's request ahead of propose (DrafterBase.ask)."""
+        if not self._live:
+            return
+        try:
+            self.drafter.ask(history, max_n)
+        except Exception as e:  # noqa: BLE001
+            self._failed("ask", e)
+
     def drafting(self, history: Sequence[int], max_n: int) -> Drafting | Draft:
         """A draft to be stepped in lockstep with other sequences' (`draft_together`) from
         a drafter that can (`drafting`), then handed to `drafted`; any other drafter's

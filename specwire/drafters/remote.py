@@ -14,6 +14,7 @@ from specwire.drafters.branch import BranchDrafter
 from specwire.settings import RemoteSettings
 from specwire.wire.client import GrpcTransport
 from specwire.wire.link import Link, LinkSettings
+from specwire.wire.linkset import LinkSet
 
 log = logging.getLogger("specwire.remote")
 
@@ -26,6 +27,13 @@ class RemoteDrafter(GrpcTransport, BranchDrafter):
 
 def make_remote_drafter(urls: list[str], remote: RemoteSettings, target) -> object:
     """Build the drafter for --draft-url flags: gRPC nodes, or a llama-server over HTTP."""
+    return make_remote_drafters(urls, remote, target, 1)[0]
+
+
+def make_remote_drafters(urls: list[str], remote: RemoteSettings, target, n: int) -> list:
+    """n drafters (one per slot of `serve -np n`) for --draft-url flags. gRPC nodes: the
+    drafters share one LinkSet, so each node sees one connection per port from this
+    target, a stream per session (wire/linkset.py), and one handshake."""
     from specwire.cliargs import CliError
 
     if any(u.startswith(("http://", "https://")) for u in urls):
@@ -33,27 +41,29 @@ def make_remote_drafter(urls: list[str], remote: RemoteSettings, target) -> obje
             raise CliError("--draft-url: a llama-server URL cannot be mixed with others")
         from specwire.drafters.llama_server import LlamaServerDrafter
 
-        return LlamaServerDrafter(urls[0])
+        return [LlamaServerDrafter(urls[0]) for _ in range(n)]
     settings = LinkSettings(
         token=remote.token,
         tls_ca=remote.tls_ca,
         tls_cert=remote.tls_cert,
         tls_key=remote.tls_key,
     )
-    links = [
+    shared = LinkSet([
         Link(u, settings, target.vocab_fingerprint(), target.n_vocab, target.name) for u in urls
-    ]
-    drafter = RemoteDrafter(links, target.n_vocab, pipelined=remote.pipelined)
-    if not remote.poll:
-        drafter.forecast = None
-    drafter.branches = branch_params(remote.branches)
-    errors = drafter.handshake()
+    ])
+    drafters = [RemoteDrafter(shared, target.n_vocab, pipelined=remote.pipelined)
+                for _ in range(n)]
+    for drafter in drafters:
+        if not remote.poll:
+            drafter.forecast = None
+        drafter.branches = branch_params(remote.branches)
+    errors = drafters[0].handshake()
     fatal = [e for e in errors if e and e.startswith("incompatible")]
     if fatal:
-        drafter.close()
+        for drafter in drafters:
+            drafter.close()
         raise CliError(fatal[0])
     for u, e in zip(urls, errors, strict=True):
         if e:
             log.warning("draft node %s not reachable yet (%s); decoding plainly until it is", u, e)
-    return drafter
-
+    return drafters

@@ -12,13 +12,15 @@ token: the figures say nothing about what is drafted.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "specwire:node_"
+#: Peers (address and port: one per connection) remembered to count connections.
+MAX_PEERS = 4096
 
 
 class NodeMetrics:
@@ -35,6 +37,8 @@ class NodeMetrics:
         self._cached = cached
         self.calls: Counter[str] = Counter()       # admitted calls by method
         self.refused: Counter[str] = Counter()     # reason -> calls refused or ended by the node
+        self.connections: Counter[str] = Counter()  # port -> connections that made a call
+        self._peers: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self._http = None
@@ -43,6 +47,19 @@ class NodeMetrics:
     def call(self, method: str) -> None:
         with self._lock:
             self.calls[method] += 1
+
+    def peer(self, port: str, peer: str) -> None:
+        """A call from `peer` (its address and port) on `port` ('main' or 'sync'): a peer
+        not seen before is a new connection. A target's slots share one per port."""
+        key = (port, peer)
+        with self._lock:
+            if key in self._peers:
+                self._peers.move_to_end(key)
+                return
+            self._peers[key] = None
+            if len(self._peers) > MAX_PEERS:
+                self._peers.popitem(last=False)
+            self.connections[port] += 1
 
     def refuse(self, reason: str) -> None:
         """'token', 'busy', 'silent' (no Open or ping in time), 'bad_open'."""
@@ -61,7 +78,12 @@ class NodeMetrics:
                                           "bad_open.", labels=["reason"])
             for k, v in sorted(self.refused.items()):
                 refused.add_metric([k], v)
+            conns = CounterMetricFamily(PREFIX + "connections", "Connections that made a "
+                                        "call, by port (main, sync).", labels=["port"])
+            for k, v in sorted(self.connections.items()):
+                conns.add_metric([k], v)
         yield calls
+        yield conns
         yield refused
         yield GaugeMetricFamily(PREFIX + "slots_in_use", "Admitted calls open now (sessions and "
                                 "pings; at most --max-sessions).", value=self._slots_in_use())

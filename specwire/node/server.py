@@ -105,6 +105,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
 
     def Hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:  # noqa: N802
         self._authorize(context)
+        self.metrics.peer("main", context.peer())
         if request.protocol_version != protocol.PROTOCOL_VERSION:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -148,33 +149,27 @@ class DraftNodeService(pbg.DraftNodeServicer):
         with self._admitted(context, "Session"):
             yield from self._serve(request_iterator, context)
 
-    def serve_sync(self, requests, send, context) -> None:
+    def sync_call(self, send, context) -> SyncCall:
         """A synchronous Session for a transport that writes from the calling thread (the
-        sync port, wire/sync_server.py): each chunk goes to `send` as it is drafted, with no
-        generator between the session and the socket."""
-        with self._admitted(context, "Session"):
-            session: DraftSession | None = None
-            try:
-                first = _first_open(requests)
-                if first is None:
-                    return
-                if first.pipelined:
-                    raise ProtocolError("pipelined sessions are served on the node's main port")
-                session = self._open(first, send, context)
-                session.announce()
-                session.step(None)
-                for verdict in _verdicts(requests):
-                    session.step(verdict)
-            except Exception as e:  # noqa: BLE001 - the node must survive any one session
-                log.info("session from %s ends: %s", context.peer(), e)
-                send(protocol.draft_to_pb(error_message(e)))
-            finally:
-                self._close(session)
+        sync port, wire/sync_server.py), admitted now (context.abort if it may not be):
+        the transport hands it each message as it arrives, and each chunk goes to `send`
+        as it is drafted, with no generator or thread between the session and the socket.
+        Several such calls may share one connection, a stream each."""
+        return SyncCall(self, send, context)
 
     @contextlib.contextmanager
     def _admitted(self, context, method: str):
         """The token checked, and one of --max-sessions slots held for the block."""
+        self._admit(context, method)
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _admit(self, context, method: str, port: str = "main") -> None:
+        """The token checked, and one of --max-sessions slots taken (context.abort if not)."""
         self._authorize(context)
+        self.metrics.peer(port, context.peer())
         if not self._slots.acquire(blocking=False):
             self.metrics.refuse("busy")
             context.abort(
@@ -184,12 +179,11 @@ class DraftNodeService(pbg.DraftNodeServicer):
         with self._in_use_lock:
             self._in_use += 1
         self.metrics.call(method)
-        try:
-            yield
-        finally:
-            with self._in_use_lock:
-                self._in_use -= 1
-            self._slots.release()
+
+    def _release(self) -> None:
+        with self._in_use_lock:
+            self._in_use -= 1
+        self._slots.release()
 
     def _serve(self, requests, context):
         """Open, then drafts out and verdicts in until Close; a broken peer gets a DraftError."""
@@ -259,6 +253,56 @@ class DraftNodeService(pbg.DraftNodeServicer):
             self.memory.release(session.backend, session.committed)
             if self.memory.enabled:
                 log.info("session closes: %d tokens kept", session.backend.n_past)
+
+
+class SyncCall:
+    """One synchronous Session on the sync port, fed one message at a time: the Open, then
+    verdicts until a Close. Holds an admission slot from its creation to end(). An error
+    of this session is sent to its target as a DraftError and ends it alone."""
+
+    __slots__ = ("service", "send", "context", "session", "_ended")
+
+    def __init__(self, service: DraftNodeService, send, context) -> None:
+        service._admit(context, "Session", "sync")
+        self.service, self.send, self.context = service, send, context
+        self.session: DraftSession | None = None
+        self._ended = False
+
+    def take(self, msg: pb.TargetMessage | ProtocolError) -> bool:
+        """One message of the call (or why none could be read); False once it is over."""
+        try:
+            if isinstance(msg, ProtocolError):
+                raise msg
+            kind = msg.WhichOneof("kind")
+            if self.session is None:
+                if kind != "open":
+                    raise ProtocolError(f"unexpected {kind} message")
+                if msg.open.pipelined:
+                    raise ProtocolError("pipelined sessions are served on the node's main port")
+                self.session = self.service._open(msg.open, self.send, self.context)
+                self.session.announce()
+                self.session.step(None)
+                return True
+            if kind == "close":
+                return False
+            if kind != "verdict":
+                raise ProtocolError(f"unexpected {kind} message")
+            self.session.step(protocol.verdict_from_pb(msg.verdict))
+            return True
+        except Exception as e:  # noqa: BLE001 - the node must survive any one session
+            log.info("session from %s ends: %s", self.context.peer(), e)
+            self.send(protocol.draft_to_pb(error_message(e)))
+            return False
+
+    def end(self) -> None:
+        """The call is over (however it ended): its context kept, its slot freed. Once."""
+        if self._ended:
+            return
+        self._ended = True
+        try:
+            self.service._close(self.session)
+        finally:
+            self.service._release()
 
 
 def _first_open(requests) -> pb.Open | None:
@@ -412,7 +456,7 @@ def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServe
         tls = tls_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     sync = SyncServer(service, settings.host, settings.sync_port, tls,
                       max_connections=4 * settings.max_sessions, idle_s=settings.idle_s,
-                      session_idle_s=SESSION_IDLE_S)
+                      session_idle_s=SESSION_IDLE_S, max_streams=settings.max_sessions + 4)
     service.sync_port = sync.port
     sync.start()
     return sync

@@ -7,7 +7,9 @@ blocking gRPC stream into a buffer; the engine thread only reads that buffer
 under a lock and queues verdicts (handshakes run on a background asyncio
 thread). Synchronous sessions on a node with a synchronous port skip those
 threads: the engine thread writes its verdict and reads the chunk itself over
-wire/http2.py, as a round has nothing to overlap with. In pipelined mode
+wire/http2.py, as a round has nothing to overlap with. The drafters of one
+target (every slot of `serve -np N`) share its links and their connections
+(wire/linkset.py): each session is a stream of its own on them. In pipelined mode
 `propose` never waits: it takes whatever checked tokens extend the committed
 history, possibly none, and the engine then runs a plain decoding step. A dead,
 slow or hostile node therefore costs the target at most a lock and a list slice
@@ -17,6 +19,7 @@ per round.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -29,11 +32,19 @@ from google.protobuf.message import DecodeError
 from specwire.draftlink.messages import Close, Failure, TargetMessage
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
-from specwire.wire.http2 import Connection, CreditTimeout, GrpcStatus, H2Error
+from specwire.wire.http2 import CreditTimeout, GrpcStatus, H2Error
 from specwire.wire.link import Link, LinkError
+from specwire.wire.linkset import LinkSet, SyncLine
 from specwire.wire.protocol import ProtocolError
 
 log = logging.getLogger("specwire.remote")
+
+
+class NodeFailure(ProtocolError):
+    """The node ended one session with its error (a Failure message): that session is
+    dropped, and the link backs off as for a broken peer, but the connection and the
+    other sessions on it stay."""
+
 
 #: Messages one round takes in without waiting (a late node's answers catch up in a few).
 MAX_POLLED = 16
@@ -43,9 +54,10 @@ MAX_POLLED = 16
 class _SyncCall:
     """A Session call on a node's synchronous port; only the engine thread touches it."""
 
-    conn: Connection
+    line: SyncLine
     sid: int
     link: Link
+    epoch: int  # the link's epoch when it opened (Link.failed)
     closed: bool = False  # the Close went out with END_STREAM
     sent_at: float = 0.0  # time.monotonic() when the last verdict went out
     asked: int = 0  # tokens it asked for; 0 once its answer came
@@ -93,28 +105,27 @@ class GrpcTransport:
 
     def __init__(
         self,
-        links: list[Link],
+        links: list[Link] | LinkSet,
         n_vocab: int,
         pipelined: bool = True,
         lookahead: int = 0,
         sync_timeout_s: float = 1.0,
     ) -> None:
+        """links: this drafter's own, or a LinkSet shared with the target's other drafters."""
         if not links:
             raise ValueError("RemoteDrafter needs at least one link")
         super().__init__(n_vocab, pipelined, lookahead, sync_timeout_s)
-        self.links = links
-        self.name = ("remote-pipelined:" if pipelined else "remote-sync:") + links[0].url
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="draft-link", daemon=True
-        )
-        self._thread.start()
+        self.shared = links if isinstance(links, LinkSet) else LinkSet(links)
+        self.shared.attach()
+        self.links = self.shared.links
+        self.name = ("remote-pipelined:" if pipelined else "remote-sync:") + self.links[0].url
+        self._loop = self.shared.loop
         self._call: grpc.Call | None = None  # the live Session stream
         self._call_link: Link | None = None  # its link
+        self._call_epoch = 0  # its link's epoch when it opened
         self._out: queue.SimpleQueue | None = None  # its messages to send; None ends it
         self._sync: _SyncCall | None = None  # or the live call on a synchronous port
-        self._sync_conns: dict[str, Connection] = {}  # per link URL, kept across sessions
-        self._sync_lock = threading.Lock()  # one session thread at a time on those
+        self._closed = False
         self.counters["sync_port_sessions"] = 0  # sessions opened on a synchronous port
         self.counters["polled_answers"] = 0  # synchronous answers that came while polling
         self.counters["poll_ms"] = 0.0  # time spent busy-polling for them
@@ -128,37 +139,18 @@ class GrpcTransport:
         Returns, per link, None or why it could not connect; a failed link is retried
         with backoff once generation starts, as after any failure.
         """
-        fut = asyncio.run_coroutine_threadsafe(_handshake_all(self.links), self._loop)
-        errors = fut.result(timeout=timeout_s)
-        for link, error in zip(self.links, errors, strict=True):
-            if error is not None:
-                continue
-            if self._uses_sync_port(link):
-                with self._sync_lock:
-                    self._sync_conn(link)
-            elif not link.connect_sessions(link.settings.connect_timeout_s):
-                log.warning("draft node %s: no session connection after %.1f s", link.url,
-                            link.settings.connect_timeout_s)
-        return errors
+        return self.shared.handshake(not self.pipelined, timeout_s)
 
     def link_state(self) -> dict[str, float]:
         """For /metrics: 1 if a link is up, per URL."""
-        return {link.url: float(link.up) for link in self.links}
+        return self.shared.link_state()
 
     def close(self) -> None:
-        """End the session, close the channels, stop the link thread."""
+        """End the session; the last drafter of the LinkSet closes the connections."""
         self.end()
-        with self._sync_lock:
-            for conn in self._sync_conns.values():
-                conn.close()
-            self._sync_conns.clear()
-        closing = asyncio.run_coroutine_threadsafe(_close_all(self.links), self._loop)
-        try:
-            closing.result(timeout=2)
-        except (TimeoutError, grpc.aio.AioRpcError, OSError) as e:
-            log.debug("closing draft links: %s", e)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=2)
+        if not self._closed:
+            self._closed = True
+            self.shared.close()
 
     # -- transport ------------------------------------------------------------------
 
@@ -175,8 +167,7 @@ class GrpcTransport:
             try:
                 # A verdict is a few bytes: a node granting too little credit for it within
                 # the round's deadline is broken (or hostile), and the round decodes plainly.
-                call.conn.send_message(call.sid, data, end_stream=close,
-                                       timeout_s=0.0 if close else self.sync_timeout_s)
+                call.line.send(call.sid, data, close, 0.0 if close else self.sync_timeout_s)
             except (H2Error, TimeoutError, OSError) as e:
                 self._sync_failed(call, str(e), dropped=isinstance(e, CreditTimeout))
                 return
@@ -231,7 +222,7 @@ class GrpcTransport:
             out.put(None)
         if call is not None:
             try:
-                call.conn.abandon(call.sid) if call.closed else call.conn.reset(call.sid)
+                call.line.release(call.sid, call.closed)
             except H2Error as e:
                 self._sync_failed(call, str(e))
 
@@ -240,52 +231,38 @@ class GrpcTransport:
     def _uses_sync_port(self, link: Link) -> bool:
         return not self.pipelined and link.sync_port() != 0
 
-    def _sync_conn(self, link: Link) -> Connection | None:
-        """The link's connection to the synchronous port (under _sync_lock), made if needed
-        (also when the node closed the one it had, as it does after --idle-timeout);
-        None if it cannot be made (sessions then use the main port)."""
-        conn = self._sync_conns.get(link.url)
-        if conn is None or not conn.alive():
-            if conn is not None:
-                conn.close()
-            try:
-                conn = self._sync_conns[link.url] = link.connect_sync()
-            except LinkError as e:
-                log.warning("draft node %s: %s; synchronous sessions use its main port",
-                            link.url, e)
-                return None
-        return conn
-
     def _open_sync(self, link: Link, session: int, history: list[int]) -> bool:
-        """Open the session on the link's synchronous port (session thread); False if that
-        port cannot be reached."""
-        with self._sync_lock:
-            if session != self._session:
-                return True
-            conn = self._sync_conn(link)
-            if conn is None:
-                return False
-            first = self._first_message(history)
-            host, port = link.sync_address()
-            try:
-                sid = conn.request(protocol.SESSION_PATH, f"{host}:{port}", link.metadata(),
-                                   "https" if link.settings.tls_ca else "http")
-                conn.send_message(sid, first.SerializeToString(),
-                                  timeout_s=link.settings.connect_timeout_s)
-            except (H2Error, TimeoutError, OSError) as e:
-                conn.close()
-                if isinstance(e, CreditTimeout):  # no credit even for the Open: broken
-                    self._drop(link, str(e))
-                else:
-                    link.failed(str(e))
-                return True
-            with self._cv:  # a newer session may have started meanwhile: it owns the link
-                if session == self._session:
-                    self._sync, self._opening = _SyncCall(conn, sid, link), False
-                    self.counters["sync_port_sessions"] += 1
-                    return True
-            conn.reset(sid)
+        """Open the session on the link's synchronous port (session thread), a stream on
+        the connection the target's drafters share; False if that port cannot be reached."""
+        if session != self._session:
             return True
+        line = self.shared.sync_line(link)
+        if line is None:
+            return False
+        epoch = link.epoch
+        try:
+            sid = line.open(lambda: self._first_message(history).SerializeToString(),
+                            link.settings.connect_timeout_s)
+        except (H2Error, TimeoutError, OSError) as e:
+            if isinstance(e, CreditTimeout):  # no credit even for the Open: broken
+                self.shared.drop(line)
+                self._drop(link, str(e))
+            elif line.broken():
+                self.shared.drop(line)
+                link.failed(str(e), epoch=epoch)
+            else:
+                link.failed(str(e), epoch=epoch, reconnect=False)
+            return True
+        if sid is None:
+            return False
+        with self._cv:  # a newer session may have started meanwhile: it owns the link
+            if session == self._session:
+                self._sync, self._opening = _SyncCall(line, sid, link, epoch), False
+                self.counters["sync_port_sessions"] += 1
+                return True
+        with contextlib.suppress(H2Error):
+            line.release(sid, closed=False)
+        return True
 
     def _poll(self) -> None:
         """Take in what has arrived, without waiting: at most MAX_POLLED messages. A node
@@ -309,7 +286,7 @@ class GrpcTransport:
         forecast = self.forecast if spin and call.asked else None
         window = forecast.window(call.sent_at, call.asked) if forecast else None
         try:
-            data = call.conn.recv_message(call.sid, timeout_s, window)
+            data = call.line.recv(call.sid, timeout_s, window)
         except TimeoutError:
             return False
         except (H2Error, GrpcStatus) as e:
@@ -332,26 +309,36 @@ class GrpcTransport:
             self._sync_failed(call, "undecodable frame: not a DraftMessage", dropped=True)
             return False
         except ProtocolError as e:
-            self._sync_failed(call, str(e), dropped=True)
+            self._sync_failed(call, str(e), dropped=True, alone=isinstance(e, NodeFailure))
             return False
         return True
 
-    def _sync_failed(self, call: _SyncCall, reason: str, dropped: bool = False) -> None:
-        """The call is over: close its connection (the next session reconnects) and mark
-        the link down, or drop a node that broke the protocol."""
+    def _sync_failed(self, call: _SyncCall, reason: str, dropped: bool = False,
+                     alone: bool = False) -> None:
+        """The call is over. A node that broke the protocol is dropped: its connection is
+        closed, ending every session on it. Otherwise only a broken connection is closed
+        (the next session reconnects); a call that failed alone (the node ended or
+        cancelled it) is cancelled, and the sessions beside it go on. Either way the
+        link backs off, once per failure however many sessions saw it. alone: the node
+        failed this session alone (NodeFailure), which drops it without its connection."""
         with self._cv:
             if self._sync is call:
                 self._sync = None
             self._cv.notify_all()
-        call.conn.close()
-        if dropped:
-            self._drop(call.link, reason)
+        alone = (alone or not dropped) and not call.line.broken()
+        if alone:
+            with contextlib.suppress(H2Error):
+                call.line.release(call.sid, closed=False)
         else:
-            call.link.failed(reason)
+            self.shared.drop(call.line)
+        if dropped:
+            self._drop(call.link, reason, alone=alone)
+        else:
+            call.link.failed(reason, epoch=call.epoch, reconnect=not alone)
 
     def _run_session(self, session: int, history: list[int]) -> None:
         """One Session stream, on its own thread: send the Open, then read chunks."""
-        link, call, out = None, None, None
+        link, call, out, epoch = None, None, None, None
         try:
             picking = asyncio.run_coroutine_threadsafe(self._pick_link(), self._loop)
             # Every link's handshake has its own timeout; this one only guards against a
@@ -364,12 +351,13 @@ class GrpcTransport:
                 return
             out = queue.SimpleQueue()
             out.put(self._first_message(history))
+            epoch = link.epoch
             call = link.session_stub().Session(iter(out.get, None), metadata=link.metadata())
             with self._cv:  # a newer session may have started meanwhile: it owns _out then
                 if session != self._session:
                     return
                 self._out, self._call, self._opening = out, call, False
-                self._call_link = link
+                self._call_link, self._call_epoch = link, epoch
             for msg in call:
                 if session != self._session:
                     break
@@ -377,17 +365,19 @@ class GrpcTransport:
                 self._take(session, msg)
             else:
                 if session == self._session:  # the node ended a session we had not closed
-                    link.failed("the draft node ended the session")
+                    link.failed("the draft node ended the session", epoch=epoch,
+                                reconnect=False)
         except ProtocolError as e:
-            self._drop(link, str(e))
+            self._drop(link, str(e), alone=isinstance(e, NodeFailure))
         except grpc.RpcError as e:
             if _undecodable(e):
                 self._drop(link, "undecodable frame: not a DraftMessage")
             elif link is not None and session == self._session:
-                link.failed(_rpc_reason(e))
-        except (LinkError, OSError, TimeoutError) as e:
-            if link is not None and session == self._session:
-                link.failed(str(e))
+                # Only a lost connection drops it (and so every session on it).
+                link.failed(_rpc_reason(e), epoch=epoch, reconnect=_unavailable(e))
+        except (LinkError, OSError, TimeoutError, ValueError) as e:  # ValueError: the
+            if link is not None and session == self._session:     # channel was closed
+                link.failed(str(e), epoch=epoch)
         finally:
             if call is not None:
                 call.cancel()
@@ -403,7 +393,7 @@ class GrpcTransport:
         """A message from the node, either transport; ProtocolError for a broken peer."""
         got = protocol.draft_from_pb(msg)
         if isinstance(got, Failure):
-            raise ProtocolError(f"draft node reported: {got.message}")
+            raise NodeFailure(f"draft node reported: {got.message}")
         self._on_chunk(session, got)
 
     def _first_message(self, history: list[int]) -> pb.TargetMessage:
@@ -414,12 +404,13 @@ class GrpcTransport:
         self.counters["bytes_open"] += n
         return first
 
-    def _drop(self, link: Link | None, reason: str) -> None:
-        """A node that broke the protocol: disconnect it and back off."""
+    def _drop(self, link: Link | None, reason: str, alone: bool = False) -> None:
+        """A node that broke the protocol: disconnect it (alone: only this session) and
+        back off."""
         self.counters["dropped_peers"] += 1
         log.warning("dropping draft node %s: %s", link.url if link else "?", reason)
         if link is not None:
-            link.failed(reason, hostile=True)
+            link.failed(reason, hostile=True, reconnect=not alone)
 
     async def _pick_link(self) -> Link | None:
         """The fastest healthy link, connecting (Hello) where needed."""
@@ -439,23 +430,12 @@ def _rpc_reason(e: BaseException) -> str:
     return str(e)
 
 
+def _unavailable(e: grpc.RpcError) -> bool:
+    """The call failed with its connection (the node is gone or unreachable)."""
+    return isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.UNAVAILABLE
+
+
 def _undecodable(e: grpc.RpcError) -> bool:
     """grpcio ends a blocking call whose response it could not parse with INTERNAL."""
     return (isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.INTERNAL
             and "deserializ" in (e.details() or "").lower())
-
-
-async def _close_all(links: list[Link]) -> None:
-    for link in links:
-        await link.close()
-
-
-async def _handshake_all(links: list[Link]) -> list[str | None]:
-    out = []
-    for link in links:
-        try:
-            await link.connect()
-            out.append(None)
-        except LinkError as e:
-            out.append(str(e))
-    return out

@@ -164,6 +164,21 @@ class Connection:
                 raise
         return self.streams[self._new_requests.pop(0)]
 
+    def room(self) -> bool:
+        """Client: whether the peer's MAX_CONCURRENT_STREAMS allows another call now."""
+        h = self._h2
+        return h.open_outbound_streams < h.remote_settings.max_concurrent_streams
+
+    def take_request(self) -> Stream | None:
+        """Server: a stream the client opened that next_request has not returned, without
+        waiting (None if there is none)."""
+        return self.streams[self._new_requests.pop(0)] if self._new_requests else None
+
+    def wait(self, timeout_s: float) -> None:
+        """Read and handle what arrives within timeout_s, for whichever stream (a server
+        serving several calls on one connection); TimeoutError if nothing did."""
+        self._pump(time.monotonic() + max(timeout_s, 0.0))
+
     def respond(self, sid: int) -> None:
         """Server: the response headers that precede its messages."""
         self._call(self._h2.send_headers, sid, RESPONSE_HEADERS)
@@ -279,7 +294,11 @@ class Connection:
         among what has arrived meanwhile (read without waiting). A server closes idle
         connections; a client checks before reusing one, and makes a new one instead."""
         try:
-            if not self.closed and self.goaway is None and (data := self._recv(None)):
+            # Until nothing is left (a few reads at most): the end of the connection may
+            # come after frames still unread (a reset after the last call's trailers).
+            for _ in range(8):
+                if self.closed or self.goaway is not None or not (data := self._recv(None)):
+                    break
                 self._feed(data, time.monotonic() + MIN_SEND_S)
         except H2Error:
             return False

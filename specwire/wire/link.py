@@ -2,11 +2,17 @@
 
 The handshake runs before any sequence uses the node, so a node with another
 vocabulary, protocol version or a wrong token fails at connect with a message
-naming it, never as garbage tokens later.
+naming it, never as garbage tokens later. Hello and every Session stream share
+one blocking channel, so a target's sessions (all slots of `serve -np N`, see
+wire/linkset.py) reach the node's main port on one HTTP/2 connection, a
+stream each. A failure of one session backs the link off for new sessions but
+leaves the connection, and the other sessions on it, alone; only a failure of
+the connection itself (UNAVAILABLE, or a failed Hello) drops it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import ssl
@@ -50,8 +56,6 @@ class Link:
             raise LinkError(f"--draft-url {url}: expected HOST:PORT")
         self.settings = settings
         self.fingerprint, self.n_vocab, self.target_name = fingerprint, n_vocab, target_name
-        self.channel: grpc.aio.Channel | None = None
-        self.stub: pbg.DraftNodeStub | None = None
         self._session_channel: grpc.Channel | None = None
         self._lock = threading.Lock()
         self.up = False
@@ -61,6 +65,10 @@ class Link:
         self.violations = 0  # protocol violations seen (see failed)
         self.retry_at = 0.0
         self.last_error = ""
+        #: Bumps at every failure: a session remembers the epoch it opened in, and its own
+        #: failure counts only if no other failure was counted since (the sessions on a
+        #: connection that breaks all fail, and the backoff must grow once, not per session).
+        self.epoch = 0
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         tok = self.settings.token
@@ -75,9 +83,9 @@ class Link:
         return self.up or time.monotonic() >= self.retry_at
 
     def session_stub(self) -> pbg.DraftNodeStub:
-        """A stub on a blocking channel, for Session streams.
+        """A stub on the link's blocking channel, for Hello and Session streams.
 
-        Hello goes over grpc.aio, but sessions use grpcio's blocking API: its threads
+        Sessions use grpcio's blocking API rather than grpc.aio: its threads
         move a message between the caller and the wire with fewer wake-ups. Measured
         with bench/link_overhead.py, a synchronous round's link cost 1.4-1.5 ms over
         loopback this way, against 2.0 ms through grpc.aio driven from another thread.
@@ -127,7 +135,7 @@ class Link:
         """The blocking channel for sessions, made when first needed."""
         with self._lock:
             if self._session_channel is None:
-                self._session_channel = self._make_channel(grpc)
+                self._session_channel = self._make_channel()
             return self._session_channel
 
     def _drop_session_channel(self) -> None:
@@ -136,8 +144,8 @@ class Link:
         if channel is not None:
             channel.close()
 
-    def _make_channel(self, api=grpc.aio):
-        """A channel from `api`, grpc.aio or grpc (both have the same constructors)."""
+    def _make_channel(self) -> grpc.Channel:
+        """The blocking channel: one connection of its own, no retries."""
         opts = [
             ("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
@@ -150,35 +158,34 @@ class Link:
         ]
         s = self.settings
         if not s.tls_ca:
-            return api.insecure_channel(self.url, options=opts)
+            return grpc.insecure_channel(self.url, options=opts)
         ca = _read(s.tls_ca)
         cert = _read(s.tls_cert) if s.tls_cert else None
         key = _read(s.tls_key) if s.tls_key else None
         creds = grpc.ssl_channel_credentials(
             root_certificates=ca, private_key=key, certificate_chain=cert
         )
-        return api.secure_channel(self.url, creds, options=opts)
+        return grpc.secure_channel(self.url, creds, options=opts)
 
     async def connect(self) -> None:
-        """Handshake (again if needed); raises LinkError with the reason."""
-        if self.up and self.channel is not None:
+        """Handshake (again if needed); raises LinkError with the reason. Hello goes over
+        the sessions' blocking channel (on an executor thread), so that it adds no
+        connection of its own."""
+        if self.up:
             return
-        if self.channel is None:
-            self.channel = self._make_channel()
-            self.stub = pbg.DraftNodeStub(self.channel)
         req = pb.HelloRequest(
             protocol_version=protocol.PROTOCOL_VERSION,
             vocab_fingerprint=self.fingerprint,
             n_vocab=self.n_vocab,
             target_model=self.target_name,
         )
+        stub = self.session_stub()
         t0 = time.perf_counter()
         try:
-            reply = await self.stub.Hello(
-                req, timeout=self.settings.connect_timeout_s, metadata=self.metadata()
-            )
-        except grpc.aio.AioRpcError as e:
-            self.failed(f"{e.code().name}: {e.details()}")
+            reply = await asyncio.get_running_loop().run_in_executor(None, lambda: stub.Hello(
+                req, timeout=self.settings.connect_timeout_s, metadata=self.metadata()))
+        except grpc.RpcError as e:
+            self.failed(_reason(e))
             raise LinkError(self.last_error) from None
         self.rtt_s = time.perf_counter() - t0
         self._check(reply)
@@ -191,10 +198,8 @@ class Link:
 
     async def close(self) -> None:
         """Close the channel (its connection goes with it)."""
-        channel, self.channel, self.stub, self.up = self.channel, None, None, False
+        self.up = False
         self._drop_session_channel()
-        if channel is not None:
-            await channel.close()
 
     def _check(self, r: pb.HelloReply) -> None:
         if r.protocol_version != protocol.PROTOCOL_VERSION:
@@ -219,20 +224,35 @@ class Link:
         backoff (but not below what the node's protocol violations earned it)."""
         self.failures = 0
 
-    def failed(self, reason: str, backoff_s: float | None = None, hostile: bool = False) -> None:
+    def failed(self, reason: str, backoff_s: float | None = None, hostile: bool = False,
+               epoch: int | None = None, reconnect: bool = True) -> None:
         """Mark the link down; retry after an exponentially growing pause. hostile: the node
         broke the protocol, which doubles every later pause for good (a node that drafts a
-        little and then misbehaves is not retried ever faster)."""
+        little and then misbehaves is not retried ever faster). epoch: the link's epoch
+        when the failing session opened; if another failure was counted since, this one is
+        part of it and changes nothing. reconnect: the connection itself failed and is
+        dropped (the next session makes a fresh one); False for a failure of one session,
+        which leaves the others on the connection alone."""
+        if epoch is not None and epoch != self.epoch:
+            return
+        self.epoch += 1
         self.up = False
         self.failures += 1
         self.violations += hostile
         self.last_error = reason
-        self._drop_session_channel()
+        if reconnect:
+            self._drop_session_channel()
         s = self.settings
         n = self.failures + self.violations
         pause = backoff_s or min(s.backoff_max_s, s.backoff_min_s * 2 ** (n - 1))
         self.retry_at = time.monotonic() + pause
         log.warning("draft link %s down (%s); retry in %.2f s", self.url, reason, pause)
+
+
+def _reason(e: grpc.RpcError) -> str:
+    if isinstance(e, grpc.Call):
+        return f"{e.code().name}: {e.details()}"
+    return str(e)
 
 
 def _read(path: str) -> bytes:

@@ -1,0 +1,200 @@
+"""The synchronous port serving several calls on one connection (wire/sync_mux.py), and
+the link's failure accounting shared by them (Link.failed's epoch).
+
+A real SyncServer on a real socket, driven by wire/http2.py's client Connection; the
+service is a fake whose calls answer each message with a chunk numbering it, so the
+tests see the multiplexing alone: calls served side by side, and one call's end (a
+cancel, bad bytes, silence past its deadline) leaving the others going.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+
+from specwire.wire import protocol
+from specwire.wire import specwire_pb2 as pb
+from specwire.wire.http2 import Connection, H2Error
+from specwire.wire.link import Link, LinkSettings
+from specwire.wire.protocol import ProtocolError
+from specwire.wire.sync_server import SyncServer
+
+
+class EchoCall:
+    """Answers every verdict with a chunk whose start counts the call's messages."""
+
+    def __init__(self, service: FakeService, send, context) -> None:
+        if service.hold is not None:         # holds the connection's thread
+            service.entered.set()
+            service.hold.wait(10)
+        if len([c for c in service.calls if not c.ended]) >= service.max_calls:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+        service.calls.append(self)
+        service.peers.add(context.peer())
+        self.service = service
+        self.send, self.taken, self.ended, self.error = send, 0, False, ""
+
+    def take(self, msg) -> bool:
+        if self.service.barrier is not None and not isinstance(msg, ProtocolError):
+            self.service.barrier.wait()      # passes only when two calls draft at once
+        if isinstance(msg, ProtocolError):
+            self.error = str(msg)
+            self.send(pb.DraftMessage(error=pb.DraftError(message=str(msg))))
+            return False
+        if msg.WhichOneof("kind") == "close":
+            return False
+        self.taken += 1
+        self.send(pb.DraftMessage(chunk=pb.DraftChunk(start=self.taken)))
+        return True
+
+    def end(self) -> None:
+        assert not self.ended, "a call ends once"
+        self.ended = True
+
+
+class FakeService:
+    def __init__(self, max_calls: int = 8) -> None:
+        self.calls: list[EchoCall] = []
+        self.peers: set[str] = set()
+        self.max_calls = max_calls
+        self.barrier: threading.Barrier | None = None
+        self.hold: threading.Event | None = None
+        self.entered = threading.Event()
+
+    def sync_call(self, send, context) -> EchoCall:
+        return EchoCall(self, send, context)
+
+
+@pytest.fixture(name="served")
+def served_fixture():
+    """A SyncServer of the fake service (1 s per call's Open) and a client connection."""
+    service = FakeService(max_calls=3)
+    server = SyncServer(service, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
+                        session_idle_s=1.0, max_streams=8)
+    server.start()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    conn = Connection(sock, client=True, max_message=protocol.MAX_MESSAGE_BYTES)
+    conn.handshake(5)
+    try:
+        yield service, conn
+    finally:
+        conn.close()
+        server.close()
+
+
+def _open(conn: Connection) -> int:
+    return conn.request(protocol.SESSION_PATH, "node", (), "http")
+
+
+def _verdict() -> bytes:
+    return pb.TargetMessage(verdict=pb.Verdict(position=1)).SerializeToString()
+
+
+def _round(conn: Connection, sid: int) -> int:
+    conn.send_message(sid, _verdict())
+    data = conn.recv_message(sid, 5)
+    assert data is not None
+    return pb.DraftMessage.FromString(data).chunk.start
+
+
+def test_calls_on_one_connection_are_served_side_by_side(served) -> None:
+    service, conn = served
+    a, b = _open(conn), _open(conn)
+    # both verdicts out before either answer is read: the node answers each on its stream
+    conn.send_message(a, _verdict())
+    conn.send_message(b, _verdict())
+    conn.send_message(b, _verdict())
+    got_b = [pb.DraftMessage.FromString(conn.recv_message(b, 5)).chunk.start for _ in "xy"]
+    got_a = pb.DraftMessage.FromString(conn.recv_message(a, 5)).chunk.start
+    assert (got_a, got_b) == (1, [1, 2])
+    assert _round(conn, a) == 2
+    assert len(service.calls) == 2 and len(service.peers) == 1, "one connection, two calls"
+    conn.end_stream(a)                       # a Close of the HTTP/2 kind ends a alone
+    assert conn.recv_message(a, 5) is None
+    assert _round(conn, b) == 3
+    assert service.calls[0].ended and not service.calls[1].ended
+
+
+def test_calls_with_verdicts_waiting_draft_side_by_side(served) -> None:
+    """Two calls' verdicts waiting at once: their sessions draft at the same time (each
+    waits for the other at a barrier, which a one-at-a-time server never passes)."""
+    service, conn = served
+    a, b = _open(conn), _open(conn)
+    assert _round(conn, a) == 1 and _round(conn, b) == 1
+    service.barrier = threading.Barrier(2, timeout=10)
+    service.hold = threading.Event()         # a third call's admission holds the node's
+    _open(conn)                              # thread while both verdicts go out, so it
+    assert service.entered.wait(10)          # finds them waiting together
+    conn.send_message(a, _verdict())
+    conn.send_message(b, _verdict())
+    hold, service.hold = service.hold, None
+    hold.set()
+    got = {sid: pb.DraftMessage.FromString(conn.recv_message(sid, 15)) for sid in (a, b)}
+    assert [m.chunk.start for m in got.values()] == [2, 2], got
+    assert not service.barrier.broken
+
+
+def test_a_cancelled_call_ends_alone(served) -> None:
+    service, conn = served
+    a, b = _open(conn), _open(conn)
+    assert _round(conn, a) == 1 and _round(conn, b) == 1
+    conn.reset(a)                            # the target's request ended: RST_STREAM
+    assert _round(conn, b) == 2
+    deadline = time.monotonic() + 5
+    while not service.calls[0].ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.calls[0].ended and not service.calls[1].ended
+    c = _open(conn)                          # its admission slot is free again
+    assert _round(conn, c) == 1
+
+
+def test_bad_bytes_end_their_call_alone(served) -> None:
+    service, conn = served
+    a, b = _open(conn), _open(conn)
+    assert _round(conn, a) == 1
+    conn.send_message(b, b"\xff\xff not a TargetMessage")
+    error = pb.DraftMessage.FromString(conn.recv_message(b, 5))
+    assert "undecodable" in error.error.message
+    with pytest.raises(H2Error, match="reset by the peer .code 0"):  # then the call ends
+        conn.recv_message(b, 5)              # (trailers, and RST_STREAM NO_ERROR)
+    assert _round(conn, a) == 2 and service.calls[1].ended and not service.calls[0].ended
+
+
+def test_a_silent_call_ends_at_its_deadline_and_the_others_go_on(served) -> None:
+    service, conn = served
+    a, b = _open(conn), _open(conn)
+    assert _round(conn, a) == 1 and _round(conn, b) == 1
+    for _ in range(4):                       # a keeps talking, b says nothing for 1.2 s
+        time.sleep(0.3)
+        _round(conn, a)
+    error = pb.DraftMessage.FromString(conn.recv_message(b, 5))
+    assert "the target sent nothing for 1 s" in error.error.message
+    assert service.calls[1].ended and not service.calls[0].ended
+
+
+def test_admission_refuses_a_call_and_keeps_the_connection(served) -> None:
+    service, conn = served
+    sids = [_open(conn) for _ in range(4)]
+    for sid in sids[:3]:
+        assert _round(conn, sid) == 1
+    with pytest.raises(H2Error):             # finished at once (RESOURCE_EXHAUSTED) and reset
+        conn.send_message(sids[3], _verdict())
+        conn.recv_message(sids[3], 5)
+    assert len(service.calls) == 3
+    assert _round(conn, sids[0]) == 2       # the others go on
+
+
+def test_one_failure_of_a_shared_link_backs_it_off_once() -> None:
+    """Sessions that opened in the same epoch and all fail with their connection count as
+    one failure; a failure after the link was up again counts anew."""
+    link = Link("127.0.0.1:9", LinkSettings(backoff_min_s=0.25), "f", 10, "t")
+    epoch = link.epoch
+    for _ in range(4):
+        link.failed("connection lost", epoch=epoch)
+    assert link.failures == 1 and link.retry_at - time.monotonic() <= 0.25
+    link.failed("again", epoch=link.epoch, reconnect=False)
+    assert link.failures == 2
