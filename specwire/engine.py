@@ -185,6 +185,8 @@ class Generation:
         if len(draft) < self.req.draft.n_min:
             draft = Draft()
         rnd.draft, rnd.drafted = draft, time.perf_counter()
+        if isinstance(run, Drafting):
+            rnd.own_s = run.spent
         part.tokens.extend(draft.tokens)
 
     def take(self, rows: np.ndarray, decode_s: float) -> None:
@@ -209,14 +211,14 @@ class Generation:
         # Verification: the step's decode and this sequence's own check, not the time the
         # other sequences of the step spent drafting or verifying.
         verify_s = decode_s + time.perf_counter() - tv
-        draft_s = rnd.drafted - rnd.started
-        st.draft_ms += 1000 * draft_s
+        st.draft_ms += 1000 * (rnd.drafted - rnd.started)
         st.verify_ms += 1000 * verify_s
         if not draft.tokens:
             st.plain_steps += 1
             st.plain_ms += 1000 * verify_s
         st.record_round(len(draft), verdict.accepted, rnd.k)
-        self._policy.observe(len(draft), verdict.accepted, draft_s, verify_s, draft.confidence)
+        self._policy.observe(len(draft), verdict.accepted, rnd.draft_s, verify_s,
+                             draft.confidence)
         appended = [*draft.tokens[: verdict.accepted], verdict.token]
         new = self._emit(appended)
         history.extend(new)
@@ -254,6 +256,10 @@ class Generation:
             self._constrain(req.grammar)
         self._begun = True
         drafter.begin(prompt, req.sampling, req.draft)
+        if isinstance(self._policy, AdaptivePolicy):
+            # What its first draft must catch up with: the prompt, less the drafter's cache.
+            got = drafter.cache_use()
+            self._policy.behind(got[1] if got is not None else 0)
         kept = eng.reuse_cache(target, prompt) if req.cache_prompt else 0
         if kept < target.n_past:
             target.truncate(kept)

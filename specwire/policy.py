@@ -129,7 +129,18 @@ class AdaptivePolicy:
     cost: it first caught up with the tokens it had not seen (the prompt, or a
     stretch of plain steps), work that a steady run of rounds does not repeat.
     What a stretch of plain steps made it redo is charged to plain steps instead
-    (catch_up_cost): with a draft model, stopping to draft is not free.
+    (catch_up_cost): with a draft model, stopping to draft is not free. What the
+    first round of a request pays to catch up with the prompt is learnt apart
+    (prompt_cost), per token: it prices the first draft of a request in a batch,
+    and every probe.
+
+    Probes of a drafter that does not pay are rationed by what they cost: with a
+    draft model a probe first catches up with everything the sequence decoded
+    plainly (the prompt too), which can take as long as many plain steps. A probe
+    waits until the plain rounds since the last one, at this sequence's share of
+    each step, add up to 1 / probe_budget times its expected cost, so that probing
+    costs at most about probe_budget of the time; and a probe drafts the tokens it
+    was asked for whatever the stop rule says, or it would teach nothing.
 
     Within a round, a draft model in this process asks keep_drafting before each
     token; the policy calibrates its confidence from what verification kept.
@@ -152,14 +163,24 @@ class AdaptivePolicy:
     probe_backoff: int = 1  # the interval's multiplier: doubles per probe that did not pay
     probe_backoff_max: int = 8
     probed: bool = False  # the last round asked was a probe
+    probing: bool = False  # the round in progress is a probe
+    #: the most of its time a sequence spends on probes that do not pay (their catch-up)
+    probe_budget: float = 0.01
+    idle_s: float = 0.0  # this sequence's share of the plain steps since the last probe
     margin: float = 0.2  # how much better plain steps must look to stop drafting early on
     settle: int = 12  # rounds that asked the drafter before the margin is dropped
     asked_rounds: int = 0
     idle_rounds: int = 0
     asked: int = 0  # k of the round in progress
     warm: bool = False  # the previous round asked for a draft
-    skipped: int = 0  # tokens since the drafter was last asked in this sequence
+    #: tokens the drafter lacks: since it was last asked in this sequence, or since the
+    #: request began (its prompt's tokens missing from the drafter's cache included)
+    skipped: int = 0
     begun: bool = False  # the drafter was asked in this sequence (it has the prompt)
+    #: what catching up with a request's prompt cost: seconds, over its tokens
+    prompt_s: float = 0.0
+    prompt_tokens: float = 0.0
+    limit: int = 0  # the most tokens the request may still produce (choose's limit + 1)
     calibration: Calibration = field(default_factory=Calibration)
     stop: CalibratedStop = field(init=False)
     round_rate: float = 0.0  # expected tokens/s of the round in progress
@@ -172,12 +193,19 @@ class AdaptivePolicy:
     def __post_init__(self) -> None:
         self.stop = CalibratedStop(self.calibration)
 
-    def start(self) -> None:
+    def start(self, behind: int = 0) -> None:
         """A new sequence: keep the estimates, forget the round in progress. The rounds
         since the last probe carry over, so that probes go on at their (backed-off)
-        interval across requests shorter than it."""
+        interval across requests shorter than it. behind: the prompt's tokens that the
+        drafter will have to catch up with when first asked."""
         self.asked, self.warm = 0, False
-        self.skipped, self.begun = 0, False
+        self.skipped, self.begun = behind, False
+
+    def behind(self, tokens: int) -> None:
+        """The drafter lacks this many of the new request's prompt tokens (known once it
+        has begun the sequence, after start)."""
+        if not self.begun:
+            self.skipped = tokens
 
     @property
     def acceptance(self) -> float:
@@ -207,6 +235,18 @@ class AdaptivePolicy:
         draft model evaluates the tokens it missed; a remote or n-gram drafter, nothing."""
         return self.catch_up_s / self.catch_up_tokens if self.catch_up_tokens else 0.0
 
+    def prompt_cost(self) -> float:
+        """Seconds per prompt token that the drafter's first round of a request spends
+        catching up (0 before it has been seen)."""
+        return self.prompt_s / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def behind_s(self) -> float:
+        """Seconds the next round that asks the drafter spends catching up first."""
+        if self.warm:
+            return 0.0
+        per = self.catch_up_cost() if self.begun else self.prompt_cost()
+        return per * self.skipped
+
     def rate(self, k: int, batch_tokens: int | None = None) -> float:
         """Expected tokens per second of the target decode in which this sequence's round
         asks for k tokens beside batch_tokens tokens of other sequences (default: what
@@ -219,8 +259,12 @@ class AdaptivePolicy:
             return throughput.round_rate(self.acceptance, k, draft_s, self.verify_cost,
                                          self.continuation)
         # Alone, what plain steps make the drafter redo is charged to them; in a batch the
-        # round that asks a drafter which has fallen behind pays for it.
-        behind = 0.0 if k == 0 or self.warm else self.catch_up_cost() * self.skipped
+        # rounds that ask a drafter which has fallen behind pay for it, spread over what
+        # the request may still produce (a steady run of drafts pays it once).
+        behind = 0.0
+        if k:
+            tokens = throughput.expected_tokens(self.continuation * self.acceptance, k)
+            behind = self.behind_s() * min(1.0, tokens / max(1, self.limit))
         return throughput.step_rate(self.acceptance, k, self.draft_cost, self.verify_cost,
                                     self.continuation, b, behind)
 
@@ -233,7 +277,8 @@ class AdaptivePolicy:
         whole step, which drafting spreads over several tokens; in a big batch the step
         is paid anyway, so drafting is chosen only where it still beats the batch's own
         rate. A drafter that stops by itself (drafter_stops) is asked for the most."""
-        self.batch_tokens = batch_tokens
+        self.batch_tokens, self.limit = batch_tokens, limit + 1
+        self.probing = False
         if self.drafter_stops and limit > 0:
             self.asked = min(self.n_max, limit)     # the drafter cuts its own draft
         else:
@@ -254,24 +299,32 @@ class AdaptivePolicy:
         """Should a draft model propose token i (0-based) of this round, given its top
         probability? Yes while P(it and every token before it kept) >= stop_threshold."""
         if i == 0:
-            self.stop.threshold = self.stop_threshold()
+            self.stop.threshold = 0.0 if self.probing else self.stop_threshold()
         return self.stop(i, confidence)
 
     def _best(self, limit: int) -> int:
         rates = [self.rate(k) for k in range(limit + 1)]
+        if self.batch_tokens == 0 and limit > 0:
+            # Plain steps are charged the catch-up they cause only where drafting pays
+            # once caught up: a drafter that never pays is never asked again to catch up.
+            free = 1.0 / self.verify_cost(1)
+            if max(rates[1:]) <= free:
+                rates[0] = free
         best_k = 0
         for k in range(1, limit + 1):
             if rates[k] > rates[best_k] * 1.0001:
                 best_k = k
-        if best_k > 0 or limit == 0:
-            self.idle_rounds = 0
-            if best_k > 0:
-                self.probed, self.probe_backoff = False, 1
+        if limit == 0:      # the request's last token: nothing to draft, nothing learnt
+            return 0
+        if best_k > 0:
+            self.idle_rounds, self.idle_s = 0, 0.0
+            self.probed, self.probe_backoff = False, 1
             return best_k
         try_k = max(range(1, limit + 1), key=rates.__getitem__)
         # Early on, stop drafting only when plain steps look clearly better: the first
         # estimates are noisy, and a wrong stop costs many rounds before a probe.
-        early = self.warm and self.asked_rounds < self.settle
+        # (A probe is no start: its outcome is judged without the margin.)
+        early = self.warm and not self.probed and self.asked_rounds < self.settle
         if early and rates[try_k] * (1.0 + self.margin) >= rates[0]:
             self.idle_rounds = 0
             return try_k
@@ -288,8 +341,16 @@ class AdaptivePolicy:
         interval = min(self.probe_every, max(2, int(4 * self.probe_every * gap)))
         if self.idle_rounds < interval * self.probe_backoff:
             return 0
-        self.idle_rounds, self.probed = 0, True
+        if self.idle_s * self.probe_budget < self.probe_cost(try_k):
+            return 0
+        self.idle_rounds, self.idle_s, self.probed = 0, 0.0, True
+        self.probing = True
         return try_k
+
+    def probe_cost(self, k: int) -> float:
+        """Seconds a probe asking for k tokens holds up its step: the drafter's catch-up
+        and its draft."""
+        return self.behind_s() + self.draft_cost(throughput.drafted_tokens(self.continuation, k))
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
                 confidence: list[float] | None = None,
@@ -307,12 +368,19 @@ class AdaptivePolicy:
             self.stopped = w * self.stopped + (1 if drafted < self.asked else 0)
             if self.warm:
                 self.draft.add(drafted, draft_s)
-            elif self.begun and self.skipped:  # the first round after plain steps
-                self.catch_up_s = w * self.catch_up_s + max(0.0, draft_s - self.draft(drafted))
-                self.catch_up_tokens = w * self.catch_up_tokens + self.skipped
+            elif self.skipped:  # the first round after plain steps, or of the request
+                extra = max(0.0, draft_s - self.draft(drafted))
+                if self.begun:
+                    self.catch_up_s = w * self.catch_up_s + extra
+                    self.catch_up_tokens = w * self.catch_up_tokens + self.skipped
+                else:
+                    self.prompt_s = w * self.prompt_s + extra
+                    self.prompt_tokens = w * self.prompt_tokens + self.skipped
             self.skipped, self.begun = 0, True
-        elif self.begun:
+        else:
             self.skipped += 1
+            b = self.batch_tokens if batch_tokens is None else batch_tokens
+            self.idle_s += verify_s / (1 + b)
         if self.probed and accepted:
             self.probed, self.probe_backoff = False, 1
         if drafted:

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class BatchFull(BackendError):
+    """engine.generate found no free sequence (or the one asked for running): the batch
+    holds at most n_seq generations, and one leaves only when it is done or closed."""
+
+
 class BatchScheduler:
     """The running generations of one batch target, and their sequences."""
 
@@ -47,13 +52,19 @@ class BatchScheduler:
     def join(self, make: Callable[[int], Generation], seq: int | None = None) -> Generation:
         with self._lock:
             free = self.free()
+            n = self.batch.n_seq
             if seq is None:
                 if not free:
-                    raise BackendError(f"all {self.batch.n_seq} sequences of the target are "
-                                       "busy")
+                    raise BatchFull(
+                        f"engine.generate: all {n} sequence{'s' if n > 1 else ''} of the "
+                        f"target are busy with running generations; run or close() one "
+                        f"first, or give the target more sequences (-np)")
                 seq = free[0]
+            elif not 0 <= seq < n:
+                raise BatchFull(f"engine.generate: sequence {seq} outside 0..{n - 1}")
             elif seq not in free:
-                raise BackendError(f"sequence {seq} is busy")
+                raise BatchFull(f"engine.generate: sequence {seq} is busy with a running "
+                                f"generation; run or close() it first, or pass seq=None")
             gen = make(seq)
             self.running.append(gen)
             return gen

@@ -15,3 +15,11 @@ class Round:
     k: int            # the draft length the policy asked for
     started: float    # perf_counter before the drafter was asked
     drafted: float    # ... and after its draft was in (with the others', in lockstep)
+    #: what drafting cost this sequence, as if alone (drafters/lockstep.py); None: the
+    #: time between started and drafted, all of it its own
+    own_s: float | None = None
+
+    @property
+    def draft_s(self) -> float:
+        """The drafting cost the policy learns from."""
+        return self.drafted - self.started if self.own_s is None else self.own_s

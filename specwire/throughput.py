@@ -118,6 +118,9 @@ class LineFit:
     y: float = 0.0
     xx: float = 0.0
     xy: float = 0.0
+    #: the last fit and the sums it came from: the policy prices every k of every
+    #: sequence each step, and the sums change once per round
+    _fit: tuple = field(default=(), compare=False, repr=False)
 
     def add(self, x: float, y: float) -> None:
         k = 1.0 - self.alpha
@@ -129,6 +132,14 @@ class LineFit:
         """(c, d); (0, 0) before any data."""
         if self.w == 0.0:
             return 0.0, 0.0
+        key = (self.w, self.x, self.y, self.xx, self.xy, self.guess, self.prior)
+        if self._fit and self._fit[0] == key:
+            return self._fit[1]
+        fit = self._solve()
+        self._fit = (key, fit)
+        return fit
+
+    def _solve(self) -> tuple[float, float]:
         c0 = (self.y / self.w) / (1.0 + self.guess * self.x / self.w)
         y2 = c0 * (1.0 + 2.0 * self.guess)  # the prior's points: (0, c0) and (2, y2)
         lam = self.prior

@@ -170,6 +170,9 @@ class FakeBatch:
     def seq(self, i: int) -> FakeBackend:
         return self.seqs[i]
 
+    def seq_decode_s(self, i: int) -> float:
+        return self.seqs[i].decode_s
+
     def decode(self, parts) -> list[np.ndarray]:
         total = sum(len(p.tokens) for p in parts)
         if total > self.n_batch:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,7 +24,13 @@ import pytest
 from specwire.bench import concurrency as conc
 from specwire.bench import concurrency_table as table
 from specwire.bench.burst import Burst, Reply, fire, parse_reply, request_body
-from specwire.bench.server_process import ServerFlags, llama_server_command, specwire_command
+from specwire.bench.server_process import (
+    ServerFlags,
+    ServerProcess,
+    free_port,
+    llama_server_command,
+    specwire_command,
+)
 
 # --------------------------------------------------------------------------- flags
 
@@ -147,7 +155,7 @@ def _burst(level: int, wall: float, tokens: int, text: str = "t", draft: int | N
     replies = tuple(Reply(f"{ids}{i}", tokens, wall, text=text, decode_tps=tokens / wall,
                           draft_n=draft, draft_accepted=None if draft is None else draft // 2)
                     for i in range(level))
-    return Burst(level, wall, replies, load=1.5)
+    return Burst(level, wall, replies, load=1.5, cpu_s=wall / 2)
 
 
 def test_summary_medians_ratios_and_text_check() -> None:
@@ -169,6 +177,8 @@ def test_summary_medians_ratios_and_text_check() -> None:
     assert "| 4.00x |" in rows[("md", "2")]            # 30 / 7.5 of plain at 2
     assert "0.50 of 32" in rows[("md", "2")] and "2/4" in rows[("md", "2")]
     assert "x llama-server" not in md.splitlines()[0]
+    # tokens per CPU second: the server used half the wall time's CPU in these bursts
+    assert md2.cpu_tps == [40.0, 80.0] and "| 60.0 | 4.00x |" in rows[("md", "2")]
 
 
 def test_errors_and_short_answers_are_counted() -> None:
@@ -258,3 +268,20 @@ def test_harness_on_specwire_serve(tmp_path: Path, capsys: pytest.CaptureFixture
         port = int(cmd.split("--port ")[1].split()[0])
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_server_process_reports_its_cpu_seconds(tmp_path) -> None:
+    """The CPU time of a server's process, read from /proc, grows while it computes."""
+    code = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n" \
+           "time.sleep(30)"
+    proc = ServerProcess("spin", [sys.executable, "-c", code], free_port(),
+                         tmp_path / "spin.log", {})
+    assert proc.cpu_s() is None                      # not started
+    proc.proc = subprocess.Popen(proc.cmd, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while (proc.cpu_s() or 0.0) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 0.25 <= proc.cpu_s() < 5.0
+    finally:
+        proc.stop()

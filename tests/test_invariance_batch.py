@@ -152,4 +152,9 @@ def test_drafting_in_lockstep_keeps_each_request_its_own_tokens(single, lockstep
             pytest.fail(f"request {i}, draft-max {k}:\n" + explain_mismatch(
                 single, PROMPTS[i], alone[(i, sampling.temperature)], gen.tokens))
         assert gen.stats.draft_n > 0 and "guard_failures" not in gen.stats.drafter
-    assert lockstep.drafters[0].shared.decode_s > draft_decodes
+    spent = lockstep.drafters[0].shared.decode_s - draft_decodes
+    assert spent > 0
+    # each request's draft decode_ms is its own share of the shared draft context's time
+    own = [gen.stats.drafter["decode_ms"] for gen in gens.values()]
+    assert all(0 < ms < 1000 * spent for ms in own)
+    assert sum(own) == pytest.approx(1000 * spent, rel=1e-6)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
+
 from specwire.policy import AdaptivePolicy, PolicyMemory
 
 
@@ -31,9 +33,10 @@ def test_failed_probes_back_off_to_the_bound() -> None:
     without the backoff."""
     p = AdaptivePolicy(8)
     ks = _drive(p, 2000, good=False)
-    probes = [i for i, k in enumerate(ks) if k and i > 50]
+    stop = ks.index(0)                                      # the first drafts ended here
+    probes = [stop - 1, *(i for i, k in enumerate(ks) if k and i > stop)]
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
-    assert all(ks[i] == 1 for i in probes)                  # one-token probes
+    assert all(ks[i] == 1 for i in probes[1:])              # one-token probes
     assert max(gaps) <= p.probe_every * p.probe_backoff_max
     assert gaps[-1] >= 4 * gaps[0]
     flat = AdaptivePolicy(8, probe_backoff_max=1)
@@ -66,3 +69,86 @@ def test_probe_interval_carries_across_short_requests() -> None:
         asked += sum(1 for k in _drive(p, 32, good=False) if k)
     assert asked >= 3
     assert abs(asked - sum(1 for k in _drive(one, rounds, good=False) if k)) <= 1
+
+
+def _serve(pols: list[PolicyMemory], requests: int, prompt: int, n: int, accept: float,
+           step: tuple[float, float], catch: float, per_token: float,
+           seed: int = 0) -> tuple[float, float, int]:
+    """Sequences decoding in shared steps, each running n-token requests back to back on a
+    machine with these costs: a step, fixed + per token in it; a draft model that evaluates
+    `catch` seconds per token it catches up with (the prompt, and every plain step since it
+    was last asked) and `per_token` per drafted token; tokens kept with probability
+    `accept`. Returns (tokens/s over plain decoding's, share of the time spent drafting,
+    draft rounds)."""
+    rs = np.random.default_rng(seed)
+    n_seq = len(pols)
+    live = [mem.policy("adaptive", 8) for mem in pols]
+    for p in live:
+        p.behind(prompt)
+    done, lag = [0] * n_seq, [prompt] * n_seq
+    finished = [0] * n_seq
+    wall = drafting = 0.0
+    tokens = rounds = 0
+    while min(finished) < requests:
+        ks = [p.choose(max(0, n - d - 1), batch_tokens=n_seq - 1)
+              for p, d in zip(live, done, strict=True)]
+        verify = step[0] + step[1] * (n_seq + sum(ks))
+        for j, (p, k) in enumerate(zip(live, ks, strict=True)):
+            spent, kept = 0.0, 0
+            if k:
+                spent, lag[j] = catch * (lag[j] + 1) + per_token * k, 0
+                while kept < k and rs.random() < accept:
+                    kept += 1
+                rounds += 1
+            else:
+                lag[j] += 1
+            drafting += spent
+            p.observe(k, kept, spent, verify, batch_tokens=n_seq - 1 + sum(ks) - k)
+            done[j] += kept + 1
+            tokens += kept + 1
+            if done[j] >= n:
+                finished[j] += 1
+                live[j] = pols[j].policy("adaptive", 8)
+                live[j].behind(prompt)
+                done[j], lag[j] = 0, prompt
+        wall += verify
+    wall += drafting
+    plain = n_seq / (step[0] + step[1] * n_seq)
+    return tokens / wall / plain, drafting / wall, rounds
+
+
+def test_probes_that_must_catch_up_a_prompt_cost_at_most_their_budget() -> None:
+    """Eight sequences, 64-token requests behind 150-token prompts, a draft that does not
+    pay in the batch: every probe first catches up with about 200 tokens (as long as 10
+    plain steps). Probes are rationed to probe_budget of the time: the batch runs at
+    plain decoding's speed but for that, and still probes now and then."""
+    pols = [PolicyMemory() for _ in range(8)]
+    _serve(pols, 10, 150, 64, 0.3, (0.06, 0.002), 0.004, 0.01)     # learn the costs
+    speed, drafting, rounds = _serve(pols, 120, 150, 64, 0.3, (0.06, 0.002), 0.004, 0.01)
+    budget = pols[0].policies[("adaptive", 8)].probe_budget
+    assert drafting <= 1.5 * budget and speed >= 1 - 2 * budget
+    assert rounds >= 4                                  # it keeps looking
+
+
+def test_in_a_batch_it_drafts_where_drafting_pays_prompt_catch_up_included() -> None:
+    """The same batch with a draft that is cheap and mostly right: every request's first
+    draft pays for catching up with its prompt, spread over the request, and drafting
+    wins by far."""
+    pols = [PolicyMemory() for _ in range(8)]
+    speed, _, rounds = _serve(pols, 20, 150, 64, 0.9, (0.1, 0.001), 0.0005, 0.002)
+    assert speed > 1.4 and rounds > 8 * 20 * 5
+
+
+def test_a_probe_drafts_what_it_asked_for_whatever_the_stop_rule() -> None:
+    """A probe's draft is not cut by the calibrated stop rule (a probe that drafts nothing
+    would pay its catch-up and learn nothing); an ordinary round's is."""
+    p = AdaptivePolicy(8)
+    _drive(p, 300, good=False)
+    for _ in range(300):                    # a draft this unsure is never right
+        p.calibration.learn([0.01], 0)
+    while not p.choose(16):
+        p.observe(0, 0, 0.0, _verify(1))
+    assert p.probing and p.keep_drafting(0, 0.01)
+    p.observe(1, 0, 0.0001, _verify(2))
+    assert p.choose(16) == 0 and not p.probing
+    assert not p.keep_drafting(0, 0.01)

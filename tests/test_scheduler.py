@@ -14,9 +14,11 @@ from fakes import FakeBackend, FakeBatch, FakeModel, SpyDrafter
 
 from specwire.backend.base import BackendError
 from specwire.config import DraftParams, SamplingParams
+from specwire.drafters.lockstep import draft_together
 from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram import NgramDrafter
 from specwire.engine import Engine, Request
+from specwire.scheduler import BatchFull
 
 V = 40
 TARGET = FakeModel(n_vocab=V, seed=0)
@@ -97,7 +99,7 @@ def test_join_midway_cancel_and_reuse_of_a_freed_sequence() -> None:
         engine.step()
     b = engine.generate(request(2, SEEDED, 4))          # joins at the next step
     assert b.seq == 1
-    with pytest.raises(BackendError, match="busy"):
+    with pytest.raises(BatchFull, match="busy"):
         engine.generate(request(3, GREEDY, 0))
     engine.step()
     engine.step()
@@ -233,3 +235,48 @@ def test_every_drafter_is_asked_before_any_proposes() -> None:
         proposed = [who for k, who in s if k == "propose"]
         assert s[:len(asked)] == [("ask", w) for w in asked], s
         assert sorted(proposed) == sorted(asked), s
+
+
+def test_generate_on_a_full_batch_is_one_clear_error_and_leaves_the_batch_alone() -> None:
+    """A third generation on two sequences is refused, naming the cause and the way out;
+    the running ones go on untouched, and once one is closed the next one gets its
+    sequence. A single-sequence target says the same of its one sequence."""
+    engine, _ = batch_engine(2, ["ngram", "ngram"])
+    a, b = (engine.generate(request(i, GREEDY, 4)) for i in (0, 2))
+    engine.step()
+    with pytest.raises(BatchFull, match=r"all 2 sequences .* busy .* close\(\) one"):
+        engine.generate(request(3, GREEDY, 0))
+    with pytest.raises(BatchFull, match="sequence 1 is busy"):
+        engine.generate(request(3, GREEDY, 0), seq=1)
+    with pytest.raises(BatchFull, match="sequence 5 outside 0..1"):
+        engine.generate(request(3, GREEDY, 0), seq=5)
+    b.close()
+    c = engine.generate(request(3, GREEDY, 0))
+    assert c.seq == 1
+    run_all(engine, [a, c])
+    assert a.tokens == alone(request(0, GREEDY, 4), "ngram")
+    assert c.tokens == alone(request(3, GREEDY, 0), "none")
+    one = Engine(FakeBackend(TARGET))
+    first = one.generate(request(0, GREEDY, 0))
+    with pytest.raises(BatchFull, match="all 1 sequence of the target are busy"):
+        one.generate(request(1, GREEDY, 0))
+    assert first.run() == alone(request(0, GREEDY, 0), "none")
+    assert one.generate(request(1, GREEDY, 0)).run() == alone(request(1, GREEDY, 0), "none")
+
+
+def test_a_lockstep_draft_is_charged_its_own_share_not_another_s_catch_up() -> None:
+    """Sequence 0 drafts one token beside sequence 1 catching up with a long history in
+    the same draft decode: each draft's `spent` (what the adaptive policy learns from) is
+    what drafting costs it alone, so sequence 0 is not charged sequence 1's catch-up."""
+    drafts = FakeBatch(OTHER, 2, n_ctx=1024)
+    d0, d1 = ModelDrafter.per_sequence(drafts)
+    params = DraftParams(n_max=1, p_min=0.0)
+    short, long_ = [1, 2, 3], [(7 * i) % (V - 8) for i in range(400)]
+    for d, prompt in ((d0, short), (d1, long_)):
+        d.begin(prompt, GREEDY, params)
+    d0.draft_from(short, 1)                            # sequence 0 has caught up
+    runs = [d0.draft_in_steps([*short, 5], 1), d1.draft_in_steps(long_, 1)]
+    draft_together(runs)
+    assert [len(t) for _, _, t in drafts.decodes[-1]] == [1, 400]   # one decode for both
+    assert all(r.error is None and len(r.draft) == 1 for r in runs)
+    assert 0 < 20 * runs[0].spent < runs[1].spent

@@ -47,6 +47,9 @@ class BatchBackend(Protocol):
     def seq(self, i: int) -> Backend:
         """Sequence i's view: its tokens, truncate, eval (a decode of its part alone)."""
 
+    def seq_decode_s(self, i: int) -> float:
+        """Sequence i's share of decode_s (by its tokens in each decode)."""
+
     def decode(self, parts: Sequence[Part]) -> list[np.ndarray]:
         """Append every part to its sequence in one decode; each part's logits rows.
 
@@ -69,6 +72,9 @@ class OneSequence:
     @property
     def decode_s(self) -> float:
         return float(getattr(self.backend, "decode_s", 0.0))   # optional on a Backend
+
+    def seq_decode_s(self, i: int) -> float:
+        return self.decode_s
 
     def seq(self, i: int) -> Backend:
         if i != 0:

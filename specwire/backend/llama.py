@@ -230,6 +230,7 @@ class LlamaBackend:
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self._views = [self, *(SeqView(self, i) for i in range(1, n_seq))]
         self.decode_s = 0.0          # time inside llama_decode, to measure our own overhead
+        self._seq_decode_s = [0.0] * n_seq   # ... each sequence's share of it
 
     # -- the Backend protocol (sequence 0) -------------------------------------
 
@@ -301,7 +302,10 @@ class LlamaBackend:
         self._batch.n_tokens = total
         t0 = time.perf_counter()
         rc = C.llama_decode(self.ctx, self._batch)
-        self.decode_s += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.decode_s += spent
+        for p in parts:
+            self._seq_decode_s[p.seq] += spent * len(p.tokens) / total
         if rc != 0:
             for p in parts:   # drop whatever the failed batch left behind
                 self.truncate_seq(p.seq, len(self._seqs[p.seq]))
@@ -318,6 +322,11 @@ class LlamaBackend:
             out.append(buf[r:r + p.n_rows])
             r += p.n_rows
         return out
+
+    def seq_decode_s(self, seq: int) -> float:
+        """Sequence seq's share of the time inside llama_decode: of each decode, the
+        fraction of its tokens that were seq's (decode_s is every sequence's)."""
+        return self._seq_decode_s[seq]
 
     def truncate_seq(self, seq: int, n: int) -> None:
         """Keep sequence seq's first n tokens (llama_memory_seq_rm on its cells alone)."""
@@ -387,7 +396,8 @@ class SeqView:
 
     @property
     def decode_s(self) -> float:
-        return self.owner.decode_s
+        """This sequence's share of the context's decode time (seq_decode_s)."""
+        return self.owner.seq_decode_s(self.seq_id)
 
     def eval(self, tokens: Sequence[int], logits: str = "last") -> np.ndarray:
         return self.owner.eval_seq(self.seq_id, tokens, logits)

@@ -44,6 +44,14 @@ class Burst:
     wall_s: float
     replies: tuple[Reply, ...]
     load: float | None = None         # 1-minute load average when the burst ended
+    #: CPU seconds the server process used during the burst (None: not measured). On a
+    #: loaded machine wall time swings with the other work, CPU time much less.
+    cpu_s: float | None = None
+
+    @property
+    def cpu_tps(self) -> float | None:
+        """Tokens per CPU second of the server."""
+        return self.tokens / self.cpu_s if self.cpu_s else None
 
     @property
     def tokens(self) -> int:

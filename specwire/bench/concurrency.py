@@ -24,7 +24,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specwire.bench import concurrency_table as table
@@ -192,7 +192,11 @@ def measure(servers: list[Server], a: argparse.Namespace, levels: list[int],
         order = servers[r % len(servers):] + servers[:r % len(servers)]
         for level in levels:
             for s in order:
+                cpu0 = s.process.cpu_s()
                 b = fire(s.process.url, a.endpoint, plan[(r, level)], a.n_predict, a.timeout)
+                cpu1 = s.process.cpu_s()
+                if cpu0 is not None and cpu1 is not None:
+                    b = replace(b, cpu_s=cpu1 - cpu0)
                 runs.append((s.config.label, b))
                 note = f", {len(b.errors)} errors: {b.errors[0][:120]}" if b.errors else ""
                 print(f"[concurrency] repeat {r + 1}/{a.repeats} conc {level} "

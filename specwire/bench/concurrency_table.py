@@ -4,7 +4,9 @@ Ratios are taken within one run only: to concurrency 1 of the same configuration
 (how throughput scales with requests in flight), to the plain configuration of
 the same server at the same concurrency (what the draft buys), and to llama-server
 with the same variant at the same concurrency (where it was run). The machine's
-drift between runs would otherwise swamp what is compared.
+drift between runs would otherwise swamp what is compared. Tokens per CPU second
+of the server (user + system time of its process during the burst) stand beside
+tokens per wall second: on a machine shared with other work they swing far less.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Cell:
     errors: list[str] = field(default_factory=list)
     short: int = 0                      # answers with fewer or more tokens than asked
     loads: list[float] = field(default_factory=list)
+    cpu_tps: list[float] = field(default_factory=list)  # tokens per server CPU second
     same: int = 0
     compared: int = 0
 
@@ -55,6 +58,7 @@ class Cell:
                 "decode_tps_median": _median(self.decode_tps),
                 "draft_n": self.draft_n, "draft_n_accepted": self.draft_accepted,
                 "acceptance": self.acceptance, "errors": self.errors, "short": self.short,
+                "cpu_tps": self.cpu_tps, "cpu_tps_median": _median(self.cpu_tps),
                 "load_1min": self.loads, "same_text": self.same, "compared_text": self.compared}
 
 
@@ -72,6 +76,8 @@ def summarize(runs: list[tuple[str, Burst]], n_predict: int,
         c.aggregate.append(burst.aggregate_tps)
         if burst.load is not None:
             c.loads.append(burst.load)
+        if burst.cpu_tps is not None:
+            c.cpu_tps.append(burst.cpu_tps)
         for r in burst.replies:
             if r.error:
                 c.errors.append(r.error)
@@ -111,6 +117,7 @@ def markdown(configs: list[Config], levels: list[int],
     rivals = any(c.rival for c in configs)
     head = ["configuration", "conc", "agg tok/s", "min-max", "x conc 1", "x plain"]
     head += ["x llama-server"] if rivals else []
+    head += ["tok/CPU-s", "x plain CPU"]
     head += ["req tok/s", "decode tok/s", "accepted", "same text", "errors", "load"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for conf in configs:
@@ -128,6 +135,10 @@ def markdown(configs: list[Config], levels: list[int],
                    _ratio(c.median, plain.median if plain else None)]
             if rivals:
                 row.append(_ratio(c.median, rival.median if rival else None))
+            cpu = _median(c.cpu_tps)
+            plain_cpu = _median(plain.cpu_tps) if plain else None
+            row += [_fmt(cpu), "-" if conf.plain == conf.label or cpu is None else
+                    _ratio(cpu, plain_cpu)]
             row += [_fmt(_median(c.request_tps)), _fmt(_median(c.decode_tps)),
                     _accept(c),
                     f"{c.same}/{c.compared}" if c.compared else "-",

@@ -103,6 +103,18 @@ class ServerProcess:
                                        f"{' '.join(self.cmd)}\n{self.log_tail()}")
             time.sleep(0.25)
 
+    def cpu_s(self) -> float | None:
+        """CPU seconds (user + system, every thread) the server process has used so far,
+        from /proc; None where that cannot be read."""
+        if self.proc is None:
+            return None
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def log_tail(self, chars: int = 3000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]

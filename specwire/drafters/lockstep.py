@@ -9,10 +9,18 @@ tokens of every unfinished draft (the catch-up of the history at first, then
 one drafted token), and hands each its own logits row. Each sequence still
 picks its tokens by its own rule (argmax, or its own seeded draw), so a draft is
 what that sequence drafts alone.
+
+Each draft also counts what it cost (`spent`), as if drafted alone: picking its
+tokens, and the whole time of a decode of one token per sequence (reading the
+weights, which one token alone costs too), but only its share by tokens of a
+decode that carries another sequence's catch-up. The adaptive policy prices
+drafting from it; the wall time of the lockstep would charge one sequence for
+another's catch-up.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -29,7 +37,7 @@ DraftSteps = Generator[list[int], np.ndarray, Draft]
 class Drafting:
     """One sequence's draft in progress, stepped by draft_together (or alone)."""
 
-    __slots__ = ("backend", "shared", "seq", "want", "draft", "error", "_steps")
+    __slots__ = ("backend", "shared", "seq", "want", "draft", "error", "spent", "_steps")
 
     def __init__(self, steps: DraftSteps, backend: Any, shared: Any = None,
                  seq: int = 0) -> None:
@@ -39,6 +47,7 @@ class Drafting:
         self.want: list[int] | None = None     # tokens to evaluate next; None once over
         self.draft = Draft()
         self.error: Exception | None = None
+        self.spent = 0.0                       # seconds of decoding, as if alone
         self._steps = steps
         self._advance(None)
 
@@ -82,18 +91,25 @@ def _step(group: list[Drafting]) -> None:
     total = sum(len(r.want) for r in group)
     if len(group) == 1 or shared is None or total > shared.n_batch:
         for r in group:
+            t0 = time.perf_counter()
             try:
                 row = r.backend.eval(r.want, "last")[-1]
             except Exception as e:  # noqa: BLE001 - this sequence's draft fails alone
                 r.fail(e)
                 continue
             r.feed(row)
+            r.spent += time.perf_counter() - t0
         return
+    t0 = time.perf_counter()
     try:
         rows = shared.decode([Part(r.seq, r.want, "last") for r in group])
     except Exception as e:  # noqa: BLE001 - the decode failed for every draft in it
         for r in group:
             r.fail(e)
         return
+    spent = time.perf_counter() - t0
     for r, got in zip(group, rows, strict=True):
-        r.feed(got[-1])
+        t1 = time.perf_counter()
+        share = spent * min(1.0, len(r.want) * len(group) / total)
+        r.feed(got[-1])            # picks its next token: its own time, all of it
+        r.spent += share + time.perf_counter() - t1

@@ -82,7 +82,7 @@ class ModelDrafter(DrafterBase):
             sampling_ = replace(sampling_, seed=params.seed)
         self.sampling, self.params = sampling_, params
         self._drafted = 0
-        self._decode0 = self.backend.decode_s
+        self._decode0 = self._decode_s()
         kept = reusable_prefix(self.backend.tokens, prompt)
         self._cache_use = (kept, len(prompt) - kept)
 
@@ -193,8 +193,14 @@ class ModelDrafter(DrafterBase):
 
     def stats(self) -> dict[str, float]:
         """Counters since begin(): tokens drafted, ms inside the draft's llama_decode."""
-        decode_ms = 1000 * (self.backend.decode_s - self._decode0)
+        decode_ms = 1000 * (self._decode_s() - self._decode0)
         return {"drafted": float(self._drafted), "decode_ms": decode_ms}
+
+    def _decode_s(self) -> float:
+        """Seconds inside the draft's llama_decode for this sequence: in a shared draft
+        context its share of each decode, not the other sequences' drafts."""
+        return (self.shared.seq_decode_s(self.seq) if self.shared is not None
+                else self.backend.decode_s)
 
 
 def _cheap(grammar: Grammar, n_vocab: int):
