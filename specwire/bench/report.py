@@ -214,6 +214,7 @@ def aggregate(cfg: Config, runs: Sequence[PromptRun], plain: Sequence[PromptRun]
         "rounds": sum(r.stats.get("rounds", 0) for r in runs),
         "short_rounds": sum(r.stats.get("short_rounds", 0) for r in runs),
         "asked_rounds": sum(r.stats.get("asked_rounds", 0) for r in runs),
+        "rejected_rounds": sum(r.stats.get("rejected_rounds", 0) for r in runs),
         "mean_accepted": (sum(i * c for i, c in enumerate(hist)) / rounds_with_draft
                           if rounds_with_draft else None),
         "accepted_hist": hist,
