@@ -120,6 +120,7 @@ def test_a_pipelined_round_waits_for_the_fresh_branch_where_it_pays() -> None:
     draft = d.propose(history, 4)
     assert draft.tokens[:2] == [40, 41] and d.waits >= 1
     assert d.counters["waited_rounds"] == 1 and d.counters["starved_rounds"] == 0
+    assert d.counters["fresh_branches"] == 1 and d.counters["fresh_first_ms"] > 0.0
 
 
 def test_a_pipelined_round_decodes_plainly_where_waiting_does_not_pay() -> None:

@@ -175,7 +175,9 @@ def starved(runs: Sequence[PromptRun]) -> dict | None:
             "empty_rounds": drafter("empty_rounds"),
             "waited_rounds": drafter("waited_rounds"), "waited_ms": drafter("waited_ms"),
             "waited_share_of_time": drafter("waited_ms") / total if total else None,
-            "waited_empty": drafter("waited_empty")}
+            "waited_empty": drafter("waited_empty"),
+            "fresh_first_ms_mean": (drafter("fresh_first_ms") / drafter("fresh_branches")
+                                    if drafter("fresh_branches") else None)}
 
 
 def by_category(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None) -> dict:
@@ -436,7 +438,9 @@ def render_summary(results: dict) -> str:
                          f"{sv.get('waited_rounds', 0):.0f} waited for the drafter "
                          f"({sv.get('waited_ms', 0):.0f} ms, "
                          f"{_pct(sv.get('waited_share_of_time'))}% of decoding time, "
-                         f"{sv.get('waited_empty', 0):.0f} in vain)")
+                         f"{sv.get('waited_empty', 0):.0f} in vain); a fresh branch's first "
+                         f"token came {_num(sv.get('fresh_first_ms_mean'), 0, 1)} ms after "
+                         f"the verdict")
     errs = [abs(r["plan"]["error_pct"]) for r in records
             if r.get("plan") and r["mode"] != "plain"]
     if errs:

@@ -118,6 +118,10 @@ class BranchDrafter(DrafterBase):
             "waited_rounds": 0,
             "waited_ms": 0.0,
             "waited_empty": 0,
+            # Fresh branches (begun after a verdict) and the time from that verdict to
+            # their first token: a round trip, the drafter applying it, a draft token.
+            "fresh_branches": 0,
+            "fresh_first_ms": 0.0,
         }
         self._drafted = 0  # tokens proposed in the current round
         self._draft_gen = -1  # the branch they came from
@@ -484,9 +488,14 @@ class BranchDrafter(DrafterBase):
                     f"{self._buf_start + len(self._buf)}"
                 )
             self._buf.extend(c.tokens)
-            if c.gen == self._fresh_gen and c.tokens and self.bubble is not None:
+            if c.gen == self._fresh_gen and c.tokens:
+                since = time.perf_counter() - self._verdict_at
+                if self._fresh_n == 0:
+                    self.counters["fresh_branches"] += 1
+                    self.counters["fresh_first_ms"] += 1000 * since
                 self._fresh_n += len(c.tokens)
-                self.bubble.observe_arrival(self._fresh_n, time.perf_counter() - self._verdict_at)
+                if self.bubble is not None:
+                    self.bubble.observe_arrival(self._fresh_n, since)
             # Only positions not yet committed: the chunk check bounds them to the positions
             # a branch may reach, so a flood of alternates cannot grow this.
             n = len(self._history)
