@@ -237,6 +237,41 @@ def coupled(
     return int(c.ids[np.argmax(c.scaled + g)])
 
 
+#: top_ids looks for the best tokens among those within this many nats of the best one
+#: first (a few hundred at most in a real model's row), and only then in the whole row.
+_NEAR_TOP = (8.0, 32.0)
+
+
+def top_ids(row: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest values of row, largest first (ties: lowest id first, as
+    np.argmax picks).
+
+    The same set as np.argpartition(row, -k)[-k:], 10-50x cheaper on a model's
+    logits: a comparison finds the few tokens near the best one, and only those are
+    partitioned (a 262k-token row costs 2-4 ms to partition, its comparison 0.1 ms).
+    The set {row >= m} holds the top |set| values, so once it has k it has the top k.
+    """
+    k = min(k, row.shape[0])
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    best = row.max()
+    ids = None
+    if np.isfinite(best):
+        for margin in _NEAR_TOP:
+            near = np.flatnonzero(row >= best - margin)
+            if near.size >= k:
+                ids = near
+                break
+    if ids is None:
+        ids = np.arange(row.shape[0])
+    if ids.size > k:  # ids ascend: of the tokens tied at the k-th value, the first ones
+        vals = row[ids]
+        kth = np.partition(vals, -k)[-k]
+        above = ids[vals > kth]
+        ids = np.concatenate([above, ids[vals == kth][: k - above.size]])
+    return ids[np.lexsort((ids, -row[ids]))]
+
+
 def top_prob(row: np.ndarray, k: int = P_MIN_TOP_K) -> float:
     """The draft's confidence for --draft-p-min, as llama.cpp computes it.
 
@@ -245,9 +280,8 @@ def top_prob(row: np.ndarray, k: int = P_MIN_TOP_K) -> float:
     means what llama.cpp users expect (and the partition is cheaper than a
     softmax over a 262k vocabulary).
     """
-    k = min(k, row.shape[0])
-    top = np.partition(row, -k)[-k:].astype(np.float64)
-    return 1.0 / float(np.exp(top - top.max()).sum())
+    top = row[top_ids(row, k)].astype(np.float64)
+    return 1.0 / float(np.exp(top - top[0]).sum())
 
 
 @dataclass(slots=True)

@@ -24,6 +24,8 @@ class Stats:
     short_rounds: int = 0
     #: rounds that asked the drafter for tokens (the others were plain steps by choice)
     asked_rounds: int = 0
+    #: drafting rounds in which the target refused a draft token (the others kept all)
+    rejected_rounds: int = 0
     draft_ms: float = 0.0  # time the engine spent waiting on the drafter
     verify_ms: float = 0.0  # target evaluation and verification
     target_decode_ms: float = 0.0  # of which inside the target's llama_decode
@@ -43,6 +45,7 @@ class Stats:
         self.asked_rounds += asked > 0
         self.draft_n += drafted
         self.draft_n_accepted += accepted
+        self.rejected_rounds += accepted < drafted
         if drafted:
             while len(self.hist) <= accepted:
                 self.hist.append(0)
@@ -99,6 +102,7 @@ class Stats:
             "rounds": self.rounds,
             "short_rounds": self.short_rounds,
             "asked_rounds": self.asked_rounds,
+            "rejected_rounds": self.rejected_rounds,
             "acceptance": round(self.acceptance, 4),
             "mean_accepted": round(self.mean_accepted, 4),
             "accepted_hist": list(self.hist),

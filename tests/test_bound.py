@@ -97,6 +97,22 @@ def test_bench_bound_fits_the_acceptance_and_reports_the_share() -> None:
     assert predict.bound(Config("ngram", 8), 20.0, rounds, None, 30.0) is None
 
 
+def test_bench_bound_takes_the_acceptance_by_maximum_likelihood_when_rejections_are_counted(
+) -> None:
+    """20 kept tokens and 5 rounds with a refused token: a = 20 / 25, whatever the draft
+    lengths; two runs of the same drafter with short and long drafts get the same a, while
+    the fit at the mean length moves with the mix."""
+    short = Rounds(rounds=20, drafting_rounds=10, drafted=30, accepted=20, rejected=5)
+    long = Rounds(rounds=20, drafting_rounds=10, drafted=60, accepted=20, rejected=5)
+    b_short = predict.bound(Config("remote-pipelined", 8), 20.0, short, STEEP, 30.0)
+    b_long = predict.bound(Config("remote-pipelined", 8), 20.0, long, STEEP, 30.0)
+    assert b_short["acceptance"] == pytest.approx(0.8) == b_long["acceptance"]
+    assert b_short["tokens_per_s"] == pytest.approx(free_bound(_inputs(0.8)).tokens_per_s)
+    assert b_short["acceptance_fit"] != pytest.approx(b_long["acceptance_fit"], abs=0.02)
+    fit_free = free_bound(_inputs(b_long["acceptance_fit"])).tokens_per_s
+    assert b_long["share_fit"] == pytest.approx(30.0 / fit_free)
+
+
 def test_the_bench_table_has_the_bound_columns() -> None:
     run = PromptRun("a", "code", 5, 10, 30.0, 1.0, 333.0, "limit", "x", {})
     rec = report.aggregate(Config("ngram", 8), [run], None, False)

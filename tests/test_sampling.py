@@ -338,3 +338,34 @@ def test_sparse_draft_noise_is_independent_of_the_targets() -> None:
         sp = replace(FILTERED, seed=s)
         agree += sampling.sparse_draft(ROW, sp, k, 8).token == sampling.coupled(ROW, sp, 8)
     assert agree / n == pytest.approx(float((p * p).sum()), abs=0.03)
+
+
+def test_top_ids_is_the_exact_top_k_lowest_id_first_among_ties() -> None:
+    """The fast top-k (a comparison near the best, then a partition of the few) against
+    a full sort, on rows with ties, -inf and all-but-one masked tokens."""
+    rng = np.random.default_rng(0)
+    for trial in range(2000):
+        v = int(rng.integers(1, 400))
+        kind = trial % 4
+        if kind == 0:
+            row = (rng.normal(size=v) * rng.uniform(0.1, 60)).astype(np.float32)
+        elif kind == 1:
+            row = rng.integers(-3, 3, size=v).astype(np.float32)
+        elif kind == 2:
+            row = rng.normal(size=v).astype(np.float32)
+            row[rng.random(v) < 0.5] = -np.inf
+        else:
+            row = np.full(v, -np.inf, dtype=np.float32)
+            row[rng.random(v) < 0.05] = rng.normal()
+        k = int(rng.integers(1, 15))
+        ref = np.lexsort((np.arange(v), -row))[: min(k, v)]
+        assert np.array_equal(sampling.top_ids(row, k), ref), (row, k)
+    assert sampling.top_ids(np.zeros(3, dtype=np.float32), 0).size == 0
+
+
+def test_top_prob_matches_the_partition_it_replaces() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        row = (rng.normal(size=5000) * 4).astype(np.float32)
+        top = np.partition(row, -10)[-10:].astype(np.float64)
+        assert abs(sampling.top_prob(row) - 1.0 / np.exp(top - top.max()).sum()) < 1e-12

@@ -246,8 +246,9 @@ class Drafters:
         return NgramDrafter(cache=None, calibration=calibration, cost=cost)
 
     def _hybrid(self, cfg: Config, model: Any) -> Any:
+        from specwire.drafters.bubble import never_wait
         from specwire.drafters.hybrid import HybridDrafter
-        return HybridDrafter(self._ngram(cfg), model)
+        return HybridDrafter(self._ngram(cfg), never_wait(model))
 
     def _remote(self, emu: LinkEmulator, pipelined: bool) -> Any:
         """A fresh Link + RemoteDrafter through the emulator, handshake done."""

@@ -74,6 +74,7 @@ class Rounds:
     accepted: int
     short: int = 0  # drafting rounds whose draft came back shorter than asked
     asked: int | None = None  # rounds that asked the drafter at all (None: every round)
+    rejected: int | None = None  # drafting rounds that had a token refused (None: unknown)
 
     @property
     def stop_evals(self) -> float:
@@ -103,6 +104,18 @@ class Rounds:
     @property
     def kept_per_round(self) -> float:
         return self.accepted / self.drafting_rounds if self.drafting_rounds else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        """The per-token acceptance a of the geometric chain, by maximum likelihood: each
+        draft token verified was a trial, kept `accepted` times and refused once per
+        rejected round (a round that kept its whole draft was cut, not refused). Unlike
+        the fit at the mean length, it does not move with how long the drafts were.
+        None when the rejected rounds were not counted."""
+        if self.rejected is None:
+            return None
+        trials = self.accepted + self.rejected
+        return self.accepted / trials if trials else 0.0
 
 
 def fit_acceptance(kept: float, k: int) -> float:
@@ -172,20 +185,31 @@ def bound(cfg: Config, plain_tps: float, rounds: Rounds, verify: VerifyCurve | N
     """What a free and instant drafter with this configuration's acceptance would reach on
     this target (plan.free_bound at k <= --draft-max), and the share of it measured.
 
-    The acceptance is the geometric a fitted to the tokens kept per drafting round at the
-    mean length drafted (as `predict` feeds the plan); the free drafter drafts every round.
+    The acceptance is the geometric a by maximum likelihood (Rounds.acceptance: kept
+    tokens over kept tokens plus rejected rounds); the free drafter drafts every round.
+    Where rejected rounds were not counted (older results), the a fitted to the tokens
+    kept per drafting round at the mean length drafted, as `predict` feeds the plan:
+    that fit moves with the mix of draft lengths (a pipelined drafter's drafts are short
+    after a rejection), by 0.04 either way in the runs of docs/drafting.md section 5,
+    which moved the bound by 15%. Both are reported: `acceptance_fit`, `share_fit`.
     None for plain decoding, a configuration that never drafted, or no verification curve.
     """
     if not cfg.drafting or rounds.drafting_rounds == 0 or verify is None:
         return None
     if not plain_tps > 0.0 or not measured_tps > 0.0:
         return None
-    a = fit_acceptance(rounds.kept_per_round, rounds.k)
-    inputs = PlanInputs(target_tps=plain_tps, draft_tps=_FREE_DRAFT_TPS, acceptance=a,
-                        verify=verify, draft_max=max(1, cfg.draft_max))
-    b = free_bound(inputs)
+    fit = fit_acceptance(rounds.kept_per_round, rounds.k)
+    a = rounds.acceptance if rounds.acceptance is not None else fit
+    b = _free(plain_tps, a, verify, cfg.draft_max)
     return {"k": b.k, "acceptance": a, "tokens_per_s": b.tokens_per_s,
-            "speedup": b.speedup, "share": measured_tps / b.tokens_per_s}
+            "speedup": b.speedup, "share": measured_tps / b.tokens_per_s,
+            "acceptance_fit": fit,
+            "share_fit": measured_tps / _free(plain_tps, fit, verify, cfg.draft_max).tokens_per_s}
+
+
+def _free(plain_tps: float, a: float, verify: VerifyCurve, draft_max: int):
+    return free_bound(PlanInputs(target_tps=plain_tps, draft_tps=_FREE_DRAFT_TPS, acceptance=a,
+                                 verify=verify, draft_max=max(1, draft_max)))
 
 
 def mixed_rate(rate_k: float, tokens_k: float, share: float, empty_s: float) -> float:

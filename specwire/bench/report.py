@@ -156,7 +156,10 @@ def wire_bytes(runs: Sequence[PromptRun]) -> dict:
 def starved(runs: Sequence[PromptRun]) -> dict | None:
     """A drafter working ahead: rounds after a rejection with nothing to verify, their
     share of the rounds and of the decoding time; rounds drafted from a pre-drafted
-    alternate instead. None for drafters that do not count them."""
+    alternate instead; rounds without a draft for any reason (`empty`); rounds that
+    waited for the drafter (drafters/bubble.py), how long in all and in what share of
+    the decoding time, and how many of them still found nothing (`waited_empty`).
+    None for drafters that do not count them."""
     def drafter(key: str) -> float:
         return sum(r.stats.get("drafter", {}).get(key, 0.0) for r in runs)
 
@@ -168,7 +171,13 @@ def starved(runs: Sequence[PromptRun]) -> dict | None:
     return {"rejections": drafter("rejections"), "rounds": n, "ms": ms,
             "share_of_rounds": n / rounds if rounds else None,
             "share_of_time": ms / total if total else None,
-            "alternate_rounds": drafter("alternate_rounds")}
+            "alternate_rounds": drafter("alternate_rounds"),
+            "empty_rounds": drafter("empty_rounds"),
+            "waited_rounds": drafter("waited_rounds"), "waited_ms": drafter("waited_ms"),
+            "waited_share_of_time": drafter("waited_ms") / total if total else None,
+            "waited_empty": drafter("waited_empty"),
+            "fresh_first_ms_mean": (drafter("fresh_first_ms") / drafter("fresh_branches")
+                                    if drafter("fresh_branches") else None)}
 
 
 def by_category(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None) -> dict:
@@ -207,6 +216,7 @@ def aggregate(cfg: Config, runs: Sequence[PromptRun], plain: Sequence[PromptRun]
         "rounds": sum(r.stats.get("rounds", 0) for r in runs),
         "short_rounds": sum(r.stats.get("short_rounds", 0) for r in runs),
         "asked_rounds": sum(r.stats.get("asked_rounds", 0) for r in runs),
+        "rejected_rounds": sum(r.stats.get("rejected_rounds", 0) for r in runs),
         "mean_accepted": (sum(i * c for i, c in enumerate(hist)) / rounds_with_draft
                           if rounds_with_draft else None),
         "accepted_hist": hist,
@@ -422,8 +432,15 @@ def render_summary(results: dict) -> str:
         if sv and sv["rejections"]:
             parts.append(f"  {r['label']}: {sv['rounds']:.0f} of {r['rounds']} rounds found "
                          f"nothing to verify after a rejection ({_pct(sv['share_of_rounds'])}%, "
-                         f"{_pct(sv['share_of_time'])}% of decoding time); "
-                         f"{sv['alternate_rounds']:.0f} verified a pre-drafted alternate")
+                         f"{_pct(sv['share_of_time'])}% of decoding time; "
+                         f"{sv.get('empty_rounds', 0):.0f} rounds without a draft in all); "
+                         f"{sv['alternate_rounds']:.0f} verified a pre-drafted alternate; "
+                         f"{sv.get('waited_rounds', 0):.0f} waited for the drafter "
+                         f"({sv.get('waited_ms', 0):.0f} ms, "
+                         f"{_pct(sv.get('waited_share_of_time'))}% of decoding time, "
+                         f"{sv.get('waited_empty', 0):.0f} in vain); a fresh branch's first "
+                         f"token came {_num(sv.get('fresh_first_ms_mean'), 0, 1)} ms after "
+                         f"the verdict")
     errs = [abs(r["plan"]["error_pct"]) for r in records
             if r.get("plan") and r["mode"] != "plain"]
     if errs:

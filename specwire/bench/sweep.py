@@ -212,7 +212,8 @@ def _rounds(rec: dict) -> predict.Rounds:
     return predict.Rounds(rounds=rec["rounds"], drafting_rounds=sum(rec["accepted_hist"]),
                           drafted=rec["draft_n"], accepted=rec["draft_n_accepted"],
                           short=rec.get("short_rounds", 0),
-                          asked=rec.get("asked_rounds", rec["rounds"]))
+                          asked=rec.get("asked_rounds", rec["rounds"]),
+                          rejected=rec.get("rejected_rounds"))
 
 
 def _prediction(rec: dict, cfg: Config, plain_tps: float, calib: dict) -> dict | None:

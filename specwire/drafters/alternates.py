@@ -75,8 +75,7 @@ def top_two(row: np.ndarray, params: SamplingParams, position: int,
     with (argmax for greedy, the shared Gumbel noise for coupled); None if only one
     token survives the sampling filters."""
     adjusted = sampling.adjusted(row, params, recent)
-    top = np.argpartition(adjusted, -_TOP)[-_TOP:]
-    top = top[np.argsort(-adjusted[top], kind="stable")]
+    top = sampling.top_ids(adjusted, _TOP)
     logits = adjusted[top].astype(np.float64)
     probs = np.exp(logits - logits[0])
     probs /= probs.sum()

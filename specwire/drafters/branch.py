@@ -21,6 +21,7 @@ from dataclasses import replace
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.alternates import BranchParams
 from specwire.drafters.base import Draft, DrafterBase
+from specwire.drafters.bubble import BubbleWait
 from specwire.draftlink.messages import (
     MAX_CHUNK_TOKENS,
     NOTICE_AFTER,
@@ -61,6 +62,10 @@ class BranchDrafter(DrafterBase):
         # Pipelined: ask the drafter for pre-drafted branches (drafters/alternates.py);
         # None asks for none. A drafter that predates them ignores the request.
         self.branches: BranchParams | None = BranchParams() if pipelined else None
+        # Pipelined: after a rejection, wait a moment for the fresh branch when that pays
+        # more than a plain step (drafters/bubble.py); None never waits. Off where the
+        # engine's step holds other sequences, or another drafter's draft may be ready.
+        self.bubble: BubbleWait | None = BubbleWait() if pipelined else None
         self._cv = threading.Condition()
         self._session = 0  # bumps at every open: older chunks are ignored
         self._history: list[int] = []
@@ -106,11 +111,27 @@ class BranchDrafter(DrafterBase):
             "alternates_received": 0,
             "alternate_rounds": 0,  # rounds after a rejection that verify an alternate
             "alternate_misses": 0,  # rejections at an alternate the target did not pick
+            # Pipelined: rounds with no draft at all (after a rejection or not), and rounds
+            # that waited for the drafter (bubble.py): their time, and those that waited
+            # in vain (no token came by the deadline: a plain step after all).
+            "empty_rounds": 0,
+            "waited_rounds": 0,
+            "waited_ms": 0.0,
+            "waited_empty": 0,
+            # Fresh branches (begun after a verdict) and the time from that verdict to
+            # their first token: a round trip, the drafter applying it, a draft token.
+            "fresh_branches": 0,
+            "fresh_first_ms": 0.0,
         }
         self._drafted = 0  # tokens proposed in the current round
         self._draft_gen = -1  # the branch they came from
         self._starving = False  # since a rejection, no round has had a draft
         self._starved_at: float | None = None  # perf_counter of a starved round's propose
+        self._proposed_at: float | None = None  # perf_counter when the round's draft was given
+        self._waited_s = 0.0  # how long the round's propose took
+        self._verdict_at: float | None = None  # perf_counter when the last verdict went out
+        self._fresh_gen = -1  # a branch begun after the last verdict: its arrivals are timed
+        self._fresh_n = 0  # tokens of it received
 
     # -- what a transport provides ------------------------------------------------
 
@@ -144,6 +165,8 @@ class BranchDrafter(DrafterBase):
         self._history = list(prompt)
         self._active, self._late, self._want = True, False, params.n_max
         self._drafted, self._starving, self._starved_at = 0, False, None
+        self._proposed_at = self._verdict_at = None
+        self._fresh_gen = -1
         self._cache_use = None
         self._start(list(prompt))
 
@@ -182,8 +205,17 @@ class BranchDrafter(DrafterBase):
             ahead, heard = self._ahead, self._heard()
             while True:
                 draft, complete = self._usable(history, max_n)
+                if deadline is None and self.pipelined:
+                    deadline = self._bubble_deadline(len(draft), max_n)
+                    if deadline is not None:
+                        continue
                 if complete or deadline is None or not self._live():
                     break
+                if self.pipelined:
+                    if len(draft) >= self._aim or time.monotonic() >= deadline:
+                        break
+                    self._await(deadline - time.monotonic())
+                    continue
                 if self._ahead != ahead:
                     # The answer to this verdict came and extends nothing. (An answer to an
                     # earlier message, which an honest drafter may still be sending, starts
@@ -203,19 +235,42 @@ class BranchDrafter(DrafterBase):
                     )
                     break
                 self._await(left)
-        self.counters["wait_ms"] += 1000 * (time.perf_counter() - t0)
+        self._proposed_at = time.perf_counter()
+        self._waited_s = self._proposed_at - t0
+        self.counters["wait_ms"] += 1000 * self._waited_s
+        if self.pipelined and deadline is not None:
+            self.counters["waited_rounds"] += 1
+            self.counters["waited_ms"] += 1000 * self._waited_s
+            self.counters["waited_empty"] += not draft.tokens
         self._judge_answer(draft, useless)
         self._note_starved(draft)
         return draft
+
+    def _bubble_deadline(self, have: int, max_n: int) -> float | None:
+        """Pipelined, a round with fewer than max_n tokens: the time.monotonic() until
+        which to wait for the drafter (setting self._aim, the tokens worth waiting for),
+        or None to verify what is there (drafters/bubble.py). Under self._cv."""
+        if (self.bubble is None or self._done or self._late or self._verdict_at is None
+                or not self._live() or have >= max_n):
+            return None
+        since = time.perf_counter() - self._verdict_at
+        aim, wait_s = self.bubble.aim(have, max_n, since, fresh=have == 0)
+        if aim <= have:
+            return None
+        self._aim = aim
+        _, per_token = self.bubble.arrival.coefficients()
+        return time.monotonic() + wait_s + 0.5 * per_token + 0.001
 
     def _note_starved(self, draft: Draft) -> None:
         """Count a pipelined round that, after a rejection, has nothing to verify."""
         self._drafted = len(draft)
         if draft.tokens:
             self._starving = False
-        elif self.pipelined and self._starving:
-            self.counters["starved_rounds"] += 1
-            self._starved_at = time.perf_counter()
+        elif self.pipelined:
+            self.counters["empty_rounds"] += 1
+            if self._starving:
+                self.counters["starved_rounds"] += 1
+                self._starved_at = time.perf_counter()
 
     def _heard(self) -> float:
         return self.counters["chunks"] + self.counters["stale_chunks"]
@@ -245,9 +300,14 @@ class BranchDrafter(DrafterBase):
         """Pipelined: send the verdict now, the drafter is at work. Synchronous: keep it
         for the next propose, which knows how many tokens to ask for (the adaptive k, 0
         for rounds that skip the drafter); it waits for the verdict either way."""
+        now = time.perf_counter()
         if self._starved_at is not None:
-            self.counters["starved_ms"] += 1000 * (time.perf_counter() - self._starved_at)
+            self.counters["starved_ms"] += 1000 * (now - self._starved_at)
             self._starved_at = None
+        if self.bubble is not None and self._proposed_at is not None:
+            self.bubble.observe_round(self._drafted, accepted, now - self._proposed_at,
+                                      self._waited_s)
+        self._proposed_at = None
         if accepted < self._drafted:
             self.counters["rejections"] += 1
             self._starving = True
@@ -284,6 +344,8 @@ class BranchDrafter(DrafterBase):
         own = list(history[position + accepted :])
         with self._cv:
             self._done = False  # the drafter works again after a verdict
+            # A branch begun after this verdict has its arrivals timed from it (bubble.py).
+            self._verdict_at, self._fresh_gen = time.perf_counter(), -1
             gen = max(self._gen, 0)
             alternate = self._take_alternate(position + accepted, own)
         # Fields that say nothing new stay 0, which the wire sends no byte for: gen when
@@ -378,6 +440,7 @@ class BranchDrafter(DrafterBase):
         self._buf: list[int] = []
         self._sparse: list | None = None
         self._done = False  # the drafter stopped after _buf (p_min or budget)
+        self._aim = 0  # pipelined: the tokens a waiting round waits for
         self._alts: dict[int, list[int]] = {}  # alternates of branch _gen, by position
 
     def _usable(self, history: Sequence[int], max_n: int) -> tuple[Draft, bool]:
@@ -426,12 +489,22 @@ class BranchDrafter(DrafterBase):
                 self._gen, self._buf_start, self._buf = c.gen, c.start, []
                 self._sparse = [] if c.sparse is not None else None
                 self._alts = {}
+                if self._verdict_at is not None and self._fresh_gen < 0:
+                    self._fresh_gen, self._fresh_n = c.gen, 0
             elif c.start != self._buf_start + len(self._buf):
                 raise ProtocolError(
                     f"chunk of gen {c.gen} at {c.start}, expected "
                     f"{self._buf_start + len(self._buf)}"
                 )
             self._buf.extend(c.tokens)
+            if c.gen == self._fresh_gen and c.tokens:
+                since = time.perf_counter() - self._verdict_at
+                if self._fresh_n == 0:
+                    self.counters["fresh_branches"] += 1
+                    self.counters["fresh_first_ms"] += 1000 * since
+                self._fresh_n += len(c.tokens)
+                if self.bubble is not None:
+                    self.bubble.observe_arrival(self._fresh_n, since)
             # Only positions not yet committed: the chunk check bounds them to the positions
             # a branch may reach, so a flood of alternates cannot grow this.
             n = len(self._history)

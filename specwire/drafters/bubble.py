@@ -1,0 +1,150 @@
+"""The bubble after a rejection: wait a moment for the fresh draft, or decode plainly.
+
+A drafter that works ahead (a pipelined draft node, a draft thread) loses its
+lookahead with every rejection: the next round finds nothing to verify and
+decodes plainly, one token for a whole target step. Yet the drafter starts its
+fresh branch as soon as it hears the verdict, and drafts several times faster
+than the target verifies: a round trip and a few draft tokens later there is a
+draft again. So the round may wait for m tokens and verify them:
+
+    plain step:         1 token        in t_v(1)
+    wait for m tokens:  E(m) tokens    in w(m) + t_v(m + 1)
+
+with E(m) = 1 + a + ... + a^m (a: the per-token acceptance), t_v(n) the
+target's verification of n tokens and w(m) the time until the m-th token of the
+fresh branch arrives, all measured online by the drafter's target side. Either
+way the drafter goes on drafting while the target verifies, so the rounds after
+are alike, and the option that loses least against the run's own rate r (tokens
+per second over recent rounds) is the best: the most E - r T. The round waits
+for that m when it beats not waiting by `margin` tokens; if the tokens are late
+it verifies what came by the deadline.
+
+Where verifying a few more tokens costs about a plain step (a GPU), a wait of a
+round trip and a few draft tokens pays; on a CPU target whose batch of 9 costs
+2.4 plain steps (the bundled pair on one thread) it does not: a plain step
+yields a token while the drafter drafts, and this rule then never waits.
+
+Waiting changes which tokens are verified, never the output: lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specwire.throughput import VERIFY_SLOPE, LineFit, expected_tokens
+
+#: Rounds and arrivals seen before waiting is considered: the first estimates are guesses.
+MIN_ROUNDS = 4
+MIN_ARRIVALS = 3
+
+
+@dataclass(slots=True)
+class VerifyTimes:
+    """t_v(n): seconds a round of n tokens took (batch size), exponentially weighted per
+    size, linear between the sizes seen and along VERIFY_SLOPE beyond them."""
+
+    alpha: float = 0.1
+    weight: dict[int, float] = field(default_factory=dict)
+    total: dict[int, float] = field(default_factory=dict)
+
+    def add(self, n: int, seconds: float) -> None:
+        k = 1.0 - self.alpha
+        self.weight[n] = k * self.weight.get(n, 0.0) + 1.0
+        self.total[n] = k * self.total.get(n, 0.0) + seconds
+
+    def rounds(self) -> float:
+        return sum(self.weight.values())
+
+    def __call__(self, n: int) -> float | None:
+        """Seconds for a batch of n; None before any round."""
+        if not self.weight:
+            return None
+        sizes = sorted(self.weight)
+        mean = {s: self.total[s] / self.weight[s] for s in sizes}
+        if n in mean:
+            return mean[n]
+        lo = max((s for s in sizes if s < n), default=None)
+        hi = min((s for s in sizes if s > n), default=None)
+        if lo is not None and hi is not None:
+            f = (n - lo) / (hi - lo)
+            return mean[lo] + f * (mean[hi] - mean[lo])
+        edge = lo if lo is not None else hi
+        # One step of the assumed slope per token, scaled by what the nearest size cost.
+        return mean[edge] * (1.0 + VERIFY_SLOPE * (n - 1)) / (1.0 + VERIFY_SLOPE * (edge - 1))
+
+
+@dataclass(slots=True)
+class BubbleWait:
+    """Decides how long a round without enough draft waits for the drafter."""
+
+    alpha: float = 0.1
+    margin: float = 0.1  # tokens by which waiting must beat verifying what is there
+    accepted: float = 3.0  # pseudo-counts: a = 0.75 before any verdict
+    rejected: float = 1.0
+    verify: VerifyTimes = field(default_factory=VerifyTimes)
+    #: seconds from a verdict to the n-th token of the branch it started, against n
+    arrival: LineFit = field(default_factory=lambda: LineFit(0.1, guess=1.0))
+    arrivals: int = 0
+    tokens: float = 0.0  # exponentially weighted tokens per round and seconds per round:
+    seconds: float = 0.0  # the run's rate, against which a wait is priced
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe_round(self, drafted: int, accepted: int, verify_s: float,
+                      waited_s: float = 0.0) -> None:
+        """A round waited waited_s for its draft, verified `drafted` tokens (0: a plain
+        step) in verify_s and kept `accepted` of them."""
+        self.verify.add(drafted + 1, verify_s)
+        w = 1.0 - self.alpha
+        self.tokens = w * self.tokens + accepted + 1
+        self.seconds = w * self.seconds + waited_s + verify_s
+        if drafted:
+            self.accepted = w * self.accepted + accepted
+            self.rejected = w * self.rejected + (1.0 if accepted < drafted else 0.0)
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second over recent rounds."""
+        return self.tokens / self.seconds if self.seconds > 0.0 else 0.0
+
+    def observe_arrival(self, n: int, seconds: float) -> None:
+        """The n-th token of a fresh branch arrived `seconds` after the verdict."""
+        self.arrival.add(n, seconds)
+        self.arrivals += 1
+
+    def ready(self) -> bool:
+        return self.arrivals >= MIN_ARRIVALS and self.verify.rounds() >= MIN_ROUNDS
+
+    def aim(self, have: int, max_n: int, since_s: float, fresh: bool) -> tuple[int, float]:
+        """(tokens to wait for, seconds to wait at most) for a round that has `have` draft
+        tokens, may verify max_n, and comes `since_s` after the last verdict; `fresh`: the
+        branch being drafted started at that verdict (else it runs on, a token per slope).
+        (have, 0.0) means verify what is there."""
+        if have >= max_n or not self.ready():
+            return have, 0.0
+        plain, r = self.verify(1), self.rate
+        c, d = self.arrival.coefficients()
+        a = self.acceptance
+        now = expected_tokens(a, have) - r * self.verify(have + 1)
+        best_m, best_wait, best = have, 0.0, now
+        for m in range(have + 1, max_n + 1):
+            wait = max(0.0, c + d * m - since_s) if fresh else d * (m - have)
+            if wait > plain:  # longer than a plain step would take: never worth the risk
+                break
+            gain = expected_tokens(a, m) - r * (wait + self.verify(m + 1))
+            if gain > best:
+                best_m, best_wait, best = m, wait, gain
+        if best < now + self.margin:
+            return have, 0.0
+        return best_m, best_wait
+
+
+def never_wait(drafter: object) -> object:
+    """The drafter, told never to wait for a fresh branch: for a round that must not hold
+    (a hybrid's n-gram draft may be ready; an engine's step carries other sequences).
+    A drafter that does not work ahead is returned as it is."""
+    if getattr(drafter, "bubble", None) is not None:
+        drafter.bubble = None
+    return drafter

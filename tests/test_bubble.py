@@ -1,0 +1,141 @@
+"""Waiting for a fresh branch after a rejection (drafters/bubble.py), and when not to.
+
+Pure arithmetic on measured times, then a pipelined BranchDrafter whose chunks
+arrive from a script: it waits for them only where the measured costs say a wait
+beats a plain step.
+"""
+
+from __future__ import annotations
+
+from specwire.config import DraftParams, SamplingParams
+from specwire.drafters.branch import BranchDrafter
+from specwire.drafters.bubble import BubbleWait, VerifyTimes, never_wait
+from specwire.draftlink.messages import Chunk, TargetMessage
+
+V = 100
+PROMPT = [1, 2, 3, 4]
+STEP = 0.05  # a plain step, seconds
+
+
+def primed(verify: dict[int, float], per_token: float, first: float = 0.002,
+           acceptance_rounds: int = 20) -> BubbleWait:
+    """A BubbleWait that has seen rounds costing verify[n] for a batch of n, a drafter
+    whose fresh branch's n-th token arrives first + n * per_token after the verdict, and
+    drafts kept at a = 0.8 (four of five tokens, then a rejection)."""
+    b = BubbleWait()
+    for _ in range(acceptance_rounds):
+        for n, s in verify.items():
+            b.observe_round(n - 1, min(n - 1, 4), s)
+    for _ in range(8):
+        for n in (1, 3, 5):
+            b.observe_arrival(n, first + n * per_token)
+    return b
+
+
+GPU = {1: STEP, 5: 1.03 * STEP, 9: 1.06 * STEP}  # a batch of 9 costs about a step
+CPU = {1: STEP, 5: 1.87 * STEP, 9: 2.45 * STEP}  # the bundled pair on one thread
+
+
+def test_verify_times_interpolate_and_extrapolate() -> None:
+    t = VerifyTimes()
+    assert t(3) is None
+    t.add(1, 1.0)
+    t.add(9, 3.0)
+    assert t(1) == 1.0 and t(9) == 3.0
+    assert abs(t(5) - 2.0) < 1e-9
+    assert t(17) > 3.0
+    t2 = VerifyTimes()
+    t2.add(4, 2.0)
+    assert 0.0 < t2(1) < 2.0 < t2(8)
+
+
+def test_no_wait_before_anything_is_measured() -> None:
+    assert BubbleWait().aim(0, 8, 0.0, fresh=True) == (0, 0.0)
+
+
+def test_a_flat_verification_curve_waits_for_a_few_fast_tokens() -> None:
+    b = primed(GPU, per_token=0.1 * STEP)
+    m, wait = b.aim(0, 8, 0.0, fresh=True)
+    assert m >= 2
+    assert 0.0 < wait < STEP
+
+
+def test_a_steep_verification_curve_decodes_plainly_instead() -> None:
+    """On a CPU target a plain step yields a token while the drafter drafts: waiting loses."""
+    b = primed(CPU, per_token=0.25 * STEP)
+    assert b.aim(0, 8, 0.0, fresh=True) == (0, 0.0)
+
+
+def test_a_slow_drafter_is_not_waited_for() -> None:
+    b = primed(GPU, per_token=1.5 * STEP)
+    assert b.aim(0, 8, 0.0, fresh=True) == (0, 0.0)
+
+
+def test_a_full_draft_never_waits() -> None:
+    b = primed(GPU, per_token=0.1 * STEP)
+    assert b.aim(8, 8, 0.0, fresh=False) == (8, 0.0)
+
+
+class ScriptedPipelined(BranchDrafter):
+    """A live pipelined session; each wait delivers the next scripted chunk."""
+
+    def __init__(self) -> None:
+        super().__init__(V, pipelined=True)
+        self.sent: list[TargetMessage] = []
+        self.script: list[Chunk] = []
+        self.waits = 0
+
+    def _live(self) -> bool:
+        return True
+
+    def _post(self, msg: TargetMessage) -> None:
+        self.sent.append(msg)
+
+    def _open(self, session: int, history: list[int]) -> None:
+        self.session = session
+
+    def _await(self, left_s: float) -> None:
+        self.waits += 1
+        if self.script:
+            self._on_chunk(self.session, self.script.pop(0))
+
+
+def _rejected_round(d: ScriptedPipelined, bubble: BubbleWait | None) -> list[int]:
+    """Open, a draft of [7, 8, 9], the target keeping 7 and then its own 30: gen 0 is dead.
+    Then the drafter's timings are `bubble`'s (the scripted round took no time)."""
+    d.begin(PROMPT, SamplingParams(temperature=0.0), DraftParams(n_max=4, p_min=0.0))
+    d._on_chunk(d.session, Chunk(0, 4, [7, 8, 9], done=False))
+    assert d.propose(PROMPT, 4).tokens == [7, 8, 9]
+    history = [*PROMPT, 7, 30]
+    d.learn(history, 1, 2)
+    assert d.counters["rejections"] == 1
+    d.bubble = bubble
+    d.script = [Chunk(1, 6, [40, 41], done=False), Chunk(1, 8, [42, 43], done=False)]
+    return history
+
+
+def test_a_pipelined_round_waits_for_the_fresh_branch_where_it_pays() -> None:
+    d = ScriptedPipelined()
+    history = _rejected_round(d, primed(GPU, per_token=0.1 * STEP))
+    draft = d.propose(history, 4)
+    assert draft.tokens[:2] == [40, 41] and d.waits >= 1
+    assert d.counters["waited_rounds"] == 1 and d.counters["starved_rounds"] == 0
+    assert d.counters["fresh_branches"] == 1 and d.counters["fresh_first_ms"] > 0.0
+
+
+def test_a_pipelined_round_decodes_plainly_where_waiting_does_not_pay() -> None:
+    for bubble in (primed(CPU, per_token=0.25 * STEP), None):
+        d = ScriptedPipelined()
+        history = _rejected_round(d, bubble)
+        assert d.propose(history, 4).tokens == []
+        assert d.waits == 0
+        assert d.counters["waited_rounds"] == 0 and d.counters["starved_rounds"] == 1
+
+
+def test_never_wait() -> None:
+    d = ScriptedPipelined()
+    assert d.bubble is not None
+    assert never_wait(d) is d and d.bubble is None
+    assert BranchDrafter(V, pipelined=False).bubble is None
+    plain = object()
+    assert never_wait(plain) is plain
