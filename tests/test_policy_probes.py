@@ -31,7 +31,7 @@ def test_failed_probes_back_off_to_the_bound() -> None:
     without the backoff."""
     p = AdaptivePolicy(8)
     ks = _drive(p, 2000, good=False)
-    probes = [i for i, k in enumerate(ks) if k and i > 50]
+    probes = [i for i, k in enumerate(ks) if k and i > 5]    # past the first rounds' drafts
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert all(ks[i] == 1 for i in probes)                  # one-token probes
     assert max(gaps) <= p.probe_every * p.probe_backoff_max
@@ -66,3 +66,14 @@ def test_probe_interval_carries_across_short_requests() -> None:
         asked += sum(1 for k in _drive(p, 32, good=False) if k)
     assert asked >= 3
     assert abs(asked - sum(1 for k in _drive(one, rounds, good=False) if k)) <= 1
+
+
+def test_a_drafter_never_kept_gets_no_benefit_of_the_doubt() -> None:
+    """Early rounds keep drafting while plain steps look only a little better (the first
+    estimates are noisy), but not for a drafter none of whose tokens was ever kept: a
+    useless drafter stops after a few rounds, not after `settle` of them."""
+    useless = _drive(AdaptivePolicy(8), 12, good=False)
+    assert sum(1 for k in useless if k) <= 4
+    p = AdaptivePolicy(8)
+    p.kept_any = True       # the same rounds after a drafter that was once right
+    assert sum(1 for k in _drive(p, 12, good=False) if k) > 4

@@ -12,12 +12,15 @@ evaluation over a target step, measured, or --draft-cost). The hybrid's own cloc
 (what it measures to choose) is this modelled clock, so its choices are those it would
 make on a machine where these costs hold; a shared machine's noise is left out.
 
-Besides the drafters as built (n-gram, model, hybrid, all under the adaptive policy),
-two references: `oracle`, each round the candidate (n-gram, model, or a plain step)
-that turns out best, knowing the verdicts in advance; and `two-branch`, both
-candidates verified in one decode as two sequences (t_v(n + k + 2)), the longer
-kept prefix taken, the model asked every round. They bound what a better choice, and
-what verifying both, could give.
+Besides the drafters as built (n-gram, model, hybrid, under the adaptive policy, and
+under a fixed one), three references. `foresight`: each round the candidate (n-gram,
+model, or a plain step) with the most tokens per step, the verdicts known in advance (a
+per-round greedy choice, so a reference, not a strict bound). `two-branch`: both
+candidates verified every round in one decode as two sequences sharing the last token
+(t_v(n + k + 1)), the longer kept prefix taken, the model asked every round. And
+`hybrid+both`: the hybrid's own rounds, but wherever it had both candidates, both
+verified when that would have given more tokens per step (foresight again): what
+verifying two branches could add to the hybrid at most.
 """
 
 from __future__ import annotations
@@ -182,8 +185,8 @@ def replay(records: Sequence[Record], make_drafter, policy, costs: Costs) -> Rep
 
 
 def best_of(records: Sequence[Record], costs: Costs, k: int, both: bool) -> Replayed:
-    """oracle (both=False): each round the best of n-gram, model and a plain step, known in
-    advance; two-branch (both=True): n-gram and model verified together every round."""
+    """foresight (both=False): each round the best of n-gram, model and a plain step, known
+    in advance; two-branch (both=True): n-gram and model verified together every round."""
     from specwire.drafters.ngram import NgramDrafter
     clock = Clock()
     model = ReplayedModel(clock, costs)
@@ -202,17 +205,15 @@ def best_of(records: Sequence[Record], costs: Costs, k: int, both: bool) -> Repl
             kn, km = _kept(ng, output[pos:]), _kept(md, output[pos:])
             m_cost = model.cost(history, len(md))
             if both:
-                spent = (m_cost if md else 0.0) + costs.verify(len(ng) + len(md) + 2 if ng
-                                                              else len(md) + 1)
+                spent = (m_cost if md else 0.0) + costs.verify(len(ng) + len(md) + 1)
                 kept, asked = max(kn, km), bool(md)
             else:
-                options = [(1.0 / costs.verify(1), 0, 0.0, False),
+                options = [(1.0 / costs.verify(1), 0, costs.verify(1), False),
                            ((kn + 1) / costs.verify(len(ng) + 1), kn, costs.verify(len(ng) + 1),
                             False),
                            ((km + 1) / (m_cost + costs.verify(len(md) + 1)), km,
                             m_cost + costs.verify(len(md) + 1), True)]
-                options[0] = (options[0][0], 0, costs.verify(1), False)
-                _, kept, spent, asked = max(options[:3] if md else options[:2],
+                _, kept, spent, asked = max(options if md else options[:2],
                                             key=lambda o: o[0])
             if asked:
                 model.spent += m_cost
@@ -226,6 +227,49 @@ def best_of(records: Sequence[Record], costs: Costs, k: int, both: bool) -> Repl
         ngram.end()
         out.tokens += len(output) - 1
     out.steps, out.model_steps = clock.now, model.spent
+    return out
+
+
+class RecordingHybrid:
+    """A HybridDrafter that notes, per round, both candidates and what it handed out."""
+
+    def __new__(cls, ngram, model):
+        from specwire.drafters.hybrid import HybridDrafter
+
+        class Recording(HybridDrafter):
+            def _hand_out(self, history, offer, draft, use_ngram):
+                out = super()._hand_out(history, offer, draft, use_ngram)
+                rec = self.model.record
+                truth = rec.output[len(history) - len(rec.prompt):]
+                self.rounds.append((truth, list(offer.tokens),
+                                    None if draft is None else list(draft.tokens),
+                                    list(out.tokens)))
+                return out
+
+        h = Recording(ngram, model)
+        h.rounds = []
+        return h
+
+
+def with_both(records: Sequence[Record], costs: Costs, k: int) -> Replayed:
+    """The hybrid's rounds, both candidates verified where that gives more per step."""
+    from specwire.drafters.ngram import NgramDrafter
+    made = []
+
+    def make(model):
+        made.append(RecordingHybrid(NgramDrafter(cache=None), model))
+        return made[-1]
+    out = replay(records, make, AdaptivePolicy(k), costs)
+    for truth, ng, md, handed in made[0].rounds:
+        if not ng or not md:
+            continue
+        alone = costs.verify(len(handed) + 1)
+        both = costs.verify(len(ng) + len(md) + 1)
+        kept_alone = _kept(handed, truth)
+        kept_both = max(_kept(ng, truth), _kept(md, truth))
+        if (kept_both + 1) / both > (kept_alone + 1) / alone:
+            out.steps += both - alone
+            out.tokens += kept_both - kept_alone   # more tokens in these rounds' time
     return out
 
 
@@ -253,8 +297,9 @@ def report(sets: dict[str, list[Record]], points, draft_cost: float, k: int) -> 
     everything = [r for recs in sets.values() for r in recs]
     rows = [(label, lambda recs, d=d, p=p: replay(recs, d, p(), costs))
             for label, d, p in configurations(k)]
-    rows += [("oracle", lambda recs: best_of(recs, costs, k, False)),
-             ("two-branch", lambda recs: best_of(recs, costs, k, True))]
+    rows += [("foresight", lambda recs: best_of(recs, costs, k, False)),
+             ("two-branch", lambda recs: best_of(recs, costs, k, True)),
+             ("hybrid+both", lambda recs: with_both(recs, costs, k))]
     for label, run in rows:
         cells = []
         for name in names:
