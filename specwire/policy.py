@@ -170,6 +170,7 @@ class AdaptivePolicy:
     margin: float = 0.2  # how much better plain steps must look to stop drafting early on
     settle: int = 12  # rounds that asked the drafter before the margin is dropped
     asked_rounds: int = 0
+    kept_any: bool = False  # a drafted token was ever kept (else no benefit of the doubt)
     idle_rounds: int = 0
     asked: int = 0  # k of the round in progress
     warm: bool = False  # the previous round asked for a draft
@@ -322,9 +323,11 @@ class AdaptivePolicy:
             return best_k
         try_k = max(range(1, limit + 1), key=rates.__getitem__)
         # Early on, stop drafting only when plain steps look clearly better: the first
-        # estimates are noisy, and a wrong stop costs many rounds before a probe.
-        # (A probe is no start: its outcome is judged without the margin.)
-        early = self.warm and not self.probed and self.asked_rounds < self.settle
+        # estimates are noisy, and a wrong stop costs many rounds before a probe. Not for
+        # a drafter none of whose tokens was ever kept: a useless one would pay each of
+        # those rounds, and a probe soon recovers a merely unlucky one. (A probe is no
+        # start: its outcome is judged without the margin.)
+        early = self.warm and not self.probed and self.asked_rounds < self.settle and self.kept_any
         if early and rates[try_k] * (1.0 + self.margin) >= rates[0]:
             self.idle_rounds = 0
             return try_k
@@ -381,6 +384,8 @@ class AdaptivePolicy:
             self.skipped += 1
             b = self.batch_tokens if batch_tokens is None else batch_tokens
             self.idle_s += verify_s / (1 + b)
+        if accepted:
+            self.kept_any = True
         if self.probed and accepted:
             self.probed, self.probe_backoff = False, 1
         if drafted:

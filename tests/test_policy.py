@@ -249,7 +249,7 @@ def test_memory_keeps_what_a_policy_learned_for_the_next_request() -> None:
     assert isinstance(p, AdaptivePolicy)
     _drive(p, lambda k, r: 0, 0.002, lambda n: 0.01 * (1 + 0.3 * (n - 1)), rounds=60)
     learned = p.acceptance
-    assert learned < 0.2
+    assert learned < AdaptivePolicy(8).acceptance / 2   # well below the prior: it learned
     p.asked, p.idle_rounds = 3, 5
     again = mem.policy("adaptive", 8)
     assert again is p

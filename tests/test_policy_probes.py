@@ -33,8 +33,7 @@ def test_failed_probes_back_off_to_the_bound() -> None:
     without the backoff."""
     p = AdaptivePolicy(8)
     ks = _drive(p, 2000, good=False)
-    stop = ks.index(0)                                      # the first drafts ended here
-    probes = [stop - 1, *(i for i, k in enumerate(ks) if k and i > stop)]
+    probes = [i for i, k in enumerate(ks) if k and i > 5]    # past the first rounds' drafts
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert all(ks[i] == 1 for i in probes[1:])              # one-token probes
     assert max(gaps) <= p.probe_every * p.probe_backoff_max
@@ -152,3 +151,14 @@ def test_a_probe_drafts_what_it_asked_for_whatever_the_stop_rule() -> None:
     p.observe(1, 0, 0.0001, _verify(2))
     assert p.choose(16) == 0 and not p.probing
     assert not p.keep_drafting(0, 0.01)
+
+
+def test_a_drafter_never_kept_gets_no_benefit_of_the_doubt() -> None:
+    """Early rounds keep drafting while plain steps look only a little better (the first
+    estimates are noisy), but not for a drafter none of whose tokens was ever kept: a
+    useless drafter stops after a few rounds, not after `settle` of them."""
+    useless = _drive(AdaptivePolicy(8), 12, good=False)
+    assert sum(1 for k in useless if k) <= 4
+    p = AdaptivePolicy(8)
+    p.kept_any = True       # the same rounds after a drafter that was once right
+    assert sum(1 for k in _drive(p, 12, good=False) if k) > 4

@@ -170,6 +170,7 @@ class Drafters:
         # what an n-gram drafter learned, per configuration: it outlives a request in a
         # server, as the policy's estimates do (its cache of requests does not, here)
         self._ngram_memory: dict[str, tuple[Any, Any]] = {}
+        self._hybrid_memory: dict[str, Any] = {}  # the hybrid's estimates, likewise
 
     def draft_backend(self) -> Any:
         """The in-process draft model (checked against the target's vocabulary)."""
@@ -247,8 +248,9 @@ class Drafters:
 
     def _hybrid(self, cfg: Config, model: Any) -> Any:
         from specwire.drafters.bubble import never_wait
-        from specwire.drafters.hybrid import HybridDrafter
-        return HybridDrafter(self._ngram(cfg), never_wait(model))
+        from specwire.drafters.hybrid import HybridDrafter, HybridEstimates
+        estimates = self._hybrid_memory.setdefault(cfg.label(), HybridEstimates())
+        return HybridDrafter(self._ngram(cfg), never_wait(model), estimates=estimates)
 
     def _remote(self, emu: LinkEmulator, pipelined: bool) -> Any:
         """A fresh Link + RemoteDrafter through the emulator, handshake done."""

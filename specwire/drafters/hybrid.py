@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Draft, Drafter, DrafterBase, declared
 from specwire.drafters.ngram import NgramDrafter, Offer
-from specwire.throughput import draft_line, expected_tokens, verify_line
+from specwire.throughput import LineFit, draft_line, expected_tokens, verify_line
 
 #: Plain steps in a row without asking a model that did not look worth it, at first...
 PROBE_EVERY = 16
@@ -55,27 +56,62 @@ def _kept(draft: Sequence[int], new: Sequence[int]) -> int:
     return n
 
 
+@dataclass(slots=True)
+class HybridEstimates:
+    """What the hybrid learns of its candidates' costs and yields. It outlives a request:
+    a server keeps its drafter, and bench, which builds a drafter per prompt, keeps
+    these per configuration (as the n-gram's calibration and the policy's estimates)."""
+
+    verify: LineFit = field(default_factory=verify_line)    # seconds vs tokens drafted
+    drafting: LineFit = field(default_factory=draft_line)   # model seconds vs tokens drafted
+    accepted: float = 1.5       # the model's a, pseudo-counts
+    rejected: float = 0.5
+    model_len: float = 0.0      # mean length of its drafts
+    #: seconds the model spent catching up (tokens added while not asked), over the tokens
+    catch_up_s: float = 0.0
+    catch_up_tokens: float = 0.0
+    #: what the model's verified rounds yielded, tokens and seconds (drafting, catching up
+    #: and verification), exponentially weighted: its rate as it turned out
+    model_tokens: float = 0.0
+    model_s: float = 0.0
+    probe_gap: int = PROBE_EVERY
+
+
+class LookupStop:
+    """The policy's stop threshold as the lookup needs it: the value of one more drafted
+    token against what it adds to verification only. The policy's own threshold also
+    charges the drafter's time per token, which its draft line learns from every round,
+    the model's included: the lookup, which takes no time, would be cut short by it."""
+
+    __slots__ = ("policy",)
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+
+    def stop_threshold(self) -> float:
+        p = self.policy
+        rate = p.round_rate or p.rate(p.n_max)
+        return rate * (p.verify_cost(2) - p.verify_cost(1))
+
+
 class HybridDrafter(DrafterBase):
     """Composes an NgramDrafter and a model drafter (local, threaded or remote)."""
 
-    def __init__(self, ngram: NgramDrafter, model: Drafter, alpha: float = 0.1) -> None:
+    def __init__(self, ngram: NgramDrafter, model: Drafter, alpha: float = 0.1,
+                 estimates: HybridEstimates | None = None) -> None:
         self.ngram, self.model, self.alpha = ngram, declared(model), alpha
         self.name = f"hybrid:{self.model.name}"
         # asking costs the target nothing when the model drafts on its own (node, thread)
         self.ahead = self.model.pipelined
-        self.verify = verify_line()     # seconds vs tokens drafted
-        self.drafting = draft_line()    # model seconds vs tokens drafted
-        self.accepted, self.rejected = 1.5, 0.5             # the model's a, pseudo-counts
-        self.model_len = 0.0                                # mean length of its drafts
-        # seconds per token the model evaluates to catch up (tokens added while not asked)
-        self.catch_up_s, self.catch_up_tokens = 0.0, 0.0
+        self.est = estimates if estimates is not None else HybridEstimates()
         self._model_at = -1       # len(history) when the model was last asked (-1: never)
         self._asked_last = False  # the model was asked in the previous round
-        self._probe_gap = PROBE_EVERY
         self._probing = False     # the model was last asked only to probe
         # the round in progress: len(history), model draft, tokens handed out, when
         self._round: tuple[int, list[int] | None, int, float] | None = None
+        self._steered = None   # the policy steering this drafter
         self._idle = 0  # plain steps in a row where the model was not worth asking
+        self._drafting_s = 0.0  # the round in progress: the model's drafting time
         self.counters = {"ngram_rounds": 0.0, "model_rounds": 0.0, "drafted": 0.0}
 
     @property
@@ -84,9 +120,16 @@ class HybridDrafter(DrafterBase):
         return self.model.backend
 
     def steer(self, policy) -> None:
-        # the lookup stops at the policy's threshold, but the policy keeps choosing the
-        # length: the model's drafts are what it models
-        self.ngram.policy = policy
+        # Both stop at the policy's threshold, and the policy asks for the most: whether a
+        # round drafts at all, and which candidate, is this drafter's call each round (the
+        # policy's one chain of equal chances, fitted over both kinds of rounds, would
+        # skip matches worth taking and cut them short).
+        self.ngram.policy = None if policy is None else LookupStop(policy)
+        if hasattr(policy, "drafter_stops"):
+            policy.drafter_stops = True
+        elif hasattr(self._steered, "drafter_stops"):
+            self._steered.drafter_stops = False
+        self._steered = policy
         self.model.steer(policy)
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
@@ -99,10 +142,10 @@ class HybridDrafter(DrafterBase):
 
     @property
     def acceptance(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+        return self.est.accepted / (self.est.accepted + self.est.rejected)
 
     def _verify_s(self, n: int) -> float | None:
-        return max(self.verify(n), 1e-6) if self.verify.w else None
+        return max(self.est.verify(n), 1e-6) if self.est.verify.w else None
 
     def ngram_rate(self, offer: Offer) -> float | None:
         v = self._verify_s(len(offer.tokens))
@@ -116,14 +159,23 @@ class HybridDrafter(DrafterBase):
         if v is None:
             return None
         kept = expected_tokens(self.acceptance, round(k)) - 1.0
-        cost = (self.drafting(k) + self.catch_up_cost(behind) if drafting_s is None
+        cost = (self.est.drafting(k) + self.catch_up_cost(behind) if drafting_s is None
                 else drafting_s)
         return (1.0 + kept) / (cost + v)
 
+    def model_worth(self, estimate: float | None) -> float | None:
+        """The model's rate for the choice against a plain step: the lower of its estimate
+        and what its verified rounds yielded. The estimate alone judged it worth asking
+        where its rounds, once run, kept fewer tokens per second than plain steps (its
+        acceptance is learnt over every round, also the easy ones the lookup covers)."""
+        if estimate is None or self.est.model_s <= 0.0:
+            return estimate
+        return min(estimate, self.est.model_tokens / self.est.model_s)
+
     def catch_up_cost(self, behind: int) -> float:
         """Seconds the model spends evaluating `behind` tokens it missed while not asked."""
-        per = self.catch_up_s / self.catch_up_tokens if self.catch_up_tokens else 0.0
-        return per * behind
+        est = self.est
+        return est.catch_up_s / est.catch_up_tokens * behind if est.catch_up_tokens else 0.0
 
     def _behind(self, history: Sequence[int]) -> int:
         """Tokens added since the model was last asked, when that was before the previous
@@ -143,7 +195,7 @@ class HybridDrafter(DrafterBase):
                 offer.expected_kept() > expected_tokens(self.acceptance, len(draft)) - 1.0
                 if ng is None or m is None else ng > m)
             return self._hand_out(history, offer, draft, use_ngram)
-        k = self.model_len or max_n
+        k = self.est.model_len or max_n
         behind = self._behind(history)
         self._asked_last = False
         ng, m = self.ngram_rate(offer), self.model_rate(min(k, max_n), behind=behind)
@@ -154,13 +206,13 @@ class HybridDrafter(DrafterBase):
         # and catching up cost more than its tokens yield); asked now and then anyway,
         # so that its estimates can recover, less often while such probes do not pay.
         v0 = self._verify_s(0)
+        m = self.model_worth(m)
         worse = not offer.tokens and m is not None and v0 is not None and m * v0 < 1.0
         if worse and self._probing:
-            self._probe_gap = min(2 * self._probe_gap, PROBE_MAX)
+            self.est.probe_gap = min(2 * self.est.probe_gap, PROBE_MAX)
         elif not worse:
-            self._probe_gap = PROBE_EVERY
-        self._probing = False
-        if worse and self._idle < self._probe_gap:
+            self._probing = False
+        if worse and self._idle < self.est.probe_gap:
             self._idle += 1
             return self._hand_out(history, offer, None, False)
         self._probing, self._idle = worse, 0
@@ -169,25 +221,28 @@ class HybridDrafter(DrafterBase):
         took = time.perf_counter() - t0
         if draft.tokens:
             if not behind:              # a steady round: its time is drafting
-                self.drafting.add(len(draft), took)
+                self.est.drafting.add(len(draft), took)
             else:
                 w = 1.0 - self.alpha
-                extra = max(0.0, took - self.drafting(len(draft)))
-                self.catch_up_s = w * self.catch_up_s + extra
-                self.catch_up_tokens = w * self.catch_up_tokens + behind
+                extra = max(0.0, took - self.est.drafting(len(draft)))
+                self.est.catch_up_s = w * self.est.catch_up_s + extra
+                self.est.catch_up_tokens = w * self.est.catch_up_tokens + behind
         self._model_at, self._asked_last = len(history), True
-        # what the model proposed may still be worth less than the match
+        # what the model proposed may still be worth less than the match; its drafting
+        # time is spent either way, so only verification counts now
         use_ngram = bool(offer.tokens) and ng is not None and (
-            self.model_rate(len(draft), took) or 0.0) < ng
-        return self._hand_out(history, offer, draft, use_ngram)
+            self.model_rate(len(draft), 0.0) or 0.0) < ng
+        out = self._hand_out(history, offer, draft, use_ngram)
+        self._drafting_s = took
+        return out
 
     def _hand_out(self, history: Sequence[int], offer: Offer, draft: Draft | None,
                   use_ngram: bool) -> Draft:
         """The round's draft; `draft` is the model's (None: it was not asked)."""
         if draft is not None and draft.tokens:
-            w = 1.0 - self.alpha
-            self.model_len = w * self.model_len + self.alpha * len(draft) if self.model_len \
-                else float(len(draft))
+            est, w = self.est, 1.0 - self.alpha
+            est.model_len = (w * est.model_len + self.alpha * len(draft) if est.model_len
+                             else float(len(draft)))
         if use_ngram:
             out = self.ngram.take(offer)
             self.counters["ngram_rounds"] += 1
@@ -196,6 +251,7 @@ class HybridDrafter(DrafterBase):
             if out.tokens:
                 self.counters["model_rounds"] += 1
         self.counters["drafted"] += len(out)
+        self._drafting_s = -1.0 if use_ngram or not out.tokens else 0.0
         model_tokens = None if draft is None else list(draft.tokens)
         self._round = (len(history), model_tokens, len(out), time.perf_counter())
         return out
@@ -209,7 +265,12 @@ class HybridDrafter(DrafterBase):
             return
         base, model_tokens, handed, t = self._round
         self._round = None
-        self.verify.add(handed, time.perf_counter() - t)
+        verify_s = time.perf_counter() - t
+        self.est.verify.add(handed, verify_s)
+        if self._drafting_s >= 0.0 and handed:     # the model's draft was verified
+            w = 1.0 - self.alpha
+            self.est.model_tokens = w * self.est.model_tokens + accepted + 1
+            self.est.model_s = w * self.est.model_s + self._drafting_s + verify_s
         if model_tokens is None:        # a model in this process that was not asked
             self.model.learn(history, 0, appended)
             return
@@ -217,8 +278,8 @@ class HybridDrafter(DrafterBase):
         if model_tokens:
             judged = kept < min(len(model_tokens), appended)
             w = 1.0 - self.alpha
-            self.accepted = w * self.accepted + kept
-            self.rejected = w * self.rejected + (1.0 if judged else 0.0)
+            self.est.accepted = w * self.est.accepted + kept
+            self.est.rejected = w * self.est.rejected + (1.0 if judged else 0.0)
         # as if its draft had been verified: the tokens of it the history took
         self.model.learn(history, kept, appended)
 
