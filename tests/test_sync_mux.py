@@ -20,6 +20,7 @@ from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.http2 import Connection, H2Error
 from specwire.wire.link import Link, LinkSettings
+from specwire.wire.linkset import SyncLine
 from specwire.wire.protocol import ProtocolError
 from specwire.wire.sync_server import SyncServer
 
@@ -198,3 +199,32 @@ def test_one_failure_of_a_shared_link_backs_it_off_once() -> None:
     assert link.failures == 1 and link.retry_at - time.monotonic() <= 0.25
     link.failed("again", epoch=link.epoch, reconnect=False)
     assert link.failures == 2
+
+
+def test_a_node_serving_one_call_at_a_time_sends_the_next_session_elsewhere() -> None:
+    """A sync port that allows one stream per connection (an older node): a second
+    session's open gives None (the drafter then uses the main port) instead of breaking the
+    connection the first one uses; once the first ends, the next opens there again."""
+    service = FakeService()
+    server = SyncServer(service, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
+                        session_idle_s=5.0, max_streams=1)
+    server.start()
+    link = Link(f"127.0.0.1:{server.port}", LinkSettings(), "f", 10, "t")
+    link.hello = pb.HelloReply(sync_port=server.port)
+    line = SyncLine(link.connect_sync(), link)
+    try:
+        opened = []
+        first = line.open(lambda: opened.append(1) or _verdict(), 5)
+        assert first is not None and line.conn.recv_message(first, 5) is not None
+        assert line.open(lambda: opened.append(2) or _verdict(), 5) is None
+        assert opened == [1], "the Open of a session that cannot start is never made"
+        line.release(first, closed=False)
+        deadline = time.monotonic() + 5
+        while (sid := line.open(_verdict, 5)) is None:   # the node saw the reset
+            assert time.monotonic() < deadline
+            line.alive()
+            time.sleep(0.05)
+        assert line.conn.recv_message(sid, 5) is not None and not line.broken()
+    finally:
+        line.close()
+        server.close()
