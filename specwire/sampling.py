@@ -141,8 +141,11 @@ def candidates(row: np.ndarray, params: SamplingParams, recent: Window | None = 
     if allow is not None:
         ids = _allowed_candidates(row, params, allow)
     else:
-        ids = np.argpartition(row, -k)[-k:] if 0 < k < row.shape[0] else np.arange(row.shape[0])
-        ids = ids[np.argsort(-row[ids], kind="stable")]
+        if 0 < k < row.shape[0]:
+            ids = top_ids(row, k)
+        else:
+            ids = np.arange(row.shape[0])
+            ids = ids[np.argsort(-row[ids], kind="stable")]
         ids = ids[: _kept(row[ids].astype(np.float64), params)]
     return Candidates(ids=ids.astype(np.int64),
                       scaled=row[ids].astype(np.float64) / max(params.temperature, 1e-6))

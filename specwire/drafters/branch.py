@@ -262,7 +262,8 @@ class BranchDrafter(DrafterBase):
         return time.monotonic() + wait_s + 0.5 * per_token + 0.001
 
     def _note_starved(self, draft: Draft) -> None:
-        """Count a pipelined round that, after a rejection, has nothing to verify."""
+        """Count a pipelined round that has nothing to verify, and whether a rejection
+        left it so (starved)."""
         self._drafted = len(draft)
         if draft.tokens:
             self._starving = False
