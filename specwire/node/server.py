@@ -26,6 +26,7 @@ import grpc
 from specwire.backend.llama import Model, load_model, open_contexts
 from specwire.config import ModelParams
 from specwire.drafters.session import DraftSession, error_message
+from specwire.draftlink.messages import Verdict
 from specwire.node.calibrations import Calibrations, target_key
 from specwire.node.kv_cache import KvCache
 from specwire.node.metrics import NodeMetrics
@@ -150,8 +151,10 @@ class DraftNodeService(pbg.DraftNodeServicer):
 
     def serve_sync(self, requests, send, context) -> None:
         """A synchronous Session for a transport that writes from the calling thread (the
-        sync port, wire/sync_server.py): each chunk goes to `send` as it is drafted, with no
-        generator between the session and the socket."""
+        sync port, wire/sync_server.py): each message goes to `send` as it is drafted, as a
+        domain message (draftlink/messages.py; the transport encodes it), with no generator
+        between the session and the socket. `requests` may hold a Verdict the transport
+        decoded itself in place of its protobuf TargetMessage."""
         with self._admitted(context, "Session"):
             session: DraftSession | None = None
             try:
@@ -167,7 +170,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
                     session.step(verdict)
             except Exception as e:  # noqa: BLE001 - the node must survive any one session
                 log.info("session from %s ends: %s", context.peer(), e)
-                send(protocol.draft_to_pb(error_message(e)))
+                send(error_message(e))
             finally:
                 self._close(session)
 
@@ -206,10 +209,11 @@ class DraftNodeService(pbg.DraftNodeServicer):
             lease.feed()
             if first.pipelined:
                 outbox: queue.SimpleQueue[pb.DraftMessage | None] = queue.SimpleQueue()
-                session = self._open(first, outbox.put, context)
+                session = self._open(first, lambda m: outbox.put(protocol.draft_to_pb(m)),
+                                     context)
                 yield from _pipelined(session, outbox, _verdicts(requests, lease), context)
                 return
-            session = self._open(first, out.append, context)
+            session = self._open(first, lambda m: out.append(protocol.draft_to_pb(m)), context)
             session.announce()
             yield from _drain(out)
             session.step(None)
@@ -232,7 +236,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
 
     def _open(self, m: pb.Open, send, context) -> DraftSession:
         """Check everything the Open says, then take a llama.cpp context (from memory).
-        The session's messages go to `send` as protobuf."""
+        The session's messages (draftlink/messages.py) go to `send`."""
         try:
             open_msg = protocol.open_from_pb(m)
             open_msg.check(self.model.n_vocab, self.settings.model.n_ctx)
@@ -243,8 +247,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
             else None
         backend = self.memory.acquire(open_msg.history)
         try:
-            session = DraftSession(backend, open_msg, lambda msg: send(protocol.draft_to_pb(msg)),
-                                   seed=self.settings.seed, calibration=calibration)
+            session = DraftSession(backend, open_msg, send, seed=self.settings.seed,
+                                   calibration=calibration)
         except Exception:
             self.memory.release(backend)
             raise
@@ -266,6 +270,8 @@ def _first_open(requests) -> pb.Open | None:
     first = next(requests, None)
     if first is None:
         return None
+    if isinstance(first, Verdict):
+        raise ProtocolError("unexpected verdict message")
     if first.WhichOneof("kind") != "open":
         raise ProtocolError(f"unexpected {first.WhichOneof('kind')} message")
     return first.open
@@ -282,6 +288,9 @@ def _verdicts(requests, lease: Lease | None = None):
     for m in requests:
         if lease is not None:
             lease.feed()
+        if isinstance(m, Verdict):  # decoded by the sync port (wire/roundcodec.py)
+            yield m
+            continue
         kind = m.WhichOneof("kind")
         if kind == "close":
             return

@@ -28,7 +28,8 @@ from collections.abc import Iterator
 import grpc
 from google.protobuf.message import DecodeError
 
-from specwire.wire import protocol
+from specwire.draftlink.messages import Chunk, DraftMessage, Verdict
+from specwire.wire import protocol, roundcodec
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.http2 import Connection, H2Error, Stream
 from specwire.wire.protocol import ProtocolError
@@ -140,14 +141,18 @@ class SyncServer:
             return
         sent = False
 
-        def send(msg: pb.DraftMessage) -> None:
+        def send(msg: DraftMessage) -> None:
             nonlocal sent
             if stream.reset is not None:
                 return  # the target cancelled the call (its request ended): nobody listens
             if not sent:
                 conn.respond(stream.sid)
                 sent = True
-            conn.send_message(stream.sid, msg.SerializeToString())
+            # A plain chunk's bytes written directly (roundcodec.py), anything else by protobuf.
+            data = roundcodec.chunk_bytes(msg) if isinstance(msg, Chunk) else None
+            if data is None:
+                data = protocol.draft_to_pb(msg).SerializeToString()
+            conn.send_message(stream.sid, data)
 
         try:
             self.service.serve_sync(_requests(conn, stream, self.session_idle_s), send,
@@ -160,17 +165,21 @@ class SyncServer:
         return None
 
 
-def _requests(conn: Connection, stream: Stream, idle_s: float) -> Iterator[pb.TargetMessage]:
+def _requests(conn: Connection, stream: Stream,
+              idle_s: float) -> Iterator[pb.TargetMessage | Verdict]:
     """The call's messages, until the target ends it (or cancels it: a RST_STREAM ends the
     session as a Close would, and the connection goes on); the first (the Open) within
     the handshake deadline, as an admitted call holds one of the node's session slots,
-    each next one within idle_s."""
+    each next one within idle_s. A verdict in its common encoding comes decoded
+    (roundcodec.py), everything else as protobuf."""
     data = _next(conn, stream, HANDSHAKE_TIMEOUT_S, "no Open")
     while data is not None:
-        try:
-            msg = pb.TargetMessage.FromString(data)
-        except DecodeError:
-            raise ProtocolError("undecodable frame: not a TargetMessage") from None
+        msg = roundcodec.verdict_from_bytes(data)
+        if msg is None:
+            try:
+                msg = pb.TargetMessage.FromString(data)
+            except DecodeError:
+                raise ProtocolError("undecodable frame: not a TargetMessage") from None
         yield msg
         data = _next(conn, stream, idle_s, "the target sent nothing")
 
