@@ -18,9 +18,9 @@ path besides the drafting and the round trip:
 
 Each stretch runs right after a wait (the node's drafting, the target's), with
 the caches the model left behind, so it costs several times what the same code
-costs warm. --tree PATH measures another checkout too (an older one, say),
-each in its own processes, alternating --repeat times so that both see the
-same load. The timestamps come from wrappers installed in every process (a
+costs warm. --tree PATH measures another checkout too (an older one, say;
+repeatable), each in its own processes, alternating --repeat times so that all
+see the same load. The timestamps come from wrappers installed in every process (a
 sitecustomize.py on PYTHONPATH), so this works on a tree that lacks this file.
 
     python -m specwire.bench.link_timeline [-k 2] [--rounds 300] [--tree PATH] [--repeat 3]
@@ -211,16 +211,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-k", type=int, default=2, help="draft tokens per round")
     p.add_argument("--rounds", type=int, default=300)
-    p.add_argument("--tree", type=Path, help="another specwire checkout to compare with")
+    p.add_argument("--tree", type=Path, action="append", default=[],
+                   help="another specwire checkout to compare with (repeatable)")
     p.add_argument("--repeat", type=int, default=1, help="alternations")
     p.add_argument("--run", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.run:
         _run(a.k, a.rounds)
         return
-    trees = [Path(__file__).resolve().parents[2]]
-    if a.tree is not None:
-        trees.append(a.tree.resolve())
+    trees = [Path(__file__).resolve().parents[2], *(t.resolve() for t in a.tree)]
     print(f"k={a.k}, {a.rounds} rounds; per round, medians, wall us (CPU us): target send, "
           "target receive, node receive, node send, their sum; link_overhead's beyond the "
           "round trip")
