@@ -77,8 +77,8 @@ def test_verdicts_outside_its_shape_are_left_to_protobuf(data: bytes) -> None:
 @given(st.binary(max_size=40))
 @settings(max_examples=3000)
 def test_any_bytes_read_as_protobuf_reads_them_or_left_to_it(data: bytes) -> None:
-    _agrees(roundcodec.verdict_from_bytes, _pb_verdict, b"\x12" + data[:1] + data[1:])
-    _agrees(roundcodec.chunk_from_bytes, _pb_chunk, b"\x0a" + data[:1] + data[1:])
+    _agrees(roundcodec.verdict_from_bytes, _pb_verdict, b"\x12" + data)
+    _agrees(roundcodec.chunk_from_bytes, _pb_chunk, b"\x0a" + data)
 
 
 @given(st.one_of(verdicts.map(roundcodec.verdict_bytes), chunks.map(roundcodec.chunk_bytes)),
@@ -105,3 +105,13 @@ def _agrees(fast, slow, data: bytes) -> None:
             assert slow(data) == got
         except DecodeError:
             pytest.fail(f"protobuf cannot parse what the fast path read: {data!r}")
+
+
+def test_the_node_takes_a_verdict_the_port_decoded_but_never_first() -> None:
+    from specwire.node.server import _first_open, _verdicts
+
+    v = Verdict(3, 0, [1])
+    with pytest.raises(ProtocolError, match="unexpected verdict"):
+        _first_open(iter([v]))
+    close = pb.TargetMessage(close=pb.Close())
+    assert list(_verdicts(iter([v, protocol.target_to_pb(v), close, v]))) == [v, v]
