@@ -16,6 +16,7 @@ import time
 import grpc
 import pytest
 
+from specwire.draftlink.messages import Chunk, Failure, Verdict
 from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.http2 import Connection, H2Error
@@ -44,12 +45,12 @@ class EchoCall:
             self.service.barrier.wait()      # passes only when two calls draft at once
         if isinstance(msg, ProtocolError):
             self.error = str(msg)
-            self.send(pb.DraftMessage(error=pb.DraftError(message=str(msg))))
+            self.send(Failure(str(msg)))
             return False
-        if msg.WhichOneof("kind") == "close":
-            return False
+        if not isinstance(msg, Verdict) and msg.WhichOneof("kind") == "close":
+            return False                     # (a verdict comes decoded: roundcodec.py)
         self.taken += 1
-        self.send(pb.DraftMessage(chunk=pb.DraftChunk(start=self.taken)))
+        self.send(Chunk(gen=0, start=self.taken, tokens=[]))
         return True
 
     def end(self) -> None:

@@ -26,6 +26,7 @@ import grpc
 from specwire.backend.llama import Model, load_model, open_contexts
 from specwire.config import ModelParams
 from specwire.drafters.session import DraftSession, error_message
+from specwire.draftlink.messages import Verdict
 from specwire.node.calibrations import Calibrations, target_key
 from specwire.node.kv_cache import KvCache
 from specwire.node.metrics import NodeMetrics
@@ -152,8 +153,10 @@ class DraftNodeService(pbg.DraftNodeServicer):
     def sync_call(self, send, context) -> SyncCall:
         """A synchronous Session for a transport that writes from the calling thread (the
         sync port, wire/sync_server.py), admitted now (context.abort if it may not be):
-        the transport hands it each message as it arrives, and each chunk goes to `send`
-        as it is drafted, with no generator or thread between the session and the socket.
+        the transport hands it each message as it arrives (a Verdict it decoded itself, or
+        protobuf), and each message goes to `send` as it is drafted, as a domain message
+        (draftlink/messages.py; the transport encodes it), with no generator or thread
+        between the session and the socket.
         Several such calls may share one connection, a stream each."""
         return SyncCall(self, send, context)
 
@@ -200,10 +203,11 @@ class DraftNodeService(pbg.DraftNodeServicer):
             lease.feed()
             if first.pipelined:
                 outbox: queue.SimpleQueue[pb.DraftMessage | None] = queue.SimpleQueue()
-                session = self._open(first, outbox.put, context)
+                session = self._open(first, lambda m: outbox.put(protocol.draft_to_pb(m)),
+                                     context)
                 yield from _pipelined(session, outbox, _verdicts(requests, lease), context)
                 return
-            session = self._open(first, out.append, context)
+            session = self._open(first, lambda m: out.append(protocol.draft_to_pb(m)), context)
             session.announce()
             yield from _drain(out)
             session.step(None)
@@ -226,7 +230,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
 
     def _open(self, m: pb.Open, send, context) -> DraftSession:
         """Check everything the Open says, then take a llama.cpp context (from memory).
-        The session's messages go to `send` as protobuf."""
+        The session's messages (draftlink/messages.py) go to `send`."""
         try:
             open_msg = protocol.open_from_pb(m)
             open_msg.check(self.model.n_vocab, self.settings.model.n_ctx)
@@ -237,8 +241,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
             else None
         backend = self.memory.acquire(open_msg.history)
         try:
-            session = DraftSession(backend, open_msg, lambda msg: send(protocol.draft_to_pb(msg)),
-                                   seed=self.settings.seed, calibration=calibration)
+            session = DraftSession(backend, open_msg, send, seed=self.settings.seed,
+                                   calibration=calibration)
         except Exception:
             self.memory.release(backend)
             raise
@@ -268,11 +272,17 @@ class SyncCall:
         self.session: DraftSession | None = None
         self._ended = False
 
-    def take(self, msg: pb.TargetMessage | ProtocolError) -> bool:
-        """One message of the call (or why none could be read); False once it is over."""
+    def take(self, msg: pb.TargetMessage | Verdict | ProtocolError) -> bool:
+        """One message of the call (or why none could be read); False once it is over. A
+        verdict in its common encoding comes decoded by the transport (wire/roundcodec.py)."""
         try:
             if isinstance(msg, ProtocolError):
                 raise msg
+            if isinstance(msg, Verdict):
+                if self.session is None:
+                    raise ProtocolError("unexpected verdict message")
+                self.session.step(msg)
+                return True
             kind = msg.WhichOneof("kind")
             if self.session is None:
                 if kind != "open":
@@ -291,7 +301,7 @@ class SyncCall:
             return True
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
             log.info("session from %s ends: %s", self.context.peer(), e)
-            self.send(protocol.draft_to_pb(error_message(e)))
+            self.send(error_message(e))
             return False
 
     def end(self) -> None:
@@ -310,6 +320,8 @@ def _first_open(requests) -> pb.Open | None:
     first = next(requests, None)
     if first is None:
         return None
+    if isinstance(first, Verdict):
+        raise ProtocolError("unexpected verdict message")
     if first.WhichOneof("kind") != "open":
         raise ProtocolError(f"unexpected {first.WhichOneof('kind')} message")
     return first.open
@@ -326,6 +338,9 @@ def _verdicts(requests, lease: Lease | None = None):
     for m in requests:
         if lease is not None:
             lease.feed()
+        if isinstance(m, Verdict):  # decoded by the sync port (wire/roundcodec.py)
+            yield m
+            continue
         kind = m.WhichOneof("kind")
         if kind == "close":
             return

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from specwire.draftlink.messages import Close, Failure, TargetMessage
-from specwire.wire import protocol
+from specwire.draftlink.messages import Close, Failure, TargetMessage, Verdict
+from specwire.wire import protocol, roundcodec
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.http2 import CreditTimeout, GrpcStatus, H2Error
 from specwire.wire.link import Link, LinkError
@@ -61,6 +61,9 @@ class _SyncCall:
     closed: bool = False  # the Close went out with END_STREAM
     sent_at: float = 0.0  # time.monotonic() when the last verdict went out
     asked: int = 0  # tokens it asked for; 0 once its answer came
+    # (time.monotonic(), tokens asked, forecast window) of the last answer, until the forecast
+    # learns from it after the next send
+    arrived: tuple[float, int, tuple[float, float] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -158,11 +161,14 @@ class GrpcTransport:
         return self._call is not None or self._sync is not None
 
     def _post(self, message: TargetMessage) -> None:
-        msg = protocol.target_to_pb(message)
         call = self._sync
         if call is not None:
-            data = msg.SerializeToString()
-            self.counters["bytes_up"] += len(data) + 5
+            # A verdict's bytes written directly (roundcodec.py): no protobuf object on the
+            # way from the round's end to the socket.
+            verdict = isinstance(message, Verdict)
+            data = roundcodec.verdict_bytes(message) if verdict else None
+            if data is None:
+                data = protocol.target_to_pb(message).SerializeToString()
             close = isinstance(message, Close)
             try:
                 # A verdict is a few bytes: a node granting too little credit for it within
@@ -171,11 +177,15 @@ class GrpcTransport:
             except (H2Error, TimeoutError, OSError) as e:
                 self._sync_failed(call, str(e), dropped=isinstance(e, CreditTimeout))
                 return
-            call.closed = close
+            if call.arrived is not None:
+                self._learn_arrival(call)
             call.sent_at, call.asked = time.monotonic(), self._want
+            call.closed = close
+            self.counters["bytes_up"] += len(data) + 5
             return
         out = self._out
         if out is not None:
+            msg = protocol.target_to_pb(message)
             self.counters["bytes_up"] += protocol.message_bytes(msg)
             out.put(msg)
 
@@ -297,14 +307,17 @@ class GrpcTransport:
             return False
         now = time.monotonic()
         self.counters["bytes_down"] += len(data) + 5
+        # The forecast learns after the next verdict is sent (_post): off the critical path.
         if forecast is not None:
-            forecast.learn(now - call.sent_at, call.asked)
-        if window is not None and now > window[0]:
-            self.counters["polled_answers"] += now <= window[1]
-            self.counters["poll_ms"] += 1000 * (min(now, window[1]) - window[0])
+            call.arrived = (now, call.asked, window)
         call.asked = 0
         try:
-            self._take(self._session, pb.DraftMessage.FromString(data))
+            # The common chunk decoded directly (roundcodec.py); anything else by protobuf.
+            chunk = roundcodec.chunk_from_bytes(data)
+            if chunk is not None:
+                self._on_chunk(self._session, chunk)
+            else:
+                self._take(self._session, pb.DraftMessage.FromString(data))
         except DecodeError:
             self._sync_failed(call, "undecodable frame: not a DraftMessage", dropped=True)
             return False
@@ -312,6 +325,16 @@ class GrpcTransport:
             self._sync_failed(call, str(e), dropped=True, alone=isinstance(e, NodeFailure))
             return False
         return True
+
+    def _learn_arrival(self, call: _SyncCall) -> None:
+        """When the last answer came: the forecast learns, the polling is counted."""
+        now, asked, window = call.arrived
+        call.arrived = None
+        if self.forecast is not None:
+            self.forecast.learn(now - call.sent_at, asked)
+        if window is not None and now > window[0]:
+            self.counters["polled_answers"] += now <= window[1]
+            self.counters["poll_ms"] += 1000 * (min(now, window[1]) - window[0])
 
     def _sync_failed(self, call: _SyncCall, reason: str, dropped: bool = False,
                      alone: bool = False) -> None:

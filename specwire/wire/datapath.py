@@ -110,8 +110,9 @@ class DataPath:
             window = stream._inbound_window_manager
             if n > conn_window.current_window_size or n > window.current_window_size:
                 break  # a flow-control violation: h2 ends the connection for it
-            conn_window.window_consumed(n)
-            window.window_consumed(n)
+            # What WindowManager.window_consumed does, less the check just made above.
+            conn_window.current_window_size -= n
+            window.current_window_size -= n
             self.received += 1
             i += 9
             deliver(sid, data[i : i + n])

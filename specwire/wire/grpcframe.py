@@ -49,6 +49,11 @@ class Stream:
     def take(self, data: bytes, max_message: int) -> None:
         """Split DATA into messages (a 1-byte flag and a 4-byte length before each)."""
         part = self.partial
+        if not part and len(data) >= 5 and data[0] == 0 and \
+                int.from_bytes(data[1:5], "big") == len(data) - 5 <= max_message and \
+                len(self.messages) < MAX_QUEUED:
+            self.messages.append(data[5:])  # one whole message, the common case
+            return
         part += data
         while len(part) >= 5:
             if part[0] != 0:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from specwire.wire import protocol
+from specwire.draftlink.messages import Chunk, DraftMessage, Verdict
+from specwire.wire import protocol, roundcodec
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire.http2 import Connection, H2Error, Stream
 from specwire.wire.protocol import ProtocolError
@@ -159,11 +160,15 @@ class Calls:
             self._end(call)  # the target half-closed or cancelled it (a Close), or we reset
             #                  it (no flow-control credit for a chunk)
 
-    def _next(self, call: _Call) -> pb.TargetMessage | ProtocolError:
-        """The call's next message (there is one), its deadline moved on."""
+    def _next(self, call: _Call) -> pb.TargetMessage | Verdict | ProtocolError:
+        """The call's next message (there is one), its deadline moved on. A verdict in its
+        common encoding comes decoded (roundcodec.py), anything else as protobuf."""
         data = self.conn.recv_message(call.stream.sid, 0.0)
         call.deadline = time.monotonic() + self.session_idle_s
         call.silent, call.timeout_s = "the target sent nothing", self.session_idle_s
+        verdict = roundcodec.verdict_from_bytes(data)
+        if verdict is not None:
+            return verdict
         try:
             return pb.TargetMessage.FromString(data)
         except DecodeError:
@@ -208,9 +213,11 @@ class Calls:
             call.handler.take(ProtocolError(f"{call.silent} for {call.timeout_s:g} s"))
             self._end(call)
 
-    def _send(self, call: _Call, msg: pb.DraftMessage) -> None:
-        """A chunk out on the call's stream; a stream the target cancelled takes none. From
-        a worker, the chunk goes to this connection's thread, which sends it."""
+    def _send(self, call: _Call, msg: DraftMessage) -> None:
+        """A session's message out on the call's stream; a stream the target cancelled takes
+        none. From a worker, the message goes to this connection's thread, which sends it.
+        A plain chunk's bytes are written directly (roundcodec.py), anything else by
+        protobuf."""
         if threading.get_ident() != self._owner:
             self._events.put(("send", call, msg))
             return
@@ -220,8 +227,11 @@ class Calls:
         if not call.sent:
             self.conn.respond(sid)
             call.sent = True
+        data = roundcodec.chunk_bytes(msg) if isinstance(msg, Chunk) else None
+        if data is None:
+            data = protocol.draft_to_pb(msg).SerializeToString()
         try:
-            self.conn.send_message(sid, msg.SerializeToString())
+            self.conn.send_message(sid, data)
         except H2Error:
             if self.conn.closed:
                 raise
@@ -248,7 +258,8 @@ class Calls:
                 raise
 
 
-def _work(call: _Call, msg: pb.TargetMessage | ProtocolError, events: queue.SimpleQueue) -> None:
+def _work(call: _Call, msg: pb.TargetMessage | Verdict | ProtocolError,
+          events: queue.SimpleQueue) -> None:
     """A worker's turn: the call takes its message; ("done", call, result) when it did."""
     try:
         result: bool | BaseException = call.handler.take(msg)
