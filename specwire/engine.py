@@ -349,7 +349,9 @@ class Engine:
         return self.batch.n_seq
 
     def generate(self, req: Request, seq: int | None = None) -> Generation:
-        """A generation in sequence `seq` (default: a free one); it joins the batch now."""
+        """A generation in sequence `seq` (default: a free one); it joins the batch now.
+        With every sequence (or `seq`) running a generation: BatchFull, and the batch goes
+        on untouched (a generation leaves it when done or closed)."""
         return self.scheduler.join(lambda s: Generation(self, req, s), seq)
 
     def policy(self, seq: int, name: str, n_max: int) -> Policy:

@@ -134,13 +134,16 @@ class AdaptivePolicy:
     (prompt_cost), per token: it prices the first draft of a request in a batch,
     and every probe.
 
-    Probes of a drafter that does not pay are rationed by what they cost: with a
-    draft model a probe first catches up with everything the sequence decoded
-    plainly (the prompt too), which can take as long as many plain steps. A probe
-    waits until the plain rounds since the last one, at this sequence's share of
-    each step, add up to 1 / probe_budget times its expected cost, so that probing
-    costs at most about probe_budget of the time; and a probe drafts the tokens it
-    was asked for whatever the stop rule says, or it would teach nothing.
+    Probes of a drafter that does not pay are also rationed by what they cost:
+    with a draft model a probe first catches up with everything the sequence
+    decoded plainly (the prompt too), which can take as long as many plain steps
+    (in a batch, every sequence waits for it). A probe waits until the plain
+    rounds since the last one, at this sequence's share of each step, add up to
+    1 / probe_budget times its expected cost, so that probing costs at most about
+    probe_budget of the time. A probe drafts the tokens it was asked for whatever
+    the stop rule says, or it would teach nothing; one whose tokens are kept is
+    followed by a few rounds judged with the early margin (`trial`), so that the
+    drafter's cost is measured on rounds without a catch-up before it is judged.
 
     Within a round, a draft model in this process asks keep_drafting before each
     token; the policy calibrates its confidence from what verification kept.
@@ -169,6 +172,8 @@ class AdaptivePolicy:
     idle_s: float = 0.0  # this sequence's share of the plain steps since the last probe
     margin: float = 0.2  # how much better plain steps must look to stop drafting early on
     settle: int = 12  # rounds that asked the drafter before the margin is dropped
+    trial: int = 0  # rounds still judged with the margin after a probe whose tokens were kept
+    trial_rounds: int = 4
     asked_rounds: int = 0
     idle_rounds: int = 0
     asked: int = 0  # k of the round in progress
@@ -324,7 +329,8 @@ class AdaptivePolicy:
         # Early on, stop drafting only when plain steps look clearly better: the first
         # estimates are noisy, and a wrong stop costs many rounds before a probe.
         # (A probe is no start: its outcome is judged without the margin.)
-        early = self.warm and not self.probed and self.asked_rounds < self.settle
+        early = self.warm and not self.probed and (self.asked_rounds < self.settle
+                                                   or self.trial > 0)
         if early and rates[try_k] * (1.0 + self.margin) >= rates[0]:
             self.idle_rounds = 0
             return try_k
@@ -364,6 +370,7 @@ class AdaptivePolicy:
             self.calibration.learn(confidence, accepted)
         if self.asked:
             self.asked_rounds += 1
+            self.trial = max(0, self.trial - 1)
             self.continued = w * self.continued + drafted
             self.stopped = w * self.stopped + (1 if drafted < self.asked else 0)
             if self.warm:
@@ -383,6 +390,7 @@ class AdaptivePolicy:
             self.idle_s += verify_s / (1 + b)
         if self.probed and accepted:
             self.probed, self.probe_backoff = False, 1
+            self.trial = self.trial_rounds
         if drafted:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)

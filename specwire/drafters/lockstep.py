@@ -11,16 +11,19 @@ picks its tokens by its own rule (argmax, or its own seeded draw), so a draft is
 what that sequence drafts alone.
 
 Each draft also counts what it cost (`spent`), as if drafted alone: picking its
-tokens, and the whole time of a decode of one token per sequence (reading the
-weights, which one token alone costs too), but only its share by tokens of a
-decode that carries another sequence's catch-up. The adaptive policy prices
-drafting from it; the wall time of the lockstep would charge one sequence for
-another's catch-up.
+tokens, and of each shared decode what its own tokens would have cost in a
+decode of their own, by a line (a fixed part, reading the weights, plus a part
+per token) fitted to the shared context's decodes: a draft token beside seven
+others costs it nearly the whole decode, as it would alone, and beside another
+sequence's long catch-up a small part of it. The adaptive policy prices drafting
+from it; the wall time of the lockstep would charge each sequence for every
+other's catch-up.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -28,6 +31,14 @@ import numpy as np
 
 from specwire.backend.batch import Part
 from specwire.drafters.base import Draft
+from specwire.throughput import LineFit
+
+#: A shared draft decode's assumed cost per token, relative to its fixed part (the prior
+#: of the line fitted to its decodes).
+DECODE_SLOPE = 0.1
+
+#: Seconds against tokens of each shared draft backend's decodes.
+_decode_lines: weakref.WeakKeyDictionary[Any, LineFit] = weakref.WeakKeyDictionary()
 
 #: A draft in progress: yields the tokens to evaluate next, is sent their last logits
 #: row, and returns the draft.
@@ -108,8 +119,11 @@ def _step(group: list[Drafting]) -> None:
             r.fail(e)
         return
     spent = time.perf_counter() - t0
+    line = _decode_lines.setdefault(shared, LineFit(0.05, guess=DECODE_SLOPE))
+    line.add(total, spent)
+    whole = line(total)
     for r, got in zip(group, rows, strict=True):
         t1 = time.perf_counter()
-        share = spent * min(1.0, len(r.want) * len(group) / total)
+        alone = spent * min(1.0, line(len(r.want)) / whole) if whole > 0 else spent
         r.feed(got[-1])            # picks its next token: its own time, all of it
-        r.spent += share + time.perf_counter() - t1
+        r.spent += alone + time.perf_counter() - t1
