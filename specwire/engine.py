@@ -181,7 +181,7 @@ class Generation:
             draft = Draft()
         rnd.draft, rnd.drafted = draft, time.perf_counter()
         if isinstance(run, Drafting):
-            rnd.own_s = run.spent
+            rnd.own_s, rnd.steady_s = run.spent, run.steady_s
         part.tokens.extend(draft.tokens)
 
     def take(self, rows: np.ndarray, decode_s: float) -> None:
@@ -213,7 +213,7 @@ class Generation:
             st.plain_ms += 1000 * verify_s
         st.record_round(len(draft), verdict.accepted, rnd.k)
         self._policy.observe(len(draft), verdict.accepted, rnd.draft_s, verify_s,
-                             draft.confidence)
+                             draft.confidence, steady_s=rnd.steady_s)
         appended = [*draft.tokens[: verdict.accepted], verdict.token]
         new = self._emit(appended)
         history.extend(new)

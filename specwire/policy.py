@@ -105,7 +105,8 @@ class FixedPolicy:
         return min(self.n_max, limit)
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                confidence: list[float] | None = None, batch_tokens: int = 0) -> None:
+                confidence: list[float] | None = None, batch_tokens: int = 0,
+                steady_s: float | None = None) -> None:
         pass
 
 
@@ -174,6 +175,9 @@ class AdaptivePolicy:
     settle: int = 12  # rounds that asked the drafter before the margin is dropped
     trial: int = 0  # rounds still judged with the margin after a probe whose tokens were kept
     trial_rounds: int = 4
+    #: probes ask for 2 tokens at least: a drafter that measures its draft without the
+    #: catch-up (steady_s, a lockstep draft model) needs a second decode for it
+    probing_measures: bool = False
     asked_rounds: int = 0
     idle_rounds: int = 0
     asked: int = 0  # k of the round in progress
@@ -326,6 +330,8 @@ class AdaptivePolicy:
             self.probed, self.probe_backoff = False, 1
             return best_k
         try_k = max(range(1, limit + 1), key=rates.__getitem__)
+        if self.probing_measures:
+            try_k = max(try_k, min(2, limit))   # a second token's decode prices drafting
         # Early on, stop drafting only when plain steps look clearly better: the first
         # estimates are noisy, and a wrong stop costs many rounds before a probe.
         # (A probe is no start: its outcome is judged without the margin.)
@@ -360,11 +366,13 @@ class AdaptivePolicy:
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
                 confidence: list[float] | None = None,
-                batch_tokens: int | None = None) -> None:
+                batch_tokens: int | None = None, steady_s: float | None = None) -> None:
         """A round's outcome. verify_s is the whole target decode, which also carried
         batch_tokens tokens of other sequences (default: what choose was told): the
         verification line is fitted on the decode's size, so that choose can price what a
-        round adds to it."""
+        round adds to it. steady_s: what the draft would have cost without its catch-up,
+        where the drafter measured it (a lockstep draft of 2 tokens or more): a round
+        after plain steps, a probe's, then teaches the drafter's cost too."""
         w = 1.0 - self.alpha
         if confidence:
             self.calibration.learn(confidence, accepted)
@@ -375,8 +383,13 @@ class AdaptivePolicy:
             self.stopped = w * self.stopped + (1 if drafted < self.asked else 0)
             if self.warm:
                 self.draft.add(drafted, draft_s)
-            elif self.skipped:  # the first round after plain steps, or of the request
-                extra = max(0.0, draft_s - self.draft(drafted))
+            elif steady_s is not None:
+                self.draft.add(drafted, steady_s)
+                self.probing_measures = True
+            if not self.warm and self.skipped:  # the first round after plain steps, or of
+                # the request
+                steady = self.draft(drafted) if steady_s is None else steady_s
+                extra = max(0.0, draft_s - steady)
                 if self.begun:
                     self.catch_up_s = w * self.catch_up_s + extra
                     self.catch_up_tokens = w * self.catch_up_tokens + self.skipped

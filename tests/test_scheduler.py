@@ -259,3 +259,18 @@ def test_lockstep_catch_ups_are_each_charged_their_own_part_of_the_decode() -> N
     decode_s = sum(b.decode_s for b in drafts.seqs)
     assert all(0 < r.spent < 0.75 * decode_s for r in runs)     # the whole: 1x each
     assert sum(r.spent for r in runs) < 2.5 * decode_s
+
+
+def test_a_draft_after_a_catch_up_also_says_what_it_would_cost_caught_up() -> None:
+    """A lockstep draft of 3 tokens behind a long catch-up: steady_s, its cost as if the
+    drafter had been caught up, leaves the catch-up's decode out (so a probe teaches the
+    policy the drafter's own cost); a draft of one decode has none."""
+    drafts = FakeBatch(OTHER, 2, n_ctx=1024)
+    d0, d1 = ModelDrafter.per_sequence(drafts)
+    history = [(5 * i) % (V - 8) for i in range(300)]
+    for d in (d0, d1):
+        d.begin(history, GREEDY, DraftParams(n_max=3, p_min=0.0))
+    long_, one = d0.draft_in_steps(history, 3), d1.draft_in_steps(history[:5], 1)
+    draft_together([long_, one])
+    assert long_.decodes == 3 and len(long_.draft) == 3 and one.steady_s is None
+    assert 0 < long_.steady_s < long_.spent / 3

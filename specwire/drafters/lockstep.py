@@ -48,7 +48,8 @@ DraftSteps = Generator[list[int], np.ndarray, Draft]
 class Drafting:
     """One sequence's draft in progress, stepped by draft_together (or alone)."""
 
-    __slots__ = ("backend", "shared", "seq", "want", "draft", "error", "spent", "_steps")
+    __slots__ = ("backend", "shared", "seq", "want", "draft", "error", "spent", "first_s",
+                 "decodes", "_steps")
 
     def __init__(self, steps: DraftSteps, backend: Any, shared: Any = None,
                  seq: int = 0) -> None:
@@ -59,12 +60,28 @@ class Drafting:
         self.draft = Draft()
         self.error: Exception | None = None
         self.spent = 0.0                       # seconds of decoding, as if alone
+        self.first_s = 0.0                     # ... of which the first decode (the catch-up)
+        self.decodes = 0
         self._steps = steps
         self._advance(None)
 
     @property
     def done(self) -> bool:
         return self.want is None
+
+    @property
+    def steady_s(self) -> float | None:
+        """What the draft would have cost had the drafter been caught up: its later
+        decodes, one more of them in place of the catch-up (None: one decode only)."""
+        if self.decodes < 2:
+            return None
+        return (self.spent - self.first_s) * self.decodes / (self.decodes - 1)
+
+    def _charge(self, seconds: float) -> None:
+        if self.decodes == 0:
+            self.first_s = seconds
+        self.decodes += 1
+        self.spent += seconds
 
     def feed(self, row: np.ndarray) -> None:
         """The last logits row of `want`: the draft goes on to its next tokens."""
@@ -109,7 +126,7 @@ def _step(group: list[Drafting]) -> None:
                 r.fail(e)
                 continue
             r.feed(row)
-            r.spent += time.perf_counter() - t0
+            r._charge(time.perf_counter() - t0)
         return
     t0 = time.perf_counter()
     try:
@@ -126,4 +143,4 @@ def _step(group: list[Drafting]) -> None:
         t1 = time.perf_counter()
         alone = spent * min(1.0, line(len(r.want)) / whole) if whole > 0 else spent
         r.feed(got[-1])            # picks its next token: its own time, all of it
-        r.spent += alone + time.perf_counter() - t1
+        r._charge(alone + time.perf_counter() - t1)
