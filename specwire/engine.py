@@ -186,7 +186,7 @@ class Generation:
             draft = Draft()
         rnd.draft, rnd.drafted = draft, time.perf_counter()
         if isinstance(run, Drafting):
-            rnd.own_s = run.spent
+            rnd.own_s, rnd.steady_s = run.spent, run.steady_s
         part.tokens.extend(draft.tokens)
 
     def take(self, rows: np.ndarray, decode_s: float) -> None:
@@ -218,7 +218,7 @@ class Generation:
             st.plain_ms += 1000 * verify_s
         st.record_round(len(draft), verdict.accepted, rnd.k)
         self._policy.observe(len(draft), verdict.accepted, rnd.draft_s, verify_s,
-                             draft.confidence)
+                             draft.confidence, steady_s=rnd.steady_s)
         appended = [*draft.tokens[: verdict.accepted], verdict.token]
         new = self._emit(appended)
         history.extend(new)
@@ -354,7 +354,9 @@ class Engine:
         return self.batch.n_seq
 
     def generate(self, req: Request, seq: int | None = None) -> Generation:
-        """A generation in sequence `seq` (default: a free one); it joins the batch now."""
+        """A generation in sequence `seq` (default: a free one); it joins the batch now.
+        With every sequence (or `seq`) running a generation: BatchFull, and the batch goes
+        on untouched (a generation leaves it when done or closed)."""
         return self.scheduler.join(lambda s: Generation(self, req, s), seq)
 
     def policy(self, seq: int, name: str, n_max: int) -> Policy:

@@ -105,7 +105,8 @@ class FixedPolicy:
         return min(self.n_max, limit)
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                confidence: list[float] | None = None, batch_tokens: int = 0) -> None:
+                confidence: list[float] | None = None, batch_tokens: int = 0,
+                steady_s: float | None = None) -> None:
         pass
 
 
@@ -134,13 +135,16 @@ class AdaptivePolicy:
     (prompt_cost), per token: it prices the first draft of a request in a batch,
     and every probe.
 
-    Probes of a drafter that does not pay are rationed by what they cost: with a
-    draft model a probe first catches up with everything the sequence decoded
-    plainly (the prompt too), which can take as long as many plain steps. A probe
-    waits until the plain rounds since the last one, at this sequence's share of
-    each step, add up to 1 / probe_budget times its expected cost, so that probing
-    costs at most about probe_budget of the time; and a probe drafts the tokens it
-    was asked for whatever the stop rule says, or it would teach nothing.
+    Probes of a drafter that does not pay are also rationed by what they cost:
+    with a draft model a probe first catches up with everything the sequence
+    decoded plainly (the prompt too), which can take as long as many plain steps
+    (in a batch, every sequence waits for it). A probe waits until the plain
+    rounds since the last one, at this sequence's share of each step, add up to
+    1 / probe_budget times its expected cost, so that probing costs at most about
+    probe_budget of the time. A probe drafts the tokens it was asked for whatever
+    the stop rule says, or it would teach nothing; one whose tokens are kept is
+    followed by a few rounds judged with the early margin (`trial`), so that the
+    drafter's cost is measured on rounds without a catch-up before it is judged.
 
     Within a round, a draft model in this process asks keep_drafting before each
     token; the policy calibrates its confidence from what verification kept.
@@ -169,6 +173,11 @@ class AdaptivePolicy:
     idle_s: float = 0.0  # this sequence's share of the plain steps since the last probe
     margin: float = 0.2  # how much better plain steps must look to stop drafting early on
     settle: int = 12  # rounds that asked the drafter before the margin is dropped
+    trial: int = 0  # rounds still judged with the margin after a probe whose tokens were kept
+    trial_rounds: int = 4
+    #: probes ask for 2 tokens at least: a drafter that measures its draft without the
+    #: catch-up (steady_s, a lockstep draft model) needs a second decode for it
+    probing_measures: bool = False
     asked_rounds: int = 0
     kept_any: bool = False  # a drafted token was ever kept (else no benefit of the doubt)
     idle_rounds: int = 0
@@ -322,12 +331,15 @@ class AdaptivePolicy:
             self.probed, self.probe_backoff = False, 1
             return best_k
         try_k = max(range(1, limit + 1), key=rates.__getitem__)
+        if self.probing_measures:
+            try_k = max(try_k, min(2, limit))   # a second token's decode prices drafting
         # Early on, stop drafting only when plain steps look clearly better: the first
         # estimates are noisy, and a wrong stop costs many rounds before a probe. Not for
         # a drafter none of whose tokens was ever kept: a useless one would pay each of
         # those rounds, and a probe soon recovers a merely unlucky one. (A probe is no
         # start: its outcome is judged without the margin.)
-        early = self.warm and not self.probed and self.asked_rounds < self.settle and self.kept_any
+        early = self.warm and not self.probed and (
+            (self.asked_rounds < self.settle and self.kept_any) or self.trial > 0)
         if early and rates[try_k] * (1.0 + self.margin) >= rates[0]:
             self.idle_rounds = 0
             return try_k
@@ -357,22 +369,30 @@ class AdaptivePolicy:
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
                 confidence: list[float] | None = None,
-                batch_tokens: int | None = None) -> None:
+                batch_tokens: int | None = None, steady_s: float | None = None) -> None:
         """A round's outcome. verify_s is the whole target decode, which also carried
         batch_tokens tokens of other sequences (default: what choose was told): the
         verification line is fitted on the decode's size, so that choose can price what a
-        round adds to it."""
+        round adds to it. steady_s: what the draft would have cost without its catch-up,
+        where the drafter measured it (a lockstep draft of 2 tokens or more): a round
+        after plain steps, a probe's, then teaches the drafter's cost too."""
         w = 1.0 - self.alpha
         if confidence:
             self.calibration.learn(confidence, accepted)
         if self.asked:
             self.asked_rounds += 1
+            self.trial = max(0, self.trial - 1)
             self.continued = w * self.continued + drafted
             self.stopped = w * self.stopped + (1 if drafted < self.asked else 0)
             if self.warm:
                 self.draft.add(drafted, draft_s)
-            elif self.skipped:  # the first round after plain steps, or of the request
-                extra = max(0.0, draft_s - self.draft(drafted))
+            elif steady_s is not None:
+                self.draft.add(drafted, steady_s)
+                self.probing_measures = True
+            if not self.warm and self.skipped:  # the first round after plain steps, or of
+                # the request
+                steady = self.draft(drafted) if steady_s is None else steady_s
+                extra = max(0.0, draft_s - steady)
                 if self.begun:
                     self.catch_up_s = w * self.catch_up_s + extra
                     self.catch_up_tokens = w * self.catch_up_tokens + self.skipped
@@ -388,6 +408,7 @@ class AdaptivePolicy:
             self.kept_any = True
         if self.probed and accepted:
             self.probed, self.probe_backoff = False, 1
+            self.trial = self.trial_rounds
         if drafted:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)

@@ -18,6 +18,8 @@ class Round:
     #: what drafting cost this sequence, as if alone (drafters/lockstep.py); None: the
     #: time between started and drafted, all of it its own
     own_s: float | None = None
+    #: ... and had the drafter been caught up (Drafting.steady_s); None: not measured
+    steady_s: float | None = None
 
     @property
     def draft_s(self) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 
 from specwire.policy import AdaptivePolicy, PolicyMemory
 
@@ -162,3 +163,27 @@ def test_a_drafter_never_kept_gets_no_benefit_of_the_doubt() -> None:
     p = AdaptivePolicy(8)
     p.kept_any = True       # the same rounds after a drafter that was once right
     assert sum(1 for k in _drive(p, 12, good=False) if k) > 4
+
+
+def test_a_probe_that_measured_the_drafter_without_its_catch_up_corrects_its_cost() -> None:
+    """A drafter priced far too dear (one slow sample) is probed; the probe's round carries
+    steady_s, the draft's cost without its catch-up: the cost line learns it, the catch-up
+    is priced as the rest, and later probes ask for 2 tokens, enough to measure again."""
+    p = AdaptivePolicy(8)
+    p.choose(16)
+    p.observe(p.asked, 0, 0.5, _verify(1))            # a cold first round: nothing learnt
+    p.choose(16)
+    p.observe(p.asked, p.asked, 2.0, _verify(p.asked + 1))   # one slow warm sample
+    dear = p.draft_cost(2)
+    p.choose(16)
+    p.observe(0, 0, 0.0, _verify(1))
+    for _ in range(5):
+        p.observe(0, 0, 0.0, _verify(1))
+    p.asked, p.warm, p.skipped = 2, False, 6           # a probe of 2 after 6 plain steps
+    p.observe(2, 2, 0.3, _verify(3), steady_s=0.002)
+    assert p.draft_cost(2) < dear and p.probing_measures
+    assert p.catch_up_cost() == pytest.approx((0.3 - 0.002) / 6, rel=0.05)
+    measuring = AdaptivePolicy(8, probing_measures=True)
+    ks = _drive(measuring, 1000, good=False)
+    probes = [k for k in ks[ks.index(0):] if k]
+    assert probes and all(k == 2 for k in probes)

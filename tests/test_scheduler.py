@@ -280,3 +280,35 @@ def test_a_lockstep_draft_is_charged_its_own_share_not_another_s_catch_up() -> N
     assert [len(t) for _, _, t in drafts.decodes[-1]] == [1, 400]   # one decode for both
     assert all(r.error is None and len(r.draft) == 1 for r in runs)
     assert 0 < 20 * runs[0].spent < runs[1].spent
+
+
+def test_lockstep_catch_ups_are_each_charged_their_own_part_of_the_decode() -> None:
+    """Four sequences catching up with long prompts in one draft decode: each is charged
+    about its own tokens' part of it (together about the decode's time), not the whole
+    decode each."""
+    drafts = FakeBatch(OTHER, 4, n_ctx=1024)
+    drafters = ModelDrafter.per_sequence(drafts)
+    prompts = [[(i + 3 * j) % (V - 8) for j in range(100)] for i in range(4)]
+    for d, prompt in zip(drafters, prompts, strict=True):
+        d.begin(prompt, GREEDY, DraftParams(n_max=1, p_min=0.0))
+    runs = [d.draft_in_steps(p, 1) for d, p in zip(drafters, prompts, strict=True)]
+    draft_together(runs)
+    assert [len(t) for _, _, t in drafts.decodes[-1]] == [100] * 4
+    decode_s = sum(b.decode_s for b in drafts.seqs)
+    assert all(0 < r.spent < 0.75 * decode_s for r in runs)     # the whole: 1x each
+    assert sum(r.spent for r in runs) < 2.5 * decode_s
+
+
+def test_a_draft_after_a_catch_up_also_says_what_it_would_cost_caught_up() -> None:
+    """A lockstep draft of 3 tokens behind a long catch-up: steady_s, its cost as if the
+    drafter had been caught up, leaves the catch-up's decode out (so a probe teaches the
+    policy the drafter's own cost); a draft of one decode has none."""
+    drafts = FakeBatch(OTHER, 2, n_ctx=1024)
+    d0, d1 = ModelDrafter.per_sequence(drafts)
+    history = [(5 * i) % (V - 8) for i in range(300)]
+    for d in (d0, d1):
+        d.begin(history, GREEDY, DraftParams(n_max=3, p_min=0.0))
+    long_, one = d0.draft_in_steps(history, 3), d1.draft_in_steps(history[:5], 1)
+    draft_together([long_, one])
+    assert long_.decodes == 3 and len(long_.draft) == 3 and one.steady_s is None
+    assert 0 < long_.steady_s < long_.spent / 3

@@ -11,16 +11,19 @@ picks its tokens by its own rule (argmax, or its own seeded draw), so a draft is
 what that sequence drafts alone.
 
 Each draft also counts what it cost (`spent`), as if drafted alone: picking its
-tokens, and the whole time of a decode of one token per sequence (reading the
-weights, which one token alone costs too), but only its share by tokens of a
-decode that carries another sequence's catch-up. The adaptive policy prices
-drafting from it; the wall time of the lockstep would charge one sequence for
-another's catch-up.
+tokens, and of each shared decode what its own tokens would have cost in a
+decode of their own, by a line (a fixed part, reading the weights, plus a part
+per token) fitted to the shared context's decodes: a draft token beside seven
+others costs it nearly the whole decode, as it would alone, and beside another
+sequence's long catch-up a small part of it. The adaptive policy prices drafting
+from it; the wall time of the lockstep would charge each sequence for every
+other's catch-up.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -28,6 +31,14 @@ import numpy as np
 
 from specwire.backend.batch import Part
 from specwire.drafters.base import Draft
+from specwire.throughput import LineFit
+
+#: A shared draft decode's assumed cost per token, relative to its fixed part (the prior
+#: of the line fitted to its decodes).
+DECODE_SLOPE = 0.1
+
+#: Seconds against tokens of each shared draft backend's decodes.
+_decode_lines: weakref.WeakKeyDictionary[Any, LineFit] = weakref.WeakKeyDictionary()
 
 #: A draft in progress: yields the tokens to evaluate next, is sent their last logits
 #: row, and returns the draft.
@@ -37,7 +48,8 @@ DraftSteps = Generator[list[int], np.ndarray, Draft]
 class Drafting:
     """One sequence's draft in progress, stepped by draft_together (or alone)."""
 
-    __slots__ = ("backend", "shared", "seq", "want", "draft", "error", "spent", "_steps")
+    __slots__ = ("backend", "shared", "seq", "want", "draft", "error", "spent", "first_s",
+                 "decodes", "_steps")
 
     def __init__(self, steps: DraftSteps, backend: Any, shared: Any = None,
                  seq: int = 0) -> None:
@@ -48,12 +60,28 @@ class Drafting:
         self.draft = Draft()
         self.error: Exception | None = None
         self.spent = 0.0                       # seconds of decoding, as if alone
+        self.first_s = 0.0                     # ... of which the first decode (the catch-up)
+        self.decodes = 0
         self._steps = steps
         self._advance(None)
 
     @property
     def done(self) -> bool:
         return self.want is None
+
+    @property
+    def steady_s(self) -> float | None:
+        """What the draft would have cost had the drafter been caught up: its later
+        decodes, one more of them in place of the catch-up (None: one decode only)."""
+        if self.decodes < 2:
+            return None
+        return (self.spent - self.first_s) * self.decodes / (self.decodes - 1)
+
+    def _charge(self, seconds: float) -> None:
+        if self.decodes == 0:
+            self.first_s = seconds
+        self.decodes += 1
+        self.spent += seconds
 
     def feed(self, row: np.ndarray) -> None:
         """The last logits row of `want`: the draft goes on to its next tokens."""
@@ -98,7 +126,7 @@ def _step(group: list[Drafting]) -> None:
                 r.fail(e)
                 continue
             r.feed(row)
-            r.spent += time.perf_counter() - t0
+            r._charge(time.perf_counter() - t0)
         return
     t0 = time.perf_counter()
     try:
@@ -108,8 +136,11 @@ def _step(group: list[Drafting]) -> None:
             r.fail(e)
         return
     spent = time.perf_counter() - t0
+    line = _decode_lines.setdefault(shared, LineFit(0.05, guess=DECODE_SLOPE))
+    line.add(total, spent)
+    whole = line(total)
     for r, got in zip(group, rows, strict=True):
         t1 = time.perf_counter()
-        share = spent * min(1.0, len(r.want) * len(group) / total)
+        alone = spent * min(1.0, line(len(r.want)) / whole) if whole > 0 else spent
         r.feed(got[-1])            # picks its next token: its own time, all of it
-        r.spent += share + time.perf_counter() - t1
+        r._charge(alone + time.perf_counter() - t1)
