@@ -153,6 +153,7 @@ class AdaptivePolicy:
     probe_backoff_max: int = 8
     probed: bool = False  # the last round asked was a probe
     margin: float = 0.2  # how much better plain steps must look to stop drafting early on
+    resume_gain: float = 0.05  # how much better drafting must look to start from plain steps
     settle: int = 12  # rounds that asked the drafter before the margin is dropped
     asked_rounds: int = 0
     kept_any: bool = False  # a drafted token was ever kept (else no benefit of the doubt)
@@ -264,6 +265,12 @@ class AdaptivePolicy:
         for k in range(1, limit + 1):
             if rates[k] > rates[best_k] * 1.0001:
                 best_k = k
+        # From plain steps (or a probe), drafting must look clearly better to resume: on a
+        # loaded machine one fast verification can flatten the fitted curve, and a
+        # useless drafter's few-percent "gain" is then noise that costs real rounds.
+        if best_k > 0 and (not self.warm or self.probed) and \
+                rates[best_k] < rates[0] * (1.0 + self.resume_gain):
+            best_k = 0
         if best_k > 0 or limit == 0:
             self.idle_rounds = 0
             if best_k > 0:
