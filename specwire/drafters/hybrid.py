@@ -59,6 +59,10 @@ from specwire.throughput import LineFit, draft_line, expected_tokens, verify_lin
 PROBE_EVERY = 16
 #: ...and at most, after probes that did not pay.
 PROBE_MAX = 128
+#: Verified model rounds (weighted: 1.5 is two) before what they yielded may veto the
+#: estimate: one unlucky first round (often catching up on a whole prompt) would keep a
+#: model that pays from being asked until its probes back off.
+MIN_REALISED = 1.5
 
 
 def _kept(draft: Sequence[int], new: Sequence[int]) -> int:
@@ -89,6 +93,7 @@ class HybridEstimates:
     #: verification, not catching up), exponentially weighted: its rate as it turned out
     model_tokens: float = 0.0
     model_s: float = 0.0
+    model_rounds: float = 0.0   # the weight of those rounds
     probe_gap: int = PROBE_EVERY
 
 
@@ -187,7 +192,7 @@ class HybridDrafter(DrafterBase):
         covers). Catching up is left out of the rounds' seconds and priced for now:
         rounds after a long stretch of plain steps would otherwise keep it judged dear."""
         est = self.est
-        if estimate is None or est.model_s <= 0.0:
+        if estimate is None or est.model_rounds < MIN_REALISED:
             return estimate
         return min(estimate, est.model_tokens / (est.model_s + self.catch_up_cost(behind)))
 
@@ -291,6 +296,7 @@ class HybridDrafter(DrafterBase):
             w = 1.0 - self.alpha
             self.est.model_tokens = w * self.est.model_tokens + accepted + 1
             self.est.model_s = w * self.est.model_s + self._drafting_s + verify_s
+            self.est.model_rounds = w * self.est.model_rounds + 1.0
         if model_tokens is None:        # a model in this process that was not asked
             self.model.learn(history, 0, appended)
             return
