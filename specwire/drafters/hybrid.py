@@ -235,7 +235,8 @@ class HybridDrafter(DrafterBase):
         if worse and self._probing:
             self.est.probe_gap = min(2 * self.est.probe_gap, PROBE_MAX)
         elif not worse:
-            self._probing = False
+            self.est.probe_gap = PROBE_EVERY
+        self._probing = False
         if worse and self._idle < self.est.probe_gap:
             self._idle += 1
             return self._hand_out(history, offer, None, False)
