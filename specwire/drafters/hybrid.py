@@ -25,7 +25,8 @@ evaluates before drafting, at a per-token cost measured apart from t_d, so
 that a run of n-gram rounds makes the model dearer, not its t_d noisier. A
 model judged not worth it is still asked now and then (after PROBE_EVERY plain
 steps, twice as many after each probe that did not make it worth it again, up
-to PROBE_MAX), so that its estimates can recover.
+to PROBE_MAX), so that its estimates can recover; a probe asks it for
+PROBE_TOKENS tokens only, to cost little to verify.
 A drafter that works ahead (a remote node, a thread) costs the target
 nothing to ask, so it is always asked and its draft compared as it is; the
 lookup then runs on the target while the node drafts, and the node is told
@@ -63,6 +64,8 @@ PROBE_MAX = 128
 #: estimate: one unlucky first round (often catching up on a whole prompt) would keep a
 #: model that pays from being asked until its probes back off.
 MIN_REALISED = 1.5
+#: Tokens a probe asks the model for: enough to judge it, no more to verify.
+PROBE_TOKENS = 2
 
 
 def _kept(draft: Sequence[int], new: Sequence[int]) -> int:
@@ -242,7 +245,7 @@ class HybridDrafter(DrafterBase):
             return self._hand_out(history, offer, None, False)
         self._probing, self._idle = worse, 0
         t0 = time.perf_counter()
-        draft = self.model.propose(history, max_n)
+        draft = self.model.propose(history, min(max_n, PROBE_TOKENS) if worse else max_n)
         took = time.perf_counter() - t0
         if draft.tokens:
             if not behind:              # a steady round: its time is drafting
