@@ -172,6 +172,7 @@ class AdaptivePolicy:
     probe_budget: float = 0.01
     idle_s: float = 0.0  # this sequence's share of the plain steps since the last probe
     margin: float = 0.2  # how much better plain steps must look to stop drafting early on
+    resume_gain: float = 0.05  # how much better drafting must look to start from plain steps
     settle: int = 12  # rounds that asked the drafter before the margin is dropped
     trial: int = 0  # rounds still judged with the margin after a probe whose tokens were kept
     trial_rounds: int = 4
@@ -326,6 +327,12 @@ class AdaptivePolicy:
                 best_k = k
         if limit == 0:      # the request's last token: nothing to draft, nothing learnt
             return 0
+        # From plain steps (or a probe), drafting must look clearly better to resume: on a
+        # loaded machine one fast verification can flatten the fitted curve, and a
+        # useless drafter's few-percent "gain" is then noise that costs real rounds.
+        if best_k > 0 and (not self.warm or self.probed) and \
+                rates[best_k] < rates[0] * (1.0 + self.resume_gain):
+            best_k = 0
         if best_k > 0:
             self.idle_rounds, self.idle_s = 0, 0.0
             self.probed, self.probe_backoff = False, 1

@@ -65,5 +65,8 @@ def test_with_an_exact_model_the_hybrid_beats_both_alone(draft_cost: float) -> N
 def test_with_a_junk_model_the_hybrid_does_as_well_as_the_lookup(draft_cost: float) -> None:
     rates = _rates(_records(right=False), draft_cost)
     assert rates["model"] <= 1.0
-    assert rates["hybrid"] >= 0.95 * rates["ngram"]     # what probing the model costs
+    # what learning that the model is junk costs over six short requests: its first
+    # rounds (waiting for a second verified one as evidence), then short probes after
+    # 16, 32, 64 and 128 plain steps
+    assert rates["hybrid"] >= 0.9 * rates["ngram"]
     assert rates["hybrid+both"] >= rates["hybrid"]

@@ -187,3 +187,28 @@ def test_a_probe_that_measured_the_drafter_without_its_catch_up_corrects_its_cos
     ks = _drive(measuring, 1000, good=False)
     probes = [k for k in ks[ks.index(0):] if k]
     assert probes and all(k == 2 for k in probes)
+
+
+def _drive_loaded(p: AdaptivePolicy, rounds: int, seed: int) -> int:
+    """A useless drafter on a machine whose load comes in bursts (2.5x slower steps for 50
+    rounds now and then): how many rounds asked it for a draft."""
+    import random
+    rng, asked, load = random.Random(seed), 0, 1.0
+    for i in range(rounds):
+        if i % 50 == 0:
+            load = rng.choice([1.0, 1.0, 2.5])
+        k = p.choose(16)
+        p.observe(k, 0, 0.0001 * k, _verify(k + 1) * load * rng.uniform(0.8, 1.2))
+        asked += k > 0
+    return asked
+
+
+def test_bursts_of_load_do_not_restart_a_useless_drafter() -> None:
+    """Slow plain steps in a burst flatten the fitted verification curve, and a drafter
+    kept a few percent of the time then looks worth a round: drafting resumes from plain
+    steps only on a clear (5%) expected gain, so such a drafter is asked only at its
+    probes."""
+    with_gain = [_drive_loaded(AdaptivePolicy(8), 1000, s) for s in range(6)]
+    without = [_drive_loaded(AdaptivePolicy(8, resume_gain=0.0), 1000, s) for s in range(6)]
+    assert sum(with_gain) < sum(without)
+    assert max(with_gain) <= 24

@@ -16,17 +16,33 @@ its drafts (also when the n-gram's draft was verified instead).
 A model in this process drafts only when asked, so it is asked only when its
 candidate is worth more by those estimates: a good match skips its drafting
 time, and with no match a plain step (1 / t_v(0)) is taken instead when the
-model's rate is below it. Its cost counts what it must catch up on first: the
+model's rate is below it, its rate then being the lower of the estimate and what
+its verified rounds yielded (tokens over drafting and verification seconds).
+Once it has drafted, its time is spent: its draft and the match are compared on
+verification alone. Its cost counts what it must catch up on first: the
 tokens added since it was last asked (n-gram rounds, plain steps), which it
 evaluates before drafting, at a per-token cost measured apart from t_d, so
 that a run of n-gram rounds makes the model dearer, not its t_d noisier. A
 model judged not worth it is still asked now and then (after PROBE_EVERY plain
 steps, twice as many after each probe that did not make it worth it again, up
-to PROBE_MAX), so that its estimates can recover.
+to PROBE_MAX), so that its estimates can recover; a probe asks it for
+PROBE_TOKENS tokens only, to cost little to verify.
 A drafter that works ahead (a remote node, a thread) costs the target
 nothing to ask, so it is always asked and its draft compared as it is; the
 lookup then runs on the target while the node drafts, and the node is told
 how many of its tokens the history kept, as if its draft had been verified.
+
+Steered by the adaptive policy, the hybrid has the policy ask for the most
+tokens (as the lookup alone does) and makes every round's call itself: draft
+or not, which candidate. The policy's chain model, fitted over both kinds of
+rounds, chose plain steps where a match was worth taking (on prose, most
+rounds). Both drafts stop at the policy's per-token threshold, the lookup's
+without the drafting time per token (LookupStop): it takes none.
+
+Choosing with foresight (the verdicts known) would give at most 1.10x the
+n-gram alone on the shipped sets with the bundled pair, and verifying both
+candidates as two branches of one decode, where that would pay, under 2% more
+(docs/drafting.md, `python -m specwire.bench.hybrid_replay`): not built.
 """
 
 from __future__ import annotations
@@ -44,6 +60,12 @@ from specwire.throughput import LineFit, draft_line, expected_tokens, verify_lin
 PROBE_EVERY = 16
 #: ...and at most, after probes that did not pay.
 PROBE_MAX = 128
+#: Verified model rounds (weighted: 1.5 is two) before what they yielded may veto the
+#: estimate: one unlucky first round (often catching up on a whole prompt) would keep a
+#: model that pays from being asked until its probes back off.
+MIN_REALISED = 1.5
+#: Tokens a probe asks the model for: enough to judge it, no more to verify.
+PROBE_TOKENS = 2
 
 
 def _kept(draft: Sequence[int], new: Sequence[int]) -> int:
@@ -70,10 +92,11 @@ class HybridEstimates:
     #: seconds the model spent catching up (tokens added while not asked), over the tokens
     catch_up_s: float = 0.0
     catch_up_tokens: float = 0.0
-    #: what the model's verified rounds yielded, tokens and seconds (drafting, catching up
-    #: and verification), exponentially weighted: its rate as it turned out
+    #: what the model's verified rounds yielded, tokens and seconds (drafting and
+    #: verification, not catching up), exponentially weighted: its rate as it turned out
     model_tokens: float = 0.0
     model_s: float = 0.0
+    model_rounds: float = 0.0   # the weight of those rounds
     probe_gap: int = PROBE_EVERY
 
 
@@ -163,14 +186,18 @@ class HybridDrafter(DrafterBase):
                 else drafting_s)
         return (1.0 + kept) / (cost + v)
 
-    def model_worth(self, estimate: float | None) -> float | None:
+    def model_worth(self, estimate: float | None, behind: int) -> float | None:
         """The model's rate for the choice against a plain step: the lower of its estimate
-        and what its verified rounds yielded. The estimate alone judged it worth asking
-        where its rounds, once run, kept fewer tokens per second than plain steps (its
-        acceptance is learnt over every round, also the easy ones the lookup covers)."""
-        if estimate is None or self.est.model_s <= 0.0:
+        and what its verified rounds yielded, per round over a steady round's seconds
+        plus catching up on `behind` tokens now. The estimate alone judged it worth
+        asking where its rounds, once run, kept fewer tokens per second than plain steps
+        (its acceptance is learnt over every round, also the easy ones the lookup
+        covers). Catching up is left out of the rounds' seconds and priced for now:
+        rounds after a long stretch of plain steps would otherwise keep it judged dear."""
+        est = self.est
+        if estimate is None or est.model_rounds < MIN_REALISED:
             return estimate
-        return min(estimate, self.est.model_tokens / self.est.model_s)
+        return min(estimate, est.model_tokens / (est.model_s + self.catch_up_cost(behind)))
 
     def catch_up_cost(self, behind: int) -> float:
         """Seconds the model spends evaluating `behind` tokens it missed while not asked."""
@@ -206,18 +233,19 @@ class HybridDrafter(DrafterBase):
         # and catching up cost more than its tokens yield); asked now and then anyway,
         # so that its estimates can recover, less often while such probes do not pay.
         v0 = self._verify_s(0)
-        m = self.model_worth(m)
+        m = self.model_worth(m, behind)
         worse = not offer.tokens and m is not None and v0 is not None and m * v0 < 1.0
         if worse and self._probing:
             self.est.probe_gap = min(2 * self.est.probe_gap, PROBE_MAX)
         elif not worse:
-            self._probing = False
+            self.est.probe_gap = PROBE_EVERY
+        self._probing = False
         if worse and self._idle < self.est.probe_gap:
             self._idle += 1
             return self._hand_out(history, offer, None, False)
         self._probing, self._idle = worse, 0
         t0 = time.perf_counter()
-        draft = self.model.propose(history, max_n)
+        draft = self.model.propose(history, min(max_n, PROBE_TOKENS) if worse else max_n)
         took = time.perf_counter() - t0
         if draft.tokens:
             if not behind:              # a steady round: its time is drafting
@@ -233,7 +261,8 @@ class HybridDrafter(DrafterBase):
         use_ngram = bool(offer.tokens) and ng is not None and (
             self.model_rate(len(draft), 0.0) or 0.0) < ng
         out = self._hand_out(history, offer, draft, use_ngram)
-        self._drafting_s = took
+        if self._drafting_s == 0.0:         # its draft goes to verification
+            self._drafting_s = self.est.drafting(len(draft)) if behind else took
         return out
 
     def _hand_out(self, history: Sequence[int], offer: Offer, draft: Draft | None,
@@ -271,6 +300,7 @@ class HybridDrafter(DrafterBase):
             w = 1.0 - self.alpha
             self.est.model_tokens = w * self.est.model_tokens + accepted + 1
             self.est.model_s = w * self.est.model_s + self._drafting_s + verify_s
+            self.est.model_rounds = w * self.est.model_rounds + 1.0
         if model_tokens is None:        # a model in this process that was not asked
             self.model.learn(history, 0, appended)
             return
