@@ -101,7 +101,7 @@ def test_server_commands_use_llama_cpp_flags() -> None:
     f = ServerFlags("t.gguf", "d.gguf", parallel=4, threads=2, threads_draft=2, ctx=512,
                     draft_max=8)
     s = specwire_command(f, 8080, ["--verify", "greedy"])
-    assert s[1:4] == ["-m", "specwire", "serve"]
+    assert s[1:5] == ["-P", "-m", "specwire", "serve"]   # each root's code, not the cwd's
     assert _after(s, "-np") == "4" and _after(s, "-c") == "512" and _after(s, "-t") == "2"
     assert _after(s, "-md") == "d.gguf" and _after(s, "--draft-max") == "8"
     assert s[-2:] == ["--verify", "greedy"]

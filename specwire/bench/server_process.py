@@ -39,8 +39,11 @@ class ServerFlags:
 
 
 def specwire_command(flags: ServerFlags, port: int, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "specwire", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "-m", flags.target, "-c", str(flags.ctx), "-t", str(flags.threads),
+    """`specwire serve` with these flags. `-P`: `python -m` puts the working directory
+    ahead of PYTHONPATH, so without it a run started inside one tree would serve that
+    tree's code under every --specwire-root."""
+    cmd = [sys.executable, "-P", "-m", "specwire", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "-m", flags.target, "-c", str(flags.ctx), "-t", str(flags.threads),
            "-np", str(flags.parallel), "--queue-size", "256", "--no-webui"]
     if flags.draft is None:
         return [*cmd, "--no-draft", *extra]
