@@ -135,16 +135,17 @@ class AdaptivePolicy:
     (prompt_cost), per token: it prices the first draft of a request in a batch,
     and every probe.
 
-    Probes of a drafter that does not pay are also rationed by what they cost:
-    with a draft model a probe first catches up with everything the sequence
-    decoded plainly (the prompt too), which can take as long as many plain steps
-    (in a batch, every sequence waits for it). A probe waits until the plain
+    In a batch, probes of a drafter that does not pay are also rationed by what
+    they cost: with a draft model a probe first catches up with everything the
+    sequence decoded plainly (the prompt too), which can take as long as many
+    plain steps, and every sequence waits for it. A probe waits until the plain
     rounds since the last one, at this sequence's share of each step, add up to
     1 / probe_budget times its expected cost, so that probing costs at most about
-    probe_budget of the time. A probe drafts the tokens it was asked for whatever
-    the stop rule says, or it would teach nothing; one whose tokens are kept is
+    probe_budget of the time. Such a probe drafts the tokens it was asked for
+    whatever the stop rule says, or it would teach nothing; one whose tokens are kept is
     followed by a few rounds judged with the early margin (`trial`), so that the
     drafter's cost is measured on rounds without a catch-up before it is judged.
+    Alone (a batch of one) the policy decides as it did before these were added.
 
     Within a round, a draft model in this process asks keep_drafting before each
     token; the policy calibrates its confidence from what verification kept.
@@ -310,22 +311,19 @@ class AdaptivePolicy:
         """Should a draft model propose token i (0-based) of this round, given its top
         probability? Yes while P(it and every token before it kept) >= stop_threshold."""
         if i == 0:
-            self.stop.threshold = 0.0 if self.probing else self.stop_threshold()
+            self.stop.threshold = (0.0 if self.probing and self.batch_tokens
+                                   else self.stop_threshold())
         return self.stop(i, confidence)
 
     def _best(self, limit: int) -> int:
         rates = [self.rate(k) for k in range(limit + 1)]
-        if self.batch_tokens == 0 and limit > 0:
-            # Plain steps are charged the catch-up they cause only where drafting pays
-            # once caught up: a drafter that never pays is never asked again to catch up.
-            free = 1.0 / self.verify_cost(1)
-            if max(rates[1:]) <= free:
-                rates[0] = free
         best_k = 0
         for k in range(1, limit + 1):
             if rates[k] > rates[best_k] * 1.0001:
                 best_k = k
         if limit == 0:      # the request's last token: nothing to draft, nothing learnt
+            if not self.batch_tokens:
+                self.idle_rounds = 0    # alone, as before: probes restart their count
             return 0
         # From plain steps (or a probe), drafting must look clearly better to resume: on a
         # loaded machine one fast verification can flatten the fitted curve, and a
@@ -343,10 +341,10 @@ class AdaptivePolicy:
         # Early on, stop drafting only when plain steps look clearly better: the first
         # estimates are noisy, and a wrong stop costs many rounds before a probe. Not for
         # a drafter none of whose tokens was ever kept: a useless one would pay each of
-        # those rounds, and a probe soon recovers a merely unlucky one. (A probe is no
-        # start: its outcome is judged without the margin.)
-        early = self.warm and not self.probed and (
-            (self.asked_rounds < self.settle and self.kept_any) or self.trial > 0)
+        # those rounds, and a probe soon recovers a merely unlucky one. (In a batch a
+        # probe is no start: its outcome is judged without the margin.)
+        early = self.warm and (self.asked_rounds < self.settle and self.kept_any and (
+            not self.probed or not self.batch_tokens) or self.trial > 0)
         if early and rates[try_k] * (1.0 + self.margin) >= rates[0]:
             self.idle_rounds = 0
             return try_k
@@ -363,7 +361,7 @@ class AdaptivePolicy:
         interval = min(self.probe_every, max(2, int(4 * self.probe_every * gap)))
         if self.idle_rounds < interval * self.probe_backoff:
             return 0
-        if self.idle_s * self.probe_budget < self.probe_cost(try_k):
+        if self.batch_tokens and self.idle_s * self.probe_budget < self.probe_cost(try_k):
             return 0
         self.idle_rounds, self.idle_s, self.probed = 0, 0.0, True
         self.probing = True
@@ -415,7 +413,8 @@ class AdaptivePolicy:
             self.kept_any = True
         if self.probed and accepted:
             self.probed, self.probe_backoff = False, 1
-            self.trial = self.trial_rounds
+            if self.batch_tokens:
+                self.trial = self.trial_rounds
         if drafted:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)

@@ -140,17 +140,19 @@ def test_in_a_batch_it_drafts_where_drafting_pays_prompt_catch_up_included() -> 
 
 
 def test_a_probe_drafts_what_it_asked_for_whatever_the_stop_rule() -> None:
-    """A probe's draft is not cut by the calibrated stop rule (a probe that drafts nothing
-    would pay its catch-up and learn nothing); an ordinary round's is."""
+    """In a batch, a probe's draft is not cut by the calibrated stop rule (a probe that
+    drafts nothing would pay its catch-up and learn nothing); an ordinary round's is."""
     p = AdaptivePolicy(8)
-    _drive(p, 300, good=False)
+    for _ in range(300):                    # in a batch of 4, a drafter never right
+        k = p.choose(16, batch_tokens=3)
+        p.observe(k, 0, 0.0001 * k, _verify(k + 4))
     for _ in range(300):                    # a draft this unsure is never right
         p.calibration.learn([0.01], 0)
-    while not p.choose(16):
-        p.observe(0, 0, 0.0, _verify(1))
+    while not p.choose(16, batch_tokens=3):
+        p.observe(0, 0, 0.0, _verify(4))
     assert p.probing and p.keep_drafting(0, 0.01)
-    p.observe(1, 0, 0.0001, _verify(2))
-    assert p.choose(16) == 0 and not p.probing
+    p.observe(1, 0, 0.0001, _verify(5))
+    assert p.choose(16, batch_tokens=3) == 0 and not p.probing
     assert not p.keep_drafting(0, 0.01)
 
 
