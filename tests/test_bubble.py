@@ -60,6 +60,17 @@ def test_a_flat_verification_curve_waits_for_a_few_fast_tokens() -> None:
     assert 0.0 < wait < STEP
 
 
+def test_a_wait_in_vain_stops_waiting_until_the_drafter_is_heard_again() -> None:
+    """A stalled or dead drafter costs one wait, not one per round: after a wait that got
+    nothing no round waits, until a fresh branch's token arrives again."""
+    b = primed(GPU, per_token=0.1 * STEP)
+    assert b.aim(0, 8, 0.0, fresh=True)[0] >= 2
+    b.missed()
+    assert b.aim(0, 8, 0.0, fresh=True) == (0, 0.0)
+    b.observe_arrival(1, 0.002 + 0.1 * STEP)
+    assert b.aim(0, 8, 0.0, fresh=True)[0] >= 2
+
+
 def test_a_steep_verification_curve_decodes_plainly_instead() -> None:
     """On a CPU target a plain step yields a token while the drafter drafts: waiting loses."""
     b = primed(CPU, per_token=0.25 * STEP)

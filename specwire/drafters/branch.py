@@ -242,6 +242,8 @@ class BranchDrafter(DrafterBase):
             self.counters["waited_rounds"] += 1
             self.counters["waited_ms"] += 1000 * self._waited_s
             self.counters["waited_empty"] += not draft.tokens
+            if not draft.tokens and self.bubble is not None:
+                self.bubble.missed()
         self._judge_answer(draft, useless)
         self._note_starved(draft)
         return draft

@@ -87,6 +87,9 @@ class BubbleWait:
     arrivals: int = 0
     tokens: float = 0.0  # exponentially weighted tokens per round and seconds per round:
     seconds: float = 0.0  # the run's rate, against which a wait is priced
+    #: a wait got nothing: no more waits until a fresh branch's token arrives again, so a
+    #: stalled or dead drafter costs at most one wait, not one per round
+    vain: bool = False
 
     @property
     def acceptance(self) -> float:
@@ -113,9 +116,15 @@ class BubbleWait:
         """The n-th token of a fresh branch arrived `seconds` after the verdict."""
         self.arrival.add(n, seconds)
         self.arrivals += 1
+        self.vain = False
+
+    def missed(self) -> None:
+        """A round waited and nothing came by its deadline."""
+        self.vain = True
 
     def ready(self) -> bool:
-        return self.arrivals >= MIN_ARRIVALS and self.verify.rounds() >= MIN_ROUNDS
+        return (not self.vain and self.arrivals >= MIN_ARRIVALS
+                and self.verify.rounds() >= MIN_ROUNDS)
 
     def aim(self, have: int, max_n: int, since_s: float, fresh: bool) -> tuple[int, float]:
         """(tokens to wait for, seconds to wait at most) for a round that has `have` draft
