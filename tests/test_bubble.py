@@ -7,10 +7,12 @@ beats a plain step.
 
 from __future__ import annotations
 
+from test_branch import ScriptedDrafter
+
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.branch import BranchDrafter
 from specwire.drafters.bubble import BubbleWait, VerifyTimes, never_wait
-from specwire.draftlink.messages import Chunk, TargetMessage
+from specwire.draftlink.messages import Chunk
 
 V = 100
 PROMPT = [1, 2, 3, 4]
@@ -87,31 +89,7 @@ def test_a_full_draft_never_waits() -> None:
     assert b.aim(8, 8, 0.0, fresh=False) == (8, 0.0)
 
 
-class ScriptedPipelined(BranchDrafter):
-    """A live pipelined session; each wait delivers the next scripted chunk."""
-
-    def __init__(self) -> None:
-        super().__init__(V, pipelined=True)
-        self.sent: list[TargetMessage] = []
-        self.script: list[Chunk] = []
-        self.waits = 0
-
-    def _live(self) -> bool:
-        return True
-
-    def _post(self, msg: TargetMessage) -> None:
-        self.sent.append(msg)
-
-    def _open(self, session: int, history: list[int]) -> None:
-        self.session = session
-
-    def _await(self, left_s: float) -> None:
-        self.waits += 1
-        if self.script:
-            self._on_chunk(self.session, self.script.pop(0))
-
-
-def _rejected_round(d: ScriptedPipelined, bubble: BubbleWait | None) -> list[int]:
+def _rejected_round(d: ScriptedDrafter, bubble: BubbleWait | None) -> list[int]:
     """Open, a draft of [7, 8, 9], the target keeping 7 and then its own 30: gen 0 is dead.
     Then the drafter's timings are `bubble`'s (the scripted round took no time)."""
     d.begin(PROMPT, SamplingParams(temperature=0.0), DraftParams(n_max=4, p_min=0.0))
@@ -126,7 +104,7 @@ def _rejected_round(d: ScriptedPipelined, bubble: BubbleWait | None) -> list[int
 
 
 def test_a_pipelined_round_waits_for_the_fresh_branch_where_it_pays() -> None:
-    d = ScriptedPipelined()
+    d = ScriptedDrafter(pipelined=True)
     history = _rejected_round(d, primed(GPU, per_token=0.1 * STEP))
     draft = d.propose(history, 4)
     assert draft.tokens[:2] == [40, 41] and d.waits >= 1
@@ -136,7 +114,7 @@ def test_a_pipelined_round_waits_for_the_fresh_branch_where_it_pays() -> None:
 
 def test_a_pipelined_round_decodes_plainly_where_waiting_does_not_pay() -> None:
     for bubble in (primed(CPU, per_token=0.25 * STEP), None):
-        d = ScriptedPipelined()
+        d = ScriptedDrafter(pipelined=True)
         history = _rejected_round(d, bubble)
         assert d.propose(history, 4).tokens == []
         assert d.waits == 0
@@ -144,7 +122,7 @@ def test_a_pipelined_round_decodes_plainly_where_waiting_does_not_pay() -> None:
 
 
 def test_never_wait() -> None:
-    d = ScriptedPipelined()
+    d = ScriptedDrafter(pipelined=True)
     assert d.bubble is not None
     assert never_wait(d) is d and d.bubble is None
     assert BranchDrafter(V, pipelined=False).bubble is None
