@@ -51,6 +51,19 @@ def _packed(field_tag: int, values: list[int], out: bytearray) -> bool:
     return True
 
 
+def _put(tag: int, value: int, b: bytearray) -> None:
+    """A varint field: its tag byte, then the value."""
+    b.append(tag)
+    _varint(value, b)
+
+
+def _wrapped(outer: int, body: bytearray) -> bytes:
+    """body as the one submessage, in field tag `outer`, of the message sent."""
+    head = bytearray((outer,))
+    _varint(len(body), head)
+    return bytes(head + body)
+
+
 def verdict_bytes(v: Verdict) -> bytes | None:
     """TargetMessage{verdict: v} as protobuf writes it; None for a value out of its field's
     range (protobuf then says what is wrong)."""
@@ -58,27 +71,21 @@ def verdict_bytes(v: Verdict) -> bytes | None:
         return None
     b = bytearray()
     if v.position:
-        b.append(0x08)
-        _varint(v.position, b)
+        _put(0x08, v.position, b)
     if v.accepted:
-        b.append(0x10)
-        _varint(v.accepted, b)
+        _put(0x10, v.accepted, b)
     if v.tokens and not _packed(0x1A, v.tokens, b):
         return None
     if v.gen:
-        b.append(0x20)
-        _varint(v.gen, b)
+        _put(0x20, v.gen, b)
     if v.want:
-        b.append(0x28)
-        _varint(v.want, b)
+        _put(0x28, v.want, b)
     if v.keep_min:
         b.append(0x35)
         b += _F32.pack(v.keep_min)
     if v.alternate:
         b += b"\x38\x01"
-    head = bytearray(b"\x12")
-    _varint(len(b), head)
-    return bytes(head + b)
+    return _wrapped(0x12, b)
 
 
 def chunk_bytes(c: Chunk) -> bytes | None:
@@ -89,27 +96,20 @@ def chunk_bytes(c: Chunk) -> bytes | None:
         return None
     b = bytearray()
     if c.gen:
-        b.append(0x08)
-        _varint(c.gen, b)
+        _put(0x08, c.gen, b)
     if c.start:
-        b.append(0x10)
-        _varint(c.start, b)
+        _put(0x10, c.start, b)
     if c.tokens and not _packed(0x1A, c.tokens, b):
         return None
     if c.done:
         b += b"\x38\x01"
     if c.busy_us:
-        b.append(0x40)
-        _varint(c.busy_us, b)
+        _put(0x40, c.busy_us, b)
     if c.cache_n is not None:
-        b.append(0x48)
-        _varint(c.cache_n, b)
+        _put(0x48, c.cache_n, b)
     if c.prompt_n is not None:
-        b.append(0x50)
-        _varint(c.prompt_n, b)
-    head = bytearray(b"\x0A")
-    _varint(len(b), head)
-    return bytes(head + b)
+        _put(0x50, c.prompt_n, b)
+    return _wrapped(0x0A, b)
 
 
 def _fields(data: bytes, outer: int, allowed: dict[int, int]) -> dict[int, object] | None:
