@@ -36,6 +36,7 @@ from unittest import mock
 from specwire.bench.ngram_replay import DEFAULT_CURVE, curve_cost, parse_curve
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Draft, DrafterBase
+from specwire.drafters.hybrid import kept_prefix
 from specwire.policy import AdaptivePolicy, FixedPolicy
 
 #: a draft evaluation over a target step, bundled pair, one thread each (q2_k vs F32)
@@ -135,15 +136,6 @@ class Replayed:
         return self.tokens / self.steps if self.steps else 0.0
 
 
-def _kept(draft: Sequence[int], truth: Sequence[int]) -> int:
-    n = 0
-    for a, b in zip(draft, truth, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
 def replay(records: Sequence[Record], make_drafter, policy, costs: Costs) -> Replayed:
     """The engine's loop on the modelled clock; one drafter and policy for all prompts."""
     clock = Clock()
@@ -166,7 +158,7 @@ def replay(records: Sequence[Record], make_drafter, policy, costs: Costs) -> Rep
                 t0 = clock.now
                 draft = list(drafter.propose(history, k).tokens)[:k] if k > 0 else []
                 draft_s = clock.now - t0
-                kept = _kept(draft, output[pos:])
+                kept = kept_prefix(draft, output[pos:])
                 steps = costs.verify(len(draft) + 1)
                 clock.now += steps
                 policy.observe(len(draft), kept, draft_s, steps)
@@ -202,7 +194,7 @@ def best_of(records: Sequence[Record], costs: Costs, k: int, both: bool) -> Repl
             room = len(output) - pos - 1
             ng = list(ngram.propose(history, min(k, room)).tokens)
             md = rec.drafts[pos][:min(k, room)]
-            kn, km = _kept(ng, output[pos:]), _kept(md, output[pos:])
+            kn, km = kept_prefix(ng, output[pos:]), kept_prefix(md, output[pos:])
             m_cost = model.cost(history, len(md))
             if both:
                 spent = (m_cost if md else 0.0) + costs.verify(len(ng) + len(md) + 1)
@@ -265,8 +257,8 @@ def with_both(records: Sequence[Record], costs: Costs, k: int) -> Replayed:
             continue
         alone = costs.verify(len(handed) + 1)
         both = costs.verify(len(ng) + len(md) + 1)
-        kept_alone = _kept(handed, truth)
-        kept_both = max(_kept(ng, truth), _kept(md, truth))
+        kept_alone = kept_prefix(handed, truth)
+        kept_both = max(kept_prefix(ng, truth), kept_prefix(md, truth))
         if (kept_both + 1) / both > (kept_alone + 1) / alone:
             out.steps += both - alone
             out.tokens += kept_both - kept_alone   # more tokens in these rounds' time

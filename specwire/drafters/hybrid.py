@@ -68,7 +68,7 @@ MIN_REALISED = 1.5
 PROBE_TOKENS = 2
 
 
-def _kept(draft: Sequence[int], new: Sequence[int]) -> int:
+def kept_prefix(draft: Sequence[int], new: Sequence[int]) -> int:
     """How many leading draft tokens the history took."""
     n = 0
     for t, h in zip(draft, new, strict=False):
@@ -304,7 +304,7 @@ class HybridDrafter(DrafterBase):
         if model_tokens is None:        # a model in this process that was not asked
             self.model.learn(history, 0, appended)
             return
-        kept = _kept(model_tokens, history[base:base + appended])
+        kept = kept_prefix(model_tokens, history[base:base + appended])
         if model_tokens:
             judged = kept < min(len(model_tokens), appended)
             w = 1.0 - self.alpha
