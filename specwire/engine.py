@@ -28,7 +28,7 @@ from specwire.logprobs import LogprobsSpec, TokenProb
 from specwire.policy import AdaptivePolicy, FixedPolicy, Policy, PolicyMemory
 from specwire.scheduler import BatchScheduler
 from specwire.sequence import Round
-from specwire.stats import Stats
+from specwire.stats import Stats, counter_delta
 from specwire.verify import Verifier
 
 
@@ -78,6 +78,7 @@ class Generation:
         self._out: list[int] = []       # tokens not yet handed to the iterator
         self._round: Round | None = None
         self._started = self._begun = False
+        self._drafter0: dict[str, float] = {}   # the drafter's counters as this request began
         self._t0 = self._t1 = 0.0
         self._prefilled = 0             # prompt tokens in the target's cache
         self._history: list[int] = []
@@ -255,6 +256,7 @@ class Generation:
             self._constrain = drafter.constrain
             self._constrain(req.grammar)
         self._begun = True
+        self._drafter0 = drafter.stats()
         drafter.begin(prompt, req.sampling, req.draft)
         if isinstance(self._policy, AdaptivePolicy):
             # What its first draft must catch up with: the prompt, less the drafter's cache.
@@ -275,7 +277,7 @@ class Generation:
             st.target_decode_ms = 1000 * self._decode_s
         try:
             if self._begun:
-                st.drafter = self.drafter.stats()
+                st.drafter = counter_delta(self._drafter0, self.drafter.stats())
                 if (got := self.drafter.cache_use()) is not None:
                     st.draft_cache_n, st.draft_prompt_n = got
                 self.drafter.end()

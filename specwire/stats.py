@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A drafter's counters are cumulative over its life (Drafter.stats): one request's
+    share is what they gained during it."""
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()
+            if isinstance(v, int | float) and math.isfinite(v)}
 
 
 @dataclass(slots=True)
@@ -33,6 +41,7 @@ class Stats:
     hist: list[int] = field(default_factory=list)
     #: by_position[i] = [drafted, accepted] at draft position i.
     by_position: list[list[int]] = field(default_factory=list)
+    #: the drafter's own counters (Drafter.stats), this request's share of them
     drafter: dict[str, float] = field(default_factory=dict)
     #: rounds without a draft and their target time: what plain decoding costs a
     #: token, measured in passing (the live page's plain rate)

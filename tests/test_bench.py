@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from specwire.bench import plots, predict, prompts, report
-from specwire.bench.runner import Config, PromptRun, counter_delta, tokens_digest
+from specwire.bench.runner import Config, PromptRun, tokens_digest
 from specwire.bench.sweep import Settings, configurations
 from specwire.cliargs import CliError
 from specwire.commands import bench as bench_cmd
 from specwire.commands import plan as plan_cmd
+from specwire.stats import counter_delta
 from specwire.throughput import VerifyCurve, expected_tokens, local_rate
 
 

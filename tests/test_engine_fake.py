@@ -445,3 +445,21 @@ def test_closing_a_generation_midway_ends_the_drafter() -> None:
     done = SpyDrafter(make_drafter("other"))
     run(done, SAMPLED, 4)
     assert done.calls[0] == "begin" and done.calls.count("end") == 1 and done.calls[-1] == "end"
+
+
+@pytest.mark.parametrize("kind", ["same", "ngram"])
+def test_each_request_reports_its_own_share_of_the_drafters_counters(kind: str) -> None:
+    """Drafter.stats counts over the drafter's life; a request's timings show its share.
+    (A drafter that reset its counters at begin() made bench subtract the previous
+    request's from this one's: negative decode times.)"""
+    drafter = make_drafter(kind)
+    engine = Engine(FakeBackend(TARGET), drafter)
+    dp = DraftParams(n_max=4, p_min=0.0)
+    shares = []
+    for n in (30, 12, 24):
+        gen = engine.generate(Request(list(PROMPT), n, GREEDY, dp, cache_prompt=False))
+        gen.run()
+        assert gen.stats.drafter["drafted"] == gen.stats.draft_n > 0
+        assert all(v >= 0 for v in gen.stats.drafter.values())
+        shares.append(gen.stats.drafter["drafted"])
+    assert drafter.stats()["drafted"] == sum(shares)

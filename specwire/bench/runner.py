@@ -152,12 +152,11 @@ def run_prompt(engine: Engine, work: Workload, cfg: Config, i: int,
     reset_state(engine)
     if link is not None:
         link.reset_counters()
-    before = dict(engine.drafter.stats())
     gen = engine.generate(Request(work.tokens[i], work.budget(i), work.sampling,
                                   draft_params(work, cfg), work.ignore_eos))
     tokens = gen.run()
     st = gen.stats.to_dict()
-    st["drafter"] = counter_delta(before, gen.stats.drafter) if cfg.drafting else {}
+    st["drafter"] = dict(gen.stats.drafter) if cfg.drafting else {}
     p = work.prompts[i]
     return PromptRun(
         id=p.id, category=p.category, prompt_tokens=len(work.tokens[i]), generated=len(tokens),
@@ -165,12 +164,6 @@ def run_prompt(engine: Engine, work: Workload, cfg: Config, i: int,
         predicted_ms=gen.stats.predicted_ms, stop_type=gen.stop_type,
         tokens_sha=tokens_digest(tokens), stats=st,
         link_bytes_up=link.bytes_up if link else 0, link_bytes_down=link.bytes_down if link else 0)
-
-
-def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """A drafter's counters are cumulative over its life; keep this prompt's share."""
-    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()
-            if isinstance(v, int | float) and math.isfinite(v)}
 
 
 def format_ms(seconds: float) -> str:

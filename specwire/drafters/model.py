@@ -53,7 +53,6 @@ class ModelDrafter(DrafterBase):
         self.sampling = SamplingParams(temperature=0.0)
         self.params = DraftParams()
         self._drafted = 0
-        self._decode0 = 0.0
         self.stop_rule: Callable[[int, float], bool] | None = None
         self._grammar_spec: GrammarSpec | None = None
         self._grammar: GrammarTrail | None = None
@@ -81,8 +80,6 @@ class ModelDrafter(DrafterBase):
         if params.seed is not None:
             sampling_ = replace(sampling_, seed=params.seed)
         self.sampling, self.params = sampling_, params
-        self._drafted = 0
-        self._decode0 = self._decode_s()
         kept = reusable_prefix(self.backend.tokens, prompt)
         self._cache_use = (kept, len(prompt) - kept)
 
@@ -192,9 +189,9 @@ class ModelDrafter(DrafterBase):
         return self._cache_use
 
     def stats(self) -> dict[str, float]:
-        """Counters since begin(): tokens drafted, ms inside the draft's llama_decode."""
-        decode_ms = 1000 * (self._decode_s() - self._decode0)
-        return {"drafted": float(self._drafted), "decode_ms": decode_ms}
+        """Counters over this drafter's life, as every drafter's: tokens drafted, ms inside
+        the draft's llama_decode (the engine takes each request's share)."""
+        return {"drafted": float(self._drafted), "decode_ms": 1000 * self._decode_s()}
 
     def _decode_s(self) -> float:
         """Seconds inside the draft's llama_decode for this sequence: in a shared draft

@@ -123,13 +123,14 @@ class Metrics:
                 if count:
                     self.accepted_hist[n] += count
             if stats.drafter:
-                prev = self._drafter.get(slot, {})
                 for key in _NETWORK_KEYS:
                     if key in stats.drafter:
-                        now, before = stats.drafter[key], prev.get(key, 0.0)
-                        self.network_ms += now - before if now >= before else now
+                        self.network_ms += stats.drafter[key]
                         break
-                self._drafter[slot] = dict(stats.drafter)
+                totals = self._drafter.setdefault(slot, {})
+                for key, value in stats.drafter.items():
+                    if _is_number(value):
+                        totals[key] = totals.get(key, 0.0) + value
 
     # -- exposition ------------------------------------------------------------------------
 
@@ -195,8 +196,8 @@ class Metrics:
                          "(round_seconds over draft_rounds).",
                          ("phase",), [((k,), v / self.rounds if self.rounds else 0.0)
                                       for k, v in phases.items()])
-            yield _gauge("drafter_stat", "Each slot's drafter's own cumulative figures, as of "
-                         "its last generation.", ("slot", "name"),
+            yield _gauge("drafter_stat", "Each slot's drafter's own figures (Drafter.stats), "
+                         "summed over the slot's generations.", ("slot", "name"),
                          [((str(s), k), v) for s, snap in sorted(self._drafter.items())
                           for k, v in sorted(snap.items()) if _is_number(v)])
         yield _gauge("draft_link_up", "1 when a slot's link to a draft node is usable.",
