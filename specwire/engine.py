@@ -364,7 +364,8 @@ class Engine:
     def policy(self, seq: int, name: str, n_max: int) -> Policy:
         """Sequence seq's policy for (name, n_max). A sequence's first one starts from what
         the most experienced other sequence learned (the costs are the machine's, the
-        acceptance the drafter's), not from the priors."""
+        acceptance the drafter's), not from the priors. In a batch its verification line
+        is the scheduler's, which every decode feeds."""
         memory = self.memories[seq]
         key = (name, n_max)
         if key not in memory.policies:
@@ -372,7 +373,11 @@ class Engine:
             if donors:
                 best = max(donors, key=_experience)
                 memory.policies[key] = copy.deepcopy(best)
-        return memory.policy(name, n_max)
+        policy = memory.policy(name, n_max)
+        if self.n_seq > 1 and isinstance(policy, AdaptivePolicy):
+            # One verification curve for every sequence: the target's (scheduler.py).
+            policy.verify, policy.fits_verify = self.scheduler.verify, False
+        return policy
 
     def step(self) -> None:
         """One decode for every running sequence (see BatchScheduler.step)."""

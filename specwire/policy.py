@@ -161,6 +161,9 @@ class AdaptivePolicy:
     draft: LineFit = field(default_factory=draft_line)
     #: seconds vs batch size - 1; the throughput model's prior slope per extra token
     verify: LineFit = field(default_factory=verify_line)
+    #: observe fits `verify` from this sequence's rounds; False where the line is the
+    #: batch's, fed once per decode by the scheduler (Engine.policy)
+    fits_verify: bool = True
     #: what a stretch of plain steps made the drafter redo: seconds, over skipped tokens
     catch_up_s: float = 0.0
     catch_up_tokens: float = 0.0
@@ -419,8 +422,9 @@ class AdaptivePolicy:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
         self.warm = self.asked > 0
-        self.verify.add(drafted + (self.batch_tokens if batch_tokens is None else batch_tokens),
-                        verify_s)
+        if self.fits_verify:
+            self.verify.add(drafted + (self.batch_tokens if batch_tokens is None
+                                       else batch_tokens), verify_s)
 
 
 Policy = FixedPolicy | AdaptivePolicy

@@ -9,6 +9,12 @@ all of them. One target decode for all the parts; each generation then verifies 
 own rows with its own verifier and rolls back its own KV cells. A generation
 joins at the next step and leaves as soon as it is done, failed or closed,
 which frees its sequence for the next request.
+
+The scheduler also times the target's curve for every sequence's adaptive
+policy (`verify`): the cost of a decode against its size is the target's, not
+a sequence's, and one line fed once per decode sees every size the batch
+reaches, where each sequence's own would see few (and be fed steps whose
+prompt chunks it could not see).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import TYPE_CHECKING
 from specwire.backend.base import BackendError
 from specwire.backend.batch import BatchBackend, Part
 from specwire.drafters.lockstep import Drafting, draft_together
+from specwire.throughput import LineFit, verify_line
 
 if TYPE_CHECKING:
     from specwire.engine import Generation
@@ -42,6 +49,9 @@ class BatchScheduler:
         self.running: list[Generation] = []
         self._lock = threading.RLock()   # join/leave from other threads than the stepper
         self._turn = 0                   # who plans first: rotates, so none is always last
+        #: seconds of a decode of rounds only against its tokens - 1: the target's
+        #: verification curve, shared by the sequences' adaptive policies (Engine.policy)
+        self.verify: LineFit = verify_line()
 
     def free(self) -> list[int]:
         """Sequences no running generation holds."""
@@ -101,6 +111,11 @@ class BatchScheduler:
                     self.fail(gen, e)
                 return
             spent = time.perf_counter() - t0
+            # A step that reads a prompt chunk is off the curve: its chunk's tokens cost
+            # far less each than rounds' (one logits row, not one per token), and a long
+            # one would set the line's slope alone.
+            if all(p.logits == "all" for p in parts):
+                self.verify.add(sum(len(p.tokens) for p in parts) - 1, spent)
             for (gen, _), r in zip(planned, rows, strict=True):
                 self.guarded(gen, gen.take, r, spent)
         for gen in [g for g in self.running if g.done]:
@@ -114,12 +129,14 @@ class BatchScheduler:
             turn = [self.running[(self._turn + i) % n] for i in range(n)] if n else []
         gens = sorted(turn, key=lambda g: not g.decoding)
         budget = self.batch.n_batch
-        n_decoding = sum(g.decoding for g in gens)
         planned: list[tuple[Generation, Part]] = []
         used = 0
         for i, gen in enumerate(gens):
-            # What the others put in: those planned, and at least a token from each to come.
-            others = used + max(0, n_decoding - i - 1)
+            # What the others put in: those planned, and at least a token from each to come,
+            # those still reading their prompt too: they decode from the next step on, so a
+            # round beside them is priced as in the batch it is in, not as alone (a first
+            # request's draft would otherwise hold up every prompt that arrived with it).
+            others = used + max(0, len(gens) - i - 1)
             part = self.guarded(gen, gen.plan, budget - used, others)
             if part is not None:
                 planned.append((gen, part))

@@ -8,9 +8,18 @@ others' tokens already fill the step, so plain steps win.
 
 from __future__ import annotations
 
-import numpy as np
+import time
 
+import numpy as np
+from fakes import FakeBackend, FakeBatch, FakeModel
+
+from specwire.config import DraftParams, SamplingParams
+from specwire.drafters.model import ModelDrafter
+from specwire.engine import Engine, Request
 from specwire.policy import AdaptivePolicy
+
+TARGET = FakeModel(n_vocab=40, seed=0)
+DRAFT = TARGET.perturbed(0.3, seed=5)
 
 
 def simulate(policy: AdaptivePolicy, batches: list[int], rounds: int, seed: int = 0) -> dict:
@@ -42,3 +51,98 @@ def test_alone_the_batch_keyword_changes_nothing() -> None:
         assert ka == kb
         for p, k in ((a, ka), (b, kb)):
             p.observe(k, min(k, 2), 0.01 * k, 0.1 + 0.01 * k)
+
+
+# --------------------------------------------------------------------------- in the engine
+
+
+class Clock:
+    """perf_counter for the engine: it moves only when a fake decode takes its time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedBatch(FakeBatch):
+    """A target whose decode costs `fixed` plus `per_row` per logits row and `per_prompt`
+    per other token (a prompt chunk's tokens, one row per chunk, cost far less each)."""
+
+    def __init__(self, clock: Clock, fixed: float, per_row: float, per_prompt: float,
+                 n_seq: int) -> None:
+        super().__init__(TARGET, n_seq)
+        self.clock, self.fixed, self.per_row, self.per_prompt = clock, fixed, per_row, per_prompt
+
+    def decode(self, parts) -> list[np.ndarray]:
+        rows = sum(len(p.tokens) for p in parts if p.logits == "all")
+        other = sum(len(p.tokens) for p in parts if p.logits != "all")
+        self.clock.now += self.fixed + self.per_row * rows + self.per_prompt * other
+        return super().decode(parts)
+
+
+class TimedDraft(FakeBackend):
+    """A draft model's context whose every evaluation costs per_eval (and a little per
+    token of a catch-up)."""
+
+    def __init__(self, clock: Clock, per_eval: float) -> None:
+        super().__init__(DRAFT, name="draft.gguf")
+        self.clock, self.per_eval = clock, per_eval
+
+    def eval(self, tokens, logits: str = "last") -> np.ndarray:
+        self.clock.now += self.per_eval + 0.0005 * len(tokens)
+        return super().eval(tokens, logits)
+
+
+def first_alone_then_joined(monkeypatch, per_row: float, per_eval: float,
+                            drafted: bool = True) -> dict[str, float]:
+    """Request 0 decodes alone for 30 steps; then twelve requests with 60-token prompts
+    join it, three at a time running beside it (one joins when another ends). Rounds
+    that asked the drafter: request 0's alone, and everyone's while others run; and the
+    tokens per second of all of them then."""
+    clock = Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    engine = Engine(TimedBatch(clock, 0.04, per_row, 0.002, 4),
+                    [ModelDrafter(TimedDraft(clock, per_eval)) for _ in range(4)])
+    params = DraftParams(n_max=8, p_min=0.0, policy="adaptive", enabled=drafted)
+
+    def request(seed: int, n: int, length: int) -> Request:
+        prompt = np.random.default_rng(seed).integers(0, TARGET.real_tokens, length)
+        return Request([int(t) for t in prompt], n, SamplingParams(temperature=0.0), params)
+
+    first = engine.generate(request(0, 1000, 5))
+    for _ in range(30):
+        engine.step()
+    alone, t0, n0 = first.stats.asked_rounds, clock.now, len(first.tokens)
+    others, waiting = [], [request(s, 20, 60) for s in range(1, 13)]
+    while waiting or not all(g.done for g in others):
+        while waiting and sum(not g.done for g in others) < 3:
+            others.append(engine.generate(waiting.pop()))
+        engine.step()
+    together = first.stats.asked_rounds - alone + sum(g.stats.asked_rounds for g in others)
+    tokens = len(first.tokens) - n0 + sum(len(g.tokens) for g in others)
+    first.close()
+    return {"alone": alone, "together": together, "rate": tokens / (clock.now - t0)}
+
+
+def test_a_request_that_drafted_alone_stops_where_the_batch_makes_drafting_cost(
+        monkeypatch) -> None:
+    """Verification costs a fifth of a step per token (a compute-bound target) and a
+    draft token half a step: alone a good draft pays, beside other sequences it does
+    not. Neither the first request's drafting alone, nor the others' prompt chunks (off
+    the verification curve), nor the first drafts of requests that join make the batch
+    draft: it loses at most a few percent of plain decoding's throughput (probes)."""
+    got = first_alone_then_joined(monkeypatch, per_row=0.01, per_eval=0.02)
+    plain = first_alone_then_joined(monkeypatch, per_row=0.01, per_eval=0.02, drafted=False)
+    assert got["alone"] >= 25, got
+    assert got["rate"] >= 0.97 * plain["rate"], (got, plain)
+
+
+def test_where_verification_is_nearly_free_the_batch_keeps_drafting(monkeypatch) -> None:
+    """A memory-bound target (a verified token costs a fiftieth of a step) and a cheap
+    draft: drafting pays in the batch too, and the sequences go on drafting."""
+    got = first_alone_then_joined(monkeypatch, per_row=0.001, per_eval=0.002)
+    plain = first_alone_then_joined(monkeypatch, per_row=0.001, per_eval=0.002, drafted=False)
+    assert got["alone"] >= 25, got
+    assert got["rate"] >= 1.15 * plain["rate"], (got, plain)
