@@ -128,3 +128,14 @@ def test_never_wait() -> None:
     assert BranchDrafter(V, pipelined=False).bubble is None
     plain = object()
     assert never_wait(plain) is plain
+
+
+def test_no_wait_for_a_batch_size_never_timed() -> None:
+    """Only plain steps timed: the rule would price a batch on the assumed (GPU) slope,
+    so it does not wait, however fast the drafter; a round of 5 timed at a GPU's cost
+    lets it wait for up to 4 tokens."""
+    b = primed({1: STEP}, per_token=0.05 * STEP)
+    assert b.aim(0, 8, 0.0, fresh=True) == (0, 0.0)
+    b = primed({1: STEP, 5: 1.03 * STEP}, per_token=0.05 * STEP)
+    m, wait = b.aim(0, 8, 0.0, fresh=True)
+    assert 2 <= m <= 4 and 0.0 < wait < STEP

@@ -24,6 +24,11 @@ round trip and a few draft tokens pays; on a CPU target whose batch of 9 costs
 2.4 plain steps (the bundled pair on one thread) it does not: a plain step
 yields a token while the drafter drafts, and this rule then never waits.
 
+It waits only for batch sizes it has seen a round of: a wait priced on the
+assumed slope (a GPU's) would, on a CPU target, bet on a batch costing 1.4
+plain steps that costs 1.9 (the first rounds of a request, when only plain steps
+have been timed, waited for 4-5 tokens this way).
+
 Waiting changes which tokens are verified, never the output: lossless.
 """
 
@@ -54,6 +59,10 @@ class VerifyTimes:
 
     def rounds(self) -> float:
         return sum(self.weight.values())
+
+    def largest(self) -> int:
+        """The largest batch seen (0 before any)."""
+        return max(self.weight, default=0)
 
     def __call__(self, n: int) -> float | None:
         """Seconds for a batch of n; None before any round."""
@@ -138,7 +147,9 @@ class BubbleWait:
         a = self.acceptance
         now = expected_tokens(a, have) - r * self.verify(have + 1)
         best_m, best_wait, best = have, 0.0, now
-        for m in range(have + 1, max_n + 1):
+        # Only batches priced by rounds seen: beyond them the curve is VERIFY_SLOPE's guess,
+        # a GPU's, which on a CPU target prices a batch of 5 at 1.4 steps, not 1.9.
+        for m in range(have + 1, min(max_n, self.verify.largest() - 1) + 1):
             wait = max(0.0, c + d * m - since_s) if fresh else d * (m - have)
             if wait > plain:  # longer than a plain step would take: never worth the risk
                 break
