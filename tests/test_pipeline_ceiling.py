@@ -121,3 +121,19 @@ def test_the_built_rule_waits_where_it_pays_and_not_where_it_does_not():
     slow = Pipeline(0.85, linear(0.2), draft=0.6, rtt=0.04)
     never = _rate(slow, Schedule("today", k=4), 0.85)
     assert _rate(slow, Schedule("today", k=4, rule=True), 0.85) >= 0.98 * never
+
+
+def test_from_a_bench_run(tmp_path, capsys):
+    res = {"calibration": {"draft_tps": 100.0, "plain_tps_overall": 20.0,
+                           "verify_cost": [[1, 1.0], [2, 1.5], [4, 1.7], [8, 2.5]]},
+           "records": [{"mode": "plain", "label": "plain", "bound": None},
+                       {"mode": "remote-pipelined", "label": "rp", "rtt_ms": 2.0,
+                        "draft_max": 4, "bound": {"share": 0.7, "acceptance": 0.8}}]}
+    (tmp_path / "results.json").write_text(__import__("json").dumps(res))
+    assert main(["--from", str(tmp_path), "-n", "300", "--seeds", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[0] == "0.2"  # d = 20 / 100
+    assert out[-1].startswith("measured (rp): 0.700 of its bound; a = 0.800, d = 0.200")
+    (tmp_path / "results.json").write_text("{}")
+    assert main(["--from", str(tmp_path)]) == 2
+    assert "is not a bench results.json" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """How close to the free-drafter bound can a pipelined drafter get? A modelled clock.
 
     python -m specwire.bench.pipeline_ceiling [--acceptance 0.85] [--draft-cost 0.3,0.2,...]
+    python -m specwire.bench.pipeline_ceiling --from BENCH_OUT   # a bench run's own inputs
 
 The bound (docs/drafting.md, 1) is a drafter that costs nothing and answers at
 once. A real pipelined drafter works on its own core at d target steps per
@@ -43,6 +44,7 @@ import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specwire.drafters.bubble import BubbleWait
 from specwire.throughput import VerifyCurve, expected_tokens
@@ -383,9 +385,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "wrong position (the draft's second choice: about 0.5 here)")
     ap.add_argument("-n", "--tokens", type=int, default=4000)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--from", dest="results", metavar="RESULTS",
+                    help="a bench results.json (or its folder): the acceptance, verification "
+                         "curve, draft cost, step and round trip of its pipelined "
+                         "configuration, whose measured share is printed beside the model's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    measured = None
     try:
+        if args.results:
+            measured = from_results(args.results)
+            args.acceptance, args.verify_cost = measured["acceptance"], measured["verify_cost"]
+            args.rtt_ms, args.step_ms = measured["rtt_ms"], measured["step_ms"]
+            args.draft_max = measured["draft_max"]
+            if args.draft_cost == ap.get_default("draft_cost"):
+                args.draft_cost = f"{measured['d']:.3f}"
         curve = VerifyCurve.parse(args.verify_cost)
         costs = [float(c) for c in args.draft_cost.split(",") if c.strip()]
     except ValueError as e:
@@ -403,8 +417,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     rows = table(args.acceptance, curve, costs, args.rtt_ms / args.step_ms, args.draft_max,
                  args.tokens, args.seeds, args.through)
-    print(json.dumps(rows, indent=1) if args.json else render(rows, args.through))
+    if args.json:
+        print(json.dumps({"measured": measured, "rows": rows}, indent=1))
+        return 0
+    print(render(rows, args.through))
+    if measured:
+        print(f"measured ({measured['label']}): {measured['share']:.3f} of its bound; a = "
+              f"{measured['acceptance']:.3f}, d = {measured['d']:.3f} (calibrated, alone), "
+              f"a plain step {measured['step_ms']:.1f} ms")
     return 0
+
+
+def from_results(path: str) -> dict:
+    """The inputs of the first pipelined configuration of a bench results.json."""
+    p = Path(path)
+    p = p / "results.json" if p.is_dir() else p
+    try:
+        res = json.loads(p.read_text())
+        cal = res["calibration"]
+        rec = next(r for r in res["records"] if "pipelined" in r["mode"] and r.get("bound"))
+        plain_tps, draft_tps = float(cal["plain_tps_overall"]), float(cal["draft_tps"])
+        return {"label": rec["label"], "share": float(rec["bound"]["share"]),
+                "acceptance": float(rec["bound"]["acceptance"]),
+                "verify_cost": ",".join(f"{int(n)}:{c}" for n, c in cal["verify_cost"]),
+                "d": plain_tps / draft_tps, "step_ms": 1000.0 / plain_tps,
+                "rtt_ms": float(rec.get("rtt_ms") or 0.0), "draft_max": int(rec["draft_max"])}
+    except OSError as e:
+        raise ValueError(f"--from: cannot read {p}: {e.strerror}") from None
+    except StopIteration:
+        raise ValueError(f"--from: {p} has no pipelined configuration with a bound") from None
+    except (KeyError, TypeError, json.JSONDecodeError, ZeroDivisionError) as e:
+        raise ValueError(f"--from: {p} is not a bench results.json ({e!r})") from None
 
 
 if __name__ == "__main__":
