@@ -125,6 +125,7 @@ class Drafter:
     inbox: collections.deque = field(default_factory=collections.deque)
     broken: int = 0           # the branch's first wrong position (set from the truth)
     fresh_from: float = -1.0  # when the target sent the verdict that began this branch
+    drafted: int = 0          # tokens drafted in all, used or not
 
     def broken_at(self) -> int:
         """The branch's first position whose token differs from the target's."""
@@ -158,6 +159,7 @@ class Drafter:
                     return
                 self.done.append(end)
                 self.free = end
+                self.drafted += 1
             elif self.inbox and self.inbox[0][0] <= until:
                 self.free = max(self.free, self.inbox[0][0])
             else:
@@ -191,6 +193,7 @@ class Result:
     rounds: int = 0
     plain_rounds: int = 0
     waited: float = 0.0
+    drafted: int = 0  # tokens the drafter drafted, used or not
 
     @property
     def rate(self) -> float:
@@ -241,7 +244,7 @@ def simulate(pipe: Pipeline, sched: Schedule, truth: Truth) -> Result:
         res.plain_rounds += n == 0
         sent, fed = now, 0
         dr.inbox.append((now + half, committed, now))
-    res.steps = now
+    res.steps, res.drafted = now, dr.drafted
     return res
 
 
@@ -319,6 +322,7 @@ def best(pipe: Pipeline, scheme: str, draft_max: int, waits: Sequence[int],
                 total.rounds += r.rounds
                 total.plain_rounds += r.plain_rounds
                 total.waited += r.waited
+                total.drafted += r.drafted
             if top is None or total.rate > top[1].rate:
                 top = (s, total)
     assert top is not None
@@ -344,7 +348,9 @@ def table(acceptance: float, curve: VerifyCurve, costs: Sequence[float], rtt: fl
             sched, res = best(pipe, scheme, draft_max, ms, truths, q)
             row[name] = {"share": res.rate / bound, "k": sched.k, "wait": sched.wait,
                          "tokens_per_round": res.tokens / res.rounds,
-                         "plain_share_of_rounds": res.plain_rounds / res.rounds}
+                         "plain_share_of_rounds": res.plain_rounds / res.rounds,
+                         "drafted_per_token": res.drafted / res.tokens,
+                         "drafter_busy": res.drafted * d / res.steps}
         rows.append(row)
     return rows
 
