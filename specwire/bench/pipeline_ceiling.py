@@ -179,7 +179,10 @@ class Drafter:
         return n
 
     def arrival(self, committed: int, n: int) -> float | None:
-        """When the n-th token from `committed` reached the target (None: not drafted)."""
+        """When the n-th token from `committed` reached the target (None: not drafted).
+        A drafter that stops at a guess it knows is wrong has them all when that one came."""
+        if self.stops:
+            n = min(n, self.broken - committed + 1)
         i = committed - self.start + n - 1
         if self.broken < committed or committed < self.start or i >= len(self.done):
             return None
