@@ -137,3 +137,15 @@ def test_from_a_bench_run(tmp_path, capsys):
     (tmp_path / "results.json").write_text("{}")
     assert main(["--from", str(tmp_path)]) == 2
     assert "is not a bench results.json" in capsys.readouterr().err
+
+
+def test_contention_slows_verification_only_while_the_drafter_drafts():
+    t = Truth.sample(2000, 0.85, 0.0, random.Random(3))
+    busy = Pipeline(0.85, linear(0.2), draft=0.2, rtt=0.04)
+    alone = simulate(busy, Schedule("today", k=4), t).rate
+    shared = simulate(Pipeline(0.85, linear(0.2), draft=0.2, rtt=0.04, contention=0.3),
+                      Schedule("today", k=4), t).rate
+    assert shared < 0.95 * alone
+    # the busy share counts tokens drafted: a drafter that finishes none slows nothing
+    idle = Pipeline(0.85, linear(0.2), draft=1e9, rtt=0.04, contention=0.3)
+    assert simulate(idle, Schedule("today", k=4), t).rate == 1.0

@@ -65,6 +65,10 @@ class Pipeline:
     draft: float                    # one draft token
     rtt: float = 0.0
     lookahead: int = 16
+    #: co-location: a verification takes (1 + contention u) t_v when the drafter drafted
+    #: during a share u of the verification before (a node on the target's machine,
+    #: sharing memory bandwidth and cores; not while the target waits); 0: a node elsewhere
+    contention: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +213,7 @@ def simulate(pipe: Pipeline, sched: Schedule, truth: Truth) -> Result:
     half, n_pos = pipe.rtt / 2.0, len(truth.wrong)
     now, committed, res = 0.0, 0, Result()
     rule = BubbleWait() if sched.rule else None
+    busy = 0.0  # the share of the last verification during which the drafter drafted
     sent, fed = -1.0, 0  # the last verdict's time; fresh-branch tokens told to the rule
     while committed < n_pos:
         dr.advance(now - half)
@@ -234,12 +239,15 @@ def simulate(pipe: Pipeline, sched: Schedule, truth: Truth) -> Result:
         if rule is not None and waited and n == 0:
             rule.missed()
         kept = min(n, truth.next_wrong[committed] - committed)
-        t_v = pipe.verify(n + 1)
+        t_v = pipe.verify(n + 1) * (1.0 + pipe.contention * busy)
         if rule is not None:
             rule.observe_round(n, kept, t_v, now - began)
+        dr.advance(now - half)
+        drafted0 = dr.drafted
         now += t_v
+        dr.advance(now - half)
+        busy = min(1.0, (dr.drafted - drafted0) * pipe.draft / t_v)
         if rule is not None:  # the fresh branch's tokens that came before this verdict
-            dr.advance(now - half)
             fed = _feed(rule, dr, fed, now, sent)
         committed += kept + 1
         res.tokens += kept + 1
@@ -334,11 +342,11 @@ def best(pipe: Pipeline, scheme: str, draft_max: int, waits: Sequence[int],
 
 def table(acceptance: float, curve: VerifyCurve, costs: Sequence[float], rtt: float,
           draft_max: int, tokens: int, seeds: int, through: float,
-          waits: Sequence[int] = (0, 1, 2, 3, 4, 8)) -> list[dict]:
+          waits: Sequence[int] = (0, 1, 2, 3, 4, 8), contention: float = 0.0) -> list[dict]:
     """Per draft cost: the bound and each scheme's best share of it."""
     rows = []
     for d in costs:
-        pipe = Pipeline(acceptance, curve.cost, d, rtt, 2 * draft_max)
+        pipe = Pipeline(acceptance, curve.cost, d, rtt, 2 * draft_max, contention)
         k_b, bound = free_bound(pipe, draft_max)
         row: dict = {"d": d, "bound": bound, "bound_k": k_b,
                      "oracle_closed_form": oracle_closed_form(pipe, draft_max) / bound}
@@ -394,6 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "wrong position (the draft's second choice: about 0.5 here)")
     ap.add_argument("-n", "--tokens", type=int, default=4000)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--contention", type=float, default=0.0,
+                    help="a node on the target's machine: verification slows by this "
+                         "fraction times the drafter's busy share (0: a node elsewhere)")
     ap.add_argument("--from", dest="results", metavar="RESULTS",
                     help="a bench results.json (or its folder): the acceptance, verification "
                          "curve, draft cost, step and round trip of its pipelined "
@@ -419,13 +430,14 @@ def main(argv: Sequence[str] | None = None) -> int:
            (args.rtt_ms < 0 or args.step_ms <= 0, "--rtt-ms >= 0 and --step-ms > 0"),
            (not 1 <= args.draft_max <= 32, "--draft-max must be in [1, 32]"),
            (not 0.0 <= args.through <= 1.0, "--through must be in [0, 1]"),
-           (args.tokens < 10 or args.seeds < 1, "-n >= 10 and --seeds >= 1")]
+           (args.tokens < 10 or args.seeds < 1, "-n >= 10 and --seeds >= 1"),
+           (not 0.0 <= args.contention <= 10.0, "--contention must be in [0, 10]")]
     for cond, msg in bad:
         if cond:
             print(f"pipeline_ceiling: {msg}", file=sys.stderr)
             return 2
     rows = table(args.acceptance, curve, costs, args.rtt_ms / args.step_ms, args.draft_max,
-                 args.tokens, args.seeds, args.through)
+                 args.tokens, args.seeds, args.through, contention=args.contention)
     if args.json:
         print(json.dumps({"measured": measured, "rows": rows}, indent=1))
         return 0
