@@ -11,7 +11,7 @@ from test_branch import ScriptedDrafter
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.branch import BranchDrafter
-from specwire.drafters.bubble import BubbleWait, VerifyTimes, never_wait
+from specwire.drafters.bubble import BubbleWait, VerifyTimes, monotone, never_wait
 from specwire.draftlink.messages import Chunk
 
 V = 100
@@ -128,3 +128,25 @@ def test_never_wait() -> None:
     assert BranchDrafter(V, pipelined=False).bubble is None
     plain = object()
     assert never_wait(plain) is plain
+
+
+def test_no_wait_for_a_batch_size_never_timed() -> None:
+    """Only plain steps timed: the rule would price a batch on the assumed (GPU) slope,
+    so it does not wait, however fast the drafter; a round of 5 timed at a GPU's cost
+    lets it wait for up to 4 tokens."""
+    b = primed({1: STEP}, per_token=0.05 * STEP)
+    assert b.aim(0, 8, 0.0, fresh=True) == (0, 0.0)
+    b = primed({1: STEP, 5: 1.03 * STEP}, per_token=0.05 * STEP)
+    m, wait = b.aim(0, 8, 0.0, fresh=True)
+    assert 2 <= m <= 4 and 0.0 < wait < STEP
+
+
+def test_a_bigger_batch_never_prices_cheaper() -> None:
+    t = VerifyTimes()
+    for n, s in ((1, 1.0), (3, 1.6), (4, 1.34), (5, 1.09), (9, 2.4)):
+        t.add(n, s)
+    costs = [t(n) for n in range(1, 10)]
+    assert all(a <= b + 1e-12 for a, b in zip(costs, costs[1:], strict=False))
+    assert abs(t(4) - (1.6 + 1.34 + 1.09) / 3) < 1e-9  # 3, 4, 5 pooled, equal weights
+    assert t(1) == 1.0 and t(9) == 2.4
+    assert monotone({1: (1.0, 1.0), 2: (0.5, 3.0)}) == {1: 0.625, 2: 0.625}
