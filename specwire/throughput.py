@@ -15,7 +15,9 @@ and the same priors; this module holds both:
             reads its weights once per batch, so a small batch costs little
             more than a step. On a CPU with a huge vocabulary, or an MoE target
             whose batch touches more experts, it costs much more: measure it.
-            Online estimators start from the same line (`verify_line`).
+            Online estimators start from the same line (`verify_line`); the
+            pipelined drafter's bubble rule keeps the times per batch size it
+            saw (`VerifyTimes`).
     RTT     network round trip; bandwidth with 16 bytes per drafted token and
             32 bytes per verdict (both adjustable).
 
@@ -171,7 +173,64 @@ def draft_line(alpha: float = 0.1) -> LineFit:
     return LineFit(alpha, guess=DRAFT_SLOPE)
 
 
-# --------------------------------------------------------------------------- verify cost
+@dataclass(slots=True)
+class VerifyTimes:
+    """t_v(n): seconds a round of n tokens took (batch size), exponentially weighted per
+    size, linear between the sizes seen and along VERIFY_SLOPE beyond them.
+
+    A bigger batch never costs less: the means per size are pooled where they say
+    otherwise (weighted by their rounds), so that one round of 5 that happened to run
+    fast on a loaded machine does not make waiting for 4 tokens look cheaper than
+    waiting for 3 (in a loaded run t_v(5) read 109 ms beside t_v(4) at 134)."""
+
+    alpha: float = 0.1
+    weight: dict[int, float] = field(default_factory=dict)
+    total: dict[int, float] = field(default_factory=dict)
+
+    def add(self, n: int, seconds: float) -> None:
+        k = 1.0 - self.alpha
+        self.weight[n] = k * self.weight.get(n, 0.0) + 1.0
+        self.total[n] = k * self.total.get(n, 0.0) + seconds
+
+    def rounds(self) -> float:
+        return sum(self.weight.values())
+
+    def largest(self) -> int:
+        """The largest batch seen (0 before any)."""
+        return max(self.weight, default=0)
+
+    def __call__(self, n: int) -> float | None:
+        """Seconds for a batch of n; None before any round."""
+        if not self.weight:
+            return None
+        sizes = sorted(self.weight)
+        mean = monotone({s: (self.total[s] / self.weight[s], self.weight[s]) for s in sizes})
+        if n in mean:
+            return mean[n]
+        lo = max((s for s in sizes if s < n), default=None)
+        hi = min((s for s in sizes if s > n), default=None)
+        if lo is not None and hi is not None:
+            f = (n - lo) / (hi - lo)
+            return mean[lo] + f * (mean[hi] - mean[lo])
+        edge = lo if lo is not None else hi
+        # One step of the assumed slope per token, scaled by what the nearest size cost.
+        return mean[edge] * (1.0 + VERIFY_SLOPE * (n - 1)) / (1.0 + VERIFY_SLOPE * (edge - 1))
+
+
+def monotone(points: dict[int, tuple[float, float]]) -> dict[int, float]:
+    """{size: (mean, weight)} -> the closest non-decreasing means, weighted least squares
+    (pool adjacent violators)."""
+    blocks: list[list] = []  # [mean, weight, sizes]
+    for size in sorted(points):
+        m, w = points[size]
+        blocks.append([m, w, [size]])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, s2 = blocks.pop()
+            b = blocks[-1]
+            b[0] = (b[0] * b[1] + m2 * w2) / (b[1] + w2)
+            b[1] += w2
+            b[2].extend(s2)
+    return {size: b[0] for b in blocks for size in b[2]}
 
 
 # --------------------------------------------------------------------------- verify cost

@@ -11,8 +11,9 @@ from test_branch import ScriptedDrafter
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.branch import BranchDrafter
-from specwire.drafters.bubble import BubbleWait, VerifyTimes, monotone, never_wait
+from specwire.drafters.bubble import BubbleWait, never_wait
 from specwire.draftlink.messages import Chunk
+from specwire.throughput import VerifyTimes, monotone
 
 V = 100
 PROMPT = [1, 2, 3, 4]
