@@ -22,6 +22,7 @@ from specwire.backend.batch import BatchBackend, Part, as_batch
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.constraints.grammar import Grammar, GrammarSpec
 from specwire.drafters.base import Draft, Drafter, NoDrafter
+from specwire.drafters.bubble import never_wait
 from specwire.drafters.guard import DraftGuard, check_verify_mode
 from specwire.drafters.lockstep import Drafting
 from specwire.logprobs import LogprobsSpec, TokenProb
@@ -336,6 +337,8 @@ class Engine:
         if len(drafters) != self.batch.n_seq:
             raise ConfigError(f"{len(drafters)} drafters for {self.batch.n_seq} sequences: "
                               "each sequence needs a drafter of its own")
+        if self.batch.n_seq > 1:  # a round waiting for its drafter would hold every step
+            drafters = [never_wait(d) for d in drafters]
         self.drafters = drafters
         self.drafter = drafters[0]
         if verify is not None:

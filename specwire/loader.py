@@ -58,9 +58,6 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
             drafters = make_remote_drafters(list(s.draft.urls), s.draft.remote, target, n_seq)
         else:
             drafters = [build_drafter(s.draft, target) for _ in range(n_seq)]
-        if n_seq > 1:  # a round waiting for its drafter would hold every sequence's step
-            from specwire.drafters.bubble import never_wait
-            drafters = [never_wait(d) for d in drafters]
     except BackendError as e:
         raise CliError(str(e)) from None
     try:
@@ -73,10 +70,9 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
 
 def build_drafter(s: DraftSettings, target: Backend) -> Drafter:
     if s.hybrid:
-        from specwire.drafters.bubble import never_wait
         from specwire.drafters.hybrid import HybridDrafter
         from specwire.drafters.ngram import NgramDrafter
-        return HybridDrafter(NgramDrafter(), never_wait(build_model_drafter(s, target)))
+        return HybridDrafter(NgramDrafter(), build_model_drafter(s, target))
     if s.kind == "none":
         return NoDrafter()
     if s.kind == "ngram":

@@ -7,12 +7,16 @@ beats a plain step.
 
 from __future__ import annotations
 
+from fakes import FakeBackend, FakeBatch, FakeModel
 from test_branch import ScriptedDrafter
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.branch import BranchDrafter
 from specwire.drafters.bubble import BubbleWait, never_wait
+from specwire.drafters.hybrid import HybridDrafter
+from specwire.drafters.ngram import NgramDrafter
 from specwire.draftlink.messages import Chunk
+from specwire.engine import Engine
 from specwire.throughput import VerifyTimes, monotone
 
 V = 100
@@ -129,6 +133,21 @@ def test_never_wait() -> None:
     assert BranchDrafter(V, pipelined=False).bubble is None
     plain = object()
     assert never_wait(plain) is plain
+
+
+def test_who_never_waits() -> None:
+    """A batch engine's drafters and a hybrid's model never hold a round for a fresh
+    branch (the step carries other sequences; the lookup's draft may be ready); a drafter
+    alone does."""
+    alone = ScriptedDrafter(pipelined=True)
+    Engine(FakeBackend(FakeModel(V)), alone)
+    assert alone.bubble is not None
+    batch = [ScriptedDrafter(pipelined=True) for _ in range(2)]
+    Engine(FakeBatch(FakeModel(V), 2), batch)
+    assert all(d.bubble is None for d in batch)
+    model = ScriptedDrafter(pipelined=True)
+    HybridDrafter(NgramDrafter(), model)
+    assert model.bubble is None
 
 
 def test_no_wait_for_a_batch_size_never_timed() -> None:

@@ -247,10 +247,9 @@ class Drafters:
         return NgramDrafter(cache=None, calibration=calibration, cost=cost)
 
     def _hybrid(self, cfg: Config, model: Any) -> Any:
-        from specwire.drafters.bubble import never_wait
         from specwire.drafters.hybrid import HybridDrafter, HybridEstimates
         estimates = self._hybrid_memory.setdefault(cfg.label(), HybridEstimates())
-        return HybridDrafter(self._ngram(cfg), never_wait(model), estimates=estimates)
+        return HybridDrafter(self._ngram(cfg), model, estimates=estimates)
 
     def _remote(self, emu: LinkEmulator, pipelined: bool) -> Any:
         """A fresh Link + RemoteDrafter through the emulator, handshake done."""

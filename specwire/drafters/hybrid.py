@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Draft, Drafter, DrafterBase, declared
+from specwire.drafters.bubble import never_wait
 from specwire.drafters.ngram import NgramDrafter, Offer
 from specwire.throughput import LineFit, draft_line, expected_tokens, verify_line
 
@@ -122,7 +123,8 @@ class HybridDrafter(DrafterBase):
 
     def __init__(self, ngram: NgramDrafter, model: Drafter, alpha: float = 0.1,
                  estimates: HybridEstimates | None = None) -> None:
-        self.ngram, self.model, self.alpha = ngram, declared(model), alpha
+        # Its model never waits for a fresh branch: the lookup's draft may be ready.
+        self.ngram, self.model, self.alpha = ngram, declared(never_wait(model)), alpha
         self.name = f"hybrid:{self.model.name}"
         # asking costs the target nothing when the model drafts on its own (node, thread)
         self.ahead = self.model.pipelined
