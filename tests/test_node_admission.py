@@ -269,6 +269,39 @@ def test_idle_connections_close_and_targets_carry_on(start_node, sync_port) -> N
         rd.close()
 
 
+def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(start_node, monkeypatch,
+                                                                     caplog) -> None:
+    """The node closes an idle sync connection just after the target found it alive, as
+    its session opens on it (under load the two cross): the session opens again on a new
+    connection, no failure is counted, nothing is logged as down, and the request drafts."""
+    from specwire.wire import linkset
+
+    node = start_node(idle_s=0.5)
+    target = Target()
+    rd = target.drafter(f"127.0.0.1:{node.port}", pipelined=False)
+    alive, stale = linkset.SyncLine.alive, []
+
+    def alive_then_closed(line) -> bool:
+        ok = alive(line)
+        if not stale:  # the first check only: the close lands right after it
+            stale.append(ok)
+            wait_for(lambda: node.sync._slots._value == 4 * 8, 5, "the idle close")
+        return ok
+
+    monkeypatch.setattr(linkset.SyncLine, "alive", alive_then_closed)
+    try:
+        prompt = target.tokens(CODE)
+        g = Engine(target.backend, rd).generate(request(prompt, 16, GREEDY))
+        assert run_to_end(g) == target.plain(prompt, GREEDY, 16)
+        assert stale == [True]                  # the crossing did happen
+        assert g.stats.draft_n_accepted > 0
+        assert rd.counters["reconnects"] == 0 and rd.links[0].failures == 0
+        assert rd.counters["sync_port_sessions"] >= 1
+        assert not [r for r in caplog.records if "down" in r.getMessage()]
+    finally:
+        rd.close()
+
+
 def test_a_cancelled_sync_session_ends_alone(start_node, caplog) -> None:
     """A target that cancels a synchronous session (RST_STREAM, as when its request is cut)
     while the node drafts for it: the session ends as after a Close, without an error

@@ -243,26 +243,33 @@ class GrpcTransport:
 
     def _open_sync(self, link: Link, session: int, history: list[int]) -> bool:
         """Open the session on the link's synchronous port (session thread), a stream on
-        the connection the target's drafters share; False if that port cannot be reached."""
+        the connection the target's drafters share; False if that port cannot be reached.
+        The node closes a connection idle for --idle-timeout, and its close may cross our
+        Open after the line looked alive (the Open then fails on a broken line): the Open
+        goes once more, on a new connection, and only a second failure counts."""
         if session != self._session:
             return True
-        line = self.shared.sync_line(link)
-        if line is None:
-            return False
-        epoch = link.epoch
-        try:
-            sid = line.open(lambda: self._first_message(history).SerializeToString(),
-                            link.settings.connect_timeout_s)
-        except (H2Error, TimeoutError, OSError) as e:
-            if isinstance(e, CreditTimeout):  # no credit even for the Open: broken
-                self.shared.drop(line)
-                self._drop(link, str(e))
-            elif line.broken():
-                self.shared.drop(line)
-                link.failed(str(e), epoch=epoch)
-            else:
-                link.failed(str(e), epoch=epoch, reconnect=False)
-            return True
+        for attempt in (1, 2):
+            line = self.shared.sync_line(link)
+            if line is None:
+                return False
+            epoch = link.epoch
+            try:
+                sid = line.open(lambda: self._first_message(history).SerializeToString(),
+                                link.settings.connect_timeout_s)
+                break
+            except (H2Error, TimeoutError, OSError) as e:
+                if isinstance(e, CreditTimeout):  # no credit even for the Open: broken
+                    self.shared.drop(line)
+                    self._drop(link, str(e))
+                elif line.broken():
+                    self.shared.drop(line)
+                    if attempt == 1:
+                        continue  # it crossed the node's idle close: open on a new one
+                    link.failed(str(e), epoch=epoch)
+                else:
+                    link.failed(str(e), epoch=epoch, reconnect=False)
+                return True
         if sid is None:
             return False
         with self._cv:  # a newer session may have started meanwhile: it owns the link
