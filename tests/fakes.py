@@ -75,14 +75,38 @@ class FakeModel:
         return self.n_vocab - JUNK
 
 
+class FakeClock:
+    """A perf_counter that moves only by the fixed costs the fakes charge to it.
+
+    The adaptive policy learns from measured round times; on a busy machine a fake round
+    that takes microseconds may take milliseconds, and its decisions with it. A test that
+    checks them installs this clock as the engine's and the scheduler's `time` (it has
+    only perf_counter, all they use) and gives it to a FakeBackend, whose evals then cost
+    step_s + token_s per token; a drafter's rounds are charged by the test (draft_s).
+    """
+
+    def __init__(self, step_s: float = 10e-3, token_s: float = 1e-3,
+                 draft_s: float = 0.5e-3) -> None:
+        self.now = 0.0
+        self.step_s, self.token_s, self.draft_s = step_s, token_s, draft_s
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def charge(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class FakeBackend:
     """The Backend protocol over a FakeModel, with call logs for the tests.
 
-    evals: one (n_past_before, tokens) per eval; truncates: each n passed.
+    evals: one (n_past_before, tokens) per eval; truncates: each n passed. clock: a
+    FakeClock its evals are charged to.
     """
 
     def __init__(self, model: FakeModel, n_ctx: int = 512, name: str = "fake.gguf",
-                 eog: Sequence[int] = ()) -> None:
+                 eog: Sequence[int] = (), clock: FakeClock | None = None) -> None:
+        self.clock = clock
         self.model = model
         self.name = name
         self.n_vocab = model.n_vocab
@@ -121,6 +145,8 @@ class FakeBackend:
         for i in range(n):
             self._buf[i] = self.model.row(self._tokens[:start + i + 1])
         self.decode_s += time.perf_counter() - t0
+        if self.clock is not None:
+            self.clock.charge(self.clock.step_s + self.clock.token_s * n)
         if logits == "all":
             return self._buf[:n]
         if logits == "last":
