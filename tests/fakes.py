@@ -78,17 +78,15 @@ class FakeModel:
 class FakeClock:
     """A perf_counter that moves only by the fixed costs the fakes charge to it.
 
-    The adaptive policy learns from measured round times; on a busy machine a fake round
-    that takes microseconds may take milliseconds, and its decisions with it. A test that
-    checks them installs this clock as the engine's and the scheduler's `time` (it has
-    only perf_counter, all they use) and gives it to a FakeBackend, whose evals then cost
-    step_s + token_s per token; a drafter's rounds are charged by the test (draft_s).
+    The adaptive policy and the hybrid drafter learn from measured times; on a busy
+    machine a fake round that takes microseconds may take milliseconds, and their
+    decisions with it. A test that checks them installs this clock as the `time` of the
+    modules that measure (they use only perf_counter) and gives it to the FakeBackends,
+    whose evals then cost what they are told; a drafter's time is charged by the test.
     """
 
-    def __init__(self, step_s: float = 10e-3, token_s: float = 1e-3,
-                 draft_s: float = 0.5e-3) -> None:
+    def __init__(self) -> None:
         self.now = 0.0
-        self.step_s, self.token_s, self.draft_s = step_s, token_s, draft_s
 
     def perf_counter(self) -> float:
         return self.now
@@ -96,17 +94,24 @@ class FakeClock:
     def charge(self, seconds: float) -> None:
         self.now += seconds
 
+    def install(self, monkeypatch, *modules) -> FakeClock:
+        """Be the `time` of these modules for the test."""
+        for module in modules:
+            monkeypatch.setattr(module, "time", self)
+        return self
+
 
 class FakeBackend:
     """The Backend protocol over a FakeModel, with call logs for the tests.
 
     evals: one (n_past_before, tokens) per eval; truncates: each n passed. clock: a
-    FakeClock its evals are charged to.
+    FakeClock charged cost = (seconds per eval, seconds per token) for each eval.
     """
 
     def __init__(self, model: FakeModel, n_ctx: int = 512, name: str = "fake.gguf",
-                 eog: Sequence[int] = (), clock: FakeClock | None = None) -> None:
-        self.clock = clock
+                 eog: Sequence[int] = (), clock: FakeClock | None = None,
+                 cost: tuple[float, float] = (10e-3, 1e-3)) -> None:
+        self.clock, self.cost = clock, cost
         self.model = model
         self.name = name
         self.n_vocab = model.n_vocab
@@ -146,7 +151,7 @@ class FakeBackend:
             self._buf[i] = self.model.row(self._tokens[:start + i + 1])
         self.decode_s += time.perf_counter() - t0
         if self.clock is not None:
-            self.clock.charge(self.clock.step_s + self.clock.token_s * n)
+            self.clock.charge(self.cost[0] + self.cost[1] * n)
         if logits == "all":
             return self._buf[:n]
         if logits == "last":

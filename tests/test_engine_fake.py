@@ -187,11 +187,9 @@ def test_the_adaptive_policy_outlives_a_request_and_plain_ones_leave_it_alone(
     """A second request reuses what the first learned; a plain request does not touch it.
     The policy's choices follow measured round times: a FakeClock makes them fixed costs,
     the same on a busy machine."""
-    clock = FakeClock()
-    monkeypatch.setattr(engine_mod, "time", clock)
-    monkeypatch.setattr(scheduler_mod, "time", clock)
-    target = FakeBackend(TARGET, clock=clock)
-    drafter = SpyDrafter(make_drafter("random"), on_propose=lambda _: clock.charge(clock.draft_s))
+    clock = FakeClock().install(monkeypatch, engine_mod, scheduler_mod)
+    target = FakeBackend(TARGET, clock=clock)     # 10 ms a step, 1 ms a token
+    drafter = SpyDrafter(make_drafter("random"), on_propose=lambda _: clock.charge(0.5e-3))
     engine = Engine(target, drafter)
     adaptive = DraftParams(n_max=8, p_min=0.0, policy="adaptive")
     first = engine.generate(Request(list(PROMPT), N, GREEDY, adaptive))
