@@ -136,7 +136,7 @@ class GrpcTransport:
         self.counters["poll_ms"] = 0.0  # time spent busy-polling for them
         self.forecast: ArrivalForecast | None = ArrivalForecast()  # None: never busy-poll
         self._opening = False
-        self._reopening = False  # the session opening now replaces a call the node refused
+        self._reopened = -1  # the session that replaces a call the node refused (_reopen)
 
     def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
         """Connect every link now (Hello, and the connection its sessions use), so that the
@@ -279,7 +279,7 @@ class GrpcTransport:
             if session == self._session:
                 self._sync, self._opening = _SyncCall(line, sid, link, epoch), False
                 # a reopened call goes on with the session its first Open began
-                self._sync.reopened, self._reopening = self._reopening, False
+                self._sync.reopened = session == self._reopened
                 self.counters["sync_port_sessions"] += not self._sync.reopened
                 return True
         with contextlib.suppress(H2Error):
@@ -384,7 +384,8 @@ class GrpcTransport:
         if call.answered or call.reopened or not call.line.broken() or not self._active:
             return False
         self.shared.drop(call.line)
-        self._reopening = True
+        with self._cv:
+            self._reopened = self._session + 1  # the one _start opens
         self._start(list(self._history))
         return True
 
