@@ -75,14 +75,43 @@ class FakeModel:
         return self.n_vocab - JUNK
 
 
+class FakeClock:
+    """A perf_counter that moves only by the fixed costs the fakes charge to it.
+
+    The adaptive policy and the hybrid drafter learn from measured times; on a busy
+    machine a fake round that takes microseconds may take milliseconds, and their
+    decisions with it. A test that checks them installs this clock as the `time` of the
+    modules that measure (they use only perf_counter) and gives it to the FakeBackends,
+    whose evals then cost what they are told; a drafter's time is charged by the test.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def charge(self, seconds: float) -> None:
+        self.now += seconds
+
+    def install(self, monkeypatch, *modules) -> FakeClock:
+        """Be the `time` of these modules for the test."""
+        for module in modules:
+            monkeypatch.setattr(module, "time", self)
+        return self
+
+
 class FakeBackend:
     """The Backend protocol over a FakeModel, with call logs for the tests.
 
-    evals: one (n_past_before, tokens) per eval; truncates: each n passed.
+    evals: one (n_past_before, tokens) per eval; truncates: each n passed. clock: a
+    FakeClock charged cost = (seconds per eval, seconds per token) for each eval.
     """
 
     def __init__(self, model: FakeModel, n_ctx: int = 512, name: str = "fake.gguf",
-                 eog: Sequence[int] = ()) -> None:
+                 eog: Sequence[int] = (), clock: FakeClock | None = None,
+                 cost: tuple[float, float] = (10e-3, 1e-3)) -> None:
+        self.clock, self.cost = clock, cost
         self.model = model
         self.name = name
         self.n_vocab = model.n_vocab
@@ -121,6 +150,8 @@ class FakeBackend:
         for i in range(n):
             self._buf[i] = self.model.row(self._tokens[:start + i + 1])
         self.decode_s += time.perf_counter() - t0
+        if self.clock is not None:
+            self.clock.charge(self.cost[0] + self.cost[1] * n)
         if logits == "all":
             return self._buf[:n]
         if logits == "last":

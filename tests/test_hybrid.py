@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
-from fakes import FakeBackend, FakeModel, FixedDrafter, SpyDrafter
+from fakes import FakeBackend, FakeClock, FakeModel, FixedDrafter, SpyDrafter
 from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     CODE,
     GREEDY,
@@ -27,8 +26,13 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     target_fixture,
 )
 
+from specwire import engine as engine_mod
 from specwire import sampling
+from specwire import scheduler as scheduler_mod
 from specwire.config import DraftParams, SamplingParams
+from specwire.drafters import hybrid as hybrid_mod
+from specwire.drafters import lockstep as lockstep_mod
+from specwire.drafters import ngram as ngram_mod
 from specwire.drafters.base import Draft
 from specwire.drafters.hybrid import HybridDrafter
 from specwire.drafters.model import ModelDrafter
@@ -58,8 +62,20 @@ def reference(params: SamplingParams, n: int, prompt=PROMPT) -> list[int]:
     return out
 
 
-def run(drafter, params: SamplingParams, n: int = 40, policy: str = "fixed", prompt=PROMPT):
-    target = FakeBackend(TARGET)
+def clocked(monkeypatch) -> FakeClock:
+    """The hybrid judges its candidates by the time they take: on a FakeClock those are
+    the costs a test gives, the same on a busy machine."""
+    return FakeClock().install(monkeypatch, engine_mod, scheduler_mod, hybrid_mod,
+                               lockstep_mod, ngram_mod)
+
+
+#: a target that verifies at once beside a 5 ms model (0.1 ms a step, 0.01 ms a token)
+QUICK = (0.1e-3, 0.01e-3)
+
+
+def run(drafter, params: SamplingParams, n: int = 40, policy: str = "fixed", prompt=PROMPT,
+        clock: FakeClock | None = None):
+    target = FakeBackend(TARGET, clock=clock, cost=QUICK)
     req = Request(list(prompt), n, params, DraftParams(n_max=8, p_min=0.0, policy=policy))
     gen = Engine(target, drafter).generate(req)
     gen.run()
@@ -98,21 +114,14 @@ def test_a_perfect_match_wins_and_the_local_model_is_not_asked() -> None:
     assert len(junk.proposals) < gen.stats.rounds
 
 
-class SlowTarget(FakeBackend):
-    """A fake target whose decode takes a target's time (5 ms, and 0.5 ms a token), so
-    that a fake draft model is as cheap beside it as a real one: the hybrid judges its
-    candidates by the time they take, and two fakes take about the same."""
-
-    def eval(self, tokens, logits: str = "last"):
-        time.sleep(0.005 + 0.0005 * len(tokens))
-        return super().eval(tokens, logits)
-
-
-def test_without_matches_the_model_drafts() -> None:
+def test_without_matches_the_model_drafts(monkeypatch) -> None:
     """A prompt with nothing to copy, sampled text that seldom repeats, and the target's
-    twin as the model: mostly the model drafts, and it is always right."""
-    hybrid = HybridDrafter(lookup(), ModelDrafter(FakeBackend(TARGET, name="t.gguf")))
-    gen = Engine(SlowTarget(TARGET), hybrid).generate(Request(
+    twin as the model: mostly the model drafts, and it is always right. The target's
+    decode takes a target's time (5 ms, and 0.5 ms a token), the model's a hundredth."""
+    clock = clocked(monkeypatch)
+    model = FakeBackend(TARGET, name="t.gguf", clock=clock, cost=(50e-6, 5e-6))
+    hybrid = HybridDrafter(lookup(), ModelDrafter(model))
+    gen = Engine(FakeBackend(TARGET, clock=clock, cost=(5e-3, 0.5e-3)), hybrid).generate(Request(
         [31, 30, 29], 40, SAMPLED, DraftParams(n_max=8, p_min=0.0)))
     gen.run()
     st = hybrid.stats()
@@ -229,46 +238,43 @@ def test_draft_hybrid_without_a_model_is_one_clear_error(specwire_cli) -> None:
     assert r.stderr.strip().splitlines()[-1].count("--draft-hybrid") == 1
 
 
-def test_a_model_that_costs_more_than_it_yields_is_seldom_asked() -> None:
+def test_a_model_that_costs_more_than_it_yields_is_seldom_asked(monkeypatch) -> None:
     """No match to copy, a model that takes 5 ms to draft junk, a target that verifies at
     once: plain steps are worth more, so the model is asked only to probe."""
-    import time as time_
-
+    clock = clocked(monkeypatch)
     junk = SpyDrafter(FixedDrafter(lambda h, k: [(h[-1] * 5 + 3) % V] * k),
-                      on_propose=lambda _h: time_.sleep(0.005))
+                      on_propose=lambda _h: clock.charge(0.005))
     hybrid = HybridDrafter(lookup(), junk)
-    gen = run(hybrid, SAMPLED, n=60, prompt=[31, 30, 29])
+    gen = run(hybrid, SAMPLED, n=60, prompt=[31, 30, 29], clock=clock)
     assert gen.tokens == reference(SAMPLED, 60, [31, 30, 29])
     assert len(junk.proposals) <= gen.stats.rounds // 4
 
 
-def test_probes_of_a_useless_model_grow_rarer() -> None:
+def test_probes_of_a_useless_model_grow_rarer(monkeypatch) -> None:
     """The junk model above over a long run: after each probe that leaves it not worth
     asking, the next comes twice as late (up to PROBE_MAX), so over 300 rounds it is
     asked far less often than once per PROBE_EVERY plain steps."""
-    import time as time_
-
     from specwire.drafters.hybrid import PROBE_EVERY
 
+    clock = clocked(monkeypatch)
     junk = SpyDrafter(FixedDrafter(lambda h, k: [(h[-1] * 5 + 3) % V] * k),
-                      on_propose=lambda _h: time_.sleep(0.005))
+                      on_propose=lambda _h: clock.charge(0.005))
     hybrid = HybridDrafter(lookup(), junk)
-    gen = run(hybrid, SAMPLED, n=300, prompt=[31, 30, 29])
+    gen = run(hybrid, SAMPLED, n=300, prompt=[31, 30, 29], clock=clock)
     assert gen.tokens == reference(SAMPLED, 300, [31, 30, 29])
     plain = gen.stats.rounds - hybrid.stats()["ngram_rounds"]
     assert 1 <= len(junk.proposals) <= plain // (2 * PROBE_EVERY) + 2
 
 
-def test_the_model_is_charged_for_catching_up() -> None:
+def test_the_model_is_charged_for_catching_up(monkeypatch) -> None:
     """A model that takes 2 ms per token it has to catch up on (added while it was not
     asked: n-gram rounds) and nearly nothing to draft: the hybrid learns a catch-up
     cost per token apart from its drafting time."""
-    import time as time_
-
+    clock = clocked(monkeypatch)
     seen = {"n": 0}
 
     def slow_catch_up(h) -> None:
-        time_.sleep(0.002 * max(0, len(h) - seen["n"] - 2))   # a steady round: none
+        clock.charge(0.002 * max(0, len(h) - seen["n"] - 2))   # a steady round: none
         seen["n"] = len(h)
 
     head = [7, 8, 9, 10, 11]
@@ -277,7 +283,7 @@ def test_the_model_is_charged_for_catching_up() -> None:
     model = SpyDrafter(FixedDrafter(lambda h, k: reference(SAMPLED, 1, h)[:k]),
                        on_propose=slow_catch_up)
     hybrid = HybridDrafter(lookup(), model)
-    gen = run(hybrid, SAMPLED, n=48, prompt=prompt)
+    gen = run(hybrid, SAMPLED, n=48, prompt=prompt, clock=clock)
     assert gen.tokens == reference(SAMPLED, 48, prompt)
     st = hybrid.stats()
     assert st["ngram_rounds"] > 0 and st["model_rounds"] > 0

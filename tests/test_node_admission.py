@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -265,6 +266,60 @@ def test_idle_connections_close_and_targets_carry_on(start_node, sync_port) -> N
                 time.sleep(2.0)
         assert rd.counters["reconnects"] == 0
         assert rd.counters["sync_port_sessions"] == (2 if sync_port == 0 else 0)
+    finally:
+        rd.close()
+
+
+@pytest.mark.parametrize("crossing", ["under-open", "after-open"])
+def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
+        start_node, monkeypatch, caplog, crossing) -> None:
+    """The node closes an idle sync connection as the target opens a session on it (under
+    load the two cross): either just after the target found the line alive, so that the
+    Open itself fails, or once the Open has left, unread, so that the node's GOAWAY or
+    reset ends the call before any answer. The session opens again on a new connection,
+    no failure is counted, nothing is logged as down, and the request drafts."""
+    from specwire.wire import http2, linkset
+
+    crossed: list[bool] = []
+    if crossing == "under-open":
+        alive = linkset.SyncLine.alive
+
+        def alive_then_closed(line) -> bool:
+            ok = alive(line)
+            if not crossed:  # the first check only: the close lands right after it
+                crossed.append(ok)
+                wait_for(lambda: node.sync._slots._value == 4 * 8, 5, "the idle close")
+            return ok
+
+        monkeypatch.setattr(linkset.SyncLine, "alive", alive_then_closed)
+    else:
+        opened, open_, wait = threading.Event(), linkset.SyncLine.open, http2.Connection.wait
+
+        def open_and_tell(line, first, timeout_s: float) -> int | None:
+            sid = open_(line, first, timeout_s)
+            opened.set()
+            return sid
+
+        def idle_as_it_opens(conn, timeout_s: float) -> None:  # the node's side
+            if not crossed:  # its first idle deadline passes with the Open in, unread
+                crossed.append(opened.wait(5))
+                raise TimeoutError
+            wait(conn, timeout_s)
+
+        monkeypatch.setattr(linkset.SyncLine, "open", open_and_tell)
+        monkeypatch.setattr(http2.Connection, "wait", idle_as_it_opens)
+    node = start_node(idle_s=0.5)
+    target = Target()
+    rd = target.drafter(f"127.0.0.1:{node.port}", pipelined=False)
+    try:
+        prompt = target.tokens(CODE)
+        g = Engine(target.backend, rd).generate(request(prompt, 16, GREEDY))
+        assert run_to_end(g) == target.plain(prompt, GREEDY, 16)
+        assert crossed == [True]                # the crossing did happen
+        assert g.stats.draft_n_accepted > 0
+        assert rd.counters["reconnects"] == 0 and rd.links[0].failures == 0
+        assert rd.counters["sync_port_sessions"] == 1
+        assert not [r for r in caplog.records if "down" in r.getMessage()]
     finally:
         rd.close()
 

@@ -59,6 +59,8 @@ class _SyncCall:
     link: Link
     epoch: int  # the link's epoch when it opened (Link.failed)
     closed: bool = False  # the Close went out with END_STREAM
+    answered: bool = False  # a message of the node's came on it
+    reopened: bool = False  # it opened again after its first Open crossed an idle close
     sent_at: float = 0.0  # time.monotonic() when the last verdict went out
     asked: int = 0  # tokens it asked for; 0 once its answer came
     # (time.monotonic(), tokens asked, forecast window) of the last answer, until the forecast
@@ -134,6 +136,7 @@ class GrpcTransport:
         self.counters["poll_ms"] = 0.0  # time spent busy-polling for them
         self.forecast: ArrivalForecast | None = ArrivalForecast()  # None: never busy-poll
         self._opening = False
+        self._reopened = -1  # the session that replaces a call the node refused (_reopen)
 
     def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
         """Connect every link now (Hello, and the connection its sessions use), so that the
@@ -234,7 +237,7 @@ class GrpcTransport:
             try:
                 call.line.release(call.sid, call.closed)
             except H2Error as e:
-                self._sync_failed(call, str(e))
+                self._sync_failed(call, str(e), reopen=False)
 
     # -- the synchronous port: the engine thread reads and writes ----------------------
 
@@ -243,32 +246,41 @@ class GrpcTransport:
 
     def _open_sync(self, link: Link, session: int, history: list[int]) -> bool:
         """Open the session on the link's synchronous port (session thread), a stream on
-        the connection the target's drafters share; False if that port cannot be reached."""
+        the connection the target's drafters share; False if that port cannot be reached.
+        The node closes a connection idle for --idle-timeout, and its close may cross our
+        Open after the line looked alive (the Open then fails on a broken line): the Open
+        goes once more, on a new connection, and only a second failure counts."""
         if session != self._session:
             return True
-        line = self.shared.sync_line(link)
-        if line is None:
-            return False
-        epoch = link.epoch
-        try:
-            sid = line.open(lambda: self._first_message(history).SerializeToString(),
-                            link.settings.connect_timeout_s)
-        except (H2Error, TimeoutError, OSError) as e:
-            if isinstance(e, CreditTimeout):  # no credit even for the Open: broken
-                self.shared.drop(line)
-                self._drop(link, str(e))
-            elif line.broken():
-                self.shared.drop(line)
-                link.failed(str(e), epoch=epoch)
-            else:
-                link.failed(str(e), epoch=epoch, reconnect=False)
-            return True
+        for attempt in (1, 2):
+            line = self.shared.sync_line(link)
+            if line is None:
+                return False
+            epoch = link.epoch
+            try:
+                sid = line.open(lambda: self._first_message(history).SerializeToString(),
+                                link.settings.connect_timeout_s)
+                break
+            except (H2Error, TimeoutError, OSError) as e:
+                if isinstance(e, CreditTimeout):  # no credit even for the Open: broken
+                    self.shared.drop(line)
+                    self._drop(link, str(e))
+                elif line.broken():
+                    self.shared.drop(line)
+                    if attempt == 1:
+                        continue  # it crossed the node's idle close: open on a new one
+                    link.failed(str(e), epoch=epoch)
+                else:
+                    link.failed(str(e), epoch=epoch, reconnect=False)
+                return True
         if sid is None:
             return False
         with self._cv:  # a newer session may have started meanwhile: it owns the link
             if session == self._session:
                 self._sync, self._opening = _SyncCall(line, sid, link, epoch), False
-                self.counters["sync_port_sessions"] += 1
+                # a reopened call goes on with the session its first Open began
+                self._sync.reopened = session == self._reopened
+                self.counters["sync_port_sessions"] += not self._sync.reopened
                 return True
         with contextlib.suppress(H2Error):
             line.release(sid, closed=False)
@@ -306,6 +318,7 @@ class GrpcTransport:
             self._sync_failed(call, "the draft node ended the session")
             return False
         now = time.monotonic()
+        call.answered = True
         self.counters["bytes_down"] += len(data) + 5
         # The forecast learns after the next verdict is sent (_post): off the critical path.
         if forecast is not None:
@@ -337,17 +350,20 @@ class GrpcTransport:
             self.counters["poll_ms"] += 1000 * (min(now, window[1]) - window[0])
 
     def _sync_failed(self, call: _SyncCall, reason: str, dropped: bool = False,
-                     alone: bool = False) -> None:
+                     alone: bool = False, reopen: bool = True) -> None:
         """The call is over. A node that broke the protocol is dropped: its connection is
         closed, ending every session on it. Otherwise only a broken connection is closed
         (the next session reconnects); a call that failed alone (the node ended or
         cancelled it) is cancelled, and the sessions beside it go on. Either way the
         link backs off, once per failure however many sessions saw it. alone: the node
-        failed this session alone (NodeFailure), which drops it without its connection."""
+        failed this session alone (NodeFailure), which drops it without its connection.
+        reopen: a call the node refused may open again (_reopen); not while detaching."""
         with self._cv:
             if self._sync is call:
                 self._sync = None
             self._cv.notify_all()
+        if reopen and not dropped and self._reopen(call):
+            return
         alone = (alone or not dropped) and not call.line.broken()
         if alone:
             with contextlib.suppress(H2Error):
@@ -358,6 +374,20 @@ class GrpcTransport:
             self._drop(call.link, reason, alone=alone)
         else:
             call.link.failed(reason, epoch=call.epoch, reconnect=not alone)
+
+    def _reopen(self, call: _SyncCall) -> bool:
+        """The node's idle close crossed the call's Open after both left (the node then
+        refuses the stream with its GOAWAY, or resets the connection), as _open_sync's
+        retry does when the Open itself fails: a call that the node never answered, on a
+        connection now gone, opens again on a new one, without a failure counted. Once: a
+        reopened call that fails so counts."""
+        if call.answered or call.reopened or not call.line.broken() or not self._active:
+            return False
+        self.shared.drop(call.line)
+        with self._cv:
+            self._reopened = self._session + 1  # the one _start opens
+        self._start(list(self._history))
+        return True
 
     def _run_session(self, session: int, history: list[int]) -> None:
         """One Session stream, on its own thread: send the Open, then read chunks."""
