@@ -28,8 +28,11 @@ PROMPTS = ["The old lighthouse keeper climbed the stairs every evening, and",
 
 
 def body(i: int, n: int = 16, **kw) -> dict:
-    """Request i: greedy for even i, seeded sampling for odd i."""
-    sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 1234 + i}
+    """Request i: greedy for even i, seeded sampling for odd i. The seeds leave no near tie
+    in the first 48 tokens (the Gumbel-perturbed top two at least 0.09 apart): 1237 had
+    one of 0.002 at prompt 3's 18th token, which batch shapes flipped once
+    (docs/determinism.md); these tests are about the link, not that caveat."""
+    sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 1247 + i}
     return {"prompt": PROMPTS[i], "n_predict": n + 2 * i, "cache_prompt": False,
             **sampling, **kw}
 
