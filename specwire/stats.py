@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """A drafter's counters are cumulative over its life (Drafter.stats): one request's
     share is what they gained during it."""
-    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()
+    return {k: v - before.get(k, 0.0) for k, v in after.items()
             if isinstance(v, int | float) and math.isfinite(v)}
 
 

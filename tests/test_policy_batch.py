@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from fakes import FakeBackend, FakeBatch, FakeModel
+from fakes import FakeBackend, FakeBatch, FakeClock, FakeModel
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.model import ModelDrafter
@@ -56,21 +56,11 @@ def test_alone_the_batch_keyword_changes_nothing() -> None:
 # --------------------------------------------------------------------------- in the engine
 
 
-class Clock:
-    """perf_counter for the engine: it moves only when a fake decode takes its time."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class TimedBatch(FakeBatch):
     """A target whose decode costs `fixed` plus `per_row` per logits row and `per_prompt`
     per other token (a prompt chunk's tokens, one row per chunk, cost far less each)."""
 
-    def __init__(self, clock: Clock, fixed: float, per_row: float, per_prompt: float,
+    def __init__(self, clock: FakeClock, fixed: float, per_row: float, per_prompt: float,
                  n_seq: int) -> None:
         super().__init__(TARGET, n_seq)
         self.clock, self.fixed, self.per_row, self.per_prompt = clock, fixed, per_row, per_prompt
@@ -78,21 +68,8 @@ class TimedBatch(FakeBatch):
     def decode(self, parts) -> list[np.ndarray]:
         rows = sum(len(p.tokens) for p in parts if p.logits == "all")
         other = sum(len(p.tokens) for p in parts if p.logits != "all")
-        self.clock.now += self.fixed + self.per_row * rows + self.per_prompt * other
+        self.clock.charge(self.fixed + self.per_row * rows + self.per_prompt * other)
         return super().decode(parts)
-
-
-class TimedDraft(FakeBackend):
-    """A draft model's context whose every evaluation costs per_eval (and a little per
-    token of a catch-up)."""
-
-    def __init__(self, clock: Clock, per_eval: float) -> None:
-        super().__init__(DRAFT, name="draft.gguf")
-        self.clock, self.per_eval = clock, per_eval
-
-    def eval(self, tokens, logits: str = "last") -> np.ndarray:
-        self.clock.now += self.per_eval + 0.0005 * len(tokens)
-        return super().eval(tokens, logits)
 
 
 def first_alone_then_joined(monkeypatch, per_row: float, per_eval: float,
@@ -101,10 +78,13 @@ def first_alone_then_joined(monkeypatch, per_row: float, per_eval: float,
     join it, three at a time running beside it (one joins when another ends). Rounds
     that asked the drafter: request 0's alone, and everyone's while others run; and the
     tokens per second of all of them then."""
-    clock = Clock()
-    monkeypatch.setattr(time, "perf_counter", clock)
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
+    # a draft evaluation costs per_eval, and a little per token of a catch-up
+    drafts = [FakeBackend(DRAFT, name="draft.gguf", clock=clock, cost=(per_eval, 0.0005))
+              for _ in range(4)]
     engine = Engine(TimedBatch(clock, 0.04, per_row, 0.002, 4),
-                    [ModelDrafter(TimedDraft(clock, per_eval)) for _ in range(4)])
+                    [ModelDrafter(d) for d in drafts])
     params = DraftParams(n_max=8, p_min=0.0, policy="adaptive", enabled=drafted)
 
     def request(seed: int, n: int, length: int) -> Request:
