@@ -43,7 +43,7 @@ import json
 import random
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from specwire.drafters.bubble import BubbleWait
@@ -206,6 +206,11 @@ class Result:
     def rate(self) -> float:
         return self.tokens / self.steps if self.steps else 0.0
 
+    def add(self, other: Result) -> None:
+        """Another run's counts into these (every field is a count or a sum)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
 
 def simulate(pipe: Pipeline, sched: Schedule, truth: Truth) -> Result:
     """Decode the whole truth on the modelled clock; tokens per plain step."""
@@ -327,13 +332,7 @@ def best(pipe: Pipeline, scheme: str, draft_max: int, waits: Sequence[int],
             s = Schedule(scheme, k, max(m, 0), q, stops, rule=m == RULE)
             total = Result()
             for t in truths:
-                r = simulate(pipe, s, t)
-                total.tokens += r.tokens
-                total.steps += r.steps
-                total.rounds += r.rounds
-                total.plain_rounds += r.plain_rounds
-                total.waited += r.waited
-                total.drafted += r.drafted
+                total.add(simulate(pipe, s, t))
             if top is None or total.rate > top[1].rate:
                 top = (s, total)
     assert top is not None
