@@ -149,8 +149,10 @@ class FakeBackend:
         self._buf[:] = np.nan
         for i in range(n):
             self._buf[i] = self.model.row(self._tokens[:start + i + 1])
-        self.decode_s += time.perf_counter() - t0
-        if self.clock is not None:
+        if self.clock is None:
+            self.decode_s += time.perf_counter() - t0
+        else:
+            self.decode_s += self.cost[0] + self.cost[1] * n
             self.clock.charge(self.cost[0] + self.cost[1] * n)
         if logits == "all":
             return self._buf[:n]
@@ -190,12 +192,14 @@ class FakeBackend:
 class FakeBatch:
     """n_seq FakeBackends in one "context": decode() appends several sequences' parts at once
     (the BatchBackend protocol), with a -b budget; `decodes` logs each decode's parts as
-    (seq, n_past_before, tokens)."""
+    (seq, n_past_before, tokens). With a clock, each part costs its sequence's eval cost."""
 
     def __init__(self, model: FakeModel, n_seq: int, n_ctx: int = 512, n_batch: int = 512,
-                 eog: Sequence[int] = ()) -> None:
+                 eog: Sequence[int] = (), clock: FakeClock | None = None,
+                 cost: tuple[float, float] = (10e-3, 1e-3)) -> None:
         self.n_seq, self.n_batch, self.decode_s = n_seq, n_batch, 0.0
-        self.seqs = [FakeBackend(model, n_ctx, eog=eog) for _ in range(n_seq)]
+        self.seqs = [FakeBackend(model, n_ctx, eog=eog, clock=clock, cost=cost)
+                     for _ in range(n_seq)]
         self.decodes: list[list[tuple[int, int, tuple[int, ...]]]] = []
 
     def seq(self, i: int) -> FakeBackend:

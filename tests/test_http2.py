@@ -221,6 +221,7 @@ def _feed_forever(raw: socket.socket, frame: bytes, stop: threading.Event) -> th
     _frame(0xEE, 0, 0, b"unknown"), _frame(2, 0, 1, b"\0\0\0\3\x10"), SETTINGS_ACK,
     _frame(6, 1, 0, b"12345678"), _frame(0, 0, 1, _message(b"stale"))],
     ids=["unknown-type", "priority", "settings-ack", "ping-ack", "endless-messages"])
+@pytest.mark.slow   # times real waits: wall-clock bounds
 def test_frames_that_keep_coming_cannot_hold_a_wait_past_its_deadline(frame: bytes) -> None:
     """A peer that streams frames under the flood limits (ignored ones, or messages nobody
     reads as an answer): a wait for a message on another stream ends at its deadline."""
@@ -298,6 +299,7 @@ def _read_frames(raw: socket.socket, seconds: float) -> list[tuple[int, int, int
     return out
 
 
+@pytest.mark.slow   # times real waits: wall-clock bounds
 def test_no_credit_ends_a_send_at_its_deadline() -> None:
     """A peer granting a window of 0 (and never a WINDOW_UPDATE): a send waits for credit
     only until its deadline, then fails with CreditTimeout and resets its stream."""

@@ -77,11 +77,13 @@ def _min_rtt(sock: socket.socket, samples: int = 5) -> float:
     return best
 
 
+@pytest.mark.slow   # times real waits: wall-clock bounds
 def test_zero_latency_round_trip(link: LinkEmulator) -> None:
     with _connect(link) as sock:
         assert _min_rtt(sock) < 0.015
 
 
+@pytest.mark.slow   # times real waits: wall-clock bounds
 def test_20ms_rtt_round_trip(link: LinkEmulator) -> None:
     link.one_way_s = parse_duration("20ms") / 2
     with _connect(link) as sock:
@@ -89,6 +91,7 @@ def test_20ms_rtt_round_trip(link: LinkEmulator) -> None:
     assert 0.0199 <= rtt < 0.020 + SLACK_S
 
 
+@pytest.mark.slow   # times real waits: wall-clock bounds
 def test_latency_is_live_settable(link: LinkEmulator) -> None:
     with _connect(link) as sock:
         fast = _min_rtt(sock, samples=3)
@@ -98,6 +101,7 @@ def test_latency_is_live_settable(link: LinkEmulator) -> None:
     assert slow >= 0.0499
 
 
+@pytest.mark.slow   # times real waits: wall-clock bounds
 def test_bandwidth_cap_serializes(link: LinkEmulator) -> None:
     link.bandwidth_bps = parse_bandwidth("8mbit")
     payload = bytes(range(256)) * 800  # 204,800 bytes -> 0.2048 s at 8 Mbit/s
@@ -112,6 +116,7 @@ def test_bandwidth_cap_serializes(link: LinkEmulator) -> None:
     assert 0.2 <= elapsed < 2.0
 
 
+@pytest.mark.slow   # times real waits: wall-clock bounds
 def test_latency_pipelines_instead_of_serializing(link: LinkEmulator) -> None:
     """20 messages 5 ms apart through 50 ms one-way: each sees ~100 ms RTT, not a queue."""
     link.one_way_s = 0.05
@@ -141,6 +146,7 @@ def test_latency_pipelines_instead_of_serializing(link: LinkEmulator) -> None:
     assert all(0.0999 <= lat < 0.4 for lat in latencies), latencies
 
 
+@pytest.mark.slow   # times real waits: wall-clock bounds
 def test_back_to_back_burst_arrives_together(link: LinkEmulator) -> None:
     """20 chunks sent at once through 50 ms one-way arrive after one RTT (~100 ms), never
     before; the bound above is half what a relay sleeping per chunk read would take (the

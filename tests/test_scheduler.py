@@ -10,10 +10,11 @@ the others alone.
 from __future__ import annotations
 
 import pytest
-from fakes import FakeBackend, FakeBatch, FakeModel, SpyDrafter
+from fakes import FakeBackend, FakeBatch, FakeClock, FakeModel, SpyDrafter
 
 from specwire.backend.base import BackendError
 from specwire.config import DraftParams, SamplingParams
+from specwire.drafters import lockstep
 from specwire.drafters.lockstep import draft_together
 from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram import NgramDrafter
@@ -264,11 +265,17 @@ def test_generate_on_a_full_batch_is_one_clear_error_and_leaves_the_batch_alone(
     assert one.generate(request(1, GREEDY, 0)).run() == alone(request(1, GREEDY, 0), "none")
 
 
-def test_a_lockstep_draft_is_charged_its_own_share_not_another_s_catch_up() -> None:
+def clocked_batch(monkeypatch, n_seq: int) -> FakeBatch:
+    """A FakeBatch whose decodes cost fixed times on a FakeClock that lockstep measures."""
+    clock = FakeClock().install(monkeypatch, lockstep)
+    return FakeBatch(OTHER, n_seq, n_ctx=1024, clock=clock)
+
+
+def test_a_lockstep_draft_is_charged_its_own_share_not_another_s_catch_up(monkeypatch) -> None:
     """Sequence 0 drafts one token beside sequence 1 catching up with a long history in
     the same draft decode: each draft's `spent` (what the adaptive policy learns from) is
     what drafting costs it alone, so sequence 0 is not charged sequence 1's catch-up."""
-    drafts = FakeBatch(OTHER, 2, n_ctx=1024)
+    drafts = clocked_batch(monkeypatch, 2)
     d0, d1 = ModelDrafter.per_sequence(drafts)
     params = DraftParams(n_max=1, p_min=0.0)
     short, long_ = [1, 2, 3], [(7 * i) % (V - 8) for i in range(400)]
@@ -282,11 +289,11 @@ def test_a_lockstep_draft_is_charged_its_own_share_not_another_s_catch_up() -> N
     assert 0 < 20 * runs[0].spent < runs[1].spent
 
 
-def test_lockstep_catch_ups_are_each_charged_their_own_part_of_the_decode() -> None:
+def test_lockstep_catch_ups_are_each_charged_their_own_part_of_the_decode(monkeypatch) -> None:
     """Four sequences catching up with long prompts in one draft decode: each is charged
     about its own tokens' part of it (together about the decode's time), not the whole
     decode each."""
-    drafts = FakeBatch(OTHER, 4, n_ctx=1024)
+    drafts = clocked_batch(monkeypatch, 4)
     drafters = ModelDrafter.per_sequence(drafts)
     prompts = [[(i + 3 * j) % (V - 8) for j in range(100)] for i in range(4)]
     for d, prompt in zip(drafters, prompts, strict=True):
@@ -299,11 +306,11 @@ def test_lockstep_catch_ups_are_each_charged_their_own_part_of_the_decode() -> N
     assert sum(r.spent for r in runs) < 2.5 * decode_s
 
 
-def test_a_draft_after_a_catch_up_also_says_what_it_would_cost_caught_up() -> None:
+def test_a_draft_after_a_catch_up_also_says_what_it_would_cost_caught_up(monkeypatch) -> None:
     """A lockstep draft of 3 tokens behind a long catch-up: steady_s, its cost as if the
     drafter had been caught up, leaves the catch-up's decode out (so a probe teaches the
     policy the drafter's own cost); a draft of one decode has none."""
-    drafts = FakeBatch(OTHER, 2, n_ctx=1024)
+    drafts = clocked_batch(monkeypatch, 2)
     d0, d1 = ModelDrafter.per_sequence(drafts)
     history = [(5 * i) % (V - 8) for i in range(300)]
     for d in (d0, d1):

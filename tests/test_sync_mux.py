@@ -190,6 +190,7 @@ def test_admission_refuses_a_call_and_keeps_the_connection(served) -> None:
     assert _round(conn, sids[0]) == 2       # the others go on
 
 
+@pytest.mark.slow   # times real waits: wall-clock bounds
 def test_one_failure_of_a_shared_link_backs_it_off_once() -> None:
     """Sessions that opened in the same epoch and all fail with their connection count as
     one failure; a failure after the link was up again counts anew."""
