@@ -16,10 +16,9 @@ import pytest
 from fakes import FakeBackend, FakeModel
 from test_draftlink import Joined, _wire
 
-from specwire import sampling
-from specwire.cliargs import _branch_count
+from specwire.cli.args import _branch_count
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.alternates import (
+from specwire.link.alternates import (
     BranchParams,
     TopTwo,
     branch_params,
@@ -27,7 +26,7 @@ from specwire.drafters.alternates import (
     top_two,
     worth_branching,
 )
-from specwire.draftlink.messages import (
+from specwire.link.messages import (
     MAX_ALTERNATE_TOKENS,
     MAX_ALTERNATES,
     Alternate,
@@ -36,9 +35,10 @@ from specwire.draftlink.messages import (
     ProtocolError,
     Verdict,
 )
-from specwire.draftlink.rule import take_alternate
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
+from specwire.link.rule import take_alternate
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.sample import sampling
 
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.branch import BranchDrafter
-from specwire.draftlink.messages import Chunk, TargetMessage, Verdict
-from specwire.wire import protocol
+from specwire.link.branch import BranchDrafter
+from specwire.link.messages import Chunk, TargetMessage, Verdict
+from specwire.link.transport import protocol
 
 V = 100
 PROMPT = [1, 2, 3, 4]

@@ -11,13 +11,13 @@ from fakes import FakeBackend, FakeBatch, FakeModel
 from test_branch import ScriptedDrafter
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.branch import BranchDrafter
 from specwire.drafters.bubble import BubbleWait, never_wait
 from specwire.drafters.hybrid import HybridDrafter
-from specwire.drafters.ngram import NgramDrafter
-from specwire.draftlink.messages import Chunk
-from specwire.engine import Engine
-from specwire.throughput import VerifyTimes, monotone
+from specwire.drafters.ngram.drafter import NgramDrafter
+from specwire.engine.engine import Engine
+from specwire.link.branch import BranchDrafter
+from specwire.link.messages import Chunk
+from specwire.policy.throughput import VerifyTimes, monotone
 
 V = 100
 PROMPT = [1, 2, 3, 4]

@@ -16,9 +16,8 @@ import pytest
 from fakes import FakeBackend, FakeModel
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.branch import BranchDrafter
-from specwire.drafters.session import DraftSession
-from specwire.draftlink.messages import (
+from specwire.link.branch import BranchDrafter
+from specwire.link.messages import (
     Chunk,
     Close,
     Failure,
@@ -28,10 +27,11 @@ from specwire.draftlink.messages import (
     Verdict,
     pad_sparse,
 )
-from specwire.draftlink.rule import AHEAD, LEFT, PASSED, follow
-from specwire.sampling import SparseDraft
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
+from specwire.link.rule import AHEAD, LEFT, PASSED, follow
+from specwire.link.session import DraftSession
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.sample.sampling import SparseDraft
 
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7)

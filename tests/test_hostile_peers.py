@@ -36,9 +36,9 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
 
 from specwire.config import ConfigError, VerifyMode
 from specwire.drafters.base import Draft, StatelessDrafter
-from specwire.engine import Engine
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire.link import LinkSettings
+from specwire.engine.engine import Engine
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport.channel import LinkSettings
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-from specwire.cliargs import CliError
-from specwire.commands import plan as plan_cmd
-from specwire.plan import (
+from specwire.cli.args import CliError
+from specwire.cli.commands import plan as plan_cmd
+from specwire.policy.plan import (
     SEARCH_K_MAX,
     best_k,
     lambert_w,
@@ -22,7 +22,7 @@ from specwire.plan import (
     tkslt_k_star,
     tkslt_speedup,
 )
-from specwire.throughput import (
+from specwire.policy.throughput import (
     PlanInputs,
     VerifyCurve,
     expected_tokens,

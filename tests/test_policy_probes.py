@@ -12,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 
-from specwire.policy import AdaptivePolicy, PolicyMemory
+from specwire.policy.adaptive import AdaptivePolicy, PolicyMemory
 
 
 def _verify(n: int) -> float:

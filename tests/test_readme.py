@@ -64,7 +64,8 @@ class Command:
         w = self.words
         if w[0] == "specwire":
             return ["specwire", w[1]] if len(w) > 1 and not w[1].startswith("-") else ["specwire"]
-        if len(w) > 2 and w[:2] == ["python", "-m"] and w[2].startswith("specwire"):
+        if len(w) > 2 and w[:2] == ["python", "-m"] and w[2].startswith(("specwire",
+                                                                          "benchmarks.")):
             return w[:3]
         return []
 

@@ -8,8 +8,8 @@ import pytest
 
 from specwire.bench.predict import Rounds, fit_acceptance, predict
 from specwire.bench.runner import Config
-from specwire.policy import AdaptivePolicy, FixedPolicy
-from specwire.throughput import (
+from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy
+from specwire.policy.throughput import (
     VERIFY_SLOPE,
     LineFit,
     PlanInputs,

@@ -33,13 +33,13 @@ from fakes import (
     tv_distance,
 )
 
-from specwire import engine as engine_mod
-from specwire import rng, sampling
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.model import ModelDrafter
-from specwire.engine import Engine, Request
-from specwire.sampling import SparseDraft
-from specwire.verify import Verdict, Verifier
+from specwire.engine import engine as engine_mod
+from specwire.engine.engine import Engine, Request
+from specwire.sample import rng, sampling
+from specwire.sample.sampling import SparseDraft
+from specwire.sample.verify import Verdict, Verifier
 
 V = 10
 P_ROW = np.array([2.0, 1.6, 1.1, 0.9, 0.2, -0.5, -1.0, -3.0, 0.5, 1.3], dtype=np.float32)

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from specwire.bench.modes import MODEL_MODES
 from specwire.bench.runner import Config
-from specwire.plan import free_bound
-from specwire.throughput import (
+from specwire.policy.plan import free_bound
+from specwire.policy.throughput import (
     PlanInputs,
     RateFn,
     VerifyCurve,

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specwire.throughput import LineFit, VerifyTimes, expected_tokens
+from specwire.policy.throughput import LineFit, VerifyTimes, expected_tokens
 
 #: Rounds and arrivals seen before waiting is considered: the first estimates are guesses.
 MIN_ROUNDS = 4

@@ -42,7 +42,7 @@ without the drafting time per token (LookupStop): it takes none.
 Choosing with foresight (the verdicts known) would give at most 1.10x the
 n-gram alone on the shipped sets with the bundled pair, and verifying both
 candidates as two branches of one decode, where that would pay, under 2% more
-(docs/drafting.md, `python -m specwire.bench.hybrid_replay`): not built.
+(docs/drafting.md, `python -m benchmarks.hybrid_replay`): not built.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from dataclasses import dataclass, field
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Draft, Drafter, DrafterBase, declared
 from specwire.drafters.bubble import never_wait
-from specwire.drafters.ngram import NgramDrafter, Offer
-from specwire.throughput import LineFit, draft_line, expected_tokens, verify_line
+from specwire.drafters.ngram.drafter import NgramDrafter, Offer
+from specwire.policy.throughput import LineFit, draft_line, expected_tokens, verify_line
 
 #: Plain steps in a row without asking a model that did not look worth it, at first...
 PROBE_EVERY = 16
