@@ -20,6 +20,7 @@ import numpy as np
 from specwire.backend.base import BackendError
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, DrafterBase, declared
+from specwire.link.transport.base import Transport
 from specwire.sample.sampling import SparseDraft
 from specwire.sample.verify import Verdict, Verifier
 
@@ -405,3 +406,20 @@ def chi_square_limit(df: int) -> float:
     chi-square distribution (mean df, variance 2 df) at these sizes.
     """
     return df + 6.0 * (2.0 * df) ** 0.5 + 10.0
+
+
+class Forward(Transport):
+    """A transport whose hooks are the branch's own `_live`, `_post`, `_open` and `_await`
+    (a test scripts the drafter's end by subclassing BranchDrafter with them)."""
+
+    def live(self) -> bool:
+        return self.branch._live()
+
+    def post(self, msg) -> None:
+        self.branch._post(msg)
+
+    def open(self, session: int, history: list[int]) -> None:
+        self.branch._open(session, history)
+
+    def wait(self, left_s: float) -> None:
+        self.branch._await(left_s)

@@ -256,7 +256,7 @@ def test_a_node_that_does_not_branch_and_a_target_that_does_not_ask() -> None:
         if not asks:
             target.branches = None
         sent: list[Chunk] = []
-        real_open = target._open_msg
+        real_open = target.open_message
 
         def old_node_open(history, real_open=real_open, asks=asks):
             o = real_open(history)
@@ -264,9 +264,9 @@ def test_a_node_that_does_not_branch_and_a_target_that_does_not_ask() -> None:
             o.alternates = o.alternate_len = 0  # what a node without the fields reads
             return o
 
-        target._open_msg = old_node_open
-        seen = target._on_chunk
-        target._on_chunk = lambda s, c, seen=seen, sent=sent: (sent.append(c), seen(s, c))[1]
+        target.open_message = old_node_open
+        seen = target.on_chunk
+        target.on_chunk = lambda s, c, seen=seen, sent=sent: (sent.append(c), seen(s, c))[1]
         history = [1, 2, 3, 4]
         target.begin(history, GREEDY, DraftParams(n_max=4, p_min=0.0))
         rng = random.Random(0)
@@ -298,9 +298,9 @@ def test_alternates_for_committed_positions_are_not_kept() -> None:
 
     d = ScriptedDrafter(pipelined=True)
     d.begin(PROMPT, GREEDY, DraftParams(n_max=4, p_min=0.0))
-    d._on_chunk(d.session, Chunk(0, 4, [10, 11], alternates=[Alternate(4, [12, 13])]))
+    d.on_chunk(d.session, Chunk(0, 4, [10, 11], alternates=[Alternate(4, [12, 13])]))
     assert 4 in d._alts
     assert d.propose([*PROMPT, 10, 11], 4).tokens == []
     for _ in range(50):
-        d._on_chunk(d.session, Chunk(0, 6, [], alternates=[Alternate(5, [14, 15])] * 4))
+        d.on_chunk(d.session, Chunk(0, 6, [], alternates=[Alternate(5, [14, 15])] * 4))
     assert d._alts == {}

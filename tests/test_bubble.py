@@ -7,7 +7,7 @@ beats a plain step.
 
 from __future__ import annotations
 
-from fakes import FakeBackend, FakeBatch, FakeModel
+from fakes import FakeBackend, FakeBatch, FakeModel, Forward
 from test_branch import ScriptedDrafter
 
 from specwire.config import DraftParams, SamplingParams
@@ -98,7 +98,7 @@ def _rejected_round(d: ScriptedDrafter, bubble: BubbleWait | None) -> list[int]:
     """Open, a draft of [7, 8, 9], the target keeping 7 and then its own 30: gen 0 is dead.
     Then the drafter's timings are `bubble`'s (the scripted round took no time)."""
     d.begin(PROMPT, SamplingParams(temperature=0.0), DraftParams(n_max=4, p_min=0.0))
-    d._on_chunk(d.session, Chunk(0, 4, [7, 8, 9], done=False))
+    d.on_chunk(d.session, Chunk(0, 4, [7, 8, 9], done=False))
     assert d.propose(PROMPT, 4).tokens == [7, 8, 9]
     history = [*PROMPT, 7, 30]
     d.learn(history, 1, 2)
@@ -130,7 +130,7 @@ def test_never_wait() -> None:
     d = ScriptedDrafter(pipelined=True)
     assert d.bubble is not None
     assert never_wait(d) is d and d.bubble is None
-    assert BranchDrafter(V, pipelined=False).bubble is None
+    assert BranchDrafter(Forward(), V, pipelined=False).bubble is None
     plain = object()
     assert never_wait(plain) is plain
 

@@ -13,7 +13,7 @@ import random
 
 import numpy as np
 import pytest
-from fakes import FakeBackend, FakeModel
+from fakes import FakeBackend, FakeModel, Forward
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.link.branch import BranchDrafter
@@ -197,7 +197,7 @@ class Joined(BranchDrafter):
     message is handled, and answered, before the call returns."""
 
     def __init__(self, backend: FakeBackend, pipelined: bool = False) -> None:
-        super().__init__(backend.n_vocab, pipelined=pipelined, lookahead=6,
+        super().__init__(Forward(), backend.n_vocab, pipelined=pipelined, lookahead=6,
                          sync_timeout_s=0.05)
         self.backend = backend
         self.node: DraftSession | None = None
@@ -222,8 +222,8 @@ class Joined(BranchDrafter):
             self.node._draft_burst()
 
     def _open(self, session: int, history: list[int]) -> None:
-        self.node = DraftSession(self.backend, self._open_msg(history),
-                                 lambda m: self._on_chunk(session, m))
+        self.node = DraftSession(self.backend, self.open_message(history),
+                                 lambda m: self.on_chunk(session, m))
         self.node.announce()
         if self.pipelined:
             self.node._draft_burst()

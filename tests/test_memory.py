@@ -267,7 +267,7 @@ def _drafts(target, url: str, history: list[int]) -> list[list[int]]:
     rd = target.drafter(url, pipelined=False, sync_timeout_s=30.0)
     try:
         rd.begin(history, GREEDY, DraftParams(n_max=6, p_min=0.0))
-        wait_for(rd._live, 10, "the session to open")   # as the target's prefill would
+        wait_for(rd.transport.live, 10, "the session to open")   # as the target's prefill would
         h, out = list(history), []
         for _ in range(3):
             d = rd.propose(h, 6)
@@ -298,7 +298,7 @@ def test_long_history_reaches_the_node_and_the_target_does_not_wait(target, tmp_
         rd = target.drafter(n.url, pipelined=False, sync_timeout_s=5.0)
         try:
             rd.begin(history, GREEDY, DraftParams(n_max=4, p_min=0.0))
-            wait_for(rd._live, 20, "the session to open")   # as the target's prefill would
+            wait_for(rd.transport.live, 20, "the session to open")   # as the target's prefill would
             h = list(history)
             waits = []
             for i in range(20):                   # the target decodes plainly meanwhile
@@ -319,7 +319,7 @@ def test_long_history_reaches_the_node_and_the_target_does_not_wait(target, tmp_
             kept = int(n.log().split("session closes: ")[1].split()[0])
             assert 0 < kept < 32000
             rd.begin(h, GREEDY, DraftParams(n_max=4, p_min=0.0))
-            wait_for(rd._live, 20, "the second session to open")
+            wait_for(rd.transport.live, 20, "the second session to open")
             assert len(rd.propose(h, 4)) == 0
             assert rd.cache_use() == (kept, len(h) - kept)
             rd.end()

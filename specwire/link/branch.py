@@ -5,9 +5,9 @@ last verdict and streams it in chunks tagged with a branch number `gen`. This
 class keeps the newest branch and, each round, hands the engine the part that
 extends the committed history; every buffered token is checked against the
 history by content, so a stale, reordered or lying chunk can only be ignored,
-never change an output token. Subclasses say how messages travel: over gRPC
-(RemoteDrafter) or by a function call to a DraftSession in this process
-(ThreadedDrafter).
+never change an output token. A Transport says how the messages travel: over gRPC
+(link/transport/grpc_client.py, for RemoteDrafter) or by a function call to a
+DraftSession in this process (link/threaded.py).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from specwire.link.messages import (
     Close,
     Open,
     ProtocolError,
-    TargetMessage,
     Verdict,
     f32_sampling,
 )
 from specwire.link.rule import LEFT, follow, take_alternate
+from specwire.link.transport.base import Transport
 
 log = logging.getLogger("specwire.branch")
 
@@ -44,15 +44,16 @@ KEEP_MIN_SLACK = 0.15
 USELESS_LIMIT = 3
 
 
+
 class BranchDrafter(DrafterBase):
     """Pipelined (never waits) or synchronous (waits for `want` tokens, with a deadline)."""
 
     name = "branch"
     provides_q = True  # the draft session sends its sparse q in rejection mode
 
-    def __init__(
-        self, n_vocab: int, pipelined: bool = True, lookahead: int = 0, sync_timeout_s: float = 1.0
-    ) -> None:
+    def __init__(self, transport: Transport, n_vocab: int, pipelined: bool = True,
+                 lookahead: int = 0, sync_timeout_s: float = 1.0) -> None:
+        self.transport = transport
         self.n_vocab, self.pipelined, self.lookahead = n_vocab, pipelined, lookahead
         self.sync_timeout_s = sync_timeout_s
         # Ask the node how long it worked on each chunk (DraftChunk.busy_us): what
@@ -132,31 +133,42 @@ class BranchDrafter(DrafterBase):
         self._verdict_at: float | None = None  # perf_counter when the last verdict went out
         self._fresh_gen = -1  # a branch begun after the last verdict: its arrivals are timed
         self._fresh_n = 0  # tokens of it received
+        transport.bind(self)
 
-    # -- what a transport provides ------------------------------------------------
+    # -- what the transport calls back ---------------------------------------------
 
-    def _live(self) -> bool:
-        """A session is open and can take verdicts."""
-        raise NotImplementedError
+    @property
+    def lock(self) -> threading.Condition:
+        """Guards the buffer and the session number; notified when a chunk arrives."""
+        return self._cv
 
-    def _post(self, msg: TargetMessage) -> None:
-        """Deliver a verdict or close message to the drafter."""
-        raise NotImplementedError
+    @property
+    def session(self) -> int:
+        """The current session's number: chunks of another are stale."""
+        return self._session
 
-    def _open(self, session: int, history: list[int]) -> None:
-        """Start a session with this history; chunks come back through _on_chunk."""
-        raise NotImplementedError
+    def invalidate(self) -> None:
+        """Make the current session's chunks stale (it is being dropped)."""
+        with self._cv:
+            self._session += 1
 
-    def _revive(self) -> None:
-        """Called while no session is live: reconnect if it is time."""
+    @property
+    def history(self) -> list[int]:
+        return self._history
 
-    def _await(self, left_s: float) -> None:
-        """Wait, holding self._cv, for a chunk or the end of the session (or left_s)."""
-        self._cv.wait(left_s)
+    @property
+    def active(self) -> bool:
+        """A request is running (between begin and end)."""
+        return self._active
 
-    def _poll(self) -> None:
-        """Take in what a late synchronous drafter sent, without waiting (for transports
-        that read only when asked)."""
+    @property
+    def want(self) -> int:
+        """The tokens the current round asks for."""
+        return self._want
+
+    def restart(self) -> None:
+        """Open a new session on the current history (a reconnect)."""
+        self._start(list(self._history))
 
     # -- Drafter protocol (engine thread) -----------------------------------------
 
@@ -179,7 +191,7 @@ class BranchDrafter(DrafterBase):
     def ask(self, history: Sequence[int], max_n: int) -> None:
         """Synchronous: send this round's verdict and k now; the propose that follows finds
         it told and only waits (a batch's sessions then draft at the same time)."""
-        if self.pipelined or not self._live():
+        if self.pipelined or not self.transport.live():
             return
         self._history = history if isinstance(history, list) else list(history)
         self._want = max_n
@@ -190,14 +202,14 @@ class BranchDrafter(DrafterBase):
         self._draft_gen = -1
         if not self.pipelined:
             self._want = max_n
-        if not self._live():
-            self._revive()
+        if not self.transport.live():
+            self.transport.revive()
             return Draft()
         # The verdict on what the drafter has not heard of (the first token; in synchronous
         # mode, every round since it was last asked), with this round's k.
         self._tell(history, self._accepted or 0)
         if self._late:
-            self._poll()
+            self.transport.poll()
         deadline = None if self.pipelined or self._late else time.monotonic() + self.sync_timeout_s
         t0 = time.perf_counter()
         useless = False
@@ -209,12 +221,12 @@ class BranchDrafter(DrafterBase):
                     deadline = self._bubble_deadline(len(draft), max_n)
                     if deadline is not None:
                         continue
-                if complete or deadline is None or not self._live():
+                if complete or deadline is None or not self.transport.live():
                     break
                 if self.pipelined:
                     if len(draft) >= self._aim or time.monotonic() >= deadline:
                         break
-                    self._await(deadline - time.monotonic())
+                    self.transport.wait(deadline - time.monotonic())
                     continue
                 if self._ahead != ahead:
                     # The answer to this verdict came and extends nothing. (An answer to an
@@ -234,7 +246,7 @@ class BranchDrafter(DrafterBase):
                         1000 * self.sync_timeout_s,
                     )
                     break
-                self._await(left)
+                self.transport.wait(left)
         self._proposed_at = time.perf_counter()
         self._waited_s = self._proposed_at - t0
         self.counters["wait_ms"] += 1000 * self._waited_s
@@ -253,7 +265,7 @@ class BranchDrafter(DrafterBase):
         which to wait for the drafter (setting self._aim, the tokens worth waiting for),
         or None to verify what is there (drafters/bubble.py). Under self._cv."""
         if (self.bubble is None or self._done or self._late or self._verdict_at is None
-                or not self._live() or have >= max_n):
+                or not self.transport.live() or have >= max_n):
             return None
         since = time.perf_counter() - self._verdict_at
         aim, wait_s = self.bubble.aim(have, max_n, since, fresh=have == 0)
@@ -283,21 +295,14 @@ class BranchDrafter(DrafterBase):
         in a row (each would otherwise cost a round, or a whole deadline)."""
         if draft.tokens:
             self._useless_rounds = 0
-            self._useful()
+            self.transport.useful()
         if not useless:
             return
         self._useless_rounds += 1
         self.counters["useless_answers"] += 1
         if self._useless_rounds >= USELESS_LIMIT:
             self._useless_rounds = 0
-            self._useless(f"{USELESS_LIMIT} synchronous answers in a row extend nothing")
-
-    def _useful(self) -> None:
-        """A round got a draft from the drafter (a transport may note its link worked)."""
-
-    def _useless(self, reason: str) -> None:
-        """The drafter keeps answering with nothing usable (a transport drops it)."""
-        log.warning("drafter %s: %s", self.name, reason)
+            self.transport.useless(f"{USELESS_LIMIT} synchronous answers in a row extend nothing")
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
         """Pipelined: send the verdict now, the drafter is at work. Synchronous: keep it
@@ -324,9 +329,9 @@ class BranchDrafter(DrafterBase):
         self._active = False
         with self._cv:
             self._session += 1
-        if self._live():
-            self._post(Close())
-        self._detach()
+        if self.transport.live():
+            self.transport.post(Close())
+        self.transport.detach()
 
     def stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.counters.items()}
@@ -340,7 +345,7 @@ class BranchDrafter(DrafterBase):
 
     def _tell(self, history: Sequence[int], accepted: int) -> None:
         """Send the verdict for history[told:]: `accepted` branch tokens, then the target's own."""
-        if not self._live() or len(history) <= self._told:
+        if not self.transport.live() or len(history) <= self._told:
             return
         position, self._told = self._told, len(history)
         self._accepted = None
@@ -365,7 +370,7 @@ class BranchDrafter(DrafterBase):
             keep_min = self._policy.stop_threshold()
             if abs(keep_min - self._keep_min) > KEEP_MIN_SLACK * self._keep_min:
                 v.keep_min = self._keep_min = min(1.0, max(keep_min, 1e-6))
-        self._post(v)
+        self.transport.post(v)
 
     def _take_alternate(self, at: int, own: list[int]) -> bool:
         """After a round drafted from branch _gen was rejected at `at`: if the target's own
@@ -397,13 +402,10 @@ class BranchDrafter(DrafterBase):
             self._session += 1
             self._reset_buffer()
             session = self._session
-        self._detach()
-        self._open(session, history)
+        self.transport.detach()
+        self.transport.open(session, history)
 
-    def _detach(self) -> None:
-        """Forget the current session (a transport may override to release it)."""
-
-    def _open_msg(self, history: list[int]) -> Open:
+    def open_message(self, history: list[int]) -> Open:
         p, mode = self._params, self._params.mode
         if self._sampling.greedy:
             mode = VerifyMode.GREEDY
@@ -472,7 +474,7 @@ class BranchDrafter(DrafterBase):
         complete = len(tokens) >= min(max_n, self._want) or self._done
         return Draft(tokens, sparse), complete
 
-    def _on_chunk(self, session: int, c: Chunk) -> None:
+    def on_chunk(self, session: int, c: Chunk) -> None:
         """A chunk arrived (transport thread). Raises ProtocolError for a broken peer."""
         c.check(self.n_vocab, len(self._history) + 4 * MAX_CHUNK_TOKENS)
         with self._cv:
@@ -534,6 +536,6 @@ class BranchDrafter(DrafterBase):
         c, p = self._cache_use or (0, 0)
         self._cache_use = (c + cache_n, p + prompt_n)
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         with self._cv:
             self._cv.notify_all()

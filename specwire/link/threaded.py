@@ -18,37 +18,28 @@ from specwire.config import DraftParams, SamplingParams
 from specwire.link.branch import BranchDrafter
 from specwire.link.messages import Chunk, DraftMessage, ProtocolError, TargetMessage, Verdict
 from specwire.link.session import DraftSession
+from specwire.link.transport.base import Transport
 from specwire.policy.adaptive import Calibration
 from specwire.sample.constraints.grammar import GrammarSpec
 
 log = logging.getLogger("specwire.threaded")
 
 
-class ThreadedDrafter(BranchDrafter):
-    """A local draft model that drafts concurrently with the target's verification."""
+class InProcessTransport(Transport):
+    """A BranchDrafter's messages by function call to a DraftSession on its own thread."""
 
-    def __init__(self, backend: Backend, pipelined: bool = True, lookahead: int = 0) -> None:
-        super().__init__(backend.n_vocab, pipelined, lookahead)
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.name = f"threaded:{backend.name}"
-        self._draft_session: DraftSession | None = None
         self.calibration = Calibration()  # for synchronous sessions of adaptive requests
-        self._grammar: GrammarSpec | None = None
-        self._grammar_start = 0
+        self.grammar: GrammarSpec | None = None
+        self.grammar_start = 0  # where the request's grammar begins (the prompt's end)
+        self._draft_session: DraftSession | None = None
 
-    def constrain(self, spec: GrammarSpec | None) -> None:
-        """Draft under the request's grammar too (in process: no wire message needed)."""
-        self._grammar = spec
-
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
-        self._grammar_start = len(prompt)
-        super().begin(prompt, sampling, params)
-
-    def _live(self) -> bool:
+    def live(self) -> bool:
         s = self._draft_session
         return s is not None and s.error is None
 
-    def _post(self, msg: TargetMessage) -> None:
+    def post(self, msg: TargetMessage) -> None:
         s = self._draft_session
         if s is None:
             return
@@ -57,24 +48,49 @@ class ThreadedDrafter(BranchDrafter):
         else:
             s.close()
 
-    def _open(self, session: int, history: list[int]) -> None:
+    def open(self, session: int, history: list[int]) -> None:
+        branch = self.branch
+
         def deliver(m: DraftMessage) -> None:
             if isinstance(m, Chunk):
                 try:
-                    self._on_chunk(session, m)
+                    branch.on_chunk(session, m)
                 except ProtocolError as e:   # a bug, not a peer: say so loudly
                     log.error("threaded drafter sent a bad chunk: %s", e)
             else:
                 log.error("threaded drafter failed: %s", m.message)
-                self._wake()
+                branch.wake()
 
-        self._draft_session = DraftSession(self.backend, self._open_msg(history), deliver,
+        self._draft_session = DraftSession(self.backend, branch.open_message(history), deliver,
                                            calibration=self.calibration)
-        self._draft_session.drafter.follow(self._grammar, self._grammar_start)
+        self._draft_session.drafter.follow(self.grammar, self.grammar_start)
         self._draft_session.start()
 
-    def _detach(self) -> None:
+    def detach(self) -> None:
         s, self._draft_session = self._draft_session, None
         if s is not None:
             s.close()
             s.thread.join()
+
+
+class ThreadedDrafter(BranchDrafter):
+    """A local draft model that drafts concurrently with the target's verification."""
+
+    transport: InProcessTransport
+
+    def __init__(self, backend: Backend, pipelined: bool = True, lookahead: int = 0) -> None:
+        super().__init__(InProcessTransport(backend), backend.n_vocab, pipelined, lookahead)
+        self.backend = backend
+        self.name = f"threaded:{backend.name}"
+
+    @property
+    def calibration(self) -> Calibration:
+        return self.transport.calibration
+
+    def constrain(self, spec: GrammarSpec | None) -> None:
+        """Draft under the request's grammar too (in process: no wire message needed)."""
+        self.transport.grammar = spec
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        self.transport.grammar_start = len(prompt)
+        super().begin(prompt, sampling, params)

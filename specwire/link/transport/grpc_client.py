@@ -1,7 +1,7 @@
 """The target's transport of the draft link: gRPC streams and the synchronous port.
 
-The branch bookkeeping lives in link/branch.py and RemoteDrafter
-(link/remote.py) joins the two; this file only moves messages.
+The branch bookkeeping lives in link/branch.py; RemoteDrafter (link/remote.py) is a
+BranchDrafter carried by this transport, which only moves messages.
 Each session has a thread of its own that reads the node's chunks from a
 blocking gRPC stream into a buffer; the engine thread only reads that buffer
 under a lock and queues verdicts (handshakes run on a background asyncio
@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 from specwire.link.messages import Close, Failure, TargetMessage, Verdict
 from specwire.link.transport import protocol, roundcodec
 from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport.base import Branch, Transport
 from specwire.link.transport.channel import Link, LinkError
 from specwire.link.transport.channels import LinkSet, SyncLine
 from specwire.link.transport.h2.connection import CreditTimeout, GrpcStatus, H2Error
@@ -98,32 +99,18 @@ class ArrivalForecast:
         self.per_token_s += 0.125 * (sample - self.per_token_s)
 
 
-class GrpcTransport:
-    """The gRPC and synchronous-port transport of a BranchDrafter, as a mixin.
+class GrpcTransport(Transport):
+    """The gRPC and synchronous-port transport of a BranchDrafter (link/branch.py's
+    Transport): the links to the draft nodes, the live stream or synchronous call, and
+    the arrival forecast; the branch's state it reads through the branch alone."""
 
-    It implements the transport hooks BranchDrafter declares (_live, _post, _open,
-    _revive, _await, _poll, _detach, _useful, _useless) and uses what BranchDrafter
-    provides: its lock and session number (_cv, _session), its counters, _on_chunk,
-    _open_msg, _start, and the request's state (_history, _active, _want). Used as
-    `class RemoteDrafter(GrpcTransport, BranchDrafter)`; it knows no drafter itself.
-    """
-
-    def __init__(
-        self,
-        links: list[Link] | LinkSet,
-        n_vocab: int,
-        pipelined: bool = True,
-        lookahead: int = 0,
-        sync_timeout_s: float = 1.0,
-    ) -> None:
+    def __init__(self, links: list[Link] | LinkSet) -> None:
         """links: this drafter's own, or a LinkSet shared with the target's other drafters."""
         if not links:
             raise ValueError("RemoteDrafter needs at least one link")
-        super().__init__(n_vocab, pipelined, lookahead, sync_timeout_s)
         self.shared = links if isinstance(links, LinkSet) else LinkSet(links)
         self.shared.attach()
         self.links = self.shared.links
-        self.name = ("remote-pipelined:" if pipelined else "remote-sync:") + self.links[0].url
         self._loop = self.shared.loop
         self._call: grpc.Call | None = None  # the live Session stream
         self._call_link: Link | None = None  # its link
@@ -131,39 +118,28 @@ class GrpcTransport:
         self._out: queue.SimpleQueue | None = None  # its messages to send; None ends it
         self._sync: _SyncCall | None = None  # or the live call on a synchronous port
         self._closed = False
-        self.counters["sync_port_sessions"] = 0  # sessions opened on a synchronous port
-        self.counters["polled_answers"] = 0  # synchronous answers that came while polling
-        self.counters["poll_ms"] = 0.0  # time spent busy-polling for them
         self.forecast: ArrivalForecast | None = ArrivalForecast()  # None: never busy-poll
         self._opening = False
         self._reopened = -1  # the session that replaces a call the node refused (_reopen)
 
-    def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
-        """Connect every link now (Hello, and the connection its sessions use), so that the
-        first request already drafts.
-
-        Returns, per link, None or why it could not connect; a failed link is retried
-        with backoff once generation starts, as after any failure.
-        """
-        return self.shared.handshake(not self.pipelined, timeout_s)
-
-    def link_state(self) -> dict[str, float]:
-        """For /metrics: 1 if a link is up, per URL."""
-        return self.shared.link_state()
+    def bind(self, branch: Branch) -> None:
+        super().bind(branch)
+        branch.counters["sync_port_sessions"] = 0  # sessions opened on a synchronous port
+        branch.counters["polled_answers"] = 0  # synchronous answers that came while polling
+        branch.counters["poll_ms"] = 0.0  # time spent busy-polling for them
 
     def close(self) -> None:
-        """End the session; the last drafter of the LinkSet closes the connections."""
-        self.end()
+        """The drafter is done: the last one of the LinkSet closes the connections."""
         if not self._closed:
             self._closed = True
             self.shared.close()
 
     # -- transport ------------------------------------------------------------------
 
-    def _live(self) -> bool:
+    def live(self) -> bool:
         return self._call is not None or self._sync is not None
 
-    def _post(self, message: TargetMessage) -> None:
+    def post(self, message: TargetMessage) -> None:
         call = self._sync
         if call is not None:
             # A verdict's bytes written directly (roundcodec.py): no protobuf object on the
@@ -176,58 +152,57 @@ class GrpcTransport:
             try:
                 # A verdict is a few bytes: a node granting too little credit for it within
                 # the round's deadline is broken (or hostile), and the round decodes plainly.
-                call.line.send(call.sid, data, close, 0.0 if close else self.sync_timeout_s)
+                call.line.send(call.sid, data, close, 0.0 if close else self.branch.sync_timeout_s)
             except (H2Error, TimeoutError, OSError) as e:
                 self._sync_failed(call, str(e), dropped=isinstance(e, CreditTimeout))
                 return
             if call.arrived is not None:
                 self._learn_arrival(call)
-            call.sent_at, call.asked = time.monotonic(), self._want
+            call.sent_at, call.asked = time.monotonic(), self.branch.want
             call.closed = close
-            self.counters["bytes_up"] += len(data) + 5
+            self.branch.counters["bytes_up"] += len(data) + 5
             return
         out = self._out
         if out is not None:
             msg = protocol.target_to_pb(message)
-            self.counters["bytes_up"] += protocol.message_bytes(msg)
+            self.branch.counters["bytes_up"] += protocol.message_bytes(msg)
             out.put(msg)
 
-    def _open(self, session: int, history: list[int]) -> None:
+    def open(self, session: int, history: list[int]) -> None:
         self._opening = True
         threading.Thread(target=self._run_session, args=(session, history),
                          name="draft-session", daemon=True).start()
 
-    def _revive(self) -> None:
+    def revive(self) -> None:
         """After a failure, reopen on the first link whose backoff has passed."""
-        if not self._active or self._opening:
+        if not self.branch.active or self._opening:
             return
         if any(link.ready_to_try() for link in self.links):
-            self.counters["reconnects"] += 1
-            self._start(list(self._history))
+            self.branch.counters["reconnects"] += 1
+            self.branch.restart()
 
-    def _useful(self) -> None:
+    def useful(self) -> None:
         """The current session drafted: its link's next failure starts a fresh backoff."""
         call = self._sync
         link = call.link if call is not None else self._call_link
         if link is not None:
             link.worked()
 
-    def _useless(self, reason: str) -> None:
+    def useless(self, reason: str) -> None:
         """A node answering verdicts with chunks that extend nothing: drop it."""
         call = self._sync
         if call is not None:
             self._sync_failed(call, reason, dropped=True)
             return
         link = self._call_link
-        with self._cv:  # what its stream still delivers is ignored
-            self._session += 1
-        self._detach()
+        self.branch.invalidate()  # what its stream still delivers is ignored
+        self.detach()
         if link is not None:
             self._drop(link, reason)
 
-    def _detach(self) -> None:
+    def detach(self) -> None:
         """Forget the current stream; ending its request queue lets it finish."""
-        with self._cv:
+        with self.branch.lock:
             out, self._out, self._call = self._out, None, None
             self._call_link = None
             call, self._sync = self._sync, None
@@ -242,7 +217,7 @@ class GrpcTransport:
     # -- the synchronous port: the engine thread reads and writes ----------------------
 
     def _uses_sync_port(self, link: Link) -> bool:
-        return not self.pipelined and link.sync_port() != 0
+        return not self.branch.pipelined and link.sync_port() != 0
 
     def _open_sync(self, link: Link, session: int, history: list[int]) -> bool:
         """Open the session on the link's synchronous port (session thread), a stream on
@@ -250,7 +225,7 @@ class GrpcTransport:
         The node closes a connection idle for --idle-timeout, and its close may cross our
         Open after the line looked alive (the Open then fails on a broken line): the Open
         goes once more, on a new connection, and only a second failure counts."""
-        if session != self._session:
+        if session != self.branch.session:
             return True
         for attempt in (1, 2):
             line = self.shared.sync_line(link)
@@ -275,30 +250,30 @@ class GrpcTransport:
                 return True
         if sid is None:
             return False
-        with self._cv:  # a newer session may have started meanwhile: it owns the link
-            if session == self._session:
+        with self.branch.lock:  # a newer session may have started meanwhile: it owns the link
+            if session == self.branch.session:
                 self._sync, self._opening = _SyncCall(line, sid, link, epoch), False
                 # a reopened call goes on with the session its first Open began
                 self._sync.reopened = session == self._reopened
-                self.counters["sync_port_sessions"] += not self._sync.reopened
+                self.branch.counters["sync_port_sessions"] += not self._sync.reopened
                 return True
         with contextlib.suppress(H2Error):
             line.release(sid, closed=False)
         return True
 
-    def _poll(self) -> None:
+    def poll(self) -> None:
         """Take in what has arrived, without waiting: at most MAX_POLLED messages. A node
         answers each verdict once, so more waiting than that is a flood: it is dropped."""
         for _ in range(MAX_POLLED):
             call = self._sync
             if call is None or not self._read_sync(call, 0.0, spin=False):
                 return
-        self._useless(f"{MAX_POLLED} or more messages waiting in one round")
+        self.useless(f"{MAX_POLLED} or more messages waiting in one round")
 
-    def _await(self, left_s: float) -> None:
+    def wait(self, left_s: float) -> None:
         call = self._sync
         if call is None:
-            super()._await(left_s)
+            super().wait(left_s)
         else:
             self._read_sync(call, left_s)
 
@@ -319,7 +294,7 @@ class GrpcTransport:
             return False
         now = time.monotonic()
         call.answered = True
-        self.counters["bytes_down"] += len(data) + 5
+        self.branch.counters["bytes_down"] += len(data) + 5
         # The forecast learns after the next verdict is sent (_post): off the critical path.
         if forecast is not None:
             call.arrived = (now, call.asked, window)
@@ -328,9 +303,9 @@ class GrpcTransport:
             # The common chunk decoded directly (roundcodec.py); anything else by protobuf.
             chunk = roundcodec.chunk_from_bytes(data)
             if chunk is not None:
-                self._on_chunk(self._session, chunk)
+                self.branch.on_chunk(self.branch.session, chunk)
             else:
-                self._take(self._session, pb.DraftMessage.FromString(data))
+                self._take(self.branch.session, pb.DraftMessage.FromString(data))
         except DecodeError:
             self._sync_failed(call, "undecodable frame: not a DraftMessage", dropped=True)
             return False
@@ -346,8 +321,8 @@ class GrpcTransport:
         if self.forecast is not None:
             self.forecast.learn(now - call.sent_at, asked)
         if window is not None and now > window[0]:
-            self.counters["polled_answers"] += now <= window[1]
-            self.counters["poll_ms"] += 1000 * (min(now, window[1]) - window[0])
+            self.branch.counters["polled_answers"] += now <= window[1]
+            self.branch.counters["poll_ms"] += 1000 * (min(now, window[1]) - window[0])
 
     def _sync_failed(self, call: _SyncCall, reason: str, dropped: bool = False,
                      alone: bool = False, reopen: bool = True) -> None:
@@ -358,10 +333,10 @@ class GrpcTransport:
         link backs off, once per failure however many sessions saw it. alone: the node
         failed this session alone (NodeFailure), which drops it without its connection.
         reopen: a call the node refused may open again (_reopen); not while detaching."""
-        with self._cv:
+        with self.branch.lock:
             if self._sync is call:
                 self._sync = None
-            self._cv.notify_all()
+            self.branch.lock.notify_all()
         if reopen and not dropped and self._reopen(call):
             return
         alone = (alone or not dropped) and not call.line.broken()
@@ -381,12 +356,12 @@ class GrpcTransport:
         retry does when the Open itself fails: a call that the node never answered, on a
         connection now gone, opens again on a new one, without a failure counted. Once: a
         reopened call that fails so counts."""
-        if call.answered or call.reopened or not call.line.broken() or not self._active:
+        if call.answered or call.reopened or not call.line.broken() or not self.branch.active:
             return False
         self.shared.drop(call.line)
-        with self._cv:
-            self._reopened = self._session + 1  # the one _start opens
-        self._start(list(self._history))
+        with self.branch.lock:
+            self._reopened = self.branch.session + 1  # the one restart opens
+        self.branch.restart()
         return True
 
     def _run_session(self, session: int, history: list[int]) -> None:
@@ -398,7 +373,7 @@ class GrpcTransport:
             # loop already stopped by close().
             link = picking.result(timeout=5 + sum(x.settings.connect_timeout_s
                                                   for x in self.links))
-            if link is None or session != self._session:
+            if link is None or session != self.branch.session:
                 return
             if self._uses_sync_port(link) and self._open_sync(link, session, history):
                 return
@@ -406,18 +381,18 @@ class GrpcTransport:
             out.put(self._first_message(history))
             epoch = link.epoch
             call = link.session_stub().Session(iter(out.get, None), metadata=link.metadata())
-            with self._cv:  # a newer session may have started meanwhile: it owns _out then
-                if session != self._session:
+            with self.branch.lock:  # a newer session may have started meanwhile: it owns _out then
+                if session != self.branch.session:
                     return
                 self._out, self._call, self._opening = out, call, False
                 self._call_link, self._call_epoch = link, epoch
             for msg in call:
-                if session != self._session:
+                if session != self.branch.session:
                     break
-                self.counters["bytes_down"] += protocol.message_bytes(msg)
+                self.branch.counters["bytes_down"] += protocol.message_bytes(msg)
                 self._take(session, msg)
             else:
-                if session == self._session:  # the node ended a session we had not closed
+                if session == self.branch.session:  # the node ended a session we had not closed
                     link.failed("the draft node ended the session", epoch=epoch,
                                 reconnect=False)
         except ProtocolError as e:
@@ -425,42 +400,42 @@ class GrpcTransport:
         except grpc.RpcError as e:
             if _undecodable(e):
                 self._drop(link, "undecodable frame: not a DraftMessage")
-            elif link is not None and session == self._session:
+            elif link is not None and session == self.branch.session:
                 # Only a lost connection drops it (and so every session on it).
                 link.failed(_rpc_reason(e), epoch=epoch, reconnect=_unavailable(e))
         except (LinkError, OSError, TimeoutError, ValueError) as e:  # ValueError: the
-            if link is not None and session == self._session:     # channel was closed
+            if link is not None and session == self.branch.session:     # channel was closed
                 link.failed(str(e), epoch=epoch)
         finally:
             if call is not None:
                 call.cancel()
             if out is not None:  # ends the request iterator: grpcio's thread that reads it
                 out.put(None)    # would otherwise wait on it for ever, one per failed call
-            with self._cv:
-                if session == self._session:
+            with self.branch.lock:
+                if session == self.branch.session:
                     self._out, self._call, self._opening = None, None, False
                     self._call_link = None
-            self._wake()
+            self.branch.wake()
 
     def _take(self, session: int, msg: pb.DraftMessage) -> None:
         """A message from the node, either transport; ProtocolError for a broken peer."""
         got = protocol.draft_from_pb(msg)
         if isinstance(got, Failure):
             raise NodeFailure(f"draft node reported: {got.message}")
-        self._on_chunk(session, got)
+        self.branch.on_chunk(session, got)
 
     def _first_message(self, history: list[int]) -> pb.TargetMessage:
         """The session's Open, counted as bytes sent."""
-        first = protocol.target_to_pb(self._open_msg(history))
+        first = protocol.target_to_pb(self.branch.open_message(history))
         n = protocol.message_bytes(first)
-        self.counters["bytes_up"] += n
-        self.counters["bytes_open"] += n
+        self.branch.counters["bytes_up"] += n
+        self.branch.counters["bytes_open"] += n
         return first
 
     def _drop(self, link: Link | None, reason: str, alone: bool = False) -> None:
         """A node that broke the protocol: disconnect it (alone: only this session) and
         back off."""
-        self.counters["dropped_peers"] += 1
+        self.branch.counters["dropped_peers"] += 1
         log.warning("dropping draft node %s: %s", link.url if link else "?", reason)
         if link is not None:
             link.failed(reason, hostile=True, reconnect=not alone)
