@@ -155,7 +155,7 @@ def _alternate(target, local, remote, echoes, k: int, rounds: int) -> dict[str, 
         # A target token that differs from the draft: both restart after it, same work.
         own = filler if drafts["local"].tokens[0] != filler else filler + 1
         history = [*history, own]
-        busy_ms = remote.counters["node_busy_ms"]
+        busy_ms = remote.counters.node_busy_ms
         for name, d in (("local", local), ("remote", remote)):
             # One synchronous round as the engine sees it: verdict out, next draft in.
             t0 = time.perf_counter()
@@ -163,7 +163,7 @@ def _alternate(target, local, remote, echoes, k: int, rounds: int) -> dict[str, 
             drafts[name] = d.propose(history, k)
             times[name].append(time.perf_counter() - t0)
             assert len(drafts[name]) == k, (name, len(drafts[name]))
-        busy_s = (remote.counters["node_busy_ms"] - busy_ms) / 1000
+        busy_s = (remote.counters.node_busy_ms - busy_ms) / 1000
         times["link"].append(times["remote"][-1] - busy_s)
         for name, echo in echoes.items():
             times[name].append(echo(times["local"][-1]))
@@ -171,9 +171,9 @@ def _alternate(target, local, remote, echoes, k: int, rounds: int) -> dict[str, 
     for d in (local, remote):
         d.end()
     med = {n: 1000 * statistics.median(v) for n, v in times.items()}
-    polled = remote.counters["polled_answers"] / rounds
+    polled = remote.counters.polled_answers / rounds
     return {"k": k, "rounds": rounds, "polled": polled,
-            "poll_ms": remote.counters["poll_ms"] / rounds,
+            "poll_ms": remote.counters.poll_ms / rounds,
             "local_ms": med["local"], "remote_sync_ms": med["remote"],
             "overhead_ms": med["link"], "round_trip_ms": med["tcp"],
             "beyond_round_trip_ms": med["link"] - med["tcp"], "grpc_echo_ms": med["ping"],

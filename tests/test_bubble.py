@@ -102,7 +102,7 @@ def _rejected_round(d: ScriptedDrafter, bubble: BubbleWait | None) -> list[int]:
     assert d.propose(PROMPT, 4).tokens == [7, 8, 9]
     history = [*PROMPT, 7, 30]
     d.learn(history, 1, 2)
-    assert d.counters["rejections"] == 1
+    assert d.counters.rejections == 1
     d.bubble = bubble
     d.script = [Chunk(1, 6, [40, 41], done=False), Chunk(1, 8, [42, 43], done=False)]
     return history
@@ -113,8 +113,8 @@ def test_a_pipelined_round_waits_for_the_fresh_branch_where_it_pays() -> None:
     history = _rejected_round(d, primed(GPU, per_token=0.1 * STEP))
     draft = d.propose(history, 4)
     assert draft.tokens[:2] == [40, 41] and d.waits >= 1
-    assert d.counters["waited_rounds"] == 1 and d.counters["starved_rounds"] == 0
-    assert d.counters["fresh_branches"] == 1 and d.counters["fresh_first_ms"] > 0.0
+    assert d.counters.waited_rounds == 1 and d.counters.starved_rounds == 0
+    assert d.counters.fresh_branches == 1 and d.counters.fresh_first_ms > 0.0
 
 
 def test_a_pipelined_round_decodes_plainly_where_waiting_does_not_pay() -> None:
@@ -123,7 +123,7 @@ def test_a_pipelined_round_decodes_plainly_where_waiting_does_not_pay() -> None:
         history = _rejected_round(d, bubble)
         assert d.propose(history, 4).tokens == []
         assert d.waits == 0
-        assert d.counters["waited_rounds"] == 0 and d.counters["starved_rounds"] == 1
+        assert d.counters.waited_rounds == 0 and d.counters.starved_rounds == 1
 
 
 def test_never_wait() -> None:

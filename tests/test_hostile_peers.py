@@ -73,8 +73,8 @@ def _run(target, script: Script, sampling=GREEDY, settle: str | None = None, **d
             got = run_to_end(g, timeout=60)
             elapsed = time.monotonic() - t0
             if settle is not None:
-                wait_for(lambda: rd.counters[settle] > 0, 10, settle)
-            return got, elapsed, dict(rd.counters), g, rd.links[0], port
+                wait_for(lambda: getattr(rd.counters, settle) > 0, 10, settle)
+            return got, elapsed, rd.counters.as_dict(), g, rd.links[0], port
         finally:
             rd.close()
 

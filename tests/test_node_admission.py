@@ -265,8 +265,8 @@ def test_idle_connections_close_and_targets_carry_on(start_node, sync_port) -> N
                 wait_for(lambda: node.sync._slots._value == 4 * 8, 5, "the idle close")
             else:
                 time.sleep(2.0)
-        assert rd.counters["reconnects"] == 0
-        assert rd.counters["sync_port_sessions"] == (2 if sync_port == 0 else 0)
+        assert rd.counters.reconnects == 0
+        assert rd.counters.sync_port_sessions == (2 if sync_port == 0 else 0)
     finally:
         rd.close()
 
@@ -319,8 +319,8 @@ def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
         assert run_to_end(g) == target.plain(prompt, GREEDY, 16)
         assert crossed == [True]                # the crossing did happen
         assert g.stats.draft_n_accepted > 0
-        assert rd.counters["reconnects"] == 0 and rd.links[0].failures == 0
-        assert rd.counters["sync_port_sessions"] == 1
+        assert rd.counters.reconnects == 0 and rd.links[0].failures == 0
+        assert rd.counters.sync_port_sessions == 1
         assert not [r for r in caplog.records if "down" in r.getMessage()]
     finally:
         rd.close()

@@ -33,7 +33,7 @@ from specwire.link.messages import (
     f32_sampling,
 )
 from specwire.link.rule import LEFT, follow, take_alternate
-from specwire.link.transport.base import Transport
+from specwire.link.transport.base import LinkCounters, Transport
 
 log = logging.getLogger("specwire.branch")
 
@@ -42,6 +42,7 @@ KEEP_MIN_SLACK = 0.15
 #: Synchronous rounds in a row in which the drafter answered with nothing usable before it
 #: is dropped (an honest drafter's answer to a verdict always extends the history).
 USELESS_LIMIT = 3
+
 
 
 
@@ -88,42 +89,7 @@ class BranchDrafter(DrafterBase):
         # (summed over its sessions, e.g. after a reconnect); None until one reported.
         self._cache_use: tuple[int, int] | None = None
         self._reset_buffer()
-        self.counters: dict[str, float] = {
-            "bytes_up": 0,
-            "bytes_down": 0,
-            "bytes_open": 0,  # the part of bytes_up spent on Opens (the prompt's tokens)
-            "chunks": 0,
-            "tokens_received": 0,
-            "stale_chunks": 0,
-            "dropped_peers": 0,
-            "reconnects": 0,
-            "wait_ms": 0.0,
-            "node_busy_ms": 0.0,
-            "sync_timeouts": 0,
-            "useless_answers": 0,  # synchronous answers that extended nothing
-            "draft_cache_n": 0,  # history tokens the drafter found cached, all requests
-            "draft_prompt_n": 0,  # history tokens it evaluated to catch up, all requests
-            # Pipelined: rounds after a rejection that found nothing to verify (the engine
-            # decodes plainly meanwhile: the bubble a free drafter would not leave), and the
-            # time those rounds took, propose to verdict.
-            "rejections": 0,
-            "starved_rounds": 0,
-            "starved_ms": 0.0,
-            "alternates_received": 0,
-            "alternate_rounds": 0,  # rounds after a rejection that verify an alternate
-            "alternate_misses": 0,  # rejections at an alternate the target did not pick
-            # Pipelined: rounds with no draft at all (after a rejection or not), and rounds
-            # that waited for the drafter (bubble.py): their time, and those that waited
-            # in vain (no token came by the deadline: a plain step after all).
-            "empty_rounds": 0,
-            "waited_rounds": 0,
-            "waited_ms": 0.0,
-            "waited_empty": 0,
-            # Fresh branches (begun after a verdict) and the time from that verdict to
-            # their first token: a round trip, the drafter applying it, a draft token.
-            "fresh_branches": 0,
-            "fresh_first_ms": 0.0,
-        }
+        self.counters = LinkCounters()
         self._drafted = 0  # tokens proposed in the current round
         self._draft_gen = -1  # the branch they came from
         self._starving = False  # since a rejection, no round has had a draft
@@ -236,7 +202,7 @@ class BranchDrafter(DrafterBase):
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.counters["sync_timeouts"] += 1
+                    self.counters.sync_timeouts += 1
                     self._late = True
                     useless = self._heard() != heard  # it sent only stale chunks meanwhile
                     log.warning(
@@ -249,11 +215,11 @@ class BranchDrafter(DrafterBase):
                 self.transport.wait(left)
         self._proposed_at = time.perf_counter()
         self._waited_s = self._proposed_at - t0
-        self.counters["wait_ms"] += 1000 * self._waited_s
+        self.counters.wait_ms += 1000 * self._waited_s
         if self.pipelined and deadline is not None:
-            self.counters["waited_rounds"] += 1
-            self.counters["waited_ms"] += 1000 * self._waited_s
-            self.counters["waited_empty"] += not draft.tokens
+            self.counters.waited_rounds += 1
+            self.counters.waited_ms += 1000 * self._waited_s
+            self.counters.waited_empty += not draft.tokens
             if not draft.tokens and self.bubble is not None:
                 self.bubble.missed()
         self._judge_answer(draft, useless)
@@ -282,13 +248,13 @@ class BranchDrafter(DrafterBase):
         if draft.tokens:
             self._starving = False
         elif self.pipelined:
-            self.counters["empty_rounds"] += 1
+            self.counters.empty_rounds += 1
             if self._starving:
-                self.counters["starved_rounds"] += 1
+                self.counters.starved_rounds += 1
                 self._starved_at = time.perf_counter()
 
     def _heard(self) -> float:
-        return self.counters["chunks"] + self.counters["stale_chunks"]
+        return self.counters.chunks + self.counters.stale_chunks
 
     def _judge_answer(self, draft: Draft, useless: bool) -> None:
         """Count synchronous rounds answered uselessly; drop the drafter after USELESS_LIMIT
@@ -299,7 +265,7 @@ class BranchDrafter(DrafterBase):
         if not useless:
             return
         self._useless_rounds += 1
-        self.counters["useless_answers"] += 1
+        self.counters.useless_answers += 1
         if self._useless_rounds >= USELESS_LIMIT:
             self._useless_rounds = 0
             self.transport.useless(f"{USELESS_LIMIT} synchronous answers in a row extend nothing")
@@ -310,14 +276,14 @@ class BranchDrafter(DrafterBase):
         for rounds that skip the drafter); it waits for the verdict either way."""
         now = time.perf_counter()
         if self._starved_at is not None:
-            self.counters["starved_ms"] += 1000 * (now - self._starved_at)
+            self.counters.starved_ms += 1000 * (now - self._starved_at)
             self._starved_at = None
         if self.bubble is not None and self._proposed_at is not None:
             self.bubble.observe_round(self._drafted, accepted, now - self._proposed_at,
                                       self._waited_s)
         self._proposed_at = None
         if accepted < self._drafted:
-            self.counters["rejections"] += 1
+            self.counters.rejections += 1
             self._starving = True
         self._drafted = 0
         if self.pipelined:
@@ -334,7 +300,7 @@ class BranchDrafter(DrafterBase):
         self.transport.detach()
 
     def stats(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.counters.items()}
+        return self.counters.as_dict()
 
     def cache_use(self) -> tuple[int, int] | None:
         """(draft_cache_n, draft_prompt_n) of this request, if the drafter said."""
@@ -385,11 +351,11 @@ class BranchDrafter(DrafterBase):
             return False  # no rejection there: the branch goes on
         rest = take_alternate(a, own)
         if rest is None:
-            self.counters["alternate_misses"] += 1
+            self.counters.alternate_misses += 1
             return False
         self._gen, self._buf_start, self._buf = self._gen + 1, at + len(own), rest
         self._sparse, self._alts = None, {}
-        self.counters["alternate_rounds"] += 1
+        self.counters.alternate_rounds += 1
         return True
 
     def _calibrated(self) -> bool:
@@ -479,15 +445,15 @@ class BranchDrafter(DrafterBase):
         c.check(self.n_vocab, len(self._history) + 4 * MAX_CHUNK_TOKENS)
         with self._cv:
             if session != self._session:
-                self.counters["stale_chunks"] += 1
+                self.counters.stale_chunks += 1
                 return
-            self.counters["chunks"] += 1
-            self.counters["tokens_received"] += len(c.tokens)
-            self.counters["node_busy_ms"] += c.busy_us / 1000
+            self.counters.chunks += 1
+            self.counters.tokens_received += len(c.tokens)
+            self.counters.node_busy_ms += c.busy_us / 1000
             if c.cache_n is not None:
                 self._count_cache(c.cache_n, c.prompt_n or 0)
             if c.gen < self._gen or c.gen <= self._dead_gen:
-                self.counters["stale_chunks"] += 1
+                self.counters.stale_chunks += 1
                 return
             self._ahead += c.start >= len(self._history)
             if c.gen > self._gen:
@@ -505,8 +471,8 @@ class BranchDrafter(DrafterBase):
             if c.gen == self._fresh_gen and c.tokens:
                 since = time.perf_counter() - self._verdict_at
                 if self._fresh_n == 0:
-                    self.counters["fresh_branches"] += 1
-                    self.counters["fresh_first_ms"] += 1000 * since
+                    self.counters.fresh_branches += 1
+                    self.counters.fresh_first_ms += 1000 * since
                 self._fresh_n += len(c.tokens)
                 if self.bubble is not None:
                     self.bubble.observe_arrival(self._fresh_n, since)
@@ -518,7 +484,7 @@ class BranchDrafter(DrafterBase):
             for a in c.alternates:
                 if a.at >= n:
                     self._alts[a.at] = a.tokens
-            self.counters["alternates_received"] += len(c.alternates)
+            self.counters.alternates_received += len(c.alternates)
             if c.sparse is not None and self._sparse is not None:
                 self._sparse.extend(c.sparse)
             self._done = c.done or not self.pipelined  # a synchronous chunk is whole
@@ -531,8 +497,8 @@ class BranchDrafter(DrafterBase):
 
     def _count_cache(self, cache_n: int, prompt_n: int) -> None:
         """A session's first message said how much of its history was cached (under _cv)."""
-        self.counters["draft_cache_n"] += cache_n
-        self.counters["draft_prompt_n"] += prompt_n
+        self.counters.draft_cache_n += cache_n
+        self.counters.draft_prompt_n += prompt_n
         c, p = self._cache_use or (0, 0)
         self._cache_use = (c + cache_n, p + prompt_n)
 

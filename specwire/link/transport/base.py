@@ -1,17 +1,66 @@
 """The interface between the target's end of a branch session and what carries its
-messages: the hooks a BranchDrafter (link/branch.py) calls, and what of the branch a
-transport may call back."""
+messages: the hooks a BranchDrafter (link/branch.py) calls, what of the branch a
+transport may call back, and the counters both keep."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 from specwire.link.messages import Chunk, Open, TargetMessage
 
 log = logging.getLogger("specwire.branch")
+
+
+@dataclass(slots=True)
+class LinkCounters:
+    """A BranchDrafter's counters, cumulative over its life; Drafter.stats reports them by
+    name (engine/stats.py's counter_delta takes one request's share)."""
+
+    bytes_up: float = 0
+    bytes_down: float = 0
+    bytes_open: float = 0  # the part of bytes_up spent on Opens (the prompt's tokens)
+    chunks: float = 0
+    tokens_received: float = 0
+    stale_chunks: float = 0
+    dropped_peers: float = 0
+    reconnects: float = 0
+    wait_ms: float = 0.0
+    node_busy_ms: float = 0.0
+    sync_timeouts: float = 0
+    useless_answers: float = 0  # synchronous answers that extended nothing
+    draft_cache_n: float = 0  # history tokens the drafter found cached, all requests
+    draft_prompt_n: float = 0  # history tokens it evaluated to catch up, all requests
+    # Pipelined: rounds after a rejection that found nothing to verify (the engine
+    # decodes plainly meanwhile: the bubble a free drafter would not leave), and the
+    # time those rounds took, propose to verdict.
+    rejections: float = 0
+    starved_rounds: float = 0
+    starved_ms: float = 0.0
+    alternates_received: float = 0
+    alternate_rounds: float = 0  # rounds after a rejection that verify an alternate
+    alternate_misses: float = 0  # rejections at an alternate the target did not pick
+    # Pipelined: rounds with no draft at all (after a rejection or not), and rounds
+    # that waited for the drafter (bubble.py): their time, and those that waited
+    # in vain (no token came by the deadline: a plain step after all).
+    empty_rounds: float = 0
+    waited_rounds: float = 0
+    waited_ms: float = 0.0
+    waited_empty: float = 0
+    # Fresh branches (begun after a verdict) and the time from that verdict to
+    # their first token: a round trip, the drafter applying it, a draft token.
+    fresh_branches: float = 0
+    fresh_first_ms: float = 0.0
+    # the gRPC transport's own (None: not carried by it, and not reported)
+    sync_port_sessions: float | None = None  # sessions opened on a synchronous port
+    polled_answers: float | None = None  # synchronous answers that came while polling
+    poll_ms: float | None = None  # time spent busy-polling for them
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(v) for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
 
 class Branch(Protocol):
@@ -20,7 +69,7 @@ class Branch(Protocol):
     name: str
     pipelined: bool
     sync_timeout_s: float
-    counters: dict[str, float]
+    counters: LinkCounters
 
     @property
     def lock(self) -> threading.Condition:

@@ -124,9 +124,8 @@ class GrpcTransport(Transport):
 
     def bind(self, branch: Branch) -> None:
         super().bind(branch)
-        branch.counters["sync_port_sessions"] = 0  # sessions opened on a synchronous port
-        branch.counters["polled_answers"] = 0  # synchronous answers that came while polling
-        branch.counters["poll_ms"] = 0.0  # time spent busy-polling for them
+        c = branch.counters  # the counters of this transport's own (LinkCounters)
+        c.sync_port_sessions, c.polled_answers, c.poll_ms = 0, 0, 0.0
 
     def close(self) -> None:
         """The drafter is done: the last one of the LinkSet closes the connections."""
@@ -160,12 +159,12 @@ class GrpcTransport(Transport):
                 self._learn_arrival(call)
             call.sent_at, call.asked = time.monotonic(), self.branch.want
             call.closed = close
-            self.branch.counters["bytes_up"] += len(data) + 5
+            self.branch.counters.bytes_up += len(data) + 5
             return
         out = self._out
         if out is not None:
             msg = protocol.target_to_pb(message)
-            self.branch.counters["bytes_up"] += protocol.message_bytes(msg)
+            self.branch.counters.bytes_up += protocol.message_bytes(msg)
             out.put(msg)
 
     def open(self, session: int, history: list[int]) -> None:
@@ -178,7 +177,7 @@ class GrpcTransport(Transport):
         if not self.branch.active or self._opening:
             return
         if any(link.ready_to_try() for link in self.links):
-            self.branch.counters["reconnects"] += 1
+            self.branch.counters.reconnects += 1
             self.branch.restart()
 
     def useful(self) -> None:
@@ -255,7 +254,7 @@ class GrpcTransport(Transport):
                 self._sync, self._opening = _SyncCall(line, sid, link, epoch), False
                 # a reopened call goes on with the session its first Open began
                 self._sync.reopened = session == self._reopened
-                self.branch.counters["sync_port_sessions"] += not self._sync.reopened
+                self.branch.counters.sync_port_sessions += not self._sync.reopened
                 return True
         with contextlib.suppress(H2Error):
             line.release(sid, closed=False)
@@ -294,7 +293,7 @@ class GrpcTransport(Transport):
             return False
         now = time.monotonic()
         call.answered = True
-        self.branch.counters["bytes_down"] += len(data) + 5
+        self.branch.counters.bytes_down += len(data) + 5
         # The forecast learns after the next verdict is sent (_post): off the critical path.
         if forecast is not None:
             call.arrived = (now, call.asked, window)
@@ -321,8 +320,8 @@ class GrpcTransport(Transport):
         if self.forecast is not None:
             self.forecast.learn(now - call.sent_at, asked)
         if window is not None and now > window[0]:
-            self.branch.counters["polled_answers"] += now <= window[1]
-            self.branch.counters["poll_ms"] += 1000 * (min(now, window[1]) - window[0])
+            self.branch.counters.polled_answers += now <= window[1]
+            self.branch.counters.poll_ms += 1000 * (min(now, window[1]) - window[0])
 
     def _sync_failed(self, call: _SyncCall, reason: str, dropped: bool = False,
                      alone: bool = False, reopen: bool = True) -> None:
@@ -389,7 +388,7 @@ class GrpcTransport(Transport):
             for msg in call:
                 if session != self.branch.session:
                     break
-                self.branch.counters["bytes_down"] += protocol.message_bytes(msg)
+                self.branch.counters.bytes_down += protocol.message_bytes(msg)
                 self._take(session, msg)
             else:
                 if session == self.branch.session:  # the node ended a session we had not closed
@@ -428,14 +427,14 @@ class GrpcTransport(Transport):
         """The session's Open, counted as bytes sent."""
         first = protocol.target_to_pb(self.branch.open_message(history))
         n = protocol.message_bytes(first)
-        self.branch.counters["bytes_up"] += n
-        self.branch.counters["bytes_open"] += n
+        self.branch.counters.bytes_up += n
+        self.branch.counters.bytes_open += n
         return first
 
     def _drop(self, link: Link | None, reason: str, alone: bool = False) -> None:
         """A node that broke the protocol: disconnect it (alone: only this session) and
         back off."""
-        self.branch.counters["dropped_peers"] += 1
+        self.branch.counters.dropped_peers += 1
         log.warning("dropping draft node %s: %s", link.url if link else "?", reason)
         if link is not None:
             link.failed(reason, hostile=True, reconnect=not alone)
