@@ -65,7 +65,7 @@ def test_adaptive_stops_drafting_when_nothing_is_accepted_and_verifying_costs() 
     assert ks[0] >= 1                                   # it starts optimistic
     tail = ks[-64:]
     # Only one-token probes remain, one every `probe_every` rounds.
-    assert max(tail) <= 1 and sum(tail) <= len(tail) // p.probe_every + 1, tail
+    assert max(tail) <= 1 and sum(tail) <= len(tail) // p.params.probe_every + 1, tail
     assert p.acceptance < 0.25
 
 

@@ -110,6 +110,21 @@ class FixedPolicy:
         pass
 
 
+@dataclass(frozen=True, slots=True)
+class AdaptiveParams:
+    """The adaptive policy's hyperparameters (its state is AdaptivePolicy's own fields)."""
+
+    alpha: float = 0.15  # the weight of the newest round in the estimates
+    probe_every: int = 32  # most rounds at k = 0 between probes, before any backoff
+    probe_backoff_max: int = 8  # the most the probe interval is multiplied by
+    #: the most of its time a sequence spends on probes that do not pay (their catch-up)
+    probe_budget: float = 0.01
+    margin: float = 0.2  # how much better plain steps must look to stop drafting early on
+    resume_gain: float = 0.05  # how much better drafting must look to start from plain steps
+    settle: int = 12  # rounds that asked the drafter before the margin is dropped
+    trial_rounds: int = 4  # rounds judged with the margin after a probe whose tokens were kept
+
+
 @dataclass(slots=True)
 class AdaptivePolicy:
     """Online estimates of a round's yield and cost; chooses k by expected throughput.
@@ -122,7 +137,7 @@ class AdaptivePolicy:
     the target's own token, and costs c + d E[D] (drafter: per round and per
     token, fitted as a line) + v0 + v1 E[D] (verification, also a line).
 
-    Estimates are exponentially weighted (weight `alpha` for the newest round)
+    Estimates are exponentially weighted (params.alpha for the newest round)
     so that the policy follows a prompt that turns from copying to free text.
     They outlive a request (see PolicyMemory): the costs are the machine's, and
     the last request's acceptance is a better first guess than a fixed prior.
@@ -145,14 +160,13 @@ class AdaptivePolicy:
     whatever the stop rule says, or it would teach nothing; one whose tokens are kept is
     followed by a few rounds judged with the early margin (`trial`), so that the
     drafter's cost is measured on rounds without a catch-up before it is judged.
-    Alone (a batch of one) the policy decides as it did before these were added.
 
     Within a round, a draft model in this process asks keep_drafting before each
     token; the policy calibrates its confidence from what verification kept.
     """
 
     n_max: int
-    alpha: float = 0.15
+    params: AdaptiveParams = AdaptiveParams()
     accepted: float = 1.5  # pseudo-counts: start optimistic (a = 0.75), learn fast
     rejected: float = 0.5
     continued: float = 4.0  # drafted tokens, and rounds the drafter ended early (g = 0.9)
@@ -167,19 +181,11 @@ class AdaptivePolicy:
     #: what a stretch of plain steps made the drafter redo: seconds, over skipped tokens
     catch_up_s: float = 0.0
     catch_up_tokens: float = 0.0
-    probe_every: int = 32  # most rounds at k = 0 between probes, before any backoff
     probe_backoff: int = 1  # the interval's multiplier: doubles per probe that did not pay
-    probe_backoff_max: int = 8
     probed: bool = False  # the last round asked was a probe
     probing: bool = False  # the round in progress is a probe
-    #: the most of its time a sequence spends on probes that do not pay (their catch-up)
-    probe_budget: float = 0.01
     idle_s: float = 0.0  # this sequence's share of the plain steps since the last probe
-    margin: float = 0.2  # how much better plain steps must look to stop drafting early on
-    resume_gain: float = 0.05  # how much better drafting must look to start from plain steps
-    settle: int = 12  # rounds that asked the drafter before the margin is dropped
     trial: int = 0  # rounds still judged with the margin after a probe whose tokens were kept
-    trial_rounds: int = 4
     #: probes ask for 2 tokens at least: a drafter that measures its draft without the
     #: catch-up (steady_s, a lockstep draft model) needs a second decode for it
     probing_measures: bool = False
@@ -332,7 +338,7 @@ class AdaptivePolicy:
         # loaded machine one fast verification can flatten the fitted curve, and a
         # useless drafter's few-percent "gain" is then noise that costs real rounds.
         if best_k > 0 and (not self.warm or self.probed) and \
-                rates[best_k] < rates[0] * (1.0 + self.resume_gain):
+                rates[best_k] < rates[0] * (1.0 + self.params.resume_gain):
             best_k = 0
         if best_k > 0:
             self.idle_rounds, self.idle_s = 0, 0.0
@@ -346,9 +352,9 @@ class AdaptivePolicy:
         # a drafter none of whose tokens was ever kept: a useless one would pay each of
         # those rounds, and a probe soon recovers a merely unlucky one. (In a batch a
         # probe is no start: its outcome is judged without the margin.)
-        early = self.warm and (self.asked_rounds < self.settle and self.kept_any and (
+        early = self.warm and (self.asked_rounds < self.params.settle and self.kept_any and (
             not self.probed or not self.batch_tokens) or self.trial > 0)
-        if early and rates[try_k] * (1.0 + self.margin) >= rates[0]:
+        if early and rates[try_k] * (1.0 + self.params.margin) >= rates[0]:
             self.idle_rounds = 0
             return try_k
         # Probe now and then, or the estimates could never recover: soon when drafting
@@ -357,14 +363,14 @@ class AdaptivePolicy:
         # pure cost; a probe whose tokens are kept resets the interval).
         if self.probed:
             self.probed = False
-            self.probe_backoff = min(2 * self.probe_backoff, self.probe_backoff_max)
+            self.probe_backoff = min(2 * self.probe_backoff, self.params.probe_backoff_max)
         # In a batch the others' tokens dilute the gap; probe by this sequence's own share.
         gap = min(1.0, (1.0 - rates[try_k] / rates[0]) * (1 + self.batch_tokens))
         self.idle_rounds += 1
-        interval = min(self.probe_every, max(2, int(4 * self.probe_every * gap)))
+        interval = min(self.params.probe_every, max(2, int(4 * self.params.probe_every * gap)))
         if self.idle_rounds < interval * self.probe_backoff:
             return 0
-        if self.batch_tokens and self.idle_s * self.probe_budget < self.probe_cost(try_k):
+        if self.batch_tokens and self.idle_s * self.params.probe_budget < self.probe_cost(try_k):
             return 0
         self.idle_rounds, self.idle_s, self.probed = 0, 0.0, True
         self.probing = True
@@ -384,7 +390,7 @@ class AdaptivePolicy:
         round adds to it. steady_s: what the draft would have cost without its catch-up,
         where the drafter measured it (a lockstep draft of 2 tokens or more): a round
         after plain steps, a probe's, then teaches the drafter's cost too."""
-        w = 1.0 - self.alpha
+        w = 1.0 - self.params.alpha
         if confidence:
             self.calibration.learn(confidence, accepted)
         if self.asked:
@@ -417,7 +423,7 @@ class AdaptivePolicy:
         if self.probed and accepted:
             self.probed, self.probe_backoff = False, 1
             if self.batch_tokens:
-                self.trial = self.trial_rounds
+                self.trial = self.params.trial_rounds
         if drafted:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
