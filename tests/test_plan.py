@@ -1,5 +1,5 @@
 """The planning model: Lambert W, the TK-SLT closed form against brute force,
-the modes' arithmetic, the CLI, and the external case from FIELD.md."""
+the modes' arithmetic, the CLI, and the external case of docs/planner.md."""
 
 from __future__ import annotations
 
@@ -219,7 +219,7 @@ def test_verdicts() -> None:
     assert slow.verdict.startswith("speculation would gain nothing measurable")
 
 
-# --------------------------------------------------------------------------- FIELD.md's case
+# ------------------------------------------------------------------- docs/planner.md's case
 
 
 def test_external_case_from_field_md(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,7 +1,7 @@
-"""The previous prompt lookup, kept as bench's `ngram-classic` baseline for before/after.
+"""The plain prompt lookup: bench's `ngram-classic` baseline for the `ngram` drafter.
 
 Longest suffix of 4..1 tokens, its latest occurrence, a full copy up to the asked
-length, no learning, no cache: what `ngram` (ngram.py) did before it learned.
+length, no learning, no cache (drafters/ngram/ adds all three).
 
 When the answer repeats the prompt (renaming variables, refactoring code,
 quoting), the tokens that followed the last occurrence of the current suffix

@@ -1,8 +1,8 @@
 """Measure the planning model's inputs on this machine (`specwire plan --measure`).
 
 `specwire plan` is arithmetic on four figures; guessing them is where a plan
-goes wrong (plan.py's docstring: the verification cost decides the FIELD.md
-case). Here each is measured the way the engine incurs it:
+goes wrong (above all the verification cost: policy/plan.py). Here each is
+measured the way the engine incurs it:
 
 * target tokens/s: plain decoding through the engine (sampling included),
   median over a few prompts of a set;

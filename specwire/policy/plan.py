@@ -8,15 +8,10 @@ instant drafter (`free_bound`). `tkslt_k_star` is the closed form of the
 simple model (verification costs one step, no round trip), through the lower
 branch of Lambert W (`lambert_w`).
 
-The external case in FIELD.md (Qwen3-Coder-480B at 6.60 tokens/s, a 30B-A3B
-draft in the same process, 810 of 1093 drafts accepted, 7.81 tokens/s) is
-worked through in tests/test_plan.py. The model reproduces it (1.16x) with a
-draft of 30 tokens/s and a batch of 8 costing 3 plain steps: an MoE target's
-batch routes its tokens to different experts, so it reads several times the
-weights of one step, and a 30B-A3B draft sharing the box is not cheap
-(L = t_d / t_s = 0.22). With the default, cheap verification the same
-draft would predict 1.4x; the gap is the verification cost, and only a
-measured --verify-cost tells.
+The verification cost decides many plans: an MoE target's batch routes its tokens
+to different experts, so it reads several times the weights of one step, and only a
+measured --verify-cost tells (docs/planner.md; tests/test_plan.py works a published
+MoE case through).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 A synchronous round is one Verdict out and one DraftChunk back, each a dozen
 bytes. Their conversion (domain message to a protobuf object, the object to
 bytes, and back) runs right after a round's wait, when every line of code and
-every object it touches is out of the caches; measured on the sync port it
-cost 25-70 us per message cold (benchmarks/link_timeline.py), as much as the HTTP/2
-layer. These functions write and read the protobuf wire format of those two
-messages directly, as the domain messages (link/messages.py).
+every object it touches is out of the caches, and costs as much as the HTTP/2
+layer (docs/link-hardening.md, measured with benchmarks/link_timeline.py). These
+functions write and read the protobuf wire format of those two messages directly,
+as the domain messages (link/messages.py).
 
 They only take the common shape: a chunk without q or alternates, fields in
 field-number order, each at most once, varints no longer than their type

@@ -2,11 +2,10 @@
 
 llama.cpp keeps a grammar's parse state inside a sampler object: applying it to
 a llama_token_data_array sets the logit of every token the grammar cannot take
-next to -inf, and accepting a token advances the state. Applying it costs about
-0.1 us per candidate but ~35-75 ms over Gemma's whole 262k vocabulary (measured
-on the bundled model, see README), so callers ask about the few best tokens
-first (`allowed` takes any id array) and only fall back to the whole vocabulary
-when none of them fits.
+next to -inf, and accepting a token advances the state. Its cost grows with the
+candidates (a whole 262k vocabulary takes tens of milliseconds), so callers ask
+about the few best tokens first (`allowed` takes any id array) and only fall back
+to the whole vocabulary when none of them fits.
 
 The state only ever advances along tokens that were committed to the output
 (the verifier samples each position from the current state and accepts its own

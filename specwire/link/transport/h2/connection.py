@@ -3,8 +3,8 @@
 Why the synchronous link speaks gRPC's wire format without grpcio: a synchronous
 round is one small message each way, and grpcio passes each one between several
 threads (completion queue, poller, the caller). After the idle wait of a round
-every hand-off is a wake-up of a sleeping thread, and on the machine this was
-built on those wake-ups cost more than the network. h2 is HTTP/2 as a state
+every hand-off is a wake-up of a sleeping thread, and those wake-ups can cost
+more than a LAN's round trip (docs/link-hardening.md). h2 is HTTP/2 as a state
 machine, without I/O or threads: here the thread that needs a message reads the
 socket itself and feeds h2, so a round costs the round trip plus the parsing.
 
@@ -20,7 +20,7 @@ What this module adds to h2, as no protocol library can know it:
   (grpcframe.py also bounds the number of unread messages). The credit for what
   was read is handed to h2 just before the next wait (`_pump`), not as the message
   is read: on both ends that is right after the round's next send, off the round's
-  critical path (h2's window bookkeeping run cold cost about 16 us per round and end);
+  critical path;
 * flood limits on the frames that carry no data (floods.py);
 * gRPC framing and a strictly parsed status (grpcframe.py);
 * a short path for the plain DATA frames that make up a round (datapath.py);

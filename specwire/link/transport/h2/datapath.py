@@ -2,9 +2,8 @@
 
 A synchronous round is one small DATA frame each way. h2 builds a frame object,
 a list of events and two state-machine steps for each, and in Python that is
-most of what a round costs beyond the round trip (measured: about 60 us of CPU
-per frame on each end, four times the rest of the round's handling, and more
-with the cold caches a round runs with after the model has worked).
+most of what a round costs beyond the round trip (docs/link-hardening.md has the
+measurements).
 
 So the common case takes a short path, and h2 stays the authority on
 everything else: a DATA frame with no flags (no END_STREAM, no padding), on a
