@@ -34,7 +34,7 @@ from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Draft, StatelessDrafter
 from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy
 
-#: t_v(n) / t_v(1) measured on the bundled F32 target, one thread (docs/drafting.md)
+#: t_v(n) / t_v(1) measured on the bundled F32 target, one thread (benchmarks/NOTES.md)
 DEFAULT_CURVE = ((1, 1.0), (2, 1.34), (4, 1.7), (8, 2.37), (16, 3.2))
 
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from specwire.drafters.bubble import BubbleWait
 from specwire.policy.throughput import VerifyCurve, expected_tokens
 
-#: the bundled pair on one thread each, quiet machine (docs/drafting.md, issue 16)
+#: the bundled pair on one thread each, quiet machine (benchmarks/NOTES.md)
 DEFAULT_CURVE = "1:1,2:1.52,4:1.69,8:2.55,16:3.13"
 DEFAULT_COSTS = (0.3, 0.2, 0.1, 0.05, 0.02)
 #: the draft's second choice is the target's token after about half the rejections

@@ -2,7 +2,7 @@
 
 The binary is stood in for by a script that prints what llama-speculative-simple
 prints at its end; the real comparison (slow, needs the built binary) is the
-command in docs/drafting.md.
+command in docs/drafting.md and benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
