@@ -22,7 +22,7 @@ from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, DrafterBase, declared
 from specwire.link.transport.base import Transport
 from specwire.sample.sampling import SparseDraft
-from specwire.sample.verify import Verdict, Verifier
+from specwire.sample.verify import Outcome, Verifier
 
 #: How many of the highest token ids are "junk": logits so low that no filter
 #: (top-k 40, top-p, min-p 0.05) and no argmax ever keeps them.
@@ -323,9 +323,9 @@ class AlwaysAcceptVerifier(Verifier):
     """
 
     def verify(self, rows: np.ndarray, history: Sequence[int], draft: Sequence[int],
-               sparse: Sequence[SparseDraft] | None = None) -> Verdict:
+               sparse: Sequence[SparseDraft] | None = None) -> Outcome:
         ctx = [*history, *draft]
-        return Verdict(len(draft), self.sample(rows[len(draft)], ctx))
+        return Outcome(len(draft), self.sample(rows[len(draft)], ctx))
 
 
 # ------------------------------------------------------------------ reference and statistics

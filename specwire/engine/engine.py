@@ -24,8 +24,8 @@ from specwire.drafters.base import Draft, Drafter, NoDrafter
 from specwire.drafters.bubble import never_wait
 from specwire.drafters.guard import DraftGuard, check_verify_mode
 from specwire.drafters.lockstep import Drafting
+from specwire.engine.round import Round
 from specwire.engine.scheduler import BatchScheduler
-from specwire.engine.sequence import Round
 from specwire.engine.stats import Stats, counter_delta
 from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy, Policy, PolicyMemory
 from specwire.sample.constraints.grammar import Grammar, GrammarSpec

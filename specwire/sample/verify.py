@@ -33,7 +33,7 @@ from specwire.sample.sampling import SparseDraft
 
 
 @dataclass(slots=True, frozen=True)
-class Verdict:
+class Outcome:
     """The outcome of one round: `accepted` draft tokens kept, then `token`."""
 
     accepted: int
@@ -80,7 +80,7 @@ class Verifier:
         history: Sequence[int],
         draft: Sequence[int],
         sparse: Sequence[SparseDraft] | None = None,
-    ) -> Verdict:
+    ) -> Outcome:
         """Decide one round.
 
         rows: (k + 1, V) target logits; row i predicts position len(history) + i,
@@ -98,9 +98,9 @@ class Verifier:
         for i, d in enumerate(draft):
             t = self.sample(rows[i], ctx)
             if t != d:
-                return Verdict(i, t)
+                return Outcome(i, t)
             ctx.append(d)
-        return Verdict(k, self.sample(rows[k], ctx))
+        return Outcome(k, self.sample(rows[k], ctx))
 
     def _rejection(
         self,
@@ -108,7 +108,7 @@ class Verifier:
         history: Sequence[int],
         draft: Sequence[int],
         sparse: Sequence[SparseDraft],
-    ) -> Verdict:
+    ) -> Outcome:
         params, ctx = self.params, list(history)
         allow = self.grammar.allowed if self.grammar is not None else None
         for i, (x, q) in enumerate(zip(draft, sparse, strict=True)):
@@ -125,8 +125,8 @@ class Verifier:
             # rejected, or a token q could not have drawn: the residual's sample
             t = _residual_sample(c.ids, p, q, params.seed, pos)
             self._commit(rows[i], t, recent, allow)
-            return Verdict(i, t)
-        return Verdict(len(draft), self.sample(rows[len(draft)], ctx))
+            return Outcome(i, t)
+        return Outcome(len(draft), self.sample(rows[len(draft)], ctx))
 
 
 def _prob_of(ids: np.ndarray, probs: np.ndarray, token: int) -> float:

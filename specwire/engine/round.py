@@ -1,4 +1,4 @@
-"""What a decoding sequence put into the step in progress: its draft, and when."""
+"""One round of a decoding sequence in the step in progress: its draft, and when."""
 
 from __future__ import annotations
 
