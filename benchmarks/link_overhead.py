@@ -70,7 +70,7 @@ def _measure(k: int, rounds: int, port: int, node_cpus: set[int] | None,
         remote = RemoteDrafter([link], target.n_vocab, pipelined=False, sync_timeout_s=5.0)
         remote.timing = True
         if not poll:
-            remote.forecast = None
+            remote.transport.forecast = None
         try:
             with grpc.insecure_channel(url) as channel:
                 echoes = {"ping": _Pinger(channel), "tcp": tcp}

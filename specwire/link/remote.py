@@ -1,8 +1,8 @@
 """The remote drafter: the target's side of the draft link, drafting on a draft node.
 
-BranchDrafter (link/branch.py) keeps the branch and checks every token against the
-history; link/transport/grpc_client.py's GrpcTransport carries its messages. This module
-gives the one to the other and builds the drafter the --draft-url flags name.
+BranchDrafter (link/branch.py) keeps the branch and checks every token
+against the history; link/transport/grpc_client.py's GrpcTransport moves the messages. This
+module joins the two and builds the drafter the --draft-url flags name.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ from specwire.link.alternates import branch_params
 from specwire.link.branch import BranchDrafter
 from specwire.link.transport.channel import Link, LinkSettings
 from specwire.link.transport.channels import LinkSet
-from specwire.link.transport.grpc_client import ArrivalForecast, GrpcTransport
+from specwire.link.transport.grpc_client import GrpcTransport
 from specwire.settings import RemoteSettings
 
 log = logging.getLogger("specwire.remote")
 
 
 class RemoteDrafter(BranchDrafter):
-    """Drafts from a draft node over gRPC; pipelined or synchronous."""
+    """Drafts from a draft node over gRPC; pipelined or synchronous. Its transport also
+    connects the links ahead of the first request (handshake) and reports them (link_state)."""
 
     remote = True
     transport: GrpcTransport
@@ -29,30 +30,10 @@ class RemoteDrafter(BranchDrafter):
                  lookahead: int = 0, sync_timeout_s: float = 1.0) -> None:
         """links: this drafter's own, or a LinkSet shared with the target's other drafters."""
         super().__init__(GrpcTransport(links), n_vocab, pipelined, lookahead, sync_timeout_s)
-        self.shared, self.links = self.transport.shared, self.transport.links
+        t = self.transport
+        self.shared, self.links = t.shared, t.links
+        self.handshake, self.link_state = t.handshake, t.link_state
         self.name = ("remote-pipelined:" if pipelined else "remote-sync:") + self.links[0].url
-
-    @property
-    def forecast(self) -> ArrivalForecast | None:
-        """When synchronous answers should arrive (None: never busy-poll for them)."""
-        return self.transport.forecast
-
-    @forecast.setter
-    def forecast(self, value: ArrivalForecast | None) -> None:
-        self.transport.forecast = value
-
-    def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
-        """Connect every link now (Hello, and the connection its sessions use), so that the
-        first request already drafts.
-
-        Returns, per link, None or why it could not connect; a failed link is retried
-        with backoff once generation starts, as after any failure.
-        """
-        return self.shared.handshake(not self.pipelined, timeout_s)
-
-    def link_state(self) -> dict[str, float]:
-        """For /metrics: 1 if a link is up, per URL."""
-        return self.shared.link_state()
 
     def close(self) -> None:
         """End the session; the last drafter of the LinkSet closes the connections."""
@@ -90,7 +71,7 @@ def make_remote_drafters(urls: list[str], remote: RemoteSettings, target, n: int
                 for _ in range(n)]
     for drafter in drafters:
         if not remote.poll:
-            drafter.forecast = None
+            drafter.transport.forecast = None
         drafter.branches = branch_params(remote.branches)
     errors = drafters[0].handshake()
     fatal = [e for e in errors if e and e.startswith("incompatible")]

@@ -127,6 +127,19 @@ class GrpcTransport(Transport):
         c = branch.counters  # the counters of this transport's own (LinkCounters)
         c.sync_port_sessions, c.polled_answers, c.poll_ms = 0, 0, 0.0
 
+    def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
+        """Connect every link now (Hello, and the connection its sessions use), so that the
+        first request already drafts.
+
+        Returns, per link, None or why it could not connect; a failed link is retried
+        with backoff once generation starts, as after any failure.
+        """
+        return self.shared.handshake(not self.branch.pipelined, timeout_s)
+
+    def link_state(self) -> dict[str, float]:
+        """For /metrics: 1 if a link is up, per URL."""
+        return self.shared.link_state()
+
     def close(self) -> None:
         """The drafter is done: the last one of the LinkSet closes the connections."""
         if not self._closed:
