@@ -1,7 +1,7 @@
 """What the commands hand below them: typed settings built from the command line.
 
-argparse namespaces stay in specwire/commands/ (specwire/commands/settings.py
-and commands/bench.py build these from them); the loader, the remote drafter's
+argparse namespaces stay in specwire/cli/commands/ (specwire/cli/settings.py
+and cli/commands/bench.py build these from them); the loader, the remote drafter's
 factory, the calibration and the benchmark's sweep take these instead, so what
 they depend on is spelt out and a caller without a command line (a test, the
 benchmark) builds them directly.
@@ -46,6 +46,8 @@ class DraftSettings:
     #: with serve -np N, the local draft model's N sequences share one draft context and
     #: draft in lockstep (not with --draft-mode pipelined or --draft-hybrid)
     lockstep: bool = False
+    #: how the command line spells the draft model's flags (-otd, -devd...), for errors
+    flags: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:
@@ -75,6 +77,7 @@ class MeasureSettings:
     prompts: str = "code"
     limit: int = 4
     n_predict: int = 64
+    draft_flags: Mapping[str, str] = field(default_factory=dict)  # as DraftSettings.flags
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,3 +95,4 @@ class BenchSettings:
     llama_server: str | None = None   # http://HOST:PORT for mode llama-server
     shared_cpus: bool = False         # the node and this process share every CPU
     flags: Mapping[str, object] = field(default_factory=dict)  # secrets already masked
+    draft_flags: Mapping[str, str] = field(default_factory=dict)  # as DraftSettings.flags

@@ -20,7 +20,7 @@ CliRun = Callable[..., subprocess.CompletedProcess]
 def run_in_process(*args: str) -> subprocess.CompletedProcess:
     """`specwire ARGS` through specwire.cli.main in this process, answered as subprocess.run
     answers: an error that escapes main (a traceback in a real process) fails the test."""
-    from specwire import cli
+    import specwire.cli.main as cli
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -20,8 +20,9 @@ import numpy as np
 from specwire.backend.base import BackendError
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, DrafterBase, declared
-from specwire.sampling import SparseDraft
-from specwire.verify import Verdict, Verifier
+from specwire.link.transport.base import Transport
+from specwire.sample.sampling import SparseDraft
+from specwire.sample.verify import Outcome, Verifier
 
 #: How many of the highest token ids are "junk": logits so low that no filter
 #: (top-k 40, top-p, min-p 0.05) and no argmax ever keeps them.
@@ -322,9 +323,9 @@ class AlwaysAcceptVerifier(Verifier):
     """
 
     def verify(self, rows: np.ndarray, history: Sequence[int], draft: Sequence[int],
-               sparse: Sequence[SparseDraft] | None = None) -> Verdict:
+               sparse: Sequence[SparseDraft] | None = None) -> Outcome:
         ctx = [*history, *draft]
-        return Verdict(len(draft), self.sample(rows[len(draft)], ctx))
+        return Outcome(len(draft), self.sample(rows[len(draft)], ctx))
 
 
 # ------------------------------------------------------------------ reference and statistics
@@ -405,3 +406,20 @@ def chi_square_limit(df: int) -> float:
     chi-square distribution (mean df, variance 2 df) at these sizes.
     """
     return df + 6.0 * (2.0 * df) ** 0.5 + 10.0
+
+
+class Forward(Transport):
+    """A transport whose hooks are the branch's own `_live`, `_post`, `_open` and `_await`
+    (a test scripts the drafter's end by subclassing BranchDrafter with them)."""
+
+    def live(self) -> bool:
+        return self.branch._live()
+
+    def post(self, msg) -> None:
+        self.branch._post(msg)
+
+    def open(self, session: int, history: list[int]) -> None:
+        self.branch._open(session, history)
+
+    def wait(self, left_s: float) -> None:
+        self.branch._await(left_s)

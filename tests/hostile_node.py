@@ -1,6 +1,6 @@
 """A scripted draft node for tests/test_hostile_peers.py: a real socket speaking HTTP/2
-through h2 (not specwire's own wire/http2.py, so the two are checked against each other),
-with hooks where a script misbehaves.
+through h2 (not specwire's own link/transport/h2/connection.py, so the two are checked
+against each other), with hooks where a script misbehaves.
 
 `hostile_node(target, script)` starts a FakeNode (wire_helpers) for Hello, advertising a
 synchronous port served here; every Session on it plays `script`:
@@ -30,7 +30,7 @@ import h2.exceptions
 import hpack
 from wire_helpers import FakeNode
 
-from specwire.wire import specwire_pb2 as pb
+from specwire.link.transport import specwire_pb2 as pb
 
 FILLER = 0  # the token a scripted answer proposes (verified like any other)
 

@@ -16,10 +16,9 @@ import pytest
 from fakes import FakeBackend, FakeModel
 from test_draftlink import Joined, _wire
 
-from specwire import sampling
-from specwire.cliargs import _branch_count
+from specwire.cli.args import _branch_count
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.alternates import (
+from specwire.link.alternates import (
     BranchParams,
     TopTwo,
     branch_params,
@@ -27,7 +26,7 @@ from specwire.drafters.alternates import (
     top_two,
     worth_branching,
 )
-from specwire.draftlink.messages import (
+from specwire.link.messages import (
     MAX_ALTERNATE_TOKENS,
     MAX_ALTERNATES,
     Alternate,
@@ -36,9 +35,10 @@ from specwire.draftlink.messages import (
     ProtocolError,
     Verdict,
 )
-from specwire.draftlink.rule import take_alternate
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
+from specwire.link.rule import take_alternate
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.sample import sampling
 
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7)
@@ -256,7 +256,7 @@ def test_a_node_that_does_not_branch_and_a_target_that_does_not_ask() -> None:
         if not asks:
             target.branches = None
         sent: list[Chunk] = []
-        real_open = target._open_msg
+        real_open = target.open_message
 
         def old_node_open(history, real_open=real_open, asks=asks):
             o = real_open(history)
@@ -264,9 +264,9 @@ def test_a_node_that_does_not_branch_and_a_target_that_does_not_ask() -> None:
             o.alternates = o.alternate_len = 0  # what a node without the fields reads
             return o
 
-        target._open_msg = old_node_open
-        seen = target._on_chunk
-        target._on_chunk = lambda s, c, seen=seen, sent=sent: (sent.append(c), seen(s, c))[1]
+        target.open_message = old_node_open
+        seen = target.on_chunk
+        target.on_chunk = lambda s, c, seen=seen, sent=sent: (sent.append(c), seen(s, c))[1]
         history = [1, 2, 3, 4]
         target.begin(history, GREEDY, DraftParams(n_max=4, p_min=0.0))
         rng = random.Random(0)
@@ -298,9 +298,9 @@ def test_alternates_for_committed_positions_are_not_kept() -> None:
 
     d = ScriptedDrafter(pipelined=True)
     d.begin(PROMPT, GREEDY, DraftParams(n_max=4, p_min=0.0))
-    d._on_chunk(d.session, Chunk(0, 4, [10, 11], alternates=[Alternate(4, [12, 13])]))
+    d.on_chunk(d.session, Chunk(0, 4, [10, 11], alternates=[Alternate(4, [12, 13])]))
     assert 4 in d._alts
     assert d.propose([*PROMPT, 10, 11], 4).tokens == []
     for _ in range(50):
-        d._on_chunk(d.session, Chunk(0, 6, [], alternates=[Alternate(5, [14, 15])] * 4))
+        d.on_chunk(d.session, Chunk(0, 6, [], alternates=[Alternate(5, [14, 15])] * 4))
     assert d._alts == {}

@@ -15,9 +15,9 @@ import pytest
 from specwire.bench import predict, report
 from specwire.bench.predict import Rounds
 from specwire.bench.runner import Config, PromptRun
-from specwire.commands import plan as plan_cmd
-from specwire.plan import free_bound, plan
-from specwire.throughput import PlanInputs, VerifyCurve, free_rate
+from specwire.cli.commands import plan as plan_cmd
+from specwire.policy.plan import free_bound, plan
+from specwire.policy.throughput import PlanInputs, VerifyCurve, free_rate
 
 # a batch of n costs 1 + 0.25 (n - 1) plain steps
 STEEP = VerifyCurve(((1, 1.0), (2, 1.25), (9, 3.0)), assumed=False)

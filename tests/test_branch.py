@@ -8,11 +8,12 @@ latest verdict, never an empty draft taken from a stale branch's `done`.
 from __future__ import annotations
 
 import pytest
+from fakes import Forward
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.branch import BranchDrafter
-from specwire.draftlink.messages import Chunk, TargetMessage, Verdict
-from specwire.wire import protocol
+from specwire.link.branch import BranchDrafter
+from specwire.link.messages import Chunk, TargetMessage, Verdict
+from specwire.link.transport import protocol
 
 V = 100
 PROMPT = [1, 2, 3, 4]
@@ -22,7 +23,7 @@ class ScriptedDrafter(BranchDrafter):
     """A live session whose chunks arrive, one per wait, from a script."""
 
     def __init__(self, pipelined: bool = False) -> None:
-        super().__init__(V, pipelined=pipelined, sync_timeout_s=0.5)
+        super().__init__(Forward(), V, pipelined=pipelined, sync_timeout_s=0.5)
         self.sent: list[TargetMessage] = []
         self.script: list[Chunk] = []
         self.waits = 0
@@ -34,12 +35,12 @@ class ScriptedDrafter(BranchDrafter):
         self.sent.append(msg)
 
     def _open(self, session: int, history: list[int]) -> None:
-        self.session = session
+        """Nothing to start: the script answers each wait."""
 
     def _await(self, left_s: float) -> None:
         self.waits += 1
         if self.script:
-            self._on_chunk(self.session, self.script.pop(0))
+            self.on_chunk(self.session, self.script.pop(0))
 
 
 def _chunk(gen: int, start: int, tokens: list[int], done: bool = True) -> Chunk:
@@ -91,7 +92,7 @@ def test_a_synchronous_verdict_waits_for_the_next_request_and_carries_its_k() ->
     policy = Steering(0.3)
     d.steer(policy)
     d.begin(PROMPT, SamplingParams(temperature=0.0), DraftParams(n_max=8, p_min=0.75))
-    opened = d._open_msg(list(PROMPT))
+    opened = d.open_message(list(PROMPT))
     assert opened.calibrated and opened.keep_min == pytest.approx(0.3) and opened.want == 8
     d.script = [_chunk(0, 4, [7, 8, 9])]
     assert d.propose([*PROMPT, 7], 3).tokens == [8, 9]         # the answer to Open, behind
@@ -121,4 +122,4 @@ def test_a_synchronous_verdict_waits_for_the_next_request_and_carries_its_k() ->
     assert protocol.target_to_pb(v).verdict.ByteSize() == 5
     assert (v.gen, v.want) == (0, 0)
     d.steer(None)
-    assert not d._open_msg(list(PROMPT)).calibrated
+    assert not d.open_message(list(PROMPT)).calibrated

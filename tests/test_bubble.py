@@ -7,17 +7,17 @@ beats a plain step.
 
 from __future__ import annotations
 
-from fakes import FakeBackend, FakeBatch, FakeModel
+from fakes import FakeBackend, FakeBatch, FakeModel, Forward
 from test_branch import ScriptedDrafter
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.branch import BranchDrafter
 from specwire.drafters.bubble import BubbleWait, never_wait
 from specwire.drafters.hybrid import HybridDrafter
-from specwire.drafters.ngram import NgramDrafter
-from specwire.draftlink.messages import Chunk
-from specwire.engine import Engine
-from specwire.throughput import VerifyTimes, monotone
+from specwire.drafters.ngram.drafter import NgramDrafter
+from specwire.engine.engine import Engine
+from specwire.link.branch import BranchDrafter
+from specwire.link.messages import Chunk
+from specwire.policy.throughput import VerifyTimes, monotone
 
 V = 100
 PROMPT = [1, 2, 3, 4]
@@ -98,11 +98,11 @@ def _rejected_round(d: ScriptedDrafter, bubble: BubbleWait | None) -> list[int]:
     """Open, a draft of [7, 8, 9], the target keeping 7 and then its own 30: gen 0 is dead.
     Then the drafter's timings are `bubble`'s (the scripted round took no time)."""
     d.begin(PROMPT, SamplingParams(temperature=0.0), DraftParams(n_max=4, p_min=0.0))
-    d._on_chunk(d.session, Chunk(0, 4, [7, 8, 9], done=False))
+    d.on_chunk(d.session, Chunk(0, 4, [7, 8, 9], done=False))
     assert d.propose(PROMPT, 4).tokens == [7, 8, 9]
     history = [*PROMPT, 7, 30]
     d.learn(history, 1, 2)
-    assert d.counters["rejections"] == 1
+    assert d.counters.rejections == 1
     d.bubble = bubble
     d.script = [Chunk(1, 6, [40, 41], done=False), Chunk(1, 8, [42, 43], done=False)]
     return history
@@ -113,8 +113,8 @@ def test_a_pipelined_round_waits_for_the_fresh_branch_where_it_pays() -> None:
     history = _rejected_round(d, primed(GPU, per_token=0.1 * STEP))
     draft = d.propose(history, 4)
     assert draft.tokens[:2] == [40, 41] and d.waits >= 1
-    assert d.counters["waited_rounds"] == 1 and d.counters["starved_rounds"] == 0
-    assert d.counters["fresh_branches"] == 1 and d.counters["fresh_first_ms"] > 0.0
+    assert d.counters.waited_rounds == 1 and d.counters.starved_rounds == 0
+    assert d.counters.fresh_branches == 1 and d.counters.fresh_first_ms > 0.0
 
 
 def test_a_pipelined_round_decodes_plainly_where_waiting_does_not_pay() -> None:
@@ -123,14 +123,14 @@ def test_a_pipelined_round_decodes_plainly_where_waiting_does_not_pay() -> None:
         history = _rejected_round(d, bubble)
         assert d.propose(history, 4).tokens == []
         assert d.waits == 0
-        assert d.counters["waited_rounds"] == 0 and d.counters["starved_rounds"] == 1
+        assert d.counters.waited_rounds == 0 and d.counters.starved_rounds == 1
 
 
 def test_never_wait() -> None:
     d = ScriptedDrafter(pipelined=True)
     assert d.bubble is not None
     assert never_wait(d) is d and d.bubble is None
-    assert BranchDrafter(V, pipelined=False).bubble is None
+    assert BranchDrafter(Forward(), V, pipelined=False).bubble is None
     plain = object()
     assert never_wait(plain) is plain
 

@@ -15,7 +15,7 @@ from fakes import FakeBackend, FakeModel, FixedDrafter, RandomDrafter, SpyDrafte
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import CAPABILITIES, Draft, DrafterBase, NoDrafter, declared
 from specwire.drafters.guard import DraftGuard, check_verify_mode
-from specwire.engine import Engine, Request
+from specwire.engine.engine import Engine, Request
 
 REJECTION = DraftParams(mode=VerifyMode.REJECTION)
 SAMPLED = SamplingParams(temperature=0.8, seed=3)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from specwire import chat
 from specwire.config import ConfigError
+from specwire.text import chat
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
@@ -134,7 +134,7 @@ def test_hf_helpers() -> None:
 
 @pytest.mark.slow
 def test_bundled_gemma_falls_back_to_gemma() -> None:
-    from specwire import models
+    from specwire.assets import models
     from specwire.backend.llama import LlamaBackend
     from specwire.config import ModelParams
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specwire import models
+from specwire.assets import models
 from specwire.backend.base import BackendError
 from specwire.backend.llama import check_pair, load_model
 from specwire.config import ModelParams
@@ -104,8 +104,8 @@ def test_draft_node_bad_flags_are_one_clear_line(specwire_cli, args: list[str], 
 
 def test_draft_policy_defaults_to_adaptive() -> None:
     """generate (and serve) pick each round's draft length unless told `fixed`."""
-    from specwire.cli import build_parser
-    from specwire.cliargs import draft_params
+    from specwire.cli.args import draft_params
+    from specwire.cli.main import build_parser
     p = build_parser()
     assert draft_params(p.parse_args(["generate", "x"])).policy == "adaptive"
     fixed = p.parse_args(["generate", "x", "--draft-policy", "fixed"])

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from fakes import FakeModel
 
-from specwire import sampling
 from specwire.config import ConfigError, SamplingParams, VerifyMode
-from specwire.constraints import GrammarSpec, schema_grammar
-from specwire.verify import Verifier
+from specwire.sample import sampling
+from specwire.sample.constraints import GrammarSpec, schema_grammar
+from specwire.sample.verify import Verifier
 
 
 def reference_candidates(row: np.ndarray, params: SamplingParams, mask: np.ndarray) -> list[int]:
@@ -181,7 +181,7 @@ def test_json_schema_errors_name_the_field() -> None:
 
 @pytest.fixture(scope="module")
 def vocab_model():
-    from specwire import models
+    from specwire.assets import models
     from specwire.backend.llama import load_model
     from specwire.config import ModelParams
     return load_model(ModelParams(str(models.default_target())))
@@ -189,7 +189,7 @@ def vocab_model():
 
 @pytest.mark.slow
 def test_llama_cpp_grammar_masks_advances_and_reports_errors(vocab_model) -> None:
-    from specwire.constraints import Grammar
+    from specwire.sample.constraints import Grammar
     g = Grammar.compile(GrammarSpec('root ::= "yes" | "no"'), vocab_model.vocab)
     yes, no, eos = (vocab_model.tokenize("yes", False, False)[0],
                     vocab_model.tokenize("no", False, False)[0], vocab_model.eos)
@@ -232,7 +232,7 @@ class CountingGrammar(ParityGrammar):
 def test_grammar_trail_follows_speculative_histories_and_rolls_back() -> None:
     """A pipelined draft asks about branches the next verdict may cut: the trail keeps a
     state per position and answers for any history from the common prefix."""
-    from specwire.constraints.trail import GrammarTrail
+    from specwire.sample.constraints.trail import GrammarTrail
     CountingGrammar.live = 0
     trail = GrammarTrail(CountingGrammar(), start=3)
     prompt = [9, 9, 9]

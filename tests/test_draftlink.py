@@ -13,12 +13,11 @@ import random
 
 import numpy as np
 import pytest
-from fakes import FakeBackend, FakeModel
+from fakes import FakeBackend, FakeModel, Forward
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.branch import BranchDrafter
-from specwire.drafters.session import DraftSession
-from specwire.draftlink.messages import (
+from specwire.link.branch import BranchDrafter
+from specwire.link.messages import (
     Chunk,
     Close,
     Failure,
@@ -28,10 +27,11 @@ from specwire.draftlink.messages import (
     Verdict,
     pad_sparse,
 )
-from specwire.draftlink.rule import AHEAD, LEFT, PASSED, follow
-from specwire.sampling import SparseDraft
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
+from specwire.link.rule import AHEAD, LEFT, PASSED, follow
+from specwire.link.session import DraftSession
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.sample.sampling import SparseDraft
 
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7)
@@ -197,7 +197,7 @@ class Joined(BranchDrafter):
     message is handled, and answered, before the call returns."""
 
     def __init__(self, backend: FakeBackend, pipelined: bool = False) -> None:
-        super().__init__(backend.n_vocab, pipelined=pipelined, lookahead=6,
+        super().__init__(Forward(), backend.n_vocab, pipelined=pipelined, lookahead=6,
                          sync_timeout_s=0.05)
         self.backend = backend
         self.node: DraftSession | None = None
@@ -222,8 +222,8 @@ class Joined(BranchDrafter):
             self.node._draft_burst()
 
     def _open(self, session: int, history: list[int]) -> None:
-        self.node = DraftSession(self.backend, self._open_msg(history),
-                                 lambda m: self._on_chunk(session, m))
+        self.node = DraftSession(self.backend, self.open_message(history),
+                                 lambda m: self.on_chunk(session, m))
         self.node.announce()
         if self.pipelined:
             self.node._draft_burst()

@@ -26,15 +26,15 @@ from fakes import (
     SpyDrafter,
 )
 
-from specwire import engine as engine_mod
-from specwire import sampling
-from specwire import scheduler as scheduler_mod
 from specwire.backend.base import BackendError
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft
 from specwire.drafters.model import ModelDrafter
-from specwire.drafters.ngram import KEEP, NgramDrafter
-from specwire.engine import Engine, Generation, Request
+from specwire.drafters.ngram.drafter import KEEP, NgramDrafter
+from specwire.engine import engine as engine_mod
+from specwire.engine import scheduler as scheduler_mod
+from specwire.engine.engine import Engine, Generation, Request
+from specwire.sample import sampling
 
 V = 32
 TARGET = FakeModel(n_vocab=V, seed=0)

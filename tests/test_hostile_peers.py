@@ -36,9 +36,9 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
 
 from specwire.config import ConfigError, VerifyMode
 from specwire.drafters.base import Draft, StatelessDrafter
-from specwire.engine import Engine
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire.link import LinkSettings
+from specwire.engine.engine import Engine
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport.channel import LinkSettings
 
 pytestmark = pytest.mark.slow
 
@@ -73,8 +73,8 @@ def _run(target, script: Script, sampling=GREEDY, settle: str | None = None, **d
             got = run_to_end(g, timeout=60)
             elapsed = time.monotonic() - t0
             if settle is not None:
-                wait_for(lambda: rd.counters[settle] > 0, 10, settle)
-            return got, elapsed, dict(rd.counters), g, rd.links[0], port
+                wait_for(lambda: getattr(rd.counters, settle) > 0, 10, settle)
+            return got, elapsed, rd.counters.as_dict(), g, rd.links[0], port
         finally:
             rd.close()
 

@@ -26,18 +26,18 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     target_fixture,
 )
 
-from specwire import engine as engine_mod
-from specwire import sampling
-from specwire import scheduler as scheduler_mod
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters import hybrid as hybrid_mod
 from specwire.drafters import lockstep as lockstep_mod
-from specwire.drafters import ngram as ngram_mod
 from specwire.drafters.base import Draft
 from specwire.drafters.hybrid import HybridDrafter
 from specwire.drafters.model import ModelDrafter
-from specwire.drafters.ngram import KEEP, NgramDrafter
-from specwire.engine import Engine, Request
+from specwire.drafters.ngram import drafter as ngram_mod
+from specwire.drafters.ngram.drafter import KEEP, NgramDrafter
+from specwire.engine import engine as engine_mod
+from specwire.engine import scheduler as scheduler_mod
+from specwire.engine.engine import Engine, Request
+from specwire.sample import sampling
 
 V = 32
 TARGET = FakeModel(n_vocab=V, seed=0)
@@ -180,7 +180,7 @@ def test_a_model_that_works_ahead_is_always_asked_and_told_what_the_history_kept
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_real_pair_local_hybrid_is_token_identical(target, sp) -> None:
-    from specwire import models
+    from specwire.assets import models
     from specwire.backend.llama import LlamaBackend, load_model
     from specwire.config import ModelParams
     p = ModelParams(str(models.default_draft(progress=False)), n_ctx=1024, n_threads=1)

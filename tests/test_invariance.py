@@ -16,15 +16,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specwire import models
+from specwire.assets import models
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.drafters.hybrid import HybridDrafter
 from specwire.drafters.model import ModelDrafter
-from specwire.drafters.ngram import NgramDrafter
+from specwire.drafters.ngram.drafter import NgramDrafter
 from specwire.drafters.random import RandomDrafter
-from specwire.drafters.threaded import ThreadedDrafter
-from specwire.engine import Engine, Request
+from specwire.engine.engine import Engine, Request
+from specwire.link.threaded import ThreadedDrafter
 
 pytestmark = pytest.mark.slow
 PROMPTS = {

@@ -23,13 +23,13 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     target_fixture,
 )
 
-from specwire import models
+from specwire.assets import models
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import ModelParams
-from specwire.drafters import alternates
-from specwire.drafters.alternates import BranchParams
-from specwire.drafters.threaded import ThreadedDrafter
-from specwire.engine import Engine
+from specwire.engine.engine import Engine
+from specwire.link import alternates
+from specwire.link.alternates import BranchParams
+from specwire.link.threaded import ThreadedDrafter
 
 pytestmark = pytest.mark.slow
 

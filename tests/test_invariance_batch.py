@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 from test_invariance import explain_mismatch
 
-from specwire import models
+from specwire.assets import models
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.drafters.model import ModelDrafter
-from specwire.drafters.ngram import NgramDrafter
-from specwire.engine import Engine, Request
+from specwire.drafters.ngram.drafter import NgramDrafter
+from specwire.engine.engine import Engine, Request
 
 pytestmark = pytest.mark.slow
 

@@ -15,16 +15,16 @@ from dataclasses import replace
 
 import pytest
 
-from specwire import models
+from specwire.assets import models
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import DraftParams, ModelParams, SamplingParams
-from specwire.constraints import GrammarSpec, schema_grammar
 from specwire.drafters.model import ModelDrafter
-from specwire.drafters.ngram import NgramDrafter
+from specwire.drafters.ngram.drafter import NgramDrafter
 from specwire.drafters.random import RandomDrafter
-from specwire.drafters.threaded import ThreadedDrafter
-from specwire.engine import Engine, Request
-from specwire.logprobs import LogprobsSpec
+from specwire.engine.engine import Engine, Request
+from specwire.link.threaded import ThreadedDrafter
+from specwire.sample.constraints import GrammarSpec, schema_grammar
+from specwire.sample.logprobs import LogprobsSpec
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from specwire import models
+from specwire.assets import models
 from specwire.backend import gguf, llama, llama_process
 from specwire.backend.base import BackendError
 

@@ -39,7 +39,7 @@ from wire_helpers import (
 from specwire.backend import kv_state
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import ModelParams
-from specwire.engine import Engine
+from specwire.engine.engine import Engine
 from specwire.node.kv_cache import MIB, KvCache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,7 +267,7 @@ def _drafts(target, url: str, history: list[int]) -> list[list[int]]:
     rd = target.drafter(url, pipelined=False, sync_timeout_s=30.0)
     try:
         rd.begin(history, GREEDY, DraftParams(n_max=6, p_min=0.0))
-        wait_for(rd._live, 10, "the session to open")   # as the target's prefill would
+        wait_for(rd.transport.live, 10, "the session to open")   # as the target's prefill would
         h, out = list(history), []
         for _ in range(3):
             d = rd.propose(h, 6)
@@ -298,7 +298,7 @@ def test_long_history_reaches_the_node_and_the_target_does_not_wait(target, tmp_
         rd = target.drafter(n.url, pipelined=False, sync_timeout_s=5.0)
         try:
             rd.begin(history, GREEDY, DraftParams(n_max=4, p_min=0.0))
-            wait_for(rd._live, 20, "the session to open")   # as the target's prefill would
+            wait_for(rd.transport.live, 20, "the session to open")   # as the target's prefill would
             h = list(history)
             waits = []
             for i in range(20):                   # the target decodes plainly meanwhile
@@ -319,7 +319,7 @@ def test_long_history_reaches_the_node_and_the_target_does_not_wait(target, tmp_
             kept = int(n.log().split("session closes: ")[1].split()[0])
             assert 0 < kept < 32000
             rd.begin(h, GREEDY, DraftParams(n_max=4, p_min=0.0))
-            wait_for(rd._live, 20, "the second session to open")
+            wait_for(rd.transport.live, 20, "the second session to open")
             assert len(rd.propose(h, 4)) == 0
             assert rd.cache_use() == (kept, len(h) - kept)
             rd.end()
@@ -400,7 +400,7 @@ def test_cache_reuse_shifts_a_cached_chunk_into_place(target) -> None:
     (a client trimming its context) keeps the chunk after it, shifted to its new position;
     without --cache-reuse only the common prefix is kept."""
     from specwire.config import DraftParams
-    from specwire.engine import Request
+    from specwire.engine.engine import Request
 
     head = target.tokens(HEADER)
     dropped = target.tokens(" " + TEXTS[1])[1:]
@@ -422,8 +422,8 @@ def test_cache_reuse_shifts_a_cached_chunk_into_place(target) -> None:
 def test_cache_flags_are_refused_with_one_clear_line(specwire_cli) -> None:
     import argparse
 
-    from specwire.cliargs import CliError
-    from specwire.commands import serve
+    from specwire.cli.args import CliError
+    from specwire.cli.commands import serve
     from specwire.server import ServerSettings, schemas
     from specwire.server.errors import ApiError
 
@@ -460,7 +460,7 @@ def test_a_local_draft_model_reports_what_it_reused(target, draft_params, thread
     """A draft model in this process keeps its cache between requests: turn 2 reports
     draft_cache_n covering turn 1's prompt, draft_prompt_n the rest; output is plain's."""
     from specwire.drafters.model import ModelDrafter
-    from specwire.drafters.threaded import ThreadedDrafter
+    from specwire.link.threaded import ThreadedDrafter
 
     backend = LlamaBackend(draft_params, load_model(draft_params))
     drafter = ThreadedDrafter(backend) if threaded else ModelDrafter(backend)

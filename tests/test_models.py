@@ -1,4 +1,4 @@
-"""specwire.models: the bundled-model cache, the quantizer wrapper and `specwire models`.
+"""specwire.assets.models: the bundled-model cache, the quantizer wrapper and `specwire models`.
 
 Tests marked slow use the shared cache (SPECWIRE_HOME, else ~/.cache/specwire),
 prepared once for the whole suite; the others work in tmp_path with fakes, or
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from specwire import models
+from specwire.assets import models
 from specwire.backend.base import BackendError
-from specwire.cliargs import CliError
-from specwire.commands import models as models_cmd
+from specwire.cli.args import CliError
+from specwire.cli.commands import models as models_cmd
 
 MiB = 1 << 20
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.ngram import NgramDrafter
+from specwire.drafters.ngram.drafter import NgramDrafter
 
 SP, DP = SamplingParams(), DraftParams()
 

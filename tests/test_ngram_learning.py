@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.ngram import KEEP, MatchCalibration, NgramDrafter, RoundCost
-from specwire.drafters.ngram_cache import KEY, LookupCache
-from specwire.drafters.ngram_index import HistoryIndex
-from specwire.policy import AdaptivePolicy
+from specwire.drafters.ngram.cache import KEY, LookupCache
+from specwire.drafters.ngram.drafter import KEEP, MatchCalibration, NgramDrafter, RoundCost
+from specwire.drafters.ngram.index import HistoryIndex
+from specwire.policy.adaptive import AdaptivePolicy
 
 SP, DP = SamplingParams(), DraftParams()
 

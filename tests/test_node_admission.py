@@ -20,15 +20,16 @@ import pytest
 from wire_helpers import CODE, GREEDY, Target, draft_model_path, request, run_to_end, wait_for
 
 from specwire.config import ModelParams
-from specwire.engine import Engine
+from specwire.engine.engine import Engine
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport import specwire_pb2_grpc as pbg
+from specwire.link.transport.h2 import server as sync_server
 from specwire.node import kv_cache
 from specwire.node import server as node_mod
 from specwire.node.calibrations import Calibrations
 from specwire.node.server import NodeSettings, RunningNode
 from specwire.server.metrics import parse_figures
-from specwire.wire import protocol, sync_server
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire import specwire_pb2_grpc as pbg
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 0.5
@@ -235,8 +236,8 @@ def test_calibrations_are_bounded_least_recent_first() -> None:
 def test_metrics_port_flag_is_checked() -> None:
     import argparse
 
-    from specwire.cliargs import CliError
-    from specwire.commands import draft
+    from specwire.cli.args import CliError
+    from specwire.cli.commands import draft
 
     parser = argparse.ArgumentParser()
     draft.register(parser.add_subparsers())
@@ -264,8 +265,8 @@ def test_idle_connections_close_and_targets_carry_on(start_node, sync_port) -> N
                 wait_for(lambda: node.sync._slots._value == 4 * 8, 5, "the idle close")
             else:
                 time.sleep(2.0)
-        assert rd.counters["reconnects"] == 0
-        assert rd.counters["sync_port_sessions"] == (2 if sync_port == 0 else 0)
+        assert rd.counters.reconnects == 0
+        assert rd.counters.sync_port_sessions == (2 if sync_port == 0 else 0)
     finally:
         rd.close()
 
@@ -278,7 +279,8 @@ def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
     Open itself fails, or once the Open has left, unread, so that the node's GOAWAY or
     reset ends the call before any answer. The session opens again on a new connection,
     no failure is counted, nothing is logged as down, and the request drafts."""
-    from specwire.wire import http2, linkset
+    from specwire.link.transport import channels as linkset
+    from specwire.link.transport.h2 import connection as http2
 
     crossed: list[bool] = []
     if crossing == "under-open":
@@ -317,8 +319,8 @@ def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
         assert run_to_end(g) == target.plain(prompt, GREEDY, 16)
         assert crossed == [True]                # the crossing did happen
         assert g.stats.draft_n_accepted > 0
-        assert rd.counters["reconnects"] == 0 and rd.links[0].failures == 0
-        assert rd.counters["sync_port_sessions"] == 1
+        assert rd.counters.reconnects == 0 and rd.links[0].failures == 0
+        assert rd.counters.sync_port_sessions == 1
         assert not [r for r in caplog.records if "down" in r.getMessage()]
     finally:
         rd.close()
@@ -328,7 +330,7 @@ def test_a_cancelled_sync_session_ends_alone(start_node, caplog) -> None:
     """A target that cancels a synchronous session (RST_STREAM, as when its request is cut)
     while the node drafts for it: the session ends as after a Close, without an error
     logged, and the same connection carries the next session."""
-    from specwire.wire.http2 import Connection
+    from specwire.link.transport.h2.connection import Connection
 
     node = start_node()
     history = _history(node)

@@ -1,5 +1,5 @@
 """The planning model: Lambert W, the TK-SLT closed form against brute force,
-the modes' arithmetic, the CLI, and the external case from FIELD.md."""
+the modes' arithmetic, the CLI, and the external case of docs/planner.md."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-from specwire.cliargs import CliError
-from specwire.commands import plan as plan_cmd
-from specwire.plan import (
+from specwire.cli.args import CliError
+from specwire.cli.commands import plan as plan_cmd
+from specwire.policy.plan import (
     SEARCH_K_MAX,
     best_k,
     lambert_w,
@@ -22,7 +22,7 @@ from specwire.plan import (
     tkslt_k_star,
     tkslt_speedup,
 )
-from specwire.throughput import (
+from specwire.policy.throughput import (
     PlanInputs,
     VerifyCurve,
     expected_tokens,
@@ -219,7 +219,7 @@ def test_verdicts() -> None:
     assert slow.verdict.startswith("speculation would gain nothing measurable")
 
 
-# --------------------------------------------------------------------------- FIELD.md's case
+# ------------------------------------------------------------------- docs/planner.md's case
 
 
 def test_external_case_from_field_md(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from specwire.policy import (
+from specwire.policy.adaptive import (
     AdaptivePolicy,
     CalibratedStop,
     Calibration,
@@ -20,7 +20,7 @@ from specwire.policy import (
     PolicyMemory,
     make_policy,
 )
-from specwire.throughput import expected_tokens
+from specwire.policy.throughput import expected_tokens
 
 
 @pytest.mark.parametrize("a", [0.0, 0.3, 0.6, 0.9, 0.99])
@@ -65,7 +65,7 @@ def test_adaptive_stops_drafting_when_nothing_is_accepted_and_verifying_costs() 
     assert ks[0] >= 1                                   # it starts optimistic
     tail = ks[-64:]
     # Only one-token probes remain, one every `probe_every` rounds.
-    assert max(tail) <= 1 and sum(tail) <= len(tail) // p.probe_every + 1, tail
+    assert max(tail) <= 1 and sum(tail) <= len(tail) // p.params.probe_every + 1, tail
     assert p.acceptance < 0.25
 
 
@@ -168,7 +168,7 @@ def test_catch_up_work_is_not_charged_to_draft_length() -> None:
 
 def test_line_fit_splits_a_round_cost_into_intercept_and_slope() -> None:
     """y = 3 + 2x recovered from varied x; constant x charges it all to the slope."""
-    from specwire.throughput import LineFit
+    from specwire.policy.throughput import LineFit
     f = LineFit(0.1, guess=1.0, prior=0.0)
     for x in [0, 1, 2, 5, 3, 1, 4] * 5:
         f.add(x, 3 + 2 * x)

@@ -15,8 +15,8 @@ from fakes import FakeBackend, FakeBatch, FakeClock, FakeModel
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.model import ModelDrafter
-from specwire.engine import Engine, Request
-from specwire.policy import AdaptivePolicy
+from specwire.engine.engine import Engine, Request
+from specwire.policy.adaptive import AdaptivePolicy
 
 TARGET = FakeModel(n_vocab=40, seed=0)
 DRAFT = TARGET.perturbed(0.3, seed=5)

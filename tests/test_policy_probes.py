@@ -12,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 
-from specwire.policy import AdaptivePolicy, PolicyMemory
+from specwire.policy.adaptive import AdaptiveParams, AdaptivePolicy, PolicyMemory
 
 
 def _verify(n: int) -> float:
@@ -37,9 +37,9 @@ def test_failed_probes_back_off_to_the_bound() -> None:
     probes = [i for i, k in enumerate(ks) if k and i > 5]    # past the first rounds' drafts
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert all(ks[i] == 1 for i in probes[1:])              # one-token probes
-    assert max(gaps) <= p.probe_every * p.probe_backoff_max
+    assert max(gaps) <= p.params.probe_every * p.params.probe_backoff_max
     assert gaps[-1] >= 4 * gaps[0]
-    flat = AdaptivePolicy(8, probe_backoff_max=1)
+    flat = AdaptivePolicy(8, AdaptiveParams(probe_backoff_max=1))
     tail = sum(1 for k in _drive(flat, 2000, good=False)[-1024:] if k)
     assert 4 * sum(1 for k in ks[-1024:] if k) <= tail
 
@@ -49,8 +49,8 @@ def test_a_drafter_that_turns_useful_is_found_within_the_bound() -> None:
     resets the interval, and drafting resumes."""
     p = AdaptivePolicy(8)
     _drive(p, 2000, good=False)
-    assert p.probe_backoff == p.probe_backoff_max
-    ks = _drive(p, p.probe_every * p.probe_backoff_max + 200, good=True)
+    assert p.probe_backoff == p.params.probe_backoff_max
+    ks = _drive(p, p.params.probe_every * p.params.probe_backoff_max + 200, good=True)
     assert all(k >= 4 for k in ks[-50:])
     assert p.probe_backoff == 1
 
@@ -62,7 +62,7 @@ def test_probe_interval_carries_across_short_requests() -> None:
     p = mem.policy("adaptive", 8)
     _drive(p, 2000, good=False)
     one = copy.deepcopy(p)
-    rounds = 3 * p.probe_every * p.probe_backoff_max
+    rounds = 3 * p.params.probe_every * p.params.probe_backoff_max
     asked = 0
     for _ in range(rounds // 32):                           # 32-round requests
         p = mem.policy("adaptive", 8)
@@ -125,7 +125,7 @@ def test_probes_that_must_catch_up_a_prompt_cost_at_most_their_budget() -> None:
     pols = [PolicyMemory() for _ in range(8)]
     _serve(pols, 10, 150, 64, 0.3, (0.06, 0.002), 0.004, 0.01)     # learn the costs
     speed, drafting, rounds = _serve(pols, 120, 150, 64, 0.3, (0.06, 0.002), 0.004, 0.01)
-    budget = pols[0].policies[("adaptive", 8)].probe_budget
+    budget = pols[0].policies[("adaptive", 8)].params.probe_budget
     assert drafting <= 1.5 * budget and speed >= 1 - 2 * budget
     assert rounds >= 4                                  # it keeps looking
 
@@ -211,6 +211,7 @@ def test_bursts_of_load_do_not_restart_a_useless_drafter() -> None:
     steps only on a clear (5%) expected gain, so such a drafter is asked only at its
     probes."""
     with_gain = [_drive_loaded(AdaptivePolicy(8), 1000, s) for s in range(6)]
-    without = [_drive_loaded(AdaptivePolicy(8, resume_gain=0.0), 1000, s) for s in range(6)]
+    eager = AdaptiveParams(resume_gain=0.0)
+    without = [_drive_loaded(AdaptivePolicy(8, eager), 1000, s) for s in range(6)]
     assert sum(with_gain) < sum(without)
     assert max(with_gain) <= 24

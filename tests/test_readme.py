@@ -14,7 +14,7 @@ each command is treated by what it needs:
   talk to it, and its port is swapped for a free one throughout the block so
   that the test never meets a server already running there.
 
-The docs/ pages' specwire commands get the `--help` check.
+The specwire and benchmarks commands of docs/ and benchmarks/*.md get the `--help` check.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class Command:
         w = self.words
         if w[0] == "specwire":
             return ["specwire", w[1]] if len(w) > 1 and not w[1].startswith("-") else ["specwire"]
-        if len(w) > 2 and w[:2] == ["python", "-m"] and w[2].startswith("specwire"):
+        if len(w) > 2 and w[:2] == ["python", "-m"] and w[2].startswith(("specwire",
+                                                                          "benchmarks.")):
             return w[:3]
         return []
 
@@ -128,7 +129,8 @@ def _help_cases(blocks: list[list[Command]], where: str) -> list:
 
 
 def _docs_blocks() -> list[list[Command]]:
-    return [b for page in sorted((ROOT / "docs").glob("*.md")) for b in bash_blocks(page)]
+    pages = [*sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
+    return [b for page in pages for b in bash_blocks(page)]
 
 
 def _argv(words: list[str]) -> list[str]:

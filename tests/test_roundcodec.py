@@ -1,4 +1,4 @@
-"""wire/roundcodec.py against protobuf: the same bytes out, the same messages in, and
+"""link/transport/roundcodec.py against protobuf: the same bytes out, the same messages in, and
 anything outside its shape left to protobuf."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specwire.draftlink.messages import Alternate, Chunk, ProtocolError, Verdict
-from specwire.sampling import SparseDraft
-from specwire.wire import protocol, roundcodec
-from specwire.wire import specwire_pb2 as pb
+from specwire.link.messages import Alternate, Chunk, ProtocolError, Verdict
+from specwire.link.transport import protocol, roundcodec
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.sample.sampling import SparseDraft
 
 u32 = st.integers(0, 2**32 - 1)
 small = st.one_of(st.integers(0, 300), u32)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from fakes import chi_square, chi_square_limit, reference_probs, tv_distance
 
-from specwire import rng, sampling
 from specwire.config import SamplingParams
+from specwire.sample import rng, sampling
 
 OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
 

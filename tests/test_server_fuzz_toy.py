@@ -21,7 +21,7 @@ from test_server_fuzz import GETS, POSTS, _check, _raw_bodies, bodies, segment
 
 from specwire.config import SamplingParams
 from specwire.drafters.base import NoDrafter
-from specwire.engine import Engine
+from specwire.engine.engine import Engine
 from specwire.server import ServerSettings, create_app
 
 FAST = settings(max_examples=40, derandomize=True, database=None, deadline=None,

@@ -19,7 +19,7 @@ from test_server import SpyDrafter, ToyBackend, _ignore, _metric, _sse, serve_ap
 
 from specwire.backend import llama
 from specwire.config import SamplingParams
-from specwire.engine import Engine
+from specwire.engine.engine import Engine
 from specwire.server import ServerSettings, create_app
 from specwire.server.metrics import parse_figures
 
@@ -179,8 +179,8 @@ def test_metrics_histograms_process_and_python_figures(toy_url) -> None:
 def test_max_body_flag_is_checked() -> None:
     import argparse
 
-    from specwire.cliargs import CliError
-    from specwire.commands import serve
+    from specwire.cli.args import CliError
+    from specwire.cli.commands import serve
 
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from specwire.cli import build_parser
-from specwire.cliargs import CliError
-from specwire.commands.settings import engine_settings, measure_settings
+from specwire.cli.args import CliError
+from specwire.cli.main import build_parser
+from specwire.cli.settings import engine_settings, measure_settings
 from specwire.config import VerifyMode
 from specwire.settings import DraftSettings, RemoteSettings
 
@@ -68,9 +68,9 @@ def test_no_namespace_travels_to_the_loader_the_wire_or_the_calibration() -> Non
     """loader.py, the remote drafter's factory and calibrate.py take typed settings."""
     import inspect
 
-    from specwire import loader
+    from specwire import build as loader
     from specwire.bench import calibrate
-    from specwire.drafters import remote
+    from specwire.link import remote
 
     for module in (loader, calibrate):
         assert "argparse" not in inspect.getsource(module)

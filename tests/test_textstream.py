@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specwire.textstream import TextStream
+from specwire.text.stream import TextStream
 
 TEXT = "naïve café: 3€ — 𝄞 ♫ 日本語 👩‍💻 ok"
 

@@ -8,8 +8,8 @@ import pytest
 
 from specwire.bench.predict import Rounds, fit_acceptance, predict
 from specwire.bench.runner import Config
-from specwire.policy import AdaptivePolicy, FixedPolicy
-from specwire.throughput import (
+from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy
+from specwire.policy.throughput import (
     VERIFY_SLOPE,
     LineFit,
     PlanInputs,
@@ -98,7 +98,7 @@ def _batch_policy() -> AdaptivePolicy:
     p = AdaptivePolicy(8, accepted=600.0, rejected=400.0, continued=1.0, stopped=0.0)
     p.draft = _exact_line([(x, 0.0005 + 0.0005 * x) for x in range(1, 9)])
     p.verify = _exact_line([(x, 0.010 + 0.001 * (x + 1)) for x in range(0, 40, 3)])
-    p.asked_rounds = p.settle
+    p.asked_rounds = p.params.settle
     return p
 
 
@@ -145,7 +145,7 @@ def test_drafting_shrinks_as_the_batch_grows() -> None:
     k never grows with the batch and ends at 0."""
     p = _Curved(8, accepted=800.0, rejected=200.0, continued=1.0, stopped=0.0)
     p.draft = _exact_line([(x, 0.0002 * x) for x in range(1, 9)])
-    p.asked_rounds = p.settle
+    p.asked_rounds = p.params.settle
     ks = [p.choose(8, batch_tokens=b) for b in (0, 4, 8, 16, 32, 63)]
     assert ks == sorted(ks, reverse=True)
     assert ks[0] > 0 and ks[-1] == 0

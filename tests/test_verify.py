@@ -33,13 +33,13 @@ from fakes import (
     tv_distance,
 )
 
-from specwire import engine as engine_mod
-from specwire import rng, sampling
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.model import ModelDrafter
-from specwire.engine import Engine, Request
-from specwire.sampling import SparseDraft
-from specwire.verify import Verdict, Verifier
+from specwire.engine import engine as engine_mod
+from specwire.engine.engine import Engine, Request
+from specwire.sample import rng, sampling
+from specwire.sample.sampling import SparseDraft
+from specwire.sample.verify import Outcome, Verifier
 
 V = 10
 P_ROW = np.array([2.0, 1.6, 1.1, 0.9, 0.2, -0.5, -1.0, -3.0, 0.5, 1.3], dtype=np.float32)
@@ -72,10 +72,10 @@ def _onehot_rows(argmaxes: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("argmaxes", "draft", "verdict"), [
-    ([4, 7, 2, 9], [4, 7, 1], Verdict(2, 2)),      # mismatch at 2: recovered = argmax
-    ([4, 7, 2, 9], [5, 7, 2], Verdict(0, 4)),      # first token wrong: nothing kept
-    ([4, 7, 2, 9], [4, 7, 2], Verdict(3, 9)),      # all kept: bonus from the last row
-    ([6], [], Verdict(0, 6)),                       # empty draft: a plain step
+    ([4, 7, 2, 9], [4, 7, 1], Outcome(2, 2)),      # mismatch at 2: recovered = argmax
+    ([4, 7, 2, 9], [5, 7, 2], Outcome(0, 4)),      # first token wrong: nothing kept
+    ([4, 7, 2, 9], [4, 7, 2], Outcome(3, 9)),      # all kept: bonus from the last row
+    ([6], [], Outcome(0, 6)),                       # empty draft: a plain step
 ])
 def test_greedy_keeps_the_longest_argmax_prefix(argmaxes, draft, verdict) -> None:
     """Greedy: kept = longest prefix equal to the argmaxes; then the target's argmax."""
@@ -94,7 +94,7 @@ def test_greedy_matches_its_definition_on_random_rows() -> None:
         n = 0
         while n < k and draft[n] == best[n]:
             n += 1
-        want = Verdict(n, int(best[n]))
+        want = Outcome(n, int(best[n]))
         assert Verifier(GREEDY, VerifyMode.COUPLED).verify(rows, [0], draft) == want
         assert Verifier(GREEDY, VerifyMode.REJECTION).verify(rows, [0], draft) == want
 
@@ -108,7 +108,7 @@ def test_verify_penalises_repeats_of_the_drafted_tokens() -> None:
     p = SamplingParams(temperature=0.0, repeat_penalty=4.0, repeat_last_n=8)
     rows = _rows([0, 0, 5, 0, 0, 0, 0, 0, 0, 0], [0, 0, 3.0, 2.5, 0, 0, 0, 0, 0, 0],
                  [0] * V)
-    assert Verifier(p, VerifyMode.GREEDY).verify(rows, [7], [2, 2]) == Verdict(1, 3)
+    assert Verifier(p, VerifyMode.GREEDY).verify(rows, [7], [2, 2]) == Outcome(1, 3)
 
 
 # ----------------------------------------------------------------------------------- coupled

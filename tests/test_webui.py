@@ -14,14 +14,14 @@ import httpx
 import pytest
 from test_server import ToyBackend, serve_app
 
-from specwire.cli import build_parser
+from specwire.cli.main import build_parser
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.ngram import NgramDrafter
-from specwire.engine import Engine
+from specwire.drafters.ngram.drafter import NgramDrafter
+from specwire.engine.engine import Engine
+from specwire.engine.stats import Stats
 from specwire.server import ServerSettings, create_app
 from specwire.server.metrics import Metrics
 from specwire.server.webui.exposition import Exposition
-from specwire.stats import Stats
 
 KEY = "page-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -143,8 +143,8 @@ def test_no_webui_means_404() -> None:
 def test_an_unreachable_draft_node_shows_down_with_its_error() -> None:
     from test_server import _free_port
 
-    from specwire.drafters.remote import RemoteDrafter
-    from specwire.wire.link import Link, LinkSettings
+    from specwire.link.remote import RemoteDrafter
+    from specwire.link.transport.channel import Link, LinkSettings
 
     url = f"127.0.0.1:{_free_port()}"           # nothing listens there
     link = Link(url, LinkSettings(connect_timeout_s=0.5), "toy", 128, "toy.gguf")

@@ -55,7 +55,7 @@ def _wait_listening(proc: subprocess.Popen, port: int, log, timeout: float = 120
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    from specwire import models
+    from specwire.assets import models
     models.default_target()
     models.default_draft()
     node_port, port = _free_port(), _free_port()

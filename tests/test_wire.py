@@ -50,20 +50,19 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
 )
 
 from specwire.backend.llama import LlamaBackend
-from specwire.cliargs import CliError
-from specwire.config import DraftParams, ModelParams, SamplingParams
+from specwire.bench.netemu import LinkEmulator
+from specwire.config import ConfigError, DraftParams, ModelParams, SamplingParams
 from specwire.drafters.model import ModelDrafter
-from specwire.drafters.remote import make_remote_drafter
-from specwire.draftlink.messages import Chunk
-from specwire.engine import Engine
-from specwire.netemu import LinkEmulator
+from specwire.engine.engine import Engine
+from specwire.link.messages import Chunk
+from specwire.link.remote import make_remote_drafter
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport import specwire_pb2_grpc as pbg
+from specwire.link.transport.channel import LinkError, LinkSettings
+from specwire.link.transport.h2.connection import Connection, H2Error
+from specwire.link.transport.protocol import ProtocolError
 from specwire.settings import RemoteSettings
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.http2 import Connection, H2Error
-from specwire.wire.link import LinkError, LinkSettings
-from specwire.wire.protocol import ProtocolError
 
 V = 262144          # the bundled Gemma vocabulary; only the pure checks below use it
 FAST_RETRY = LinkSettings(backoff_min_s=0.01, backoff_max_s=0.05)
@@ -82,7 +81,7 @@ def _dc(**kw) -> pb.DraftChunk:
 
 
 def check_chunk(m: pb.DraftChunk, n_vocab: int, max_position: int) -> Chunk:
-    """What a target does with a chunk off the wire: convert it (wire/protocol.py), then
+    """What a target does with a chunk off the wire: convert it (link/transport/protocol.py), then
     check it against its vocabulary and history (BranchDrafter._on_chunk)."""
     c = protocol.chunk_from_pb(m)
     c.check(n_vocab, max_position)
@@ -320,7 +319,7 @@ def _drafts_like_plain(target, url: str, pipelined: bool, settings: LinkSettings
         g = Engine(target.backend, rd).generate(request(target.tokens(CODE), 40, GREEDY, 4))
         assert run_to_end(g) == ref(target, GREEDY, 40)
         assert g.stats.draft_n_accepted > 0 and rd.links[0].up
-        assert rd.counters["sync_port_sessions"] == (0 if pipelined else 1)
+        assert rd.counters.sync_port_sessions == (0 if pipelined else 1)
     finally:
         rd.close()
 
@@ -355,8 +354,8 @@ def test_output_equals_plain_decoding_over_the_link(target, node, pipelined, sam
                 accepted += g.stats.draft_n_accepted
             assert drafted > 0 and accepted > 0
             assert emu.bytes_down > 0 and emu.bytes_up > 0     # it went through the emulator
-            assert rd.counters["dropped_peers"] == 0
-            assert rd.counters["sync_port_sessions"] == (0 if pipelined else len(RUNS))
+            assert rd.counters.dropped_peers == 0
+            assert rd.counters.sync_port_sessions == (0 if pipelined else len(RUNS))
         finally:
             rd.close()
 
@@ -429,8 +428,8 @@ def test_rejection_mode_over_the_link(target, tmp_path, pipelined) -> None:
             assert len(a) == len(b) == n and all(0 <= t < target.n_vocab for t in a + b)
             assert st.draft_n > 0 and st.draft_n_accepted > 0
             if not pipelined:
-                assert a == b and rd.counters["sync_port_sessions"] == 2
-            assert rd.counters["dropped_peers"] == 0
+                assert a == b and rd.counters.sync_port_sessions == 2
+            assert rd.counters.dropped_peers == 0
         finally:
             rd.close()
 
@@ -477,21 +476,21 @@ def test_node_killed_mid_generation_then_restarted(target, node, pipelined) -> N
         assert run_to_end(g, on_step=_kill_once(node, 6, state)) == want
         assert state.get("killed_at", n) < n - 8, "the node was not killed mid-generation"
         assert not node.alive and not rd.links[0].up
-        assert rd.counters["dropped_peers"] == 0        # a dead node is not a hostile one
+        assert rd.counters.dropped_peers == 0        # a dead node is not a hostile one
         wait_for(lambda: _request_readers() <= before, 5, "the failed call's threads to end")
 
         node.start()
-        chunks = rd.counters["chunks"]
+        chunks = rd.counters.chunks
 
         def patient(g) -> None:                         # give the channel time to come back
-            if rd.counters["chunks"] == chunks and len(g.tokens) < 12:
+            if rd.counters.chunks == chunks and len(g.tokens) < 12:
                 time.sleep(0.25)
 
         g2 = Engine(target.backend, rd).generate(request(prompt, 24, GREEDY, 4))
         assert run_to_end(g2, on_step=patient) == want[:24]
-        assert rd.counters["reconnects"] >= 1
-        assert rd.counters["sync_port_sessions"] >= (0 if pipelined else 2)
-        assert rd.counters["chunks"] > chunks
+        assert rd.counters.reconnects >= 1
+        assert rd.counters.sync_port_sessions >= (0 if pipelined else 2)
+        assert rd.counters.chunks > chunks
         assert g2.stats.draft_n > 0 and g2.stats.draft_n_accepted > 0
         assert rd.links[0].up
     finally:
@@ -513,22 +512,22 @@ def test_stalled_node_costs_at_most_one_deadline(target, node, pipelined) -> Non
         state: dict = {}
 
         def on_step(g) -> None:
-            if "at" not in state and len(g.tokens) >= 4 and rd.counters["chunks"] > 0:
+            if "at" not in state and len(g.tokens) >= 4 and rd.counters.chunks > 0:
                 emu.blackhole = True
                 state.update(at=len(g.tokens), rounds=g.stats.rounds,
-                             wait_ms=rd.counters["wait_ms"])
+                             wait_ms=rd.counters.wait_ms)
         try:
             g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4))
             assert run_to_end(g, on_step=on_step) == want
             assert "at" in state, "the link was never stalled"
             rounds_stalled = g.stats.rounds - state["rounds"]
-            waited_ms = rd.counters["wait_ms"] - state["wait_ms"]
+            waited_ms = rd.counters.wait_ms - state["wait_ms"]
             assert rounds_stalled >= 5, state
             detail = f"{waited_ms:.0f} ms waited over {rounds_stalled} stalled rounds"
             if pipelined:
                 assert waited_ms < deadline_ms, detail
             else:
-                assert rd.counters["sync_timeouts"] >= 1, detail
+                assert rd.counters.sync_timeouts >= 1, detail
                 assert waited_ms < deadline_ms * min(4, rounds_stalled - 1), detail
         finally:
             emu.blackhole = False
@@ -598,7 +597,7 @@ def test_malformed_frames_drop_the_peer_and_leave_the_output_alone(target) -> No
 
         def in_step(g) -> None:      # each opened session must be answered before going on
             k = min(len(fake.sessions), len(violations))
-            wait_for(lambda: rd.counters["dropped_peers"] >= k, 10,
+            wait_for(lambda: rd.counters.dropped_peers >= k, 10,
                      f"the drop of {violations[k - 1][0]!r}")
             wait_for(lambda: all(s["ended"] for s in fake.sessions[:k]), 10, "the stream's end")
 
@@ -607,7 +606,7 @@ def test_malformed_frames_drop_the_peer_and_leave_the_output_alone(target) -> No
             assert run_to_end(g, on_step=in_step) == want
             served = [s["script"] for s in fake.sessions]
             assert served[:len(violations)] == list(range(len(violations))), served
-            assert rd.counters["dropped_peers"] == len(violations)
+            assert rd.counters.dropped_peers == len(violations)
         finally:
             rd.close()
 
@@ -676,8 +675,8 @@ def test_fake_node_drafts_are_verified(target, kind) -> None:
             else:
                 assert g.stats.draft_n_accepted == 0
             if kind == "stale":
-                assert rd.counters["stale_chunks"] > 0
-            assert rd.counters["dropped_peers"] == 0 and rd.counters["sync_timeouts"] == 0
+                assert rd.counters.stale_chunks > 0
+            assert rd.counters.dropped_peers == 0 and rd.counters.sync_timeouts == 0
             assert len(fake.sessions) == 1
         finally:
             rd.close()
@@ -693,7 +692,7 @@ def test_incompatible_node_is_refused_at_connect(target) -> None:
             asyncio.run(link.connect())
         assert target.backend.name in str(e.value) and "llama-2-7b-draft.gguf" in str(e.value)
         assert "32000" in str(e.value) and not link.up and not link.ready_to_try()
-        with pytest.raises(CliError, match="incompatible models") as e:
+        with pytest.raises(ConfigError, match="incompatible models") as e:
             make_remote_drafter([fake.url], RemoteSettings(pipelined=True), target.backend)
         assert target.backend.name in str(e.value) and "llama-2-7b-draft.gguf" in str(e.value)
     other = protocol.PROTOCOL_VERSION + 1
@@ -871,7 +870,7 @@ def test_adaptive_sync_drafts_stop_on_the_node_and_keep_the_output(target, node,
         for turn in range(2):
             g = engine.generate(request(prompt, n, sampling, 16, policy="adaptive"))
             assert run_to_end(g) == ref(target, sampling, n)
-            assert rd.counters["dropped_peers"] == 0
+            assert rd.counters.dropped_peers == 0
             # a fresh policy drafts; a second request drafts as far as the timings say
             assert g.stats.draft_n > 0 or turn > 0
     finally:
@@ -940,7 +939,7 @@ def test_two_targets_draft_from_one_node_at_once(target, node) -> None:
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 def test_bytes_per_drafted_token(target, node, pipelined, record_property) -> None:
     """Greedy over the link: bytes received from the node per token it drafted stay within
-    the planning model's 16 bytes (specwire.throughput.DEFAULT_DRAFT_BYTES).
+    the planning model's 16 bytes (specwire.policy.throughput.DEFAULT_DRAFT_BYTES).
 
     A pipelined node drafts past the verdicts, so some of its tokens are cut before they
     are verified; bytes per *verified* draft token (draft_n) is recorded beside it.
@@ -950,12 +949,12 @@ def test_bytes_per_drafted_token(target, node, pipelined, record_property) -> No
     try:
         g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 8))
         assert run_to_end(g) == ref(target, GREEDY, n)
-        drafted = rd.counters["tokens_received"]
-        per_token = rd.counters["bytes_down"] / max(1, drafted)
-        per_verified = rd.counters["bytes_down"] / max(1, g.stats.draft_n)
+        drafted = rd.counters.tokens_received
+        per_token = rd.counters.bytes_down / max(1, drafted)
+        per_verified = rd.counters.bytes_down / max(1, g.stats.draft_n)
         record_property("bytes_per_drafted_token", per_token)
         record_property("bytes_per_verified_draft_token", per_verified)
-        print(f"bytes_down {rd.counters['bytes_down']}, drafted {drafted}, draft_n "
+        print(f"bytes_down {rd.counters.bytes_down}, drafted {drafted}, draft_n "
               f"{g.stats.draft_n}: {per_token:.1f} bytes per drafted token, "
               f"{per_verified:.1f} per verified one")
         assert g.stats.draft_n > 0 and drafted >= g.stats.draft_n
@@ -978,7 +977,7 @@ def test_bytes_both_ways_per_round(target, node, record_property) -> None:
     try:
         g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4, p_min=0.0))
         assert run_to_end(g) == ref(target, GREEDY, n)
-        c = rd.counters
+        c = rd.counters.as_dict()
         drafted, rounds = c["tokens_received"], c["chunks"]
         framing = (c["bytes_up"] - c["bytes_open"] + c["bytes_down"] - 3 * drafted) / rounds
         both = (c["bytes_up"] - c["bytes_open"] + c["bytes_down"]) / drafted
@@ -1003,8 +1002,8 @@ def test_node_reports_its_drafting_time_only_when_asked(target, node, timing) ->
         g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4))
         assert run_to_end(g) == ref(target, GREEDY, n)
         elapsed_ms = 1000 * (time.perf_counter() - t0)
-        busy = rd.counters["node_busy_ms"]
-        assert rd.counters["chunks"] > 0
+        busy = rd.counters.node_busy_ms
+        assert rd.counters.chunks > 0
         if timing:
             assert 0 < busy < elapsed_ms
         else:
@@ -1055,7 +1054,7 @@ def test_unreachable_sync_port_falls_back_to_the_main_port(target, node) -> None
         try:
             g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4))
             assert run_to_end(g) == ref(target, GREEDY, n)
-            assert g.stats.draft_n_accepted > 0 and rd.counters["sync_port_sessions"] == 0
+            assert g.stats.draft_n_accepted > 0 and rd.counters.sync_port_sessions == 0
             assert emu.bytes_down > 0
         finally:
             rd.close()
@@ -1118,8 +1117,8 @@ def test_hostile_sync_port_cannot_change_the_output(target, reply) -> None:
                 g = Engine(target.backend, rd).generate(
                     request(target.tokens(CODE), 12, GREEDY, 4))
                 assert run_to_end(g) == ref(target, GREEDY, 12)
-                assert rd.counters["sync_port_sessions"] >= 1
-                assert rd.counters["dropped_peers"] + rd.counters["reconnects"] >= 1
+                assert rd.counters.sync_port_sessions >= 1
+                assert rd.counters.dropped_peers + rd.counters.reconnects >= 1
                 assert g.stats.draft_n_accepted == 0
             finally:
                 rd.close()

@@ -33,14 +33,14 @@ import grpc
 import pytest
 
 from specwire.backend.llama import LlamaBackend
+from specwire.bench.netemu import LinkEmulator
 from specwire.config import DraftParams, ModelParams, SamplingParams
-from specwire.drafters.remote import RemoteDrafter
-from specwire.engine import Engine, Generation, Request
-from specwire.netemu import LinkEmulator
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.link import Link, LinkSettings
+from specwire.engine.engine import Engine, Generation, Request
+from specwire.link.remote import RemoteDrafter
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport import specwire_pb2_grpc as pbg
+from specwire.link.transport.channel import Link, LinkSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 N_CTX = 1024
@@ -73,7 +73,7 @@ class Target:
     """The target backend plus cached plain-decoding references."""
 
     def __init__(self) -> None:
-        from specwire import models
+        from specwire.assets import models
         self.path = str(models.default_target(progress=False))
         self.backend = LlamaBackend(ModelParams(self.path, n_ctx=N_CTX, n_threads=1))
         self.n_vocab = self.backend.n_vocab
@@ -145,7 +145,7 @@ def run_to_end(gen: Generation, timeout: float = 120.0,
 
 
 def draft_model_path() -> str:
-    from specwire import models
+    from specwire.assets import models
     return str(models.default_draft(progress=False))
 
 

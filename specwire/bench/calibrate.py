@@ -1,8 +1,8 @@
 """Measure the planning model's inputs on this machine (`specwire plan --measure`).
 
 `specwire plan` is arithmetic on four figures; guessing them is where a plan
-goes wrong (plan.py's docstring: the verification cost decides the FIELD.md
-case). Here each is measured the way the engine incurs it:
+goes wrong (above all the verification cost: policy/plan.py). Here each is
+measured the way the engine incurs it:
 
 * target tokens/s: plain decoding through the engine (sampling included),
   median over a few prompts of a set;
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from specwire.policy.throughput import VerifyCurve
 from specwire.settings import MeasureSettings
-from specwire.throughput import VerifyCurve
 
 VERIFY_SIZES = (1, 2, 4, 8, 16)
 DRAFT_TOKENS = 32
@@ -113,23 +113,21 @@ def measure(s: MeasureSettings) -> Measurement:
     from specwire.backend.placement import check
     from specwire.bench import prompts as prompt_sets
     from specwire.bench.runner import Config, Workload, run_config
-    from specwire.cliargs import CliError
-    from specwire.cliplacement import draft_flag_names
-    from specwire.config import DraftParams, SamplingParams
+    from specwire.config import ConfigError, DraftParams, SamplingParams
     from specwire.drafters.model import ModelDrafter
-    from specwire.engine import Engine
+    from specwire.engine.engine import Engine
 
     tparams, dparams = s.target, s.draft
     try:
         plist = prompt_sets.resolve(s.prompts, s.limit)
         check(tparams.placement)                        # both, before either loads
-        check(dparams.placement, draft_flag_names())
+        check(dparams.placement, dict(s.draft_flags))
         target = LlamaBackend(tparams)
-        dmodel = load_model(dparams, draft_flag_names())
+        dmodel = load_model(dparams, dict(s.draft_flags))
         check_pair(target.model, dmodel)
         draft = LlamaBackend(dparams, dmodel)
     except (BackendError, prompt_sets.PromptError) as e:
-        raise CliError(str(e)) from None
+        raise ConfigError(str(e)) from None
     tokens = [prompt_sets.tokenize(p, target) for p in plist]
     work = Workload(plist, tokens, SamplingParams(temperature=0.0), DraftParams(),
                     n_predict=s.n_predict)

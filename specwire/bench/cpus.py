@@ -5,7 +5,7 @@ box the scheduler instead moves every thread freely, so a gRPC thread of the
 target wakes up on the core where the draft node computes (and the other way
 round). On this 2-core VM a Python thread's wake-up measured about 110 us on
 its own core and 280 us across busy cores, and a gRPC round makes several;
-bench/link_overhead.py measures the link both ways (--shared-cpus), and the
+benchmarks/link_overhead.py measures the link both ways (--shared-cpus), and the
 split came out 0.3-0.5 ms a round cheaper in most runs, within the noise in some.
 Remote benchmark modes therefore run with the target process on the first half
 of the CPUs and the draft node on the second half; in-process modes keep all.

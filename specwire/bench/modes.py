@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from specwire.bench import cpus
+from specwire.bench.netemu import LinkEmulator
 from specwire.bench.runner import Config
-from specwire.cliargs import CliError
-from specwire.cliplacement import draft_flag_names
+from specwire.config import ConfigError
 from specwire.drafters.base import declared
-from specwire.netemu import LinkEmulator
 from specwire.settings import BenchSettings
 
 MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
@@ -60,11 +59,11 @@ def parse_modes(text: str) -> list[str]:
         if not m:
             continue
         if m not in MODES:
-            raise CliError(f"--modes: unknown mode {m!r}; known: {', '.join(MODES)}")
+            raise ConfigError(f"--modes: unknown mode {m!r}; known: {', '.join(MODES)}")
         if m not in modes:
             modes.append(m)
     if not modes:
-        raise CliError("--modes: no mode given")
+        raise ConfigError("--modes: no mode given")
     return modes
 
 
@@ -85,7 +84,7 @@ class DraftNode:
         self.sync_port = 0  # its synchronous port, 0 if none
 
     def start(self, timeout_s: float = NODE_START_TIMEOUT_S) -> str:
-        """Start and wait until it listens; return HOST:PORT. CliError with its log if not."""
+        """Start and wait until it listens; return HOST:PORT. ConfigError with its log if not."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
@@ -102,11 +101,11 @@ class DraftNode:
                 self.sync_port = int(sync.group(1)) if sync else 0
                 return self.address
             if self.proc.poll() is not None:
-                raise CliError(f"the draft node exited with status {self.proc.returncode} "
+                raise ConfigError(f"the draft node exited with status {self.proc.returncode} "
                                f"before listening; its log ({self.log_path}):\n{self._tail()}")
             time.sleep(0.05)
         self.stop()
-        raise CliError(f"the draft node did not listen within {timeout_s:.0f} s; "
+        raise ConfigError(f"the draft node did not listen within {timeout_s:.0f} s; "
                        f"its log ({self.log_path}):\n{self._tail()}")
 
     def stop(self) -> None:
@@ -179,13 +178,13 @@ class Drafters:
             from specwire.backend.llama import LlamaBackend, check_pair, load_model
             params = self.bench.draft
             if params is None:
-                raise CliError("no draft model for a mode that runs one")
+                raise ConfigError("no draft model for a mode that runs one")
             try:
-                model = load_model(params, draft_flag_names())
+                model = load_model(params, dict(self.bench.draft_flags))
                 check_pair(self.target.model, model)
                 self._draft_backend = LlamaBackend(params, model)
             except BackendError as e:
-                raise CliError(str(e)) from None
+                raise ConfigError(str(e)) from None
         return self._draft_backend
 
     @contextlib.contextmanager
@@ -221,8 +220,8 @@ class Drafters:
             from specwire.drafters.model import ModelDrafter
             return ModelDrafter(self.draft_backend())
         if mode == "local-pipelined":
-            from specwire.drafters.alternates import branch_params
-            from specwire.drafters.threaded import ThreadedDrafter
+            from specwire.link.alternates import branch_params
+            from specwire.link.threaded import ThreadedDrafter
             drafter = ThreadedDrafter(self.draft_backend())
             drafter.branches = branch_params(self.bench.remote.branches)
             return drafter
@@ -232,7 +231,7 @@ class Drafters:
             from specwire.drafters.model import ModelDrafter
             return self._hybrid(cfg, ModelDrafter(self.draft_backend()))
         if mode == "ngram-classic":
-            from specwire.drafters.ngram_classic import ClassicNgramDrafter
+            from specwire.bench.baselines import ClassicNgramDrafter
             return ClassicNgramDrafter()
         if mode == "random":
             from specwire.drafters.random import RandomDrafter
@@ -241,7 +240,7 @@ class Drafters:
         return NoDrafter()
 
     def _ngram(self, cfg: Config) -> Any:
-        from specwire.drafters.ngram import MatchCalibration, NgramDrafter, RoundCost
+        from specwire.drafters.ngram.drafter import MatchCalibration, NgramDrafter, RoundCost
         calibration, cost = self._ngram_memory.setdefault(cfg.label(),
                                                           (MatchCalibration(), RoundCost()))
         return NgramDrafter(cache=None, calibration=calibration, cost=cost)
@@ -253,13 +252,14 @@ class Drafters:
 
     def _remote(self, emu: LinkEmulator, pipelined: bool) -> Any:
         """A fresh Link + RemoteDrafter through the emulator, handshake done."""
-        from specwire.drafters.remote import make_remote_drafter
+        from specwire.link.remote import make_remote_drafter
         opts = dataclasses.replace(self.bench.remote, pipelined=pipelined)
         drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
         link = drafter.links[0]
         if not link.up:
             drafter.close()
-            raise CliError(f"draft node unreachable through the link emulator: {link.last_error}")
+            raise ConfigError("draft node unreachable through the link emulator: "
+                              f"{link.last_error}")
         return drafter
 
     def _llama_server(self, emu: LinkEmulator) -> Any:
@@ -291,7 +291,7 @@ class Drafters:
         if url is None:
             draft = self.bench.draft
             if draft is None:
-                raise CliError("no draft model for a draft node to run")
+                raise ConfigError("no draft model for a draft node to run")
             node = self.stack.enter_context(DraftNode(
                 node_argv(self.bench.node_flags, draft.path), self.out_dir / "draft-node.log",
                 self._split[1] if self._split else None))
@@ -303,7 +303,7 @@ class Drafters:
     def _llama_server_address(self) -> tuple[str, int]:
         u = urllib.parse.urlsplit(self.bench.llama_server or "")
         if u.scheme != "http" or not u.hostname:
-            raise CliError("--llama-server: expected http://HOST:PORT (needed by mode "
+            raise ConfigError("--llama-server: expected http://HOST:PORT (needed by mode "
                            "llama-server)")
         return u.hostname, u.port or 80
 
@@ -319,6 +319,6 @@ def stop_emulator(emu: LinkEmulator) -> None:
 def split_host_port(text: str, flag: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise CliError(f"{flag}: expected HOST:PORT, got {text!r}")
+        raise ConfigError(f"{flag}: expected HOST:PORT, got {text!r}")
     return host.strip("[]"), int(port)
 

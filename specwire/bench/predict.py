@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from specwire.bench.modes import MODEL_MODES
 from specwire.bench.runner import Config
-from specwire.plan import free_bound
-from specwire.throughput import (
+from specwire.policy.plan import free_bound
+from specwire.policy.throughput import (
     PlanInputs,
     RateFn,
     VerifyCurve,
@@ -190,7 +190,7 @@ def bound(cfg: Config, plain_tps: float, rounds: Rounds, verify: VerifyCurve | N
     Where rejected rounds were not counted (older results), the a fitted to the tokens
     kept per drafting round at the mean length drafted, as `predict` feeds the plan:
     that fit moves with the mix of draft lengths (a pipelined drafter's drafts are short
-    after a rejection), by 0.04 either way in the runs of docs/drafting.md section 5,
+    after a rejection), by 0.04 either way in the runs of benchmarks/NOTES.md section 5,
     which moved the bound by 15%. Both are reported: `acceptance_fit`, `share_fit`.
     None for plain decoding, a configuration that never drafted, or no verification curve.
     """

@@ -115,8 +115,8 @@ def _str_field(obj: dict, key: str, where: str, default: str) -> str:
 
 def _messages(value: Any, where: str) -> tuple[dict, ...]:
     """Checked with the server's rules, so a chat that bench accepts serve accepts too."""
-    from specwire.chat import normalize_messages
     from specwire.config import ConfigError
+    from specwire.text.chat import normalize_messages
     try:
         return tuple(normalize_messages(value))
     except ConfigError as e:
@@ -143,7 +143,7 @@ def _check_unique(prompts: list[Prompt]) -> None:
 def tokenize(prompt: Prompt, target: Any, chat_template: str | None = None) -> list[int]:
     """Token ids as `generate` would feed them: BOS for text, the template's own for chats."""
     if prompt.messages is not None:
-        from specwire.chat import render_for
+        from specwire.text.chat import render_for
         text = render_for(target, list(prompt.messages), chat_template)
         return target.tokenize(text, add_special=False, parse_special=True)
     return target.tokenize(prompt.text, add_special=True, parse_special=False)

@@ -29,8 +29,7 @@ from specwire.bench.runner import (
     run_prompt,
     warm_up,
 )
-from specwire.cliargs import CliError
-from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.settings import BenchSettings
 
 
@@ -79,12 +78,11 @@ def run(s: Settings, bench: BenchSettings, sampling: SamplingParams,
     from specwire.backend.base import BackendError
     from specwire.backend.llama import LlamaBackend
     from specwire.backend.placement import check
-    from specwire.cliplacement import draft_flag_names
 
     try:
         plist = resolve(s.prompts, s.limit)
     except PromptError as e:
-        raise CliError(str(e)) from None
+        raise ConfigError(str(e)) from None
     cfgs = configurations(s)
     s.out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
@@ -92,10 +90,10 @@ def run(s: Settings, bench: BenchSettings, sampling: SamplingParams,
         try:
             check(bench.target.placement)                    # both, before either loads
             if bench.draft is not None:
-                check(bench.draft.placement, draft_flag_names())
+                check(bench.draft.placement, dict(bench.draft_flags))
             target = LlamaBackend(bench.target)
         except BackendError as e:
-            raise CliError(str(e)) from None
+            raise ConfigError(str(e)) from None
         work = _workload(plist, target, bench, s, sampling, draft)
         drafters = Drafters(bench, target, s.out, stack)
         calib = _calibrate(cfgs, target, drafters, work)
@@ -117,13 +115,13 @@ def _workload(plist: list[Prompt], target: Any, bench: BenchSettings, s: Setting
         try:
             toks = tokenize(p, target, s.chat_template)
         except ConfigError as e:
-            raise CliError(f"{p.source}: {e}") from None
+            raise ConfigError(f"{p.source}: {e}") from None
         tokens.append(toks)
     work = Workload(plist, tokens, sampling, draft, s.n_predict, s.ignore_eos)
     n_ctx = min(target.n_ctx, bench.draft.n_ctx if bench.draft else target.n_ctx)
     for i, p in enumerate(plist):
         if len(tokens[i]) + work.budget(i) + 1 > n_ctx:
-            raise CliError(f"{p.source}: prompt ({len(tokens[i])} tokens) plus "
+            raise ConfigError(f"{p.source}: prompt ({len(tokens[i])} tokens) plus "
                            f"{work.budget(i)} new tokens exceed the context {n_ctx} (-c)")
     return work
 
@@ -145,8 +143,8 @@ def _run_all(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload
              stack: contextlib.ExitStack) -> list[list[PromptRun]]:
     from tqdm import tqdm
 
-    from specwire.engine import Engine
-    from specwire.policy import PolicyMemory
+    from specwire.engine.engine import Engine
+    from specwire.policy.adaptive import PolicyMemory
     bar = tqdm(total=len(cfgs) * len(work.prompts), unit="prompt", disable=not s.progress,
                dynamic_ncols=True, file=sys.stderr)
     stack.callback(bar.close)

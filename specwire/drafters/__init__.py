@@ -2,5 +2,6 @@
 
 One module per way of drafting (a draft model in this process, n-gram lookup, a
 remote node, a llama-server, their hybrid and wrappers), so the engine loop is
-the same whatever drafts; imports go one way, drafters -> draftlink and wire.
+the same whatever drafts. The two ends of a remote session and their transport are
+specwire/link/; drafters/ imports nothing of it.
 """

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.sampling import SparseDraft
+from specwire.sample.sampling import SparseDraft
 
 if TYPE_CHECKING:
     from specwire.backend.base import Backend
-    from specwire.constraints.grammar import GrammarSpec
+    from specwire.sample.constraints.grammar import GrammarSpec
 
 
 @dataclass(slots=True)

@@ -20,14 +20,10 @@ for that m when it beats not waiting by `margin` tokens; if the tokens are late
 it verifies what came by the deadline.
 
 Where verifying a few more tokens costs about a plain step (a GPU), a wait of a
-round trip and a few draft tokens pays; on a CPU target whose batch of 9 costs
-2.4 plain steps (the bundled pair on one thread) it does not: a plain step
-yields a token while the drafter drafts, and this rule then never waits.
-
-It waits only for batch sizes it has seen a round of: a wait priced on the
-assumed slope (a GPU's) would, on a CPU target, bet on a batch costing 1.4
-plain steps that costs 1.9 (the first rounds of a request, when only plain steps
-have been timed, waited for 4-5 tokens this way).
+round trip and a few draft tokens pays; on a CPU target whose small batches cost
+several plain steps it does not, and this rule then never waits. It waits only
+for batch sizes it has seen a round of, so that a wait is never priced on the
+assumed (GPU-like) slope alone (docs/drafting.md).
 
 Waiting changes which tokens are verified, never the output: lossless.
 """
@@ -36,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specwire.throughput import LineFit, VerifyTimes, expected_tokens
+from specwire.policy.throughput import LineFit, VerifyTimes, expected_tokens
 
 #: Rounds and arrivals seen before waiting is considered: the first estimates are guesses.
 MIN_ROUNDS = 4

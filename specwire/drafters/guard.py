@@ -27,7 +27,7 @@ import numpy as np
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, Drafter, declared
 from specwire.drafters.lockstep import Drafting
-from specwire.sampling import SparseDraft
+from specwire.sample.sampling import SparseDraft
 
 log = logging.getLogger("specwire.engine")
 

@@ -1,48 +1,21 @@
 """An n-gram lookup and a draft model together: each round, the draft worth more.
 
 On code rewriting a lookup copies long stretches the model would draft token by
-token; on prose the lookup rarely matches and the model wins. A server need not
-choose: each round the hybrid values both candidates as expected tokens per
-second of the round and verifies the better one.
+token; on prose the lookup rarely matches and the model wins. Each round the
+hybrid values both candidates as expected tokens per second of the round and
+verifies the better one:
 
     n-gram:  (1 + E_ng) / t_v(n)            E_ng from its calibrated per-token keeps
     model:   (1 + E_m) / (t_d(k) + t_v(k))  E_m = a + ... + a^k, a learnt online
 
-t_v (seconds from handing out a draft of n tokens to hearing the verdict) and
-t_d (seconds the model's propose took for k tokens) are lines fitted online,
-and a is the model's acceptance, learnt from the tokens that followed each of
-its drafts (also when the n-gram's draft was verified instead).
-
-A model in this process drafts only when asked, so it is asked only when its
-candidate is worth more by those estimates: a good match skips its drafting
-time, and with no match a plain step (1 / t_v(0)) is taken instead when the
-model's rate is below it, its rate then being the lower of the estimate and what
-its verified rounds yielded (tokens over drafting and verification seconds).
-Once it has drafted, its time is spent: its draft and the match are compared on
-verification alone. Its cost counts what it must catch up on first: the
-tokens added since it was last asked (n-gram rounds, plain steps), which it
-evaluates before drafting, at a per-token cost measured apart from t_d, so
-that a run of n-gram rounds makes the model dearer, not its t_d noisier. A
-model judged not worth it is still asked now and then (after PROBE_EVERY plain
-steps, twice as many after each probe that did not make it worth it again, up
-to PROBE_MAX), so that its estimates can recover; a probe asks it for
-PROBE_TOKENS tokens only, to cost little to verify.
-A drafter that works ahead (a remote node, a thread) costs the target
-nothing to ask, so it is always asked and its draft compared as it is; the
-lookup then runs on the target while the node drafts, and the node is told
-how many of its tokens the history kept, as if its draft had been verified.
-
-Steered by the adaptive policy, the hybrid has the policy ask for the most
-tokens (as the lookup alone does) and makes every round's call itself: draft
-or not, which candidate. The policy's chain model, fitted over both kinds of
-rounds, chose plain steps where a match was worth taking (on prose, most
-rounds). Both drafts stop at the policy's per-token threshold, the lookup's
-without the drafting time per token (LookupStop): it takes none.
-
-Choosing with foresight (the verdicts known) would give at most 1.10x the
-n-gram alone on the shipped sets with the bundled pair, and verifying both
-candidates as two branches of one decode, where that would pay, under 2% more
-(docs/drafting.md, `python -m specwire.bench.hybrid_replay`): not built.
+t_v (verification) and t_d (the model's drafting) are lines fitted online, a the
+model's acceptance. A model in this process is asked only when its candidate is
+worth more (or, to keep its estimates fresh, as a short probe now and then), its
+cost including the tokens it must catch up on; a drafter that works ahead (a node,
+a thread) costs nothing to ask and is always asked. Under the adaptive policy the
+hybrid makes each round's call itself and both drafts stop at the policy's
+per-token threshold. docs/drafting.md has the reasoning and the measurements
+(including why verifying both candidates in one decode was not built).
 """
 
 from __future__ import annotations
@@ -54,8 +27,8 @@ from dataclasses import dataclass, field
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Draft, Drafter, DrafterBase, declared
 from specwire.drafters.bubble import never_wait
-from specwire.drafters.ngram import NgramDrafter, Offer
-from specwire.throughput import LineFit, draft_line, expected_tokens, verify_line
+from specwire.drafters.ngram.drafter import NgramDrafter, Offer
+from specwire.policy.throughput import LineFit, draft_line, expected_tokens, verify_line
 
 #: Plain steps in a row without asking a model that did not look worth it, at first...
 PROBE_EVERY = 16

@@ -31,7 +31,7 @@ import numpy as np
 
 from specwire.backend.batch import Part
 from specwire.drafters.base import Draft
-from specwire.throughput import LineFit
+from specwire.policy.throughput import LineFit
 
 #: A shared draft decode's assumed cost per token, relative to its fixed part (the prior
 #: of the line fitted to its decodes).

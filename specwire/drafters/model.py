@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from specwire import sampling
 from specwire.backend.base import Backend, reusable_prefix, sync_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
-from specwire.constraints.grammar import Grammar, GrammarSpec
-from specwire.constraints.trail import GrammarTrail
 from specwire.drafters.base import Draft, DrafterBase
 from specwire.drafters.lockstep import Drafting, DraftSteps
+from specwire.sample import sampling
+from specwire.sample.constraints.grammar import Grammar, GrammarSpec
+from specwire.sample.constraints.trail import GrammarTrail
 
 
 class ModelDrafter(DrafterBase):

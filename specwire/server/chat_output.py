@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specwire import reasoning
-from specwire.tools.base import Parsed, ToolCall, ToolFormat
+from specwire.text import reasoning
+from specwire.text.tools.base import Parsed, ToolCall, ToolFormat
 
 
 @dataclass(slots=True)

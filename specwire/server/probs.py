@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from specwire.logprobs import TokenProb
+from specwire.sample.logprobs import TokenProb
 
 Piece = Callable[[int], bytes]
 

@@ -1,0 +1,359 @@
+"""Soak: hours of hostile traffic in minutes, and whether the server stays whole.
+
+`specwire serve` on the bundled pair drafts through a draft node (its own
+process) that is SIGKILLed and restarted every --restart-every seconds, while
+--clients threads send a mix of requests as fast as they are answered:
+
+  complete  /completion or /v1/completions, greedy or seeded, 8-40 tokens
+  chat      /v1/chat/completions
+  cut       a stream read for a few events, then the connection dropped
+  long      a prompt of most of the context (sometimes more: a 400 is expected)
+  bad       a hostile body (invalid JSON, lone surrogates, deep nesting, huge numbers,
+            wrong types, too many stops): a 4xx is expected
+
+What it reports is read from the target's and the node's /metrics
+(prometheus_client): resident memory and open files cold (before any request),
+at the start (after a warm-up: each kind of request once on every slot, so
+that the pages of the weights and of every slot's KV cache, the request
+thread pool and the first request's allocations are in place, as servers are
+measured in the field), after the first interval (one full node restart cycle)
+and at the end; open requests and contexts at the end. Client-side it counts
+answers by status and times each successful request end to end. Goals: no
+5xx, no transport error outside a cut stream, memory growth from the start
+(after warm-up) under 5%, nothing left open at the end; growth from cold and
+from the first interval are reported beside it.
+
+    python -m benchmarks.soak --minutes 10 --clients 8 [--restart-every 60]
+        [--ctx 1024] [-np 2] [--draft-mode auto|sync|pipelined] [--out soak.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from specwire.assets import models
+from specwire.server.metrics import parse_figures
+
+LONG_TEXT = ("The committee met on Tuesday to review the budget, the schedule and the list of "
+             "open questions from the previous meeting. ")
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about rain.",
+           "import numpy as np\n\ndef normalize(x):", "Once upon a time, in a small village,"]
+BAD_BODIES = [b"{not json", b"", b"[1, 2]", b'{"prompt": "\\ud800"}', b"[" * 20_000,
+              b'{"prompt": "hi", "n_predict": ' + b"9" * 5000 + b"}",
+              b'{"prompt": "hi", "top_k": 4294967296}', b'{"prompt": "hi", "temperature": NaN}',
+              b'{"prompt": 5}', b'{"messages": [{"role": "robot", "content": "x"}]}',
+              json.dumps({"prompt": "hi", "stop": ["x"] * 50}).encode(),
+              b'{"prompt": "hi", "seed": 1' + b"0" * 400 + b"}"]
+KINDS = {"complete": 40, "chat": 15, "cut": 15, "long": 10, "bad": 20}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A specwire subprocess whose log goes to a file; started again on the same command."""
+
+    def __init__(self, name: str, args: list[str], banner: str, log_dir: Path) -> None:
+        self.cmd = [sys.executable, "-m", "specwire", *args]
+        self.banner, self.log_path = banner, log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300.0) -> None:
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while self.banner not in self.log()[offset:]:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.cmd} did not start:\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@dataclass(slots=True)
+class Tally:
+    """What the clients saw; one lock for all of them."""
+
+    statuses: Counter = field(default_factory=Counter)       # "kind:status" -> count
+    errors: Counter = field(default_factory=Counter)         # "kind:ExceptionName" -> count
+    latency: dict = field(default_factory=dict)              # kind -> [seconds]
+    five_xx: list = field(default_factory=list)              # the first few, for the report
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, status: int, seconds: float, text: str = "") -> None:
+        with self.lock:
+            self.statuses[f"{kind}:{status}"] += 1
+            if status == 200 and kind not in ("bad", "cut"):
+                self.latency.setdefault(kind, []).append(seconds)
+            if status >= 500 and len(self.five_xx) < 10:
+                self.five_xx.append(f"{kind} {status}: {text[:300]}")
+
+    def error(self, kind: str, e: Exception) -> None:
+        with self.lock:
+            self.errors[f"{kind}:{type(e).__name__}"] += 1
+
+
+class Client(threading.Thread):
+    def __init__(self, index: int, url: str, until: float, tally: Tally, ctx: int) -> None:
+        super().__init__(name=f"soak-client-{index}", daemon=True)
+        self.rng = random.Random(index)
+        self.url, self.until, self.tally, self.ctx = url, until, tally, ctx
+        self.http = httpx.Client(base_url=url, timeout=300)
+
+    def run(self) -> None:
+        kinds, weights = zip(*KINDS.items(), strict=True)
+        while time.monotonic() < self.until:
+            kind = self.rng.choices(kinds, weights)[0]
+            t0 = time.perf_counter()
+            try:
+                status, text = getattr(self, kind)()
+            except httpx.HTTPError as e:
+                self.tally.error(kind, e)
+                time.sleep(0.05)
+                continue
+            self.tally.add(kind, status, time.perf_counter() - t0, text)
+        self.http.close()
+
+    def _sampling(self) -> dict:
+        if self.rng.random() < 0.5:
+            return {"temperature": 0}
+        return {"temperature": 0.8, "seed": self.rng.randrange(1 << 32)}
+
+    def complete(self) -> tuple[int, str]:
+        path = self.rng.choice(["/completion", "/v1/completions"])
+        body = {"prompt": self.rng.choice(PROMPTS), "max_tokens": self.rng.randint(8, 40),
+                **self._sampling()}
+        r = self.http.post(path, json=body)
+        return r.status_code, r.text
+
+    def chat(self) -> tuple[int, str]:
+        body = {"messages": [{"role": "user", "content": self.rng.choice(PROMPTS)}],
+                "max_tokens": self.rng.randint(8, 32), **self._sampling()}
+        r = self.http.post("/v1/chat/completions", json=body)
+        return r.status_code, r.text
+
+    def cut(self) -> tuple[int, str]:
+        body = {"prompt": self.rng.choice(PROMPTS), "n_predict": 200, "stream": True,
+                **self._sampling()}
+        keep = self.rng.randint(1, 6)
+        with self.http.stream("POST", "/completion", json=body) as r:
+            if r.status_code != 200:
+                return r.status_code, r.read().decode(errors="replace")
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= keep:
+                    break
+        return 200, ""       # the connection is dropped mid-stream here
+
+    def long(self) -> tuple[int, str]:
+        # ~25 tokens per sentence: most of the context, or past it one time in five
+        sentences = int(self.ctx * (1.3 if self.rng.random() < 0.2 else 0.6) / 25)
+        body = {"prompt": LONG_TEXT * sentences, "n_predict": 8, **self._sampling()}
+        r = self.http.post("/completion", json=body)
+        return r.status_code, r.text
+
+    def bad(self) -> tuple[int, str]:
+        path = self.rng.choice(["/completion", "/v1/chat/completions", "/tokenize"])
+        r = self.http.post(path, content=self.rng.choice(BAD_BODIES),
+                           headers={"Content-Type": "application/json"})
+        return r.status_code, r.text
+
+
+def _warm_up(url: str, a: argparse.Namespace) -> None:
+    """Each kind of request once per slot, the slots busy at once (answers not counted)."""
+    tally = Tally()
+    clients = [Client(1000 + i, url, 0.0, tally, a.ctx) for i in range(a.parallel)]
+
+    def every_kind(c: Client) -> None:
+        for kind in [*KINDS, "long"]:  # a long prompt may be the one in five past the context
+            with contextlib.suppress(httpx.HTTPError):
+                getattr(c, kind)()
+        c.http.close()
+
+    threads = [threading.Thread(target=every_kind, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+
+
+def _scrape(url: str) -> dict[str, float]:
+    return parse_figures(httpx.get(url + "/metrics", timeout=30).text)
+
+
+def _resources(target: dict[str, float], node: dict[str, float] | None) -> dict:
+    out = {"target_rss_mb": target["process_resident_memory_bytes"] / 2**20,
+           "target_open_fds": target["process_open_fds"],
+           "target_contexts_open": target.get('specwire:contexts_open{side="target"}', 0.0),
+           "requests_processing": target.get("specwire:requests_processing", 0.0),
+           "requests_deferred": target.get("specwire:requests_deferred", 0.0),
+           "draft_tokens": target.get("specwire:draft_tokens_total", 0.0),
+           "draft_tokens_accepted": target.get("specwire:draft_tokens_accepted_total", 0.0)}
+    if node is not None:
+        out |= {"node_rss_mb": node["process_resident_memory_bytes"] / 2**20,
+                "node_open_fds": node["process_open_fds"],
+                "node_contexts_open": node.get('specwire:contexts_open{side="node"}', 0.0),
+                "node_slots_in_use": node.get("specwire:node_slots_in_use", 0.0),
+                "node_sessions_since_restart": node.get(
+                    'specwire:node_calls_total{method="Session"}', 0.0)}
+    return out
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run(a: argparse.Namespace) -> dict:
+    models.default_target()
+    models.default_draft()
+    log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="specwire-soak-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    node_port, sync_port, node_metrics, http_port = (_free_port() for _ in range(4))
+    node = Process("draft-node", ["draft", "--port", str(node_port), "--sync-port",
+                                  str(sync_port), "--metrics-port", str(node_metrics), "-td", "1",
+                                  "-c", str(a.ctx), "--max-sessions", "8"],
+                   f"listening on 127.0.0.1:{node_port}", log_dir)
+    serve = Process("serve", ["serve", "--port", str(http_port), "-t", "1", "-c", str(a.ctx),
+                              "-np", str(a.parallel), "--queue-size", "32", "--draft-url",
+                              f"127.0.0.1:{node_port}", "--draft-mode", a.draft_mode],
+                    f"listening on http://127.0.0.1:{http_port}", log_dir)
+    url, node_url = f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{node_metrics}"
+    node.start()
+    serve.start()
+    report: dict = {"command": " ".join(sys.argv), "minutes": a.minutes, "clients": a.clients,
+                    "restart_every_s": a.restart_every, "ctx": a.ctx, "parallel": a.parallel,
+                    "draft_mode": a.draft_mode, "logs": str(log_dir)}
+    try:
+        report["cold"] = _resources(_scrape(url), _scrape(node_url))
+        _warm_up(url, a)
+        report["start"] = _resources(_scrape(url), _scrape(node_url))
+        tally = Tally()
+        until = time.monotonic() + 60 * a.minutes
+        clients = [Client(i, url, until, tally, a.ctx) for i in range(a.clients)]
+        for c in clients:
+            c.start()
+        restarts, warm, by_interval = 0, None, []
+        next_kill = time.monotonic() + a.restart_every
+        while time.monotonic() < until:
+            time.sleep(min(1.0, max(0.0, until - time.monotonic())))
+            if time.monotonic() >= next_kill and time.monotonic() < until - 5:
+                figures = _resources(_scrape(url), _scrape(node_url))
+                warm = warm or figures   # the end of the first interval
+                by_interval.append(round(figures["target_rss_mb"], 1))
+                node.kill()
+                time.sleep(a.down_s)
+                node.start()
+                restarts += 1
+                next_kill += a.restart_every
+                print(f"[soak] {time.strftime('%H:%M:%S')} node restarted ({restarts}); "
+                      f"answers so far: {sum(tally.statuses.values())}", flush=True)
+        for c in clients:
+            c.join(600)
+        time.sleep(2.0)       # let cancelled streams and closing sessions settle
+        end = _resources(_scrape(url), _scrape(node_url))
+        report |= {"warm": warm, "end": end, "node_restarts": restarts,
+                   "target_rss_mb_before_each_restart": by_interval}
+        report |= _summary(tally, report["cold"], report["start"], warm, end)
+    finally:
+        serve.stop()
+        node.stop()
+    report["target_tracebacks"] = serve.log().count("Traceback")
+    return report
+
+
+def _summary(t: Tally, cold: dict, start: dict, warm: dict | None, end: dict) -> dict:
+    by_status = Counter()
+    for key, n in t.statuses.items():
+        by_status[int(key.rsplit(":", 1)[1])] += n
+    ok = [s for kind, xs in t.latency.items() for s in xs]
+    return {
+        "answers": sum(t.statuses.values()),
+        "served_2xx": sum(n for s, n in by_status.items() if 200 <= s < 300),
+        "status_counts": dict(sorted(t.statuses.items())),
+        "count_5xx": sum(n for s, n in by_status.items() if s >= 500),
+        "first_5xx": t.five_xx,
+        "transport_errors": dict(t.errors),
+        "latency_s": {"p50": _percentile(ok, 0.5), "p99": _percentile(ok, 0.99),
+                      "max": max(ok) if ok else float("nan"), "n": len(ok),
+                      **{f"p99_{k}": _percentile(v, 0.99) for k, v in sorted(t.latency.items())}},
+        "target_rss_growth_pct": 100 * (end["target_rss_mb"] / start["target_rss_mb"] - 1),
+        "target_rss_growth_from_cold_pct": 100 * (end["target_rss_mb"] / cold["target_rss_mb"]
+                                                  - 1),
+        "target_rss_growth_after_first_interval_pct": 100 * (
+            end["target_rss_mb"] / (warm or start)["target_rss_mb"] - 1),
+        "open_at_end": {k: end[k] for k in ("requests_processing", "requests_deferred",
+                                            "node_contexts_open", "node_slots_in_use")},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--restart-every", type=float, default=60.0,
+                   help="seconds between SIGKILLs of the draft node")
+    p.add_argument("--down-s", type=float, default=1.0, help="seconds the node stays dead")
+    p.add_argument("--ctx", type=int, default=1024, help="context size of target and node")
+    p.add_argument("-np", "--parallel", type=int, default=2, help="the server's slots")
+    p.add_argument("--draft-mode", choices=["auto", "sync", "pipelined"], default="auto")
+    p.add_argument("--log-dir", help="where the server's and the node's logs go")
+    p.add_argument("--out", help="write the report as JSON here too")
+    a = p.parse_args(argv)
+    report = run(a)
+    text = json.dumps(report, indent=2, default=float)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    ok = report["count_5xx"] == 0 and report["target_rss_growth_pct"] < 5 and \
+        not any(report["open_at_end"].values())
+    print(f"[soak] {'PASS' if ok else 'FAIL'}: {report['served_2xx']} served, "
+          f"{report['count_5xx']} 5xx, p99 {report['latency_s']['p99']:.2f} s, target RSS "
+          f"{report['target_rss_growth_pct']:+.1f}% from the start after warm-up "
+          f"({report['target_rss_growth_from_cold_pct']:+.1f}% from cold, "
+          f"{report['target_rss_growth_after_first_interval_pct']:+.1f}% after the first "
+          f"interval), open at end "
+          f"{report['open_at_end']}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""A tiny mixture-of-experts GGUF with the bundled Gemma tokenizer, for tests and benches.
+
+The bundled pair is dense; the users this project serves run MoE targets,
+where a verification batch routes its tokens to different experts. This
+builds one that llama.cpp loads as an ordinary `llama` model with experts
+(Mixtral's layout: ffn_gate_inp routing over ffn_{gate,up,down}_exps), small
+enough to build in a second from a fixed seed:
+
+* 4 layers, 4 experts of which 2 are used per token, hidden size 64;
+* the Gemma-3 tokenizer's metadata copied from the bundled GGUF, so that the
+  bundled draft and any Gemma tokenizer pair with it (same vocabulary);
+* random weights, scaled so that the logits spread (std ~4): greedy output
+  wanders over the vocabulary instead of repeating a token, and a quantized
+  copy of the model (its draft, made by llama.cpp's quantizer) agrees with it
+  on most tokens but not all.
+
+Both files live in the models cache under names that carry a hash of the
+recipe, written atomically, so a changed recipe never reads a stale file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specwire.assets import models
+from specwire.backend.base import BackendError
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """The tiny model's shape and seed (part of the cached file's name)."""
+
+    n_layer: int = 4
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 4
+    n_ff: int = 256           # each expert's hidden size
+    n_expert: int = 4
+    n_expert_used: int = 2
+    n_ctx_train: int = 8192
+    logit_std: float = 4.0
+    seed: int = 20251130
+    draft_type: str = "Q5_0"  # the draft: this model through llama.cpp's quantizer
+
+    def key(self) -> str:
+        text = json.dumps({"spec": asdict(self), "builder": 1}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True, slots=True)
+class MoePair:
+    target: Path
+    draft: Path
+
+
+def ensure_moe(spec: MoeSpec = MoeSpec(), progress: bool = False) -> MoePair:
+    """The MoE target (F32 weights, F16 token embedding) and its quantized draft, cached."""
+    folder = models.home()
+    target = folder / f"moe-tiny-{spec.key()}-f32.gguf"
+    draft = folder / f"moe-tiny-{spec.key()}-{spec.draft_type.lower()}.gguf"
+    if target.exists() and draft.exists():
+        return MoePair(target, draft)
+    base = models.ensure_model("base", progress)   # takes the cache's lock itself
+    with models.locked(folder):
+        if not target.exists():
+            with models.atomic_output(target) as tmp:
+                write_moe(tmp, spec, base)
+        if not draft.exists():
+            models.make_draft(target, draft, spec.draft_type, embedding_type=None,
+                              progress=progress)
+    return MoePair(target, draft)
+
+
+def write_moe(path: Path, spec: MoeSpec, tokenizer_from: Path) -> None:
+    """Write the MoE GGUF to `path`, its tokenizer copied from the GGUF `tokenizer_from`."""
+    gguf = _gguf()
+
+    reader = gguf.GGUFReader(tokenizer_from)
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    n_vocab = len(tokens.data)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_name(f"specwire tiny MoE {spec.key()}")
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(spec.n_embd)
+    w.add_block_count(spec.n_layer)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_rope_dimension_count(spec.n_embd // spec.n_head)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(spec.n_expert)
+    w.add_expert_used_count(spec.n_expert_used)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _copy_tokenizer(reader, w)
+    for name, array in _weights(spec, n_vocab):
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _copy_tokenizer(reader, writer) -> None:
+    """Every tokenizer.* key of the source, with its GGUF types."""
+    gguf = _gguf()
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub)
+
+
+def _layout(spec: MoeSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], float | None, type]]:
+    """(name, numpy shape, std or None for ones, dtype) of each tensor, in writing order.
+
+    llama.cpp's naming; numpy shapes are ggml's dims reversed.
+    """
+    d, ff, e = spec.n_embd, spec.n_ff, spec.n_expert
+    kv = d // spec.n_head * spec.n_head_kv
+    f32 = np.float32
+    out: list[tuple[str, tuple[int, ...], float | None, type]] = [
+        ("token_embd.weight", (n_vocab, d), 1.0, np.float16)]
+    for i in range(spec.n_layer):
+        b = f"blk.{i}"
+        out += [
+            (f"{b}.attn_norm.weight", (d,), None, f32),
+            (f"{b}.attn_q.weight", (d, d), d ** -0.5, f32),
+            (f"{b}.attn_k.weight", (kv, d), d ** -0.5, f32),
+            (f"{b}.attn_v.weight", (kv, d), d ** -0.5, f32),
+            (f"{b}.attn_output.weight", (d, d), d ** -0.5, f32),
+            (f"{b}.ffn_norm.weight", (d,), None, f32),
+            (f"{b}.ffn_gate_inp.weight", (e, d), 1.0, f32),
+            (f"{b}.ffn_gate_exps.weight", (e, ff, d), d ** -0.5, f32),
+            (f"{b}.ffn_up_exps.weight", (e, ff, d), d ** -0.5, f32),
+            (f"{b}.ffn_down_exps.weight", (e, d, ff), ff ** -0.5, f32),
+        ]
+    out += [("output_norm.weight", (d,), None, f32),
+            ("output.weight", (n_vocab, d), spec.logit_std * d ** -0.5, f32)]
+    return out
+
+
+def _weights(spec: MoeSpec, n_vocab: int):
+    """(name, array): normal weights from the spec's seed, norms at one."""
+    rng = np.random.default_rng(spec.seed)
+    for name, shape, std, dtype in _layout(spec, n_vocab):
+        if std is None:
+            yield name, np.ones(shape, dtype=np.float32)
+        else:
+            yield name, (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
+
+
+def tensor_names(spec: MoeSpec = MoeSpec()) -> list[str]:
+    """The tensor names the MoE file holds (what an -ot pattern is matched against)."""
+    return [name for name, *_ in _layout(spec, 0)]
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise BackendError("building the MoE test model needs the gguf package "
+                           "(pip install gguf, or specwire[test])") from None
+    return gguf

@@ -1,0 +1,109 @@
+"""Build an Engine from typed settings: target, drafter, compatibility checks.
+
+Shared by generate, serve and bench so that every command resolves the bundled
+defaults, refuses incompatible pairs and picks the drafter the same way. The
+commands build the settings from their flags (specwire/cli/settings.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from specwire.backend.base import Backend, BackendError
+from specwire.config import ConfigError
+from specwire.drafters.base import Drafter, NoDrafter, declared
+from specwire.engine.engine import Engine
+from specwire.settings import DraftSettings, EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+def resolve_target(path: str | None) -> str:
+    if path:
+        return path
+    from specwire.assets import models
+    return str(models.default_target())
+
+
+def resolve_draft(path: str | None) -> str:
+    if path:
+        return path
+    from specwire.assets import models
+    return str(models.default_draft())
+
+
+def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
+    """The target backend plus the drafter the settings ask for.
+
+    n_seq: sequences the target holds in one context (serve -np), each with a drafter of
+    its own (a local draft model: one draft context of n_seq sequences, drafting in
+    lockstep; with --draft-mode pipelined or --draft-hybrid a context per sequence;
+    draft nodes: one connection per node and port, a stream per sequence).
+    Both models' placements are checked (buffer types, devices) before either loads,
+    so a bad -otd does not wait for a big target to load first.
+    """
+    from specwire.backend.llama import LlamaBackend
+    from specwire.backend.placement import check
+    try:
+        check(s.target.placement)
+        if s.draft.model is not None:
+            check(s.draft.model.placement, dict(s.draft.flags))
+        target = LlamaBackend(s.target, n_seq=n_seq)
+        if s.draft.lockstep and n_seq > 1:
+            drafters = lockstep_drafters(s.draft, target, n_seq)
+        elif s.draft.kind == "remote" and not s.draft.hybrid:
+            from specwire.link.remote import make_remote_drafters
+            drafters = make_remote_drafters(list(s.draft.urls), s.draft.remote, target, n_seq)
+        else:
+            drafters = [build_drafter(s.draft, target) for _ in range(n_seq)]
+    except BackendError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return Engine(target, drafters, verify=s.verify)
+    except ConfigError:
+        for drafter in drafters:
+            declared(drafter).close()
+        raise
+
+
+def build_drafter(s: DraftSettings, target: Backend) -> Drafter:
+    if s.hybrid:
+        from specwire.drafters.hybrid import HybridDrafter
+        from specwire.drafters.ngram.drafter import NgramDrafter
+        return HybridDrafter(NgramDrafter(), build_model_drafter(s, target))
+    if s.kind == "none":
+        return NoDrafter()
+    if s.kind == "ngram":
+        from specwire.drafters.ngram.drafter import NgramDrafter
+        return NgramDrafter()
+    return build_model_drafter(s, target)
+
+
+def build_model_drafter(s: DraftSettings, target: Backend) -> Drafter:
+    """A draft model: remote (--draft-url) or in this process (-md or the bundled one)."""
+    if s.kind == "remote":
+        from specwire.link.remote import make_remote_drafter
+        return make_remote_drafter(list(s.urls), s.remote, target)
+    from specwire.backend.llama import LlamaBackend, check_pair, load_model
+    assert s.model is not None  # DraftSettings refuses kind model without one
+    dmodel = load_model(s.model, dict(s.flags))
+    check_pair(target.model, dmodel)
+    backend = LlamaBackend(s.model, dmodel)
+    if s.threaded:
+        from specwire.link.alternates import branch_params
+        from specwire.link.threaded import ThreadedDrafter
+        drafter = ThreadedDrafter(backend)
+        drafter.branches = branch_params(s.branches)
+        return drafter
+    from specwire.drafters.model import ModelDrafter
+    return ModelDrafter(backend)
+
+
+def lockstep_drafters(s: DraftSettings, target: Backend, n_seq: int) -> list[Drafter]:
+    """One draft context of n_seq sequences on the draft's weights, a drafter for each."""
+    from specwire.backend.llama import LlamaBackend, check_pair, load_model
+    from specwire.drafters.model import ModelDrafter
+    assert s.model is not None  # DraftSettings refuses kind model without one
+    dmodel = load_model(s.model, dict(s.flags))
+    check_pair(target.model, dmodel)
+    return ModelDrafter.per_sequence(LlamaBackend(s.model, dmodel, n_seq=n_seq))

@@ -1,0 +1,93 @@
+"""`specwire draft`: serve a small GGUF model as a draft node over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from specwire.cli.args import CliError, add_draft_model_args, draft_model_params
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("draft", help="run a draft node (serves a small model to targets)",
+                       description="Serve a draft model over gRPC so that a target on another "
+                       "machine can use it (specwire generate/serve --draft-url HOST:PORT).")
+    p.add_argument("-m", "--model", help="draft GGUF (default: the bundled Q2_K draft)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=7070)
+    p.add_argument("--sync-port", type=int, default=None,
+                   help="port for synchronous sessions, served without grpcio's thread "
+                   "hand-offs; targets learn it at connect (default: --port + 1; 0: any "
+                   "free port)")
+    p.add_argument("--no-sync-port", action="store_true",
+                   help="serve synchronous sessions on --port like the rest")
+    p.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="close a target's connection (either port) after this long without "
+                   "a call; the target reconnects for its next request without noticing")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context per sequence")
+    p.add_argument("-s", "--seed", type=int, default=None,
+                   help="this node's sampling seed for every session (default: each target's "
+                   "--seed, which couples the draft to the target)")
+    p.add_argument("--max-sessions", type=int, default=8,
+                   help="sequences served at once (Ping streams count too)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus figures on http://HOST:PORT/metrics: open contexts, "
+                   "admitted calls, refusals, memory (0: any free port; default: off)")
+    p.add_argument("-cram", "--cache-ram", type=int, default=8192, metavar="MiB",
+                   help="RAM for the KV caches of finished sessions, reused by the next "
+                   "session that shares their prefix (0: keep none; see docs/memory.md)")
+    p.add_argument("--cache-sessions", type=int, default=32, metavar="N",
+                   help="most finished sessions kept in --cache-ram (least recently used "
+                   "out first)")
+    p.add_argument("--token", default=os.environ.get("SPECWIRE_TOKEN"),
+                   help="shared secret required from targets (env SPECWIRE_TOKEN)")
+    p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
+    p.add_argument("--tls-key", help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
+    add_draft_model_args(p, plain=True)
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    from specwire.backend.base import BackendError
+    from specwire.build import resolve_draft
+    from specwire.node.server import NodeSettings, serve
+
+    if not 0 <= a.port <= 65535:
+        raise CliError(f"--port: must be in 0..65535, got {a.port}")
+    sync_port = None if a.no_sync_port else (
+        a.sync_port if a.sync_port is not None else (a.port + 1 if a.port else 0))
+    if sync_port is not None and not 0 <= sync_port <= 65535:
+        raise CliError(f"--sync-port: must be in 0..65535, got {sync_port}")
+    if sync_port and sync_port == a.port:
+        raise CliError(f"--sync-port: {sync_port} is --port already")
+    if a.metrics_port is not None and not 0 <= a.metrics_port <= 65535:
+        raise CliError(f"--metrics-port: must be in 0..65535, got {a.metrics_port}")
+    if a.max_sessions < 1:
+        raise CliError(f"--max-sessions: must be >= 1, got {a.max_sessions}")
+    if not 1 <= a.idle_timeout <= 86400:
+        raise CliError(f"--idle-timeout: must be in 1..86400 seconds, got {a.idle_timeout:g}")
+    if a.cache_ram < 0:
+        raise CliError(f"--cache-ram: must be >= 0 MiB, got {a.cache_ram}")
+    if a.cache_sessions < 0:
+        raise CliError(f"--cache-sessions: must be >= 0, got {a.cache_sessions}")
+    if bool(a.tls_key) and not a.tls_cert:
+        raise CliError("--tls-key needs --tls-cert")
+    for flag in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(a, flag)
+        if path and not os.path.isfile(path):
+            raise CliError(f"--{flag.replace('_', '-')}: file not found: {path}")
+    a.ctx_size_draft = a.ctx_size_draft or a.ctx_size
+    params = draft_model_params(a, resolve_draft(a.model))
+    settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,
+                            tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
+                            max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
+                            metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
+                            cache_sessions=a.cache_sessions, idle_s=a.idle_timeout)
+    try:
+        serve(settings)
+    except BackendError as e:
+        raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(f"cannot listen on {a.host}:{a.port}: {e}") from None
+    return 0

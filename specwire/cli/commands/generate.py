@@ -1,0 +1,134 @@
+"""`specwire generate`: one completion, streamed, then the speculative statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specwire.cli.args import (
+    CliError,
+    add_model_args,
+    add_sampling_args,
+    draft_params,
+    sampling_params,
+)
+from specwire.config import ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with speculative decoding",
+                       description="Generate a completion with the target model, a draft "
+                       "proposing tokens (bundled pair by default).")
+    p.add_argument("prompt", nargs="?", help="prompt text (or --file / --messages)")
+    p.add_argument("-f", "--file", help="read the prompt from a file")
+    p.add_argument("--messages", help="chat messages as JSON (a list of {role, content}) "
+                   "or @FILE; rendered with the model's chat template")
+    p.add_argument("--chat-template", default=None,
+                   help="template name for a GGUF without one (llama.cpp names)")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def read_prompt(a: argparse.Namespace) -> str | list[dict]:
+    given = [x for x in (a.prompt, a.file, a.messages) if x is not None]
+    if len(given) != 1:
+        raise CliError("give exactly one of: a prompt argument, --file, --messages")
+    if a.file is not None:
+        try:
+            with open(a.file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise CliError(f"--file: cannot read {a.file}: {e.strerror}") from None
+    if a.messages is not None:
+        text = a.messages
+        if text.startswith("@"):
+            try:
+                with open(text[1:], encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise CliError(f"--messages: cannot read {text[1:]}: {e.strerror}") from None
+        try:
+            msgs = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CliError(f"--messages: not valid JSON: {e}") from None
+        if not (isinstance(msgs, list) and msgs
+                and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs)):
+            raise CliError("--messages: expected a non-empty list of {role, content} objects")
+        return msgs
+    return a.prompt
+
+
+def run(a: argparse.Namespace) -> int:
+    from specwire.build import build_engine
+    from specwire.cli.settings import engine_settings
+    from specwire.engine.engine import Request
+    from specwire.text.stream import TextStream
+
+    if a.n_predict < 0:
+        raise CliError(f"-n: must be >= 0, got {a.n_predict}")
+    prompt = read_prompt(a)
+    sp, dp = sampling_params(a), draft_params(a)
+    engine = build_engine(engine_settings(a))
+    target = engine.target
+    if isinstance(prompt, list):
+        from specwire.text.chat import render_for
+        text = render_for(target, prompt, a.chat_template)
+        tokens = target.tokenize(text, add_special=False, parse_special=True)
+    else:
+        tokens = target.tokenize(prompt, add_special=True, parse_special=False)
+    if len(tokens) + a.n_predict > target.n_ctx:
+        raise CliError(f"prompt ({len(tokens)} tokens) plus -n {a.n_predict} exceeds the "
+                       f"context size -c {target.n_ctx}")
+    try:
+        gen = engine.generate(Request(tokens, a.n_predict, sp, dp, a.ignore_eos))
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+    stream = TextStream(target.detokenize)
+    for new in gen:
+        piece = stream.push(new)
+        if not a.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    text = stream.text()
+    st = gen.stats
+    if a.json:
+        print(json.dumps({"tokens": gen.tokens, "text": text, "stop_type": gen.stop_type,
+                          "timings": st.timings(), "stats": st.to_dict(),
+                          "draft": engine.drafter.name}))
+        return 0
+    sys.stdout.write(stream.flush() + "\n")
+    print(format_stats(st, engine.drafter.name), file=sys.stderr)
+    return 0
+
+
+def format_stats(st, drafter: str) -> str:
+    hist = " ".join(f"{i}:{c}" for i, c in enumerate(st.hist) if c)
+    return "\n".join([
+        "",
+        f"drafter          {drafter}",
+        f"prompt           {st.prompt_n} tokens, {st.prompt_ms:.1f} ms, {st.cache_n} cached",
+        *([f"draft prompt     {st.draft_prompt_n} tokens evaluated, {st.draft_cache_n} cached"]
+          if st.draft_cache_n is not None else []),
+        f"generated        {st.predicted_n} tokens, {st.predicted_ms:.1f} ms, "
+        f"{st.predicted_per_second:.2f} tokens/s",
+        f"draft_n          {st.draft_n}",
+        f"draft_n_accepted {st.draft_n_accepted} ({100 * st.acceptance:.1f}%)",
+        f"rounds           {st.rounds}, mean accepted length {st.mean_accepted:.2f}",
+        f"accepted-length histogram  {hist or '-'}",
+        *overhead_line(st),
+    ])
+
+
+def overhead_line(st) -> list[str]:
+    """Share of decoding time spent outside llama.cpp, where target and draft alternate."""
+    if "decode_ms" not in st.drafter and st.draft_n:
+        return []          # the draft runs on its own thread or machine: not additive
+    inside = st.target_decode_ms + st.drafter.get("decode_ms", 0.0)
+    if st.predicted_ms <= 0 or inside <= 0:
+        return []
+    return [f"outside llama.cpp {100 * (1 - inside / st.predicted_ms):.1f}% of decoding time"]

@@ -1,0 +1,218 @@
+"""`specwire plan`: predict whether a draft pays before loading any model.
+
+Takes the figures one can measure separately (plain target speed, draft
+speed, acceptance, link) and prints every mode at its best draft length, the
+TK-SLT closed form and a verdict. The model and its assumptions are in
+specwire/policy/plan.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+from specwire.bench import calibrate
+from specwire.bench.netemu import parse_bandwidth, parse_duration
+from specwire.cli.args import CliError, add_draft_model_args, add_model_args
+from specwire.cli.settings import measure_settings
+from specwire.policy.plan import MODES, Plan, plan
+from specwire.policy.throughput import VERIFY_SLOPE, PlanInputs, VerifyCurve
+
+T = TypeVar("T")
+
+_MODE_NOTES = {
+    "plain": "target alone",
+    "local": "draft in the target's process, one after the other",
+    "synchronous": "remote draft, each waits for the other",
+    "pipelined": "remote draft works ahead while the target verifies",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="predict the speedup of a draft from measured speeds",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--target-tps", metavar="TPS",
+                   help="target's plain decoding speed, tokens/s")
+    p.add_argument("--draft-tps", metavar="TPS",
+                   help="draft model's decoding speed, tokens/s")
+    p.add_argument("--acceptance", metavar="A",
+                   help="per-token acceptance, 0..1 or ACCEPTED/DRAFTED (e.g. 810/1093)")
+    p.add_argument("--rtt", default="1ms",
+                   help="round trip to the draft node (default 1ms; bare number = ms)")
+    p.add_argument("--bandwidth", default="1gbit",
+                   help="link bandwidth, e.g. 1gbit, 100mbit, or 'inf' (default 1gbit)")
+    p.add_argument("--verify-cost", metavar="N:COST,...",
+                   help="target's cost of a batch of N tokens in plain steps, e.g. 1:1,8:1.3 "
+                        f"(default: assumed 1 + {VERIFY_SLOPE:g} (N-1))")
+    p.add_argument("--draft-max", "--spec-draft-n-max", dest="draft_max", default="16",
+                   metavar="K",
+                   help="longest draft to consider (default 16)")
+    p.add_argument("--draft-bytes", default="16", metavar="B",
+                   help="bytes on the wire per drafted token (default 16)")
+    p.add_argument("--verdict-bytes", default="32", metavar="B",
+                   help="bytes on the wire per verdict (default 32)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    add_measure_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    apply_measurement(args)      # --measure fills the figures not given
+    result = plan(inputs_from_args(args))
+    print(json.dumps(result.to_dict(), indent=2) if args.json else render(result))
+    return 0
+
+
+def add_measure_args(p: argparse.ArgumentParser) -> None:
+    """`--measure` and the model flags it needs (generate's names), in their own group."""
+    g = p.add_argument_group("measuring (--measure)")
+    g.add_argument("--measure", action="store_true",
+                   help="measure target/draft speed, verification cost and acceptance on this "
+                   "machine (bundled pair unless -m/-md); flags given explicitly win")
+    g.add_argument("--measure-prompts", default="code", metavar="SET",
+                   help="prompt set(s) for the measurement (default code)")
+    g.add_argument("--measure-limit", type=int, default=4, metavar="N",
+                   help="prompts used from each set (default 4)")
+    g.add_argument("--measure-n", type=int, default=64, metavar="N",
+                   help="tokens generated per prompt (default 64)")
+    g.add_argument("-md", "--model-draft", "--spec-draft-model", dest="model_draft",
+                   help="draft GGUF (default: the bundled Q2_K draft)")
+    add_model_args(p, draft=False)
+    add_draft_model_args(g)
+
+
+def apply_measurement(args: argparse.Namespace) -> None:
+    """Fill the figures `plan` was not given from a measurement (--measure), else insist."""
+    missing = [f for f in ("target_tps", "draft_tps", "acceptance") if getattr(args, f) is None]
+    if not getattr(args, "measure", False):
+        if missing:
+            flags = ", ".join("--" + f.replace("_", "-") for f in missing)
+            raise CliError(f"missing {flags} (or --measure to measure them here)")
+        return
+    m = calibrate.measure(measure_settings(args))
+    print(m.describe(), file=sys.stderr)
+    if args.target_tps is None:
+        args.target_tps = repr(m.target_tps)
+    if args.draft_tps is None:
+        args.draft_tps = repr(m.draft_tps)
+    if args.acceptance is None:
+        args.acceptance = repr(m.acceptance)
+    if args.verify_cost is None:
+        args.verify_cost = ",".join(f"{n}:{c:g}" for n, c in m.verify.points)
+
+
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    """Flags -> PlanInputs; any bad value is a CliError naming its flag."""
+    verify = VerifyCurve()
+    if args.verify_cost:
+        verify = _parsed("--verify-cost", VerifyCurve.parse, args.verify_cost)
+    draft_max = _int("--draft-max", args.draft_max)
+    if not 1 <= draft_max <= 256:
+        raise CliError(f"--draft-max: must be in 1..256, got {draft_max}")
+    return PlanInputs(
+        target_tps=_positive("--target-tps", args.target_tps),
+        draft_tps=_positive("--draft-tps", args.draft_tps),
+        acceptance=_acceptance(args.acceptance),
+        rtt_s=_parsed("--rtt", parse_duration, args.rtt),
+        bandwidth_bps=_bandwidth(args.bandwidth),
+        draft_bytes=_count("--draft-bytes", args.draft_bytes),
+        verdict_bytes=_count("--verdict-bytes", args.verdict_bytes),
+        verify=verify,
+        draft_max=draft_max,
+    )
+
+
+def _parsed(flag: str, fn: Callable[[str], T], text: str) -> T:
+    try:
+        return fn(text)
+    except ValueError as e:
+        raise CliError(f"{flag}: {e}") from None
+
+
+def _positive(flag: str, text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise CliError(f"{flag}: not a number: {text!r}") from None
+    if not 0.0 < x < math.inf:
+        raise CliError(f"{flag}: must be a positive number, got {text!r}")
+    return x
+
+
+def _int(flag: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise CliError(f"{flag}: not an integer: {text!r}") from None
+
+
+def _count(flag: str, text: str) -> int:
+    n = _int(flag, text)
+    if n < 0:
+        raise CliError(f"{flag}: must be >= 0, got {n}")
+    return n
+
+
+def _acceptance(text: str) -> float:
+    """'0.74' or '810/1093' (llama-server's draft_n_accepted / draft_n)."""
+    num, sep, den = text.partition("/")
+    try:
+        a = float(num) / float(den) if sep else float(text)
+    except (ValueError, ZeroDivisionError):
+        raise CliError(f"--acceptance: expected 0..1 or ACCEPTED/DRAFTED, got {text!r}") from None
+    if not 0.0 <= a <= 1.0:
+        raise CliError(f"--acceptance: must be in [0, 1], got {text!r}")
+    return a
+
+
+def _bandwidth(text: str) -> float:
+    if text.strip().lower() in ("inf", "unlimited", "none"):
+        return math.inf
+    bps = _parsed("--bandwidth", parse_bandwidth, text)
+    if not bps > 0.0:
+        raise CliError(f"--bandwidth: must be > 0, got {text!r}")
+    return bps
+
+
+def render(result: Plan) -> str:
+    """The human-readable table."""
+    p, cf = result.inputs, result.closed_form
+    lines = [
+        f"target {p.target_tps:g} tokens/s, draft {p.draft_tps:g} tokens/s, "
+        f"acceptance {p.acceptance:.3f}, RTT {p.rtt_s * 1e3:g} ms, "
+        f"bandwidth {_bits(p.bandwidth_bps)}",
+        f"verify cost: {p.verify.describe()}",
+        "",
+        f"{'mode':<12} {'best k':>6} {'tokens/s':>9} {'speedup':>8} {'of bound':>8}",
+    ]
+    bound = result.bound
+    for name in MODES:
+        m = result.modes[name]
+        share = f"{m.tokens_per_s / bound.tokens_per_s:>8.2f}" if bound else f"{'-':>8}"
+        lines.append(f"{name:<12} {m.k:>6} {m.tokens_per_s:>9.2f} {m.speedup:>7.2f}x {share}"
+                     f"   {_MODE_NOTES[name]}")
+    if bound:
+        lines.append(f"{'bound':<12} {bound.k:>6} {bound.tokens_per_s:>9.2f} "
+                     f"{bound.speedup:>7.2f}x {1.0:>8.2f}   a free, instant drafter with this "
+                     "acceptance (only verification costs)")
+    k_real = "inf" if math.isinf(cf.k_real) else f"{max(cf.k_real, 0.0):.2f}"
+    lines += [
+        "",
+        f"TK-SLT closed form (verify = 1 step, no RTT): L = {cf.cost:.3f}, "
+        f"k* = {cf.k} (real {k_real}), speedup {cf.speedup:.2f}x",
+        f"verdict: {result.verdict}",
+    ]
+    return "\n".join(lines)
+
+
+def _bits(bps: float) -> str:
+    if math.isinf(bps):
+        return "unlimited"
+    for scale, unit in ((1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s"

@@ -1,0 +1,270 @@
+"""Prompt-lookup drafting: no model, just the history (and earlier requests) copying itself.
+
+When the answer repeats the prompt (renaming variables, refactoring code,
+quoting), the tokens that followed the last occurrence of the current suffix
+are an excellent guess, and finding them costs microseconds. What llama.cpp's
+n-gram types fix in advance (key length 12 for ngram-simple, 24 for ngram-mod,
+48 or 64 tokens a draft), this drafter learns from what verification keeps:
+
+* the lookup finds the *longest* earlier match (ngram_index.py) and, when the
+  current history has only a shorter one, a longer match in earlier requests
+  (ngram_cache.py, bounded);
+* a copied token i of a match of length n is, in effect, predicted by a match
+  of length n + i; MatchCalibration counts per such length how often the target
+  kept it, and a draft goes on while P(every token so far is kept) stays above a
+  threshold: the value of one more token against its verification cost on this
+  machine, i.e. tokens/s x the seconds one more drafted token adds to a
+  verification. The adaptive policy's stop_threshold() when the engine steers the
+  drafter; else the drafter's own measurement (RoundCost: the time from its
+  proposal to the next one, fitted against the tokens it drafted), or a fixed
+  `keep`. A first token below it means no draft at all: a plain step, which is
+  how a useless match stops costing verification;
+* it learns from the history itself (how far its offer agrees with the tokens
+  that were appended), so it learns also from rounds where its draft was cut,
+  discarded (--draft-min) or not used (the hybrid drafter).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.drafters.base import Draft, DrafterBase
+from specwire.drafters.ngram.cache import LookupCache
+from specwire.drafters.ngram.index import HistoryIndex, continuation
+from specwire.policy.throughput import LineFit, verify_line
+from specwire.sample.sampling import SparseDraft
+
+#: Bins of a copied token's effective match length (match length + tokens copied before it).
+LENGTH_EDGES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
+_LOWS = (1, *LENGTH_EDGES)
+#: P(every token so far is kept) below which a draft stops, when no policy steers it.
+KEEP = 0.3
+DEFAULT_N_MAX = 64
+
+
+def _bin(length: int) -> int:
+    return bisect.bisect_right(LENGTH_EDGES, length)
+
+
+@dataclass(slots=True)
+class MatchCalibration:
+    """P(the target keeps a copied token | its effective match length), learnt per bin.
+
+    Prior: L / (L + 1) at the bin's shortest length, from 2 pseudo-tokens; a short
+    match is worth trying until verification says otherwise. Exponentially weighted
+    (alpha per token judged) so that it follows the kind of text being written; it
+    outlives a request (NgramDrafter keeps it), as the policy's estimates do.
+    """
+
+    alpha: float = 0.02
+    seen: list[float] = field(default_factory=lambda: [2.0] * len(_LOWS))
+    hits: list[float] = field(default_factory=lambda: [2.0 * n / (n + 1) for n in _LOWS])
+
+    def __call__(self, length: int) -> float:
+        b = _bin(length)
+        return self.hits[b] / self.seen[b]
+
+    def learn(self, lengths: Sequence[int], kept: int) -> None:
+        """Tokens with these effective lengths were judged: the first `kept` kept, the
+        next (if any) not."""
+        w = 1.0 - self.alpha
+        for j, length in enumerate(lengths):
+            b = _bin(length)
+            self.seen[b] = w * self.seen[b] + 1.0
+            self.hits[b] = w * self.hits[b] + (1.0 if j < kept else 0.0)
+
+
+@dataclass(slots=True)
+class RoundCost:
+    """A round's cost and yield, measured by the drafter itself: seconds from a proposal
+    to the round's end (the target's verification, nearly all of it) against the tokens
+    drafted, as a line; and tokens per second over recent rounds. Their product is
+    the least P(kept) for which one more drafted token pays (KEEP until a few rounds
+    are seen)."""
+
+    verify: LineFit = field(default_factory=verify_line)
+    alpha: float = 0.05
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: int = 0
+
+    def add(self, drafted: int, seconds: float, appended: int) -> None:
+        self.verify.add(drafted, seconds)
+        w = 1.0 - self.alpha
+        self.tokens, self.seconds = w * self.tokens + appended, w * self.seconds + seconds
+        self.rounds += 1
+
+    def threshold(self) -> float:
+        if self.rounds < 8 or self.seconds <= 0.0:
+            return KEEP
+        per_token = self.verify.coefficients()[1]
+        return min(1.0, self.tokens / self.seconds * per_token)
+
+
+@dataclass(slots=True)
+class Offer:
+    """A lookup's draft and, per token, the calibrated P(it is kept | those before were)."""
+
+    tokens: list[int]
+    keep: list[float]
+    length: int = 0  # the match length the copy starts from
+    cached: bool = False  # found in an earlier request
+
+    def expected_kept(self) -> float:
+        """Tokens verification is expected to keep: sum of P(the first i + 1 all kept)."""
+        total, run = 0.0, 1.0
+        for p in self.keep:
+            run *= p
+            total += run
+        return total
+
+
+class NgramDrafter(DrafterBase):
+    """Longest-match lookup with learned stops and a cross-request cache.
+
+    n_max, n_min: the longest match measured and the shortest one used. keep: a fixed
+    stop threshold without a steering policy (0: copy up to the asked length, as a
+    classic prompt lookup does; None: measured, RoundCost). cache: sequences of
+    earlier requests (None: none). calibration and cost may be shared by drafters
+    that take turns on one target (bench builds one per prompt).
+    """
+
+    name = "ngram"
+    deterministic = True
+    provides_q = True  # the point mass, in begin's rejection mode
+
+    def __init__(self, n_max: int = DEFAULT_N_MAX, n_min: int = 1, *, keep: float | None = None,
+                 cache: LookupCache | None | bool = True,
+                 calibration: MatchCalibration | None = None,
+                 cost: RoundCost | None = None) -> None:
+        if keep is not None and not 0.0 <= keep <= 1.0:
+            raise ValueError(f"ngram keep threshold: must be in [0, 1], got {keep}")
+        self.index = HistoryIndex(n_max, n_min)
+        self.n_max, self.n_min, self.keep = n_max, n_min, keep
+        if cache is True:
+            cache = LookupCache(n_max=n_max)
+        self.cache = cache if isinstance(cache, LookupCache) else None
+        self.calibration = calibration if calibration is not None else MatchCalibration()
+        self.cost = cost if cost is not None else RoundCost()
+        self._asked: tuple[float, int] | None = None  # (when, tokens handed out) this round
+        self.policy = None
+        self._point_q = False
+        self._offer: tuple[int, Offer] | None = None  # (len(history) at the offer, offer)
+        self._history: Sequence[int] = ()
+        self.counters = {"drafted": 0.0, "cache_drafts": 0.0, "stopped_early": 0.0}
+
+    def steer(self, policy) -> None:
+        """Stop drafts at the adaptive policy's threshold (None: at `keep` again), and have
+        it ask for the most tokens: a lookup costs nothing, and its own stop, per match
+        and token, decides better where a draft ends (or whether there is one) than the
+        policy's chain of equal per-token chances."""
+        if self.policy is not None and hasattr(self.policy, "drafter_stops"):
+            self.policy.drafter_stops = False
+        self.policy = policy
+        if policy is not None and hasattr(policy, "drafter_stops"):
+            policy.drafter_stops = True
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        self.index.clear()
+        self._offer, self._history = None, prompt
+        # Rejection mode needs q for every token: a lookup is deterministic, so q is a
+        # point mass on it (accepted with probability p(x), else norm(max(0, p - q))).
+        self._point_q = params.mode is VerifyMode.REJECTION and not sampling.greedy
+
+    def threshold(self) -> float:
+        if self.policy is not None:
+            return self.policy.stop_threshold()
+        return self.keep if self.keep is not None else self.cost.threshold()
+
+    def offer(self, history: Sequence[int], max_n: int) -> Offer:
+        """The draft a lookup gives now, cut where it stops paying; remembered for learn()."""
+        self._history = history
+        found = self._lookup(history, max_n)
+        if found is None:
+            self._offer = None
+            return Offer([], [])
+        tokens, length, cached = found
+        keep = [self.calibration(length + i) for i in range(len(tokens))]
+        offer = Offer(tokens, keep, length, cached)
+        self._offer = (len(history), offer)
+        return offer
+
+    def _lookup(self, history: Sequence[int], max_n: int) -> tuple[list[int], int, bool] | None:
+        if max_n <= 0:
+            return None
+        here = self.index.match(history)
+        there = self.cache.match(history) if self.cache is not None else None
+        if there is not None and (here is None or there.length > here.length):
+            tokens = list(there.tokens[there.end:there.end + max_n])
+            return (tokens, there.length, True) if tokens else None
+        if here is None:
+            return None
+        return continuation(history, here.end, max_n), here.length, False
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        return self.take(self.usable(self.offer(history, max_n)))
+
+    def usable(self, offer: Offer) -> Offer:
+        """The offer cut where P(every token so far is kept) falls below the threshold."""
+        threshold, run, n = self.threshold(), 1.0, 0
+        for p in offer.keep:
+            run *= p
+            if run < threshold:
+                break
+            n += 1
+        if n < len(offer.tokens):
+            self.counters["stopped_early"] += 1
+        return Offer(offer.tokens[:n], offer.keep[:n], offer.length, offer.cached)
+
+    def take(self, offer: Offer) -> Draft:
+        """The offer as the round's draft (counted), with the point-mass q rejection mode
+        needs."""
+        tokens = offer.tokens
+        self._asked = (time.perf_counter(), len(tokens))
+        self.counters["drafted"] += len(tokens)
+        if offer.cached and tokens:
+            self.counters["cache_drafts"] += 1
+        return self.draft(tokens)
+
+    def draft(self, tokens: list[int]) -> Draft:
+        """tokens as a Draft, with the point-mass q rejection mode needs."""
+        if self._point_q and tokens:
+            one = np.ones(1, dtype=np.float32)
+            return Draft(tokens, [SparseDraft(t, np.array([t], dtype=np.int64), one.copy())
+                                  for t in tokens])
+        return Draft(tokens)
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        """Judge the last offer against the tokens that were appended after it."""
+        self._history = history
+        if self._asked is not None:
+            t0, drafted = self._asked
+            self._asked = None
+            self.cost.add(drafted, time.perf_counter() - t0, appended)
+        if self._offer is None:
+            return
+        base, offer = self._offer
+        self._offer = None
+        new = history[base:base + appended]
+        kept = 0
+        for t, h in zip(offer.tokens, new, strict=False):
+            if t != h:
+                break
+            kept += 1
+        judged = kept + 1 if kept < min(len(offer.tokens), len(new)) else kept
+        self.calibration.learn([offer.length + i for i in range(judged)], kept)
+
+    def end(self) -> None:
+        """The sequence is over: keep it for later requests."""
+        if self.cache is not None and self._history:
+            self.cache.add(self._history)
+        self._offer, self._history, self._asked = None, (), None
+
+    def stats(self) -> dict[str, float]:
+        return {k: v for k, v in self.counters.items() if v}

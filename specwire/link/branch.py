@@ -1,0 +1,507 @@
+"""The target's side of a drafter that works ahead: on another machine, or on a thread.
+
+A draft node (specwire/link/session.py) drafts a *branch* of tokens past the
+last verdict and streams it in chunks tagged with a branch number `gen`. This
+class keeps the newest branch and, each round, hands the engine the part that
+extends the committed history; every buffered token is checked against the
+history by content, so a stale, reordered or lying chunk can only be ignored,
+never change an output token. A Transport says how the messages travel: over gRPC
+(link/transport/grpc_client.py, for RemoteDrafter) or by a function call to a
+DraftSession in this process (link/threaded.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.drafters.base import Draft, DrafterBase
+from specwire.drafters.bubble import BubbleWait
+from specwire.link.alternates import BranchParams
+from specwire.link.messages import (
+    MAX_CHUNK_TOKENS,
+    NOTICE_AFTER,
+    Chunk,
+    Close,
+    Open,
+    ProtocolError,
+    Verdict,
+    f32_sampling,
+)
+from specwire.link.rule import LEFT, follow, take_alternate
+from specwire.link.transport.base import LinkCounters, Transport
+
+log = logging.getLogger("specwire.branch")
+
+#: How far the adaptive policy's stop threshold moves before a verdict carries it again.
+KEEP_MIN_SLACK = 0.15
+#: Synchronous rounds in a row in which the drafter answered with nothing usable before it
+#: is dropped (an honest drafter's answer to a verdict always extends the history).
+USELESS_LIMIT = 3
+
+
+
+
+class BranchDrafter(DrafterBase):
+    """Pipelined (never waits) or synchronous (waits for `want` tokens, with a deadline)."""
+
+    name = "branch"
+    provides_q = True  # the draft session sends its sparse q in rejection mode
+
+    def __init__(self, transport: Transport, n_vocab: int, pipelined: bool = True,
+                 lookahead: int = 0, sync_timeout_s: float = 1.0) -> None:
+        self.transport = transport
+        self.n_vocab, self.pipelined, self.lookahead = n_vocab, pipelined, lookahead
+        self.sync_timeout_s = sync_timeout_s
+        # Ask the node how long it worked on each chunk (DraftChunk.busy_us): what
+        # link_overhead needs to tell the link's cost from drafting. Off by default,
+        # as it adds about 4 bytes to every chunk.
+        self.timing = False
+        # Pipelined: ask the drafter for pre-drafted branches (link/alternates.py);
+        # None asks for none. A drafter that predates them ignores the request.
+        self.branches: BranchParams | None = BranchParams() if pipelined else None
+        # Pipelined: after a rejection, wait a moment for the fresh branch when that pays
+        # more than a plain step (drafters/bubble.py); None never waits. Off where the
+        # engine's step holds other sequences, or another drafter's draft may be ready.
+        self.bubble: BubbleWait | None = BubbleWait() if pipelined else None
+        self._cv = threading.Condition()
+        self._session = 0  # bumps at every open: older chunks are ignored
+        self._history: list[int] = []
+        self._told = 0  # committed tokens the drafter knows
+        self._sampling = SamplingParams()
+        self._params = DraftParams()
+        self._active = False
+        self._late = False  # sync mode: the drafter missed a deadline; stop waiting
+        self._want = 0
+        self._want_told = 0  # the want the drafter last heard
+        # Synchronous: branch tokens kept in the first round since the last verdict, None
+        # while no round has ended since it.
+        self._accepted: int | None = None
+        self._policy = None  # an adaptive policy steering synchronous drafts (see steer)
+        self._ahead = 0  # chunks received that start at or past the history's end
+        self._useless_rounds = 0  # synchronous rounds in a row answered with nothing usable
+        self._keep_min = 0.0  # the stop threshold the drafter was last told
+        # This request's sessions: history tokens the drafter found cached and evaluated
+        # (summed over its sessions, e.g. after a reconnect); None until one reported.
+        self._cache_use: tuple[int, int] | None = None
+        self._reset_buffer()
+        self.counters = LinkCounters()
+        self._drafted = 0  # tokens proposed in the current round
+        self._draft_gen = -1  # the branch they came from
+        self._starving = False  # since a rejection, no round has had a draft
+        self._starved_at: float | None = None  # perf_counter of a starved round's propose
+        self._proposed_at: float | None = None  # perf_counter when the round's draft was given
+        self._waited_s = 0.0  # how long the round's propose took
+        self._verdict_at: float | None = None  # perf_counter when the last verdict went out
+        self._fresh_gen = -1  # a branch begun after the last verdict: its arrivals are timed
+        self._fresh_n = 0  # tokens of it received
+        transport.bind(self)
+
+    # -- what the transport calls back ---------------------------------------------
+
+    @property
+    def lock(self) -> threading.Condition:
+        """Guards the buffer and the session number; notified when a chunk arrives."""
+        return self._cv
+
+    @property
+    def session(self) -> int:
+        """The current session's number: chunks of another are stale."""
+        return self._session
+
+    def invalidate(self) -> None:
+        """Make the current session's chunks stale (it is being dropped)."""
+        with self._cv:
+            self._session += 1
+
+    @property
+    def history(self) -> list[int]:
+        return self._history
+
+    @property
+    def active(self) -> bool:
+        """A request is running (between begin and end)."""
+        return self._active
+
+    @property
+    def want(self) -> int:
+        """The tokens the current round asks for."""
+        return self._want
+
+    def restart(self) -> None:
+        """Open a new session on the current history (a reconnect)."""
+        self._start(list(self._history))
+
+    # -- Drafter protocol (engine thread) -----------------------------------------
+
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+        self._sampling, self._params = f32_sampling(sampling), params
+        self._history = list(prompt)
+        self._active, self._late, self._want = True, False, params.n_max
+        self._drafted, self._starving, self._starved_at = 0, False, None
+        self._proposed_at = self._verdict_at = None
+        self._fresh_gen = -1
+        self._cache_use = None
+        self._start(list(prompt))
+
+    def steer(self, policy) -> None:
+        """Under an adaptive policy, synchronous drafts stop by its calibrated rule: the
+        drafter is told the policy's threshold and judges its confidence itself. (A
+        pipelined drafter drafts on its own core and is never stopped early.)"""
+        self._policy = policy
+
+    def ask(self, history: Sequence[int], max_n: int) -> None:
+        """Synchronous: send this round's verdict and k now; the propose that follows finds
+        it told and only waits (a batch's sessions then draft at the same time)."""
+        if self.pipelined or not self.transport.live():
+            return
+        self._history = history if isinstance(history, list) else list(history)
+        self._want = max_n
+        self._tell(history, self._accepted or 0)
+
+    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+        self._history = history if isinstance(history, list) else list(history)
+        self._draft_gen = -1
+        if not self.pipelined:
+            self._want = max_n
+        if not self.transport.live():
+            self.transport.revive()
+            return Draft()
+        # The verdict on what the drafter has not heard of (the first token; in synchronous
+        # mode, every round since it was last asked), with this round's k.
+        self._tell(history, self._accepted or 0)
+        if self._late:
+            self.transport.poll()
+        deadline = None if self.pipelined or self._late else time.monotonic() + self.sync_timeout_s
+        t0 = time.perf_counter()
+        useless = False
+        with self._cv:
+            ahead, heard = self._ahead, self._heard()
+            while True:
+                draft, complete = self._usable(history, max_n)
+                if deadline is None and self.pipelined:
+                    deadline = self._bubble_deadline(len(draft), max_n)
+                    if deadline is not None:
+                        continue
+                if complete or deadline is None or not self.transport.live():
+                    break
+                if self.pipelined:
+                    if len(draft) >= self._aim or time.monotonic() >= deadline:
+                        break
+                    self.transport.wait(deadline - time.monotonic())
+                    continue
+                if self._ahead != ahead:
+                    # The answer to this verdict came and extends nothing. (An answer to an
+                    # earlier message, which an honest drafter may still be sending, starts
+                    # inside the history; an answer to this one always extends it.)
+                    useless = True
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.counters.sync_timeouts += 1
+                    self._late = True
+                    useless = self._heard() != heard  # it sent only stale chunks meanwhile
+                    log.warning(
+                        "drafter %s missed the %.0f ms deadline; not waiting for it "
+                        "until it catches up",
+                        self.name,
+                        1000 * self.sync_timeout_s,
+                    )
+                    break
+                self.transport.wait(left)
+        self._proposed_at = time.perf_counter()
+        self._waited_s = self._proposed_at - t0
+        self.counters.wait_ms += 1000 * self._waited_s
+        if self.pipelined and deadline is not None:
+            self.counters.waited_rounds += 1
+            self.counters.waited_ms += 1000 * self._waited_s
+            self.counters.waited_empty += not draft.tokens
+            if not draft.tokens and self.bubble is not None:
+                self.bubble.missed()
+        self._judge_answer(draft, useless)
+        self._note_starved(draft)
+        return draft
+
+    def _bubble_deadline(self, have: int, max_n: int) -> float | None:
+        """Pipelined, a round with fewer than max_n tokens: the time.monotonic() until
+        which to wait for the drafter (setting self._aim, the tokens worth waiting for),
+        or None to verify what is there (drafters/bubble.py). Under self._cv."""
+        if (self.bubble is None or self._done or self._late or self._verdict_at is None
+                or not self.transport.live() or have >= max_n):
+            return None
+        since = time.perf_counter() - self._verdict_at
+        aim, wait_s = self.bubble.aim(have, max_n, since, fresh=have == 0)
+        if aim <= have:
+            return None
+        self._aim = aim
+        _, per_token = self.bubble.arrival.coefficients()
+        return time.monotonic() + wait_s + 0.5 * per_token + 0.001
+
+    def _note_starved(self, draft: Draft) -> None:
+        """Count a pipelined round that has nothing to verify, and whether a rejection
+        left it so (starved)."""
+        self._drafted = len(draft)
+        if draft.tokens:
+            self._starving = False
+        elif self.pipelined:
+            self.counters.empty_rounds += 1
+            if self._starving:
+                self.counters.starved_rounds += 1
+                self._starved_at = time.perf_counter()
+
+    def _heard(self) -> float:
+        return self.counters.chunks + self.counters.stale_chunks
+
+    def _judge_answer(self, draft: Draft, useless: bool) -> None:
+        """Count synchronous rounds answered uselessly; drop the drafter after USELESS_LIMIT
+        in a row (each would otherwise cost a round, or a whole deadline)."""
+        if draft.tokens:
+            self._useless_rounds = 0
+            self.transport.useful()
+        if not useless:
+            return
+        self._useless_rounds += 1
+        self.counters.useless_answers += 1
+        if self._useless_rounds >= USELESS_LIMIT:
+            self._useless_rounds = 0
+            self.transport.useless(f"{USELESS_LIMIT} synchronous answers in a row extend nothing")
+
+    def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
+        """Pipelined: send the verdict now, the drafter is at work. Synchronous: keep it
+        for the next propose, which knows how many tokens to ask for (the adaptive k, 0
+        for rounds that skip the drafter); it waits for the verdict either way."""
+        now = time.perf_counter()
+        if self._starved_at is not None:
+            self.counters.starved_ms += 1000 * (now - self._starved_at)
+            self._starved_at = None
+        if self.bubble is not None and self._proposed_at is not None:
+            self.bubble.observe_round(self._drafted, accepted, now - self._proposed_at,
+                                      self._waited_s)
+        self._proposed_at = None
+        if accepted < self._drafted:
+            self.counters.rejections += 1
+            self._starving = True
+        self._drafted = 0
+        if self.pipelined:
+            self._tell(history, accepted)
+        elif len(history) > self._told and self._accepted is None:
+            self._accepted = accepted
+
+    def end(self) -> None:
+        self._active = False
+        with self._cv:
+            self._session += 1
+        if self.transport.live():
+            self.transport.post(Close())
+        self.transport.detach()
+
+    def stats(self) -> dict[str, float]:
+        return self.counters.as_dict()
+
+    def cache_use(self) -> tuple[int, int] | None:
+        """(draft_cache_n, draft_prompt_n) of this request, if the drafter said."""
+        with self._cv:
+            return self._cache_use
+
+    # -- verdicts -------------------------------------------------------------------
+
+    def _tell(self, history: Sequence[int], accepted: int) -> None:
+        """Send the verdict for history[told:]: `accepted` branch tokens, then the target's own."""
+        if not self.transport.live() or len(history) <= self._told:
+            return
+        position, self._told = self._told, len(history)
+        self._accepted = None
+        own = list(history[position + accepted :])
+        with self._cv:
+            self._done = False  # the drafter works again after a verdict
+            # A branch begun after this verdict has its arrivals timed from it (bubble.py).
+            self._verdict_at, self._fresh_gen = time.perf_counter(), -1
+            gen = max(self._gen, 0)
+            alternate = self._take_alternate(position + accepted, own)
+        # Fields that say nothing new stay 0, which the wire sends no byte for: gen when
+        # no token is accepted, want when it is unchanged or the drafter pipelined.
+        v = Verdict(position, accepted, own, alternate=alternate)
+        if accepted or alternate:
+            v.gen = gen
+        if not self.pipelined and self._want != self._want_told:
+            v.want = self._want_told = self._want
+        if self._calibrated():
+            # Five bytes, sent only when the threshold moved by more than KEEP_MIN_SLACK: it
+            # moves a little every round, while a draft's P(all kept) falls by a bin's
+            # calibrated chance (0.6-0.97) per token, so a smaller change seldom moves a stop.
+            keep_min = self._policy.stop_threshold()
+            if abs(keep_min - self._keep_min) > KEEP_MIN_SLACK * self._keep_min:
+                v.keep_min = self._keep_min = min(1.0, max(keep_min, 1e-6))
+        self.transport.post(v)
+
+    def _take_alternate(self, at: int, own: list[int]) -> bool:
+        """After a round drafted from branch _gen was rejected at `at`: if the target's own
+        tokens begin the alternate the drafter sent for `at`, its rest becomes the branch
+        (gen + 1, as the drafter makes it on this verdict: link/rule.py) and the
+        next round verifies it at once. Under self._cv."""
+        a = self._alts.get(at)
+        if a is None or self._draft_gen != self._gen or self._gen <= self._dead_gen:
+            return False
+        i = at - self._buf_start
+        if own and 0 <= i < len(self._buf) and self._buf[i] == own[0]:
+            return False  # no rejection there: the branch goes on
+        rest = take_alternate(a, own)
+        if rest is None:
+            self.counters.alternate_misses += 1
+            return False
+        self._gen, self._buf_start, self._buf = self._gen + 1, at + len(own), rest
+        self._sparse, self._alts = None, {}
+        self.counters.alternate_rounds += 1
+        return True
+
+    def _calibrated(self) -> bool:
+        return not self.pipelined and self._policy is not None
+
+    def _start(self, history: list[int]) -> None:
+        self._told = len(history)
+        self._accepted = None
+        with self._cv:
+            self._session += 1
+            self._reset_buffer()
+            session = self._session
+        self.transport.detach()
+        self.transport.open(session, history)
+
+    def open_message(self, history: list[int]) -> Open:
+        p, mode = self._params, self._params.mode
+        if self._sampling.greedy:
+            mode = VerifyMode.GREEDY
+        sampling = self._sampling if p.seed is None else replace(self._sampling, seed=p.seed)
+        return Open(
+            history=history,
+            sampling=sampling,
+            mode=mode,
+            pipelined=self.pipelined,
+            lookahead=self.lookahead or 2 * max(1, p.n_max),
+            want=self._open_want(),
+            p_min=p.p_min,
+            top_k_q=p.top_k_q,
+            timing=self.timing,
+            calibrated=self._calibrated(),
+            keep_min=self._open_keep_min(),
+            alternates=self.branches.per_chunk if self.pipelined and self.branches else 0,
+            alternate_len=self.branches.length if self.pipelined and self.branches else 0,
+        )
+
+    def _open_want(self) -> int:
+        self._want_told = self._want
+        return self._want
+
+    def _open_keep_min(self) -> float:
+        if not self._calibrated():
+            return 0.0
+        self._keep_min = min(1.0, max(self._policy.stop_threshold(), 0.0))
+        return self._keep_min
+
+    # -- the buffer of received draft tokens (under self._cv) ---------------------
+
+    def _reset_buffer(self) -> None:
+        self._gen = -1  # gen of the buffered branch
+        self._dead_gen = -1  # gens up to this one disagree with the history
+        self._buf_start = 0  # absolute position of _buf[0]
+        self._buf: list[int] = []
+        self._sparse: list | None = None
+        self._done = False  # the drafter stopped after _buf (p_min or budget)
+        self._aim = 0  # pipelined: the tokens a waiting round waits for
+        self._alts: dict[int, list[int]] = {}  # alternates of branch _gen, by position
+
+    def _usable(self, history: Sequence[int], max_n: int) -> tuple[Draft, bool]:
+        """Tokens of the current branch that extend history; and whether to stop waiting."""
+        n = len(history)
+        if self._gen < 0 or self._gen <= self._dead_gen:
+            return Draft(), False
+        off = follow(self._buf_start, self._buf, history)
+        if off == LEFT:
+            self._dead_gen = self._gen
+            return Draft(), False
+        if off < 0:
+            # PASSED: a branch from before the last verdict (its `done` is stale too): the
+            # answer to that verdict is on its way, so a synchronous round waits for it.
+            # (AHEAD: a chunk past the history, which only a broken drafter sends.)
+            return Draft(), False
+        # Trim what the history has confirmed: the check is O(new tokens) per round.
+        del self._buf[:off]
+        if self._sparse is not None:
+            del self._sparse[:off]
+        self._buf_start = n
+        tokens = self._buf[:max_n]
+        if tokens:
+            self._draft_gen = self._gen
+        sparse = None if self._sparse is None else self._sparse[:max_n]
+        complete = len(tokens) >= min(max_n, self._want) or self._done
+        return Draft(tokens, sparse), complete
+
+    def on_chunk(self, session: int, c: Chunk) -> None:
+        """A chunk arrived (transport thread). Raises ProtocolError for a broken peer."""
+        c.check(self.n_vocab, len(self._history) + 4 * MAX_CHUNK_TOKENS)
+        with self._cv:
+            if session != self._session:
+                self.counters.stale_chunks += 1
+                return
+            self.counters.chunks += 1
+            self.counters.tokens_received += len(c.tokens)
+            self.counters.node_busy_ms += c.busy_us / 1000
+            if c.cache_n is not None:
+                self._count_cache(c.cache_n, c.prompt_n or 0)
+            if c.gen < self._gen or c.gen <= self._dead_gen:
+                self.counters.stale_chunks += 1
+                return
+            self._ahead += c.start >= len(self._history)
+            if c.gen > self._gen:
+                self._gen, self._buf_start, self._buf = c.gen, c.start, []
+                self._sparse = [] if c.sparse is not None else None
+                self._alts = {}
+                if self._verdict_at is not None and self._fresh_gen < 0:
+                    self._fresh_gen, self._fresh_n = c.gen, 0
+            elif c.start != self._buf_start + len(self._buf):
+                raise ProtocolError(
+                    f"chunk of gen {c.gen} at {c.start}, expected "
+                    f"{self._buf_start + len(self._buf)}"
+                )
+            self._buf.extend(c.tokens)
+            if c.gen == self._fresh_gen and c.tokens:
+                since = time.perf_counter() - self._verdict_at
+                if self._fresh_n == 0:
+                    self.counters.fresh_branches += 1
+                    self.counters.fresh_first_ms += 1000 * since
+                self._fresh_n += len(c.tokens)
+                if self.bubble is not None:
+                    self.bubble.observe_arrival(self._fresh_n, since)
+            # Only positions not yet committed: the chunk check bounds them to the positions
+            # a branch may reach, so a flood of alternates cannot grow this.
+            n = len(self._history)
+            if self._alts and min(self._alts) < n:
+                self._alts = {p: t for p, t in self._alts.items() if p >= n}
+            for a in c.alternates:
+                if a.at >= n:
+                    self._alts[a.at] = a.tokens
+            self.counters.alternates_received += len(c.alternates)
+            if c.sparse is not None and self._sparse is not None:
+                self._sparse.extend(c.sparse)
+            self._done = c.done or not self.pipelined  # a synchronous chunk is whole
+            # An empty chunk saying the drafter is catching up (its first, on many tokens,
+            # or a later one still behind): decode plainly, not waiting, until drafts come.
+            behind = c.prompt_n or 0
+            self._late = not c.tokens and (
+                behind > NOTICE_AFTER or (behind > 0 and c.cache_n is None))
+            self._cv.notify_all()
+
+    def _count_cache(self, cache_n: int, prompt_n: int) -> None:
+        """A session's first message said how much of its history was cached (under _cv)."""
+        self.counters.draft_cache_n += cache_n
+        self.counters.draft_prompt_n += prompt_n
+        c, p = self._cache_use or (0, 0)
+        self._cache_use = (c + cache_n, p + prompt_n)
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()

@@ -1,0 +1,85 @@
+"""The remote drafter: the target's side of the draft link, drafting on a draft node.
+
+BranchDrafter (link/branch.py) keeps the branch and checks every token
+against the history; link/transport/grpc_client.py's GrpcTransport moves the messages. This
+module joins the two and builds the drafter the --draft-url flags name.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from specwire.link.alternates import branch_params
+from specwire.link.branch import BranchDrafter
+from specwire.link.transport.channel import Link, LinkSettings
+from specwire.link.transport.channels import LinkSet
+from specwire.link.transport.grpc_client import GrpcTransport
+from specwire.settings import RemoteSettings
+
+log = logging.getLogger("specwire.remote")
+
+
+class RemoteDrafter(BranchDrafter):
+    """Drafts from a draft node over gRPC; pipelined or synchronous. Its transport also
+    connects the links ahead of the first request (handshake) and reports them (link_state)."""
+
+    remote = True
+    transport: GrpcTransport
+
+    def __init__(self, links: list[Link] | LinkSet, n_vocab: int, pipelined: bool = True,
+                 lookahead: int = 0, sync_timeout_s: float = 1.0) -> None:
+        """links: this drafter's own, or a LinkSet shared with the target's other drafters."""
+        super().__init__(GrpcTransport(links), n_vocab, pipelined, lookahead, sync_timeout_s)
+        t = self.transport
+        self.shared, self.links = t.shared, t.links
+        self.handshake, self.link_state = t.handshake, t.link_state
+        self.name = ("remote-pipelined:" if pipelined else "remote-sync:") + self.links[0].url
+
+    def close(self) -> None:
+        """End the session; the last drafter of the LinkSet closes the connections."""
+        self.end()
+        self.transport.close()
+
+
+def make_remote_drafter(urls: list[str], remote: RemoteSettings, target) -> object:
+    """Build the drafter for --draft-url flags: gRPC nodes, or a llama-server over HTTP."""
+    return make_remote_drafters(urls, remote, target, 1)[0]
+
+
+def make_remote_drafters(urls: list[str], remote: RemoteSettings, target, n: int) -> list:
+    """n drafters (one per slot of `serve -np n`) for --draft-url flags. gRPC nodes: the
+    drafters share one LinkSet, so each node sees one connection per port from this
+    target, a stream per session (link/transport/channels.py), and one handshake."""
+    from specwire.config import ConfigError
+
+    if any(u.startswith(("http://", "https://")) for u in urls):
+        if len(urls) != 1:
+            raise ConfigError("--draft-url: a llama-server URL cannot be mixed with others")
+        from specwire.drafters.llama_server import LlamaServerDrafter
+
+        return [LlamaServerDrafter(urls[0]) for _ in range(n)]
+    settings = LinkSettings(
+        token=remote.token,
+        tls_ca=remote.tls_ca,
+        tls_cert=remote.tls_cert,
+        tls_key=remote.tls_key,
+    )
+    shared = LinkSet([
+        Link(u, settings, target.vocab_fingerprint(), target.n_vocab, target.name) for u in urls
+    ])
+    drafters = [RemoteDrafter(shared, target.n_vocab, pipelined=remote.pipelined)
+                for _ in range(n)]
+    for drafter in drafters:
+        if not remote.poll:
+            drafter.transport.forecast = None
+        drafter.branches = branch_params(remote.branches)
+    errors = drafters[0].handshake()
+    fatal = [e for e in errors if e and e.startswith("incompatible")]
+    if fatal:
+        for drafter in drafters:
+            drafter.close()
+        raise ConfigError(fatal[0])
+    for u, e in zip(urls, errors, strict=True):
+        if e:
+            log.warning("draft node %s not reachable yet (%s); decoding plainly until it is", u, e)
+    return drafters

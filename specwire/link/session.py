@@ -1,0 +1,422 @@
+"""One sequence on a draft node: its KV cache, its branch, how it drafts.
+
+Synchronous sessions draft on the caller's thread: the node's RPC thread reads a
+verdict, applies it, drafts exactly `want` tokens and writes the chunk, with no
+hand-off to another thread on the round's critical path. Pipelined sessions
+draft on their own thread past the last verdict, sending tokens as they go;
+verdicts arrive from a reader thread and are applied between tokens, so the
+branch, the gen and the KV cache are only ever touched by one thread.
+
+A session starts from whatever its backend's cache holds of the history (the
+node's memory, node/kv_cache.py, hands it the best cached prefix) and tells the
+target how much that was (DraftChunk.cache_n, prompt_n). A long catch-up is
+announced at once, and evaluated a batch at a time so that a Close stops it;
+meanwhile a synchronous session answers each verdict with an empty chunk, and
+the target decodes plainly instead of waiting.
+
+A synchronous session of an adaptive target stops its drafts by the calibrated
+rule (specwire.policy.adaptive.CalibratedStop) instead of --draft-p-min: the target sends
+the threshold, and the node calibrates its draft's confidence on the verdicts it
+receives, which say which of its tokens the target kept.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from specwire.backend.base import Backend, reusable_prefix, sync_prefix
+from specwire.config import DraftParams, VerifyMode
+from specwire.drafters.model import ModelDrafter
+from specwire.link import alternates as alt
+from specwire.link.messages import (
+    NOTICE_AFTER,
+    Alternate,
+    Chunk,
+    DraftMessage,
+    Failure,
+    Open,
+    ProtocolError,
+    Verdict,
+    pad_sparse,
+)
+from specwire.link.rule import follow, take_alternate
+from specwire.policy.adaptive import CalibratedStop, Calibration
+from specwire.sample.sampling import recent_window
+
+log = logging.getLogger(__name__)
+
+
+class DraftSession:
+    """Drafts for one sequence; `send` is called on the thread that drafts.
+
+    Synchronous: call `step` for the Open and each verdict. Pipelined: `start` the
+    drafting thread, then `push` verdicts and `close` it from any thread.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        open_msg: Open,
+        send: Callable[[DraftMessage], None],
+        seed: int | None = None,
+        calibration: Calibration | None = None,
+    ) -> None:
+        open_msg.check(backend.n_vocab, backend.n_ctx)
+        self.backend, self.send = backend, send
+        sampling = open_msg.sampling
+        if seed is not None:  # the node's own --seed wins over the target's
+            sampling = replace(sampling, seed=seed)
+        self.mode = open_msg.mode
+        self.pipelined = open_msg.pipelined
+        self.lookahead = max(1, open_msg.lookahead)
+        self.q_k = max(1, open_msg.top_k_q)
+        # Pipelined drafting runs on a core the target does not use: stopping early
+        # would only idle it, so p_min and the calibrated stop are for synchronous drafts.
+        self.stop = None
+        if open_msg.calibrated and not self.pipelined:
+            self.stop = CalibratedStop(calibration or Calibration(), open_msg.keep_min)
+        p_min = 0.0 if self.pipelined or self.stop else open_msg.p_min
+        params = DraftParams(
+            n_max=min(64, self.lookahead), p_min=p_min, mode=self.mode, top_k_q=self.q_k
+        )
+        self.drafter = ModelDrafter(backend)
+        self.drafter.stop_rule = self.stop
+        self.drafter.begin(open_msg.history, sampling, params)
+        # Pre-drafted branches (pipelined, where a draft token carries no q of its own).
+        self.branching: alt.BranchParams | None = None
+        if self.pipelined and open_msg.alternates and (
+                self.mode is not VerifyMode.REJECTION or sampling.greedy):
+            self.branching = alt.BranchParams(per_chunk=open_msg.alternates,
+                                              length=max(1, open_msg.alternate_len))
+        self.choices: list[alt.TopTwo | None] = []  # branching: per branch token
+        # Alternates of branch `gen` by position: drafted once, sent if longer than a token.
+        self.alts: dict[int, list[int]] = {}
+        self._pending_alts: list[Alternate] = []  # drafted, to go with the next chunk
+        self.committed: list[int] = list(open_msg.history)
+        # What the backend's cache already holds of the history, and what is left to evaluate.
+        self.cache_n = reusable_prefix(backend.tokens, self.committed)
+        self.prompt_n = len(self.committed) - self.cache_n
+        self._told_cache = False  # cache_n and prompt_n went out in a message
+        self.branch: list[int] = []  # drafted beyond `committed`, on branch `gen`
+        self.confidence: list[float] = []  # calibrated sessions: per branch token
+        self.gen = 0
+        self.sent = 0  # branch tokens already sent
+        self.budget = self.lookahead if self.pipelined else open_msg.want
+        self.stalled = False  # p_min ended the branch; wait for a verdict
+        self.timing = open_msg.timing
+        self._busy_since = 0.0  # perf_counter when the work for the next chunk began
+        self._inbox: collections.deque[Verdict] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="draft-session", daemon=True)
+        # Synchronous sessions with a long history catch up on this thread, answering
+        # verdicts meanwhile with empty chunks (see announce).
+        self._catcher: threading.Thread | None = None
+        self._catch_error: Exception | None = None
+        self._caught = self.cache_n  # history tokens in the cache so far
+
+    # -- synchronous: on the caller's thread --------------------------------------
+
+    def announce(self) -> None:
+        """Right after the Open: if catching up on the history will take a while, send the
+        cache figures now in an empty chunk (otherwise they ride on the first draft); a
+        synchronous session then catches up on a thread of its own, so that it can
+        answer verdicts (with nothing) and hear a Close meanwhile."""
+        if self.prompt_n > NOTICE_AFTER and not self._told_cache:
+            self._busy_since = time.perf_counter()
+            self._flush([], [], done=False)
+            if not self.pipelined:
+                self._catcher = threading.Thread(target=self._catch_up_safely,
+                                                 name="draft-catch-up", daemon=True)
+                self._catcher.start()
+
+    def finish(self) -> None:
+        """Close, and wait for the session's threads to stop."""
+        self.close()
+        for t in (self.thread, self._catcher):
+            if t is not None and t.is_alive():
+                t.join()
+
+    def step(self, verdict: Verdict | None) -> None:
+        """Apply a verdict (None right after the Open), then draft the tokens wanted."""
+        self._busy_since = time.perf_counter()
+        if self._catcher is not None:
+            if self._catcher.is_alive():  # still catching up: no draft yet, and how far behind
+                if verdict is not None:
+                    self._apply(verdict)
+                    self._flush([], [], done=False, behind=self._behind())
+                return
+            self._catcher = None
+            if self._catch_error is not None:
+                raise self._catch_error
+        if verdict is not None:
+            self._apply(verdict)
+        if not self.stalled and len(self.branch) < self._limit():
+            self._draft_burst()
+
+    # -- pipelined: the drafting thread and what other threads call --------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def push(self, verdict: Verdict) -> None:
+        with self._cv:
+            self._inbox.append(verdict)
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    # -- the drafting thread ------------------------------------------------------
+
+    def _catch_up(self) -> None:
+        """Evaluate the Open's history a batch at a time, stopping at a Close: what was
+        evaluated stays in the cache, for the next session of the same conversation."""
+        be, history = self.backend, self.committed[: self.cache_n + self.prompt_n]
+        self._caught = pos = sync_prefix(be, history)
+        step = max(1, getattr(getattr(be, "params", None), "n_batch", 512))
+        while pos < len(history) - 1 and not self._closed:
+            n = min(step, len(history) - 1 - pos)
+            be.eval(history[pos : pos + n], logits="none")
+            self._caught = pos = pos + n
+
+    def _behind(self) -> int:
+        """History tokens not yet evaluated (while catching up)."""
+        return max(0, len(self.committed) - self._caught)
+
+    def _catch_up_safely(self) -> None:
+        try:
+            self._catch_up()
+        except Exception as e:  # noqa: BLE001 - raised by the next step, on the RPC thread
+            self._catch_error = e
+
+    def _run(self) -> None:
+        try:
+            self.announce()
+            self._catch_up()
+            while (work := self._next_work()) is not None:
+                if work == "draft":
+                    self._draft_burst()
+                else:
+                    self._draft_late_alternate(work)
+        except Exception as e:  # noqa: BLE001 - the node must survive any one session
+            msg = error_message(e)
+            self.error = msg.message
+            self.send(msg)
+
+    def _next_work(self) -> str | int | None:
+        """Apply verdicts; wait until there is work: the index of a sent branch token
+        whose alternate is worth drafting first, or "draft" the branch on. None when
+        closed."""
+        with self._cv:
+            while True:
+                while self._inbox:
+                    self._apply(self._inbox.popleft())
+                if self._closed:
+                    return None
+                j = self._alternate_first()
+                if j is not None:
+                    return j
+                if not self.stalled and len(self.branch) < self._limit():
+                    return "draft"
+                self._cv.wait()
+
+    def _alternate_first(self) -> int | None:
+        """The sent branch token whose alternate to draft before the branch's next token:
+        any worth it while the branch waits (its lookahead full), else one whose worth per
+        token drafted beats the chance that the target will ever verify that next token
+        (link/alternates.py, alternate_first). None for sessions without alternates."""
+        j, value = self._late_alternate_at()
+        if j is None:
+            return None
+        if self.stalled or len(self.branch) >= self._limit():
+            return j
+        reach = 1.0
+        for c in self.choices:
+            reach *= 1.0 if c is None else c.p_first
+        return j if alt.alternate_first(value, reach, self.branching) else None
+
+    def _late_alternate_at(self) -> tuple[int | None, float]:
+        """The sent branch token whose alternate is now worth most (drafters/
+        alternates.py), and its worth: as verdicts keep the branch, its later positions
+        come within reach. None when there is none, or the session drafts none."""
+        bp = self.branching
+        if bp is None:
+            return None, 0.0
+        best, best_value, reach = None, 0.0, 1.0
+        start = len(self.committed)
+        for j, two in enumerate(self.choices[: self.sent]):
+            if two is None:
+                continue
+            if start + j not in self.alts and alt.worth_branching(two, reach, bp):
+                value = reach * two.p_second
+                if value > best_value:
+                    best, best_value = j, value
+            reach *= two.p_first
+            if reach < bp.value_min:
+                break
+        return best, best_value
+
+    def _draft_late_alternate(self, j: int) -> None:
+        """Draft the alternate for branch token j and send it in a chunk of its own; a
+        verdict cuts it short. The cache re-syncs to the branch at its next burst."""
+        self._busy_since = time.perf_counter()
+        ctx = self.committed + self.branch[:j]
+        kept = sync_prefix(self.backend, ctx)
+        if kept < len(ctx):
+            self.backend.eval(ctx[kept:], logits="none")
+        tokens = alt.draft_alternate(self.backend, self.drafter.sampling, ctx,
+                                     self.choices[j].second, self.branching.length,
+                                     stop=lambda: bool(self._inbox) or self._closed)
+        self.alts[len(ctx)] = tokens  # tried: never again, sent or not
+        if len(tokens) > 1:  # a lone second choice leaves nothing to verify after it
+            self._pending_alts.append(Alternate(len(ctx), tokens))
+            self._flush([], [], done=len(self.branch) >= self._limit())
+
+    def _limit(self) -> int:
+        room = self.backend.n_ctx - len(self.committed) - 1
+        return max(0, min(self.budget, room))
+
+    def _apply(self, v: Verdict) -> None:
+        """The branch rule (specwire/link/rule.py), on a verdict checked here."""
+        if v.position != len(self.committed):
+            raise ProtocolError(f"verdict at position {v.position}, expected {len(self.committed)}")
+        a = v.accepted
+        if a > self.sent or (a and v.gen != self.gen):
+            raise ProtocolError(
+                f"verdict accepts {a} tokens of gen {v.gen}; sent {self.sent} of gen {self.gen}"
+            )
+        tokens = v.check(self.backend.n_vocab)
+        if len(self.committed) + a + len(tokens) > self.backend.n_ctx:
+            raise ProtocolError("verdict runs past the node's context")
+        if self.stop is not None:
+            self._calibrate(a, tokens)
+            if v.keep_min:
+                self.stop.threshold = v.keep_min
+        if v.alternate:
+            self._take_alternate(v, tokens)
+            return
+        start = len(self.committed)
+        self.committed += self.branch[:a] + tokens
+        n = follow(start, self.branch, self.committed)
+        if n >= 0:
+            self.branch = self.branch[n:]
+            del self.confidence[:n]
+            del self.choices[:n]
+            self.sent = max(0, self.sent - n)
+            end = len(self.committed)
+            self.alts = {p: t for p, t in self.alts.items() if p >= end}
+        else:  # dead, or passed: this end holds the whole branch, so it is over
+            self.branch, self.confidence, self.sent, self.gen = [], [], 0, self.gen + 1
+            self.choices, self.alts = [], {}
+        if not self.pipelined:
+            # A smaller want drops what is unsent past it, never what was sent: the target
+            # holds that (or will, from a chunk on its way) and would read new tokens of
+            # this gen as a chunk that contradicts it (tests/test_draftlink.py).
+            self.budget = v.want or self.budget
+            keep = max(self.budget, self.sent)
+            del self.branch[keep:]
+            del self.confidence[keep:]
+        self.stalled = False
+
+    def _take_alternate(self, v: Verdict, tokens: list[int]) -> None:
+        """A verdict that takes the alternate sent for position + accepted: its rest,
+        already sent, is branch gen + 1 (specwire/link/rule.py)."""
+        at = v.position + v.accepted
+        rest = take_alternate(self.alts.get(at) if v.gen == self.gen else None, tokens)
+        if rest is None:
+            raise ProtocolError(f"verdict takes an alternate at {at} of gen {v.gen} "
+                                "that was not sent, or does not begin with its tokens")
+        self.committed += self.branch[: v.accepted] + tokens
+        self.branch, self.sent, self.gen, self.alts = rest, len(rest), self.gen + 1, {}
+        self.confidence, self.choices = [], [None] * len(rest)
+        self.stalled = False
+
+    def _branch_at(self, row, ctx: list[int], tok: int) -> None:
+        """As the branch drafts `tok`: note the draft's two best choices there, which
+        say later whether an alternate there is worth drafting (_late_alternate_at)."""
+        sp = self.drafter.sampling
+        two = alt.top_two(row, sp, len(ctx), recent_window(ctx, sp))
+        self.choices.append(two if two is not None and two.first == tok else None)
+
+    def _calibrate(self, accepted: int, tokens: list[int]) -> None:
+        """Judge the sent branch against what the verdict commits: its first `accepted`
+        tokens were kept, and the next one is judged by whether the target's own token
+        is the same (the target may not have verified it; where it did, greedy and
+        coupled verification keep exactly the tokens that agree)."""
+        judged = self.confidence[: min(self.sent, accepted + 1)]
+        agrees = accepted < self.sent and tokens[:1] == self.branch[accepted : accepted + 1]
+        self.stop.calibration.learn(judged, accepted + 1 if agrees else accepted)
+
+    def _draft_burst(self) -> None:
+        """Draft until the limit, p_min, or a pending verdict; send as we go."""
+        target = self._limit() - len(self.branch)
+        if self.pipelined:
+            self._busy_since = time.perf_counter()
+        pending: list[int] = []
+        sparse_pending: list = []
+        base = self.committed + self.branch
+
+        def on_token(i: int, tok: int, sd) -> bool:
+            self.branch.append(tok)
+            pending.append(tok)
+            if sd is not None:
+                sparse_pending.append(sd)
+            if self.pipelined and (self.sent == 0 or len(pending) >= 2):
+                self._flush(pending, sparse_pending, done=False)
+                if self.branching is not None and self._alternate_first() is not None:
+                    return False  # an alternate first: the next work says which
+            return not self._inbox and not self._closed
+
+        result = self.drafter.draft_from(
+            base, target, on_token=on_token,
+            at_choice=self._branch_at if self.branching is not None else None)
+        if self.stop is not None:
+            self.confidence += result.confidence or []
+        stopped_by_pmin = len(result) < target and not self._inbox
+        self.stalled = stopped_by_pmin
+        done = stopped_by_pmin or len(self.branch) >= self._limit()
+        if pending or done:
+            self._flush(pending, sparse_pending, done=done)
+
+    def _flush(self, pending: list[int], sparse_pending: list, done: bool,
+               behind: int | None = None) -> None:
+        start = len(self.committed) + self.sent
+        # A synchronous chunk is the whole answer to its verdict: no `done` to send.
+        chunk = Chunk(self.gen, start, list(pending), done=done and self.pipelined,
+                      sparse=pad_sparse(sparse_pending, self.q_k) if sparse_pending else None)
+        if self.timing:
+            now = time.perf_counter()
+            chunk.busy_us = min(2**32 - 1, int(1e6 * (now - self._busy_since)))
+            self._busy_since = now
+        if self._pending_alts:
+            chunk.alternates = list(self._pending_alts)
+            self.alts.update((a.at, a.tokens) for a in self._pending_alts)
+            self._pending_alts.clear()
+        if not self._told_cache:
+            chunk.cache_n, chunk.prompt_n, self._told_cache = self.cache_n, self.prompt_n, True
+        elif behind is not None:
+            chunk.prompt_n = behind
+        self.sent += len(pending)
+        pending.clear()
+        sparse_pending.clear()
+        self.send(chunk)
+
+
+def error_message(e: Exception) -> Failure:
+    """The DraftError that ends a session: a peer's mistake, or this node's own failure."""
+    if isinstance(e, ProtocolError):
+        log.warning("draft session: protocol error: %s", e)
+        text = str(e)
+    else:
+        log.error("draft session failed", exc_info=e)
+        text = f"{type(e).__name__}: {e}"
+    return Failure(text)
