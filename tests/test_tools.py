@@ -148,7 +148,8 @@ def test_tool_choice_and_tools_errors_name_the_problem() -> None:
             tool_calls.parse(body, src)
     bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "nah"}}}
     req = tool_calls.parse({"tools": [bad_schema], "tool_choice": "required"}, src)
-    with pytest.raises(ApiError, match="function 'f': parameters: unsupported or invalid"):
+    with pytest.raises(ApiError,
+                       match=re.escape("tools[0].function.parameters: unsupported or invalid")):
         tool_calls.grammar(req)
 
 

@@ -162,9 +162,11 @@ def grammar(req: ToolRequest | None) -> GrammarSpec | None:
     if req is None or req.choice == "none":
         return None
     try:
-        for t in req.offered():          # a bad schema is named by its tool
-            schema_grammar(t.parameters or {"type": "object"},
-                           f"tools: function {t.name!r}: parameters")
+        offered = req.offered()
+        for i, t in enumerate(req.tools):  # a bad schema is named by its place
+            if t in offered:
+                schema_grammar(t.parameters or {"type": "object"},
+                               f"tools[{i}].function.parameters")
         if isinstance(req.fmt, Generic):
             text = req.fmt.grammar(req.offered(), req.parallel, allow_response=not req.forced)
         elif req.forced:
