@@ -69,6 +69,14 @@ def _body_over_the_cap(url: str) -> None:
         == 200
 
 
+def _history(call: object) -> bytes:
+    """A chat body whose assistant turn holds `call` as its one tool call."""
+    return json.dumps({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "1", "content": "ok"}], "max_tokens": 2}).encode()
+
+
 HOSTILE = [
     # (path, raw body, status, what the message must name)
     ("/completion", b'{"prompt": "z", "n_predict": ' + b"9" * 5000 + b"}", 400, "digits"),
@@ -98,6 +106,20 @@ HOSTILE = [
     ("/completion", json.dumps({"prompt": [5] * 5000}).encode()[:4000], 400, "invalid JSON"),
     ("/completion", b'{"prompt": "z", "n_predict": ' + b"1" * 4000 + b"}", 400, "n_predict"),
     ("/detokenize", b'{"tokens": [1, 18446744073709551616]}', 400, "tokens[1]"),
+    # earlier tool calls in a chat history (issue 23: each was a 500 with a traceback)
+    ("/v1/chat/completions", _history({"type": "function", "function": {
+        "name": "f", "arguments": "[" * 5000 + "]" * 5000}}), 400,
+     "messages[1].tool_calls[0].function.arguments: nested deeper"),
+    ("/v1/chat/completions", _history({"type": "function", "function": {
+        "name": "f", "arguments": '{"a": ' * 70 + "1" + "}" * 70}}), 400,
+     "messages[1].tool_calls[0].function.arguments: nested deeper"),
+    ("/v1/chat/completions", _history({"type": "function", "function": "x"}), 400,
+     "messages[1].tool_calls[0].function: must be an object"),
+    ("/v1/chat/completions", _history({"type": "function", "function": {"arguments": "{}"}}),
+     400, "messages[1].tool_calls[0].function.name: required"),
+    ("/v1/chat/completions", _history("call"), 400, "messages[1].tool_calls[0]: must be"),
+    ("/v1/chat/completions", _history({"function": {"name": "f", "arguments": 5}}), 400,
+     "messages[1].tool_calls[0].function.arguments: must be"),
 ]
 
 

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 from specwire.tools.base import (
@@ -18,6 +17,7 @@ from specwire.tools.base import (
     ToolFormat,
     as_arguments,
     calls_after,
+    loads,
 )
 from specwire.tools.gbnf import Builder
 
@@ -36,7 +36,7 @@ class DeepSeek(ToolFormat):
         def call(m: re.Match) -> ToolCall | None:
             name = m.group(1).strip()
             try:
-                args = as_arguments(json.loads(m.group(2)))
+                args = as_arguments(loads(m.group(2)))
             except ValueError:
                 return None
             return ToolCall(name, args) if name in known and args is not None else None
