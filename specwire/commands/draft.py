@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from specwire.cliargs import CliError, add_draft_model_args, draft_model_params
+
+log = logging.getLogger("specwire.node")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +55,7 @@ def run(a: argparse.Namespace) -> int:
     from specwire.backend.base import BackendError
     from specwire.loader import resolve_draft
     from specwire.node.server import NodeSettings, serve
+    from specwire.wire.link import loopback
 
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in 0..65535, got {a.port}")
@@ -77,6 +81,9 @@ def run(a: argparse.Namespace) -> int:
         path = getattr(a, flag)
         if path and not os.path.isfile(path):
             raise CliError(f"--{flag.replace('_', '-')}: file not found: {path}")
+    if a.token and not a.tls_cert and not loopback(f"{a.host}:{a.port}"):
+        log.warning("--token without --tls-cert: targets send the token in clear text over "
+                    "the network to %s", a.host)
     a.ctx_size_draft = a.ctx_size_draft or a.ctx_size
     params = draft_model_params(a, resolve_draft(a.model))
     settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,

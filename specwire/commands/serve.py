@@ -8,6 +8,7 @@ See specwire/server/app.py for the endpoints.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import socket
@@ -67,6 +68,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body; more is refused with 413 (default 8 MiB: a "
                    "full 1M-token context as token ids)")
+    g.add_argument("--logit-bias-max", type=int, default=300, metavar="N",
+                   help="most logit_bias entries per request (default 300, as OpenAI); each "
+                   "costs every sampled token of the request")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without --api-key, requests must name an IP address or localhost "
+                   "in Host (DNS rebinding); this allows one more name (repeatable)")
     g.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1,
                    help="a request goes to the idle slot whose cached prompt shares most "
                    "with it, if more than this share of its prompt (0: least recently used "
@@ -98,6 +105,8 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"-n: must be >= -1, got {a.n_predict}")
     if a.max_body < 1:
         raise CliError(f"--max-body: must be >= 1, got {a.max_body}")
+    if a.logit_bias_max < 0:
+        raise CliError(f"--logit-bias-max: must be >= 0, got {a.logit_bias_max}")
     if a.chat_template_file:
         try:
             with open(a.chat_template_file, encoding="utf-8") as f:
@@ -125,7 +134,9 @@ def run(a: argparse.Namespace) -> int:
                               queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui,
                               max_body=a.max_body, reasoning_format=a.reasoning_format,
                               reasoning_budget=a.reasoning_budget,
-                              slot_prompt_similarity=a.slot_prompt_similarity)
+                              slot_prompt_similarity=a.slot_prompt_similarity,
+                              logit_bias_max=a.logit_bias_max,
+                              allowed_hosts=(*a.allowed_host, *_named(a.host)))
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
     for e in engines:
@@ -152,6 +163,15 @@ def run(a: argparse.Namespace) -> int:
             for d in e.drafters:
                 declared(d).close()
     return 0
+
+
+def _named(host: str) -> tuple[str, ...]:
+    """--host when it is a name (not an address): requests may use it in Host."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return (host,)
+    return ()
 
 
 def _listen(host: str, port: int) -> socket.socket:

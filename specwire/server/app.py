@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -103,7 +104,8 @@ def create_app(engine: Engine | Sequence[Engine],
     async def health() -> dict:
         return {"status": "ok"}
 
-    api = APIRouter(dependencies=[Depends(_auth(settings.api_key))])
+    api = APIRouter(dependencies=[Depends(_auth(settings.api_key)),
+                                  Depends(_host_check(settings))])
 
     # -- information -------------------------------------------------------------------------
 
@@ -146,7 +148,16 @@ def create_app(engine: Engine | Sequence[Engine],
     # -- tokens ------------------------------------------------------------------------------
 
     async def read_json(request: Request) -> dict:
-        """The body within --max-body, parsed off the event loop (a large one takes a while)."""
+        """The body within --max-body, parsed off the event loop (a large one takes a while).
+
+        Only as application/json: a web page may POST text/plain (or a typeless Blob) to
+        any address without asking first, but not JSON (the CORS preflight).
+        """
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";", 1)[0].strip().lower() != "application/json":
+            raise ApiError(415, f"Content-Type: must be application/json, got "
+                           f"{ctype[:60]!r} (curl: -H 'Content-Type: application/json')",
+                           "invalid_request_error")
         raw = await limits.read_body(request, settings.max_body)
         return await run_in_threadpool(schemas.parse_json, raw)
 
@@ -234,6 +245,42 @@ def _auth(api_key: str | None) -> Callable:
                            "authentication_error")
 
     return check
+
+
+def _host_check(settings: ServerSettings) -> Callable:
+    """Without an API key, the Host header must be an IP address, localhost or an allowed
+    name: a web page whose own name an attacker points at this address (DNS rebinding)
+    would otherwise read and drive the server from a browser."""
+    allowed = frozenset(h.lower() for h in settings.allowed_hosts)
+
+    async def check(request: Request) -> None:
+        if settings.api_key:
+            return
+        host = request.headers.get("host")
+        if host is None or host_allowed(host, allowed):
+            return
+        raise ApiError(403, f"Host {host[:80]!r} is not this server's: connect by IP address "
+                       "or localhost, or start it with --allowed-host NAME or --api-key",
+                       "permission_error")
+
+    return check
+
+
+def host_allowed(host: str, allowed: frozenset[str]) -> bool:
+    """Whether a Host header (name or address, maybe with a port) is one this server takes."""
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:name.find("]")] if "]" in name else name[1:]
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    name = name.rstrip(".")
+    if name == "localhost" or name.endswith(".localhost") or name in allowed:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 async def _events(job: Job, request: Request) -> AsyncIterator[Event]:

@@ -36,6 +36,8 @@ __all__ = ["INT32_MAX", "parse_json", "read_body"]
 #: ("123456," is 7 bytes) fits, so no request the server could serve is refused.
 MAX_BODY_BYTES = 8 << 20
 MAX_DEPTH = 32
+#: OpenAI's limit on logit_bias entries (`serve --logit-bias-max` raises it).
+MAX_LOGIT_BIAS = 300
 MAX_INT = 2**64
 #: Stop strings: llama-server takes any number, OpenAI at most 4. Each is searched for in
 #: every generated piece, so their number and length bound per-token work.

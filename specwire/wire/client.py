@@ -35,6 +35,7 @@ from specwire.wire import specwire_pb2 as pb
 from specwire.wire.http2 import CreditTimeout, GrpcStatus, H2Error
 from specwire.wire.link import Link, LinkError
 from specwire.wire.linkset import LinkSet, SyncLine
+from specwire.wire.peertext import peer_text
 from specwire.wire.protocol import ProtocolError
 
 log = logging.getLogger("specwire.remote")
@@ -446,7 +447,7 @@ class GrpcTransport:
         """A message from the node, either transport; ProtocolError for a broken peer."""
         got = protocol.draft_from_pb(msg)
         if isinstance(got, Failure):
-            raise NodeFailure(f"draft node reported: {got.message}")
+            raise NodeFailure(f"draft node reported: {peer_text(got.message)}")
         self._on_chunk(session, got)
 
     def _first_message(self, history: list[int]) -> pb.TargetMessage:
@@ -479,8 +480,8 @@ class GrpcTransport:
 
 def _rpc_reason(e: BaseException) -> str:
     if isinstance(e, grpc.aio.AioRpcError | grpc.Call):
-        return f"{e.code().name}: {e.details()}"
-    return str(e)
+        return f"{e.code().name}: {peer_text(e.details())}"
+    return peer_text(e)
 
 
 def _unavailable(e: grpc.RpcError) -> bool:

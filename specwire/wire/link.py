@@ -13,6 +13,7 @@ the connection itself (UNAVAILABLE, or a failed Hello) drops it.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import ssl
@@ -26,6 +27,7 @@ from specwire.wire import protocol
 from specwire.wire import specwire_pb2 as pb
 from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.http2 import Connection, H2Error
+from specwire.wire.peertext import peer_text
 
 log = logging.getLogger("specwire.remote")
 
@@ -56,6 +58,9 @@ class Link:
             raise LinkError(f"--draft-url {url}: expected HOST:PORT")
         self.settings = settings
         self.fingerprint, self.n_vocab, self.target_name = fingerprint, n_vocab, target_name
+        if settings.token and not settings.tls_ca and not loopback(self.url):
+            log.warning("draft node %s: the token goes to it in clear text over the network; "
+                        "give --draft-tls-ca (and the node --tls-cert/--tls-key)", self.url)
         self._session_channel: grpc.Channel | None = None
         self._lock = threading.Lock()
         self.up = False
@@ -193,7 +198,8 @@ class Link:
         # greets and then drops every session still backs off longer each time.
         self.hello, self.up = reply, True
         log.info(
-            "draft node %s: %s, handshake %.1f ms", self.url, reply.draft_model, 1000 * self.rtt_s
+            "draft node %s: %s, handshake %.1f ms", self.url, peer_text(reply.draft_model),
+            1000 * self.rtt_s
         )
 
     async def close(self) -> None:
@@ -211,7 +217,7 @@ class Link:
             self._refuse(
                 f"incompatible models: the target {self.target_name} (vocabulary "
                 f"{self.n_vocab} tokens, fingerprint {self.fingerprint}) and the draft "
-                f"{r.draft_model} at {self.url} (vocabulary {r.n_vocab} tokens, "
+                f"{peer_text(r.draft_model)} at {self.url} (vocabulary {r.n_vocab} tokens, "
                 f"fingerprint {r.vocab_fingerprint}) do not share a tokenizer"
             )
 
@@ -249,10 +255,21 @@ class Link:
         log.warning("draft link %s down (%s); retry in %.2f s", self.url, reason, pause)
 
 
+def loopback(url: str) -> bool:
+    """Whether HOST:PORT names this machine (localhost or a loopback address)."""
+    host = url.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _reason(e: grpc.RpcError) -> str:
     if isinstance(e, grpc.Call):
-        return f"{e.code().name}: {e.details()}"
-    return str(e)
+        return f"{e.code().name}: {peer_text(e.details())}"
+    return peer_text(e)
 
 
 def _read(path: str) -> bytes:
