@@ -40,11 +40,23 @@ from specwire import chat
 from specwire.backend.base import Backend
 from specwire.engine import Engine
 from specwire.server import limits, schemas
+from specwire.server.deadlines import BodyBudget
 from specwire.server.errors import ApiError, install_handlers
 from specwire.server.metrics import CONTENT_TYPE, Metrics
 from specwire.server.responses import Dialect, LlamaCompletion, OpenAIChat, OpenAICompletion
 from specwire.server.settings import ServerSettings
-from specwire.server.slots import Chunk, Done, Event, Failed, Job, QueueFull, Result, Scheduler
+from specwire.server.slots import (
+    Chunk,
+    Done,
+    Draining,
+    Event,
+    Failed,
+    Job,
+    QueueFull,
+    Result,
+    Scheduler,
+    shutting_down,
+)
 from specwire.server.webui import RecentRequests
 from specwire.server.webui import install as install_webui
 
@@ -82,6 +94,7 @@ def create_app(engine: Engine | Sequence[Engine],
     names = model_names(target, settings.alias)
     started = int(time.time())
     recent = RecentRequests()
+    budget = BodyBudget(settings.max_reading, settings.body_timeout_s)
 
     def exposition() -> str:
         return metrics.render().decode()
@@ -158,7 +171,7 @@ def create_app(engine: Engine | Sequence[Engine],
             raise ApiError(415, f"Content-Type: must be application/json, got "
                            f"{ctype[:60]!r} (curl: -H 'Content-Type: application/json')",
                            "invalid_request_error")
-        raw = await limits.read_body(request, settings.max_body)
+        raw = await limits.read_body(request, settings.max_body, budget)
         return await run_in_threadpool(schemas.parse_json, raw)
 
     @api.post("/tokenize")
@@ -182,6 +195,8 @@ def create_app(engine: Engine | Sequence[Engine],
             spec = await run_in_threadpool(parse, body)
             job = Job(spec.request, spec.stops, spec.stream)
             scheduler.submit(job)
+        except Draining:
+            raise shutting_down() from None
         except QueueFull:
             raise ApiError(429, f"the server is busy: {settings.queue_size} requests are already "
                            "waiting (--queue-size); retry later", "rate_limit_error") from None
