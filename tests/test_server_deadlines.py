@@ -118,8 +118,14 @@ def _response(c: socket.socket, seconds: float = 10) -> tuple[int, dict, bytes]:
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
-    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+    headers = {k.lower(): v for k, v in
+               (line.split(": ", 1) for line in lines[1:] if ": " in line)}
+    while len(body) < int(headers.get("content-length", 0)):
+        chunk = c.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
 
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408() -> None:

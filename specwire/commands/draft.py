@@ -42,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-sessions", type=int, default=32, metavar="N",
                    help="most finished sessions kept in --cache-ram (least recently used "
                    "out first)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM: refuse new sessions, give open ones S seconds, then stop")
     p.add_argument("--token", default=os.environ.get("SPECWIRE_TOKEN"),
                    help="shared secret required from targets (env SPECWIRE_TOKEN)")
     p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
@@ -71,6 +73,9 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--max-sessions: must be >= 1, got {a.max_sessions}")
     if not 1 <= a.idle_timeout <= 86400:
         raise CliError(f"--idle-timeout: must be in 1..86400 seconds, got {a.idle_timeout:g}")
+    if not 0 <= a.shutdown_timeout <= 3600:
+        raise CliError(f"--shutdown-timeout: must be in [0, 3600] seconds, got "
+                       f"{a.shutdown_timeout:g}")
     if a.cache_ram < 0:
         raise CliError(f"--cache-ram: must be >= 0 MiB, got {a.cache_ram}")
     if a.cache_sessions < 0:
@@ -90,7 +95,8 @@ def run(a: argparse.Namespace) -> int:
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
-                            cache_sessions=a.cache_sessions, idle_s=a.idle_timeout)
+                            cache_sessions=a.cache_sessions, idle_s=a.idle_timeout,
+                            shutdown_s=a.shutdown_timeout)
     try:
         serve(settings)
     except BackendError as e:

@@ -32,6 +32,14 @@ from specwire.wire.peertext import peer_text
 log = logging.getLogger("specwire.remote")
 
 
+#: gRPC keepalive on the link: a ping after this long without frames, answered within the
+#: timeout or the connection is closed.
+KEEPALIVE_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+#: Session streams per link when the node did not say how many sessions it admits.
+MAX_STREAMS = 64
+
+
 class LinkError(Exception):
     """A draft node could not be used; the message says why."""
 
@@ -74,6 +82,25 @@ class Link:
         #: failure counts only if no other failure was counted since (the sessions on a
         #: connection that breaks all fail, and the backoff must grow once, not per session).
         self.epoch = 0
+        self._streams = 0  # pipelined Session streams open on this link now
+
+    def max_streams(self) -> int:
+        """Session streams this target may have open on the link at once: what the node
+        admits (its --max-sessions, from Hello) and a few closing, else MAX_STREAMS."""
+        hello = self.hello
+        return 2 * hello.max_sessions + 4 if hello and hello.max_sessions else MAX_STREAMS
+
+    def take_stream(self) -> bool:
+        """Count a stream about to open; False (nothing counted) if the link has its most."""
+        with self._lock:
+            if self._streams >= self.max_streams():
+                return False
+            self._streams += 1
+            return True
+
+    def give_stream(self) -> None:
+        with self._lock:
+            self._streams -= 1
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         tok = self.settings.token
@@ -160,6 +187,13 @@ class Link:
             ("grpc.use_local_subchannel_pool", 1),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            # A frozen node (or a link that drops packets) is found within
+            # KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS while a session is open; the node permits
+            # pings this often (node/server.py).
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.http2.max_pings_without_data", 0),
         ]
         s = self.settings
         if not s.tls_ca:
