@@ -1,7 +1,7 @@
 """The node's metrics port: Prometheus text over HTTP, bounded like the other ports.
 
 prometheus_client's own server gives every connection a thread with no deadline and
-no cap (300 idle connections: 302 threads) and asks for no token. Here: at most
+no cap, and asks for no token. Here: at most
 MAX_CONNECTIONS at once (one more is closed at once), each with a socket timeout and a
 total deadline of DEADLINE_S, the node's token (`Authorization: Bearer TOKEN`) when it
 has one, and an accept loop that waits out transient errors (EMFILE) instead of
