@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "out first)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM: refuse new sessions, give open ones S seconds, then stop")
+    p.add_argument("--cache-ttl", type=float, default=900.0, metavar="S",
+                   help="forget cached sessions (--cache-ram, warm contexts) unused for S "
+                   "seconds (0: keep them until evicted)")
     p.add_argument("--token", default=os.environ.get("SPECWIRE_TOKEN"),
                    help="shared secret required from targets (env SPECWIRE_TOKEN)")
     p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
@@ -76,6 +79,8 @@ def run(a: argparse.Namespace) -> int:
     if not 0 <= a.shutdown_timeout <= 3600:
         raise CliError(f"--shutdown-timeout: must be in [0, 3600] seconds, got "
                        f"{a.shutdown_timeout:g}")
+    if a.cache_ttl < 0:
+        raise CliError(f"--cache-ttl: must be >= 0 seconds, got {a.cache_ttl:g}")
     if a.cache_ram < 0:
         raise CliError(f"--cache-ram: must be >= 0 MiB, got {a.cache_ram}")
     if a.cache_sessions < 0:
@@ -96,7 +101,7 @@ def run(a: argparse.Namespace) -> int:
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
                             cache_sessions=a.cache_sessions, idle_s=a.idle_timeout,
-                            shutdown_s=a.shutdown_timeout)
+                            shutdown_s=a.shutdown_timeout, cache_ttl_s=a.cache_ttl)
     try:
         serve(settings)
     except BackendError as e:

@@ -59,6 +59,7 @@ class NodeSettings:
     metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
     idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
     shutdown_s: float = 10.0  # on SIGTERM: open sessions get this long, then are closed
+    cache_ttl_s: float = 900.0  # cached sessions unused this long are forgotten (0: never)
 
 
 #: A call must send its first message (a Session's Open, a ping) this soon, and a Ping
@@ -89,7 +90,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
         self.watchdog = Watchdog()
         self.sync_port = 0  # advertised in Hello once the sync server listens
         self.memory = KvCache(settings.model, model, settings.cache_ram_mib,
-                              settings.cache_sessions, settings.max_sessions)
+                              settings.cache_sessions, settings.max_sessions,
+                              settings.cache_ttl_s)
         self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
                                    lambda: len(self.calibrations), self.memory.pooled)
 
