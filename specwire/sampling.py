@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specwire import rng
 from specwire.config import ConfigError, SamplingParams
+from specwire.sample import rng
 
 #: Candidates llama.cpp's draft sampler keeps before it applies p_min.
 P_MIN_TOP_K = 10

@@ -1,4 +1,4 @@
-"""The bounds on a constraint (constraints/bounds.py), checked without llama.cpp.
+"""The bounds on a constraint (sample/constraints/bounds.py), checked without llama.cpp.
 
 Each hostile shape that crashed or stalled llama.cpp's grammar parser (issue 23) is
 refused with a ConfigError naming the field, fast and without recursion; the grammars
@@ -10,10 +10,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from specwire.config import ConfigError
-from specwire.constraints import schema_grammar
-from specwire.constraints.bounds import (
+from specwire.sample.constraints import schema_grammar
+from specwire.sample.constraints.bounds import (
     MAX_CHAIN,
     MAX_ELEMENTS,
     MAX_GBNF_CHARS,
@@ -23,7 +21,9 @@ from specwire.constraints.bounds import (
     check_pattern,
     check_schema,
 )
-from specwire.constraints.json_schema import build_repetition
+from specwire.sample.constraints.json_schema import build_repetition
+
+from specwire.config import ConfigError
 
 ARITHMETIC = """
 root  ::= (expr "=" ws term "\\n")+

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from specwire.engine.engine import Engine
 from test_server import run_serve
 from wire_helpers import (
     GREEDY,
@@ -39,7 +40,6 @@ from wire_helpers import (
 from specwire.backend import kv_state
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import ModelParams
-from specwire.engine import Engine
 from specwire.node.kv_cache import MIB, KvCache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -440,8 +440,9 @@ def test_cache_reuse_shifts_a_cached_chunk_into_place(target) -> None:
     """--cache-reuse 8: a prompt that drops a passage from the middle of the cached one
     (a client trimming its context) keeps the chunk after it, shifted to its new position;
     without --cache-reuse only the common prefix is kept."""
+    from specwire.engine.engine import Request
+
     from specwire.config import DraftParams
-    from specwire.engine import Request
 
     head = target.tokens(HEADER)
     dropped = target.tokens(" " + TEXTS[1])[1:]
@@ -463,8 +464,9 @@ def test_cache_reuse_shifts_a_cached_chunk_into_place(target) -> None:
 def test_cache_flags_are_refused_with_one_clear_line(specwire_cli) -> None:
     import argparse
 
-    from specwire.cliargs import CliError
-    from specwire.commands import serve
+    from specwire.cli.args import CliError
+    from specwire.cli.commands import serve
+
     from specwire.server import ServerSettings, schemas
     from specwire.server.errors import ApiError
 
@@ -500,8 +502,9 @@ def test_cache_flags_are_refused_with_one_clear_line(specwire_cli) -> None:
 def test_a_local_draft_model_reports_what_it_reused(target, draft_params, threaded) -> None:
     """A draft model in this process keeps its cache between requests: turn 2 reports
     draft_cache_n covering turn 1's prompt, draft_prompt_n the rest; output is plain's."""
+    from specwire.link.threaded import ThreadedDrafter
+
     from specwire.drafters.model import ModelDrafter
-    from specwire.drafters.threaded import ThreadedDrafter
 
     backend = LlamaBackend(draft_params, load_model(draft_params))
     drafter = ThreadedDrafter(backend) if threaded else ModelDrafter(backend)

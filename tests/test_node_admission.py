@@ -17,18 +17,19 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
+from specwire.engine.engine import Engine
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport import specwire_pb2_grpc as pbg
+from specwire.link.transport.h2 import server as sync_server
 from wire_helpers import CODE, GREEDY, Target, draft_model_path, request, run_to_end, wait_for
 
 from specwire.config import ModelParams
-from specwire.engine import Engine
 from specwire.node import kv_cache
 from specwire.node import server as node_mod
 from specwire.node.calibrations import Calibrations
 from specwire.node.server import NodeSettings, RunningNode
 from specwire.server.metrics import parse_figures
-from specwire.wire import protocol, sync_server
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire import specwire_pb2_grpc as pbg
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 0.5
@@ -238,8 +239,8 @@ def test_calibrations_are_bounded_least_recent_first() -> None:
 def test_metrics_port_flag_is_checked() -> None:
     import argparse
 
-    from specwire.cliargs import CliError
-    from specwire.commands import draft
+    from specwire.cli.args import CliError
+    from specwire.cli.commands import draft
 
     parser = argparse.ArgumentParser()
     draft.register(parser.add_subparsers())
@@ -281,7 +282,8 @@ def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
     Open itself fails, or once the Open has left, unread, so that the node's GOAWAY or
     reset ends the call before any answer. The session opens again on a new connection,
     no failure is counted, nothing is logged as down, and the request drafts."""
-    from specwire.wire import http2, linkset
+    from specwire.link.transport import channels as linkset
+    from specwire.link.transport.h2 import connection as http2
 
     crossed: list[bool] = []
     if crossing == "under-open":
@@ -331,7 +333,7 @@ def test_a_cancelled_sync_session_ends_alone(start_node, caplog) -> None:
     """A target that cancels a synchronous session (RST_STREAM, as when its request is cut)
     while the node drafts for it: the session ends as after a Close, without an error
     logged, and the same connection carries the next session."""
-    from specwire.wire.http2 import Connection
+    from specwire.link.transport.h2.connection import Connection
 
     node = start_node()
     history = _history(node)

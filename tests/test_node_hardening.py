@@ -17,6 +17,11 @@ import time
 
 import grpc
 import pytest
+from specwire.engine.engine import Engine
+from specwire.link.transport import grpc_client as client
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport import specwire_pb2_grpc as pbg
 from test_wire import ref
 from wire_helpers import (  # noqa: F401 - target_fixture registers the fixture
     CODE,
@@ -30,12 +35,8 @@ from wire_helpers import (  # noqa: F401 - target_fixture registers the fixture
 )
 
 from specwire.config import ModelParams
-from specwire.engine import Engine
 from specwire.node import server as node_mod
 from specwire.node.server import NodeSettings
-from specwire.wire import client, protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire import specwire_pb2_grpc as pbg
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ import threading
 import time
 
 import httpx
+from specwire.link.transport.h2 import server as sync_server
+from specwire.link.transport.h2.connection import Connection
 
 from specwire.node import exporter
 from specwire.node.metrics import NodeMetrics
-from specwire.wire import sync_server
-from specwire.wire.http2 import Connection
 
 
 def _metrics() -> NodeMetrics:

@@ -1,11 +1,11 @@
-"""Peer text made safe to log (wire/peertext.py) and the clear-text token warning."""
+"""Peer text made safe to log (link/transport/peertext.py) and the clear-text token warning."""
 
 from __future__ import annotations
 
 import logging
 
-from specwire.wire.link import Link, LinkSettings, loopback
-from specwire.wire.peertext import PEER_TEXT_MAX, peer_text
+from specwire.link.transport.channel import Link, LinkSettings, loopback
+from specwire.link.transport.peertext import PEER_TEXT_MAX, peer_text
 
 
 def test_peer_text_is_one_bounded_printable_line() -> None:
@@ -22,8 +22,7 @@ def test_peer_text_is_one_bounded_printable_line() -> None:
 
 def test_grpc_status_message_from_a_peer_is_bounded() -> None:
     import pytest
-
-    from specwire.wire.grpcframe import GrpcStatus, check_status
+    from specwire.link.transport.h2.grpcframe import GrpcStatus, check_status
 
     with pytest.raises(GrpcStatus) as e:
         check_status([(":status", "200"), ("grpc-status", "13"),

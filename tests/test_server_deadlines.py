@@ -23,10 +23,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import uvicorn
+from specwire.engine.engine import Engine
 from test_server import SpyDrafter, ToyBackend, _sse
 
 from specwire.config import SamplingParams
-from specwire.engine import Engine
 from specwire.server import ServerSettings, create_app, deadlines
 from specwire.server.drain import DrainingServer
 
@@ -213,8 +213,8 @@ def test_a_generation_that_fits_in_the_drain_finishes() -> None:
 def test_serve_flags_for_deadlines_are_checked() -> None:
     import argparse
 
-    from specwire.cliargs import CliError
-    from specwire.commands import serve
+    from specwire.cli.args import CliError
+    from specwire.cli.commands import serve
 
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())

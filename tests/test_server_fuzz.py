@@ -159,7 +159,7 @@ def _raw_bodies() -> st.SearchStrategy[bytes]:
 def server(request, tmp_path_factory) -> Iterator[str]:
     """The bundled pair, drafting in-process, or through a draft node (sampling settings
     then cross the link as protobuf fields: what they cannot hold must be a 400 first)."""
-    from specwire import models
+    from specwire.assets import models
     models.default_target()
     models.default_draft()
     with contextlib.ExitStack() as stack:

@@ -16,12 +16,12 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from specwire.engine.engine import Engine
 from test_server import ToyBackend
 from test_server_fuzz import GETS, POSTS, _check, _raw_bodies, bodies, constrained, segment
 
 from specwire.config import SamplingParams
 from specwire.drafters.base import NoDrafter
-from specwire.engine import Engine
 from specwire.server import ServerSettings, create_app
 
 FAST = settings(max_examples=40, derandomize=True, database=None, deadline=None,

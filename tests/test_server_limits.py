@@ -15,11 +15,11 @@ import time
 
 import httpx
 import pytest
+from specwire.engine.engine import Engine
 from test_server import SpyDrafter, ToyBackend, _ignore, _metric, _sse, serve_app
 
 from specwire.backend import llama
 from specwire.config import SamplingParams
-from specwire.engine import Engine
 from specwire.server import ServerSettings, create_app
 from specwire.server.metrics import parse_figures
 
@@ -204,8 +204,8 @@ def test_metrics_histograms_process_and_python_figures(toy_url) -> None:
 def test_max_body_flag_is_checked() -> None:
     import argparse
 
-    from specwire.cliargs import CliError
-    from specwire.commands import serve
+    from specwire.cli.args import CliError
+    from specwire.cli.commands import serve
 
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())
@@ -250,7 +250,7 @@ def test_host_must_be_an_address_localhost_or_allowed_without_a_key() -> None:
 
 
 def test_logit_bias_is_capped_and_converted_once() -> None:
-    from specwire.sampling import bias_arrays
+    from specwire.sample.sampling import bias_arrays
 
     many = {str(i): 1.0 for i in range(301)}
     with serve_app(_toy_app()) as url:
@@ -278,8 +278,8 @@ def test_logit_bias_is_capped_and_converted_once() -> None:
 def test_new_serve_flags_are_checked() -> None:
     import argparse
 
-    from specwire.cliargs import CliError
-    from specwire.commands import serve
+    from specwire.cli.args import CliError
+    from specwire.cli.commands import serve
 
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())

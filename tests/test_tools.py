@@ -14,12 +14,12 @@ import re
 from pathlib import Path
 
 import pytest
+from specwire.text import chat, reasoning
+from specwire.text.tools import Generic, Tool, detect
 
-from specwire import chat, reasoning
 from specwire.server import tool_calls
 from specwire.server.chat_output import ChatOutput, ChatPlan, whole
 from specwire.server.errors import ApiError
-from specwire.tools import Generic, Tool, detect
 
 TEMPLATES = Path(__file__).parent / "templates"
 WEATHER = {"type": "function", "function": {
@@ -109,7 +109,7 @@ def test_not_a_valid_call_is_content(family: str) -> None:
 
 @pytest.mark.parametrize("family", ["hermes", "qwen3-coder", "mistral", "deepseek"])
 def test_one_invalid_call_among_valid_ones_makes_the_reply_content(family: str) -> None:
-    """The shared readers (tools/base.py: calls among content, calls after a tag): a later
+    """The shared readers (text/tools/base.py: calls among content, calls after a tag): a later
     call to an unknown tool spoils the reply, and text after blocks stays content."""
     fmt = _request(family)[0].fmt
     reply = OUTPUTS[family][1]

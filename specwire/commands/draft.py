@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from specwire.cliargs import CliError, add_draft_model_args, draft_model_params
+from specwire.cli.args import CliError, add_draft_model_args, draft_model_params
 
 log = logging.getLogger("specwire.node")
 
@@ -58,9 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(a: argparse.Namespace) -> int:
     from specwire.backend.base import BackendError
-    from specwire.loader import resolve_draft
+    from specwire.build import resolve_draft
+    from specwire.link.transport.channel import loopback
     from specwire.node.server import NodeSettings, serve
-    from specwire.wire.link import loopback
 
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in 0..65535, got {a.port}")

@@ -13,14 +13,14 @@ import logging
 import os
 import socket
 
-from specwire import reasoning
-from specwire.cliargs import (
+from specwire.cli.args import (
     CliError,
     add_model_args,
     add_sampling_args,
     draft_params,
     sampling_params,
 )
+from specwire.text import reasoning
 
 log = logging.getLogger("specwire.serve")
 
@@ -103,12 +103,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(a: argparse.Namespace) -> int:
     import uvicorn
 
-    from specwire import chat
-    from specwire.commands.settings import engine_settings
+    from specwire.build import build_engine
+    from specwire.cli.settings import engine_settings
     from specwire.drafters.base import declared
-    from specwire.loader import build_engine
     from specwire.server import ServerSettings, create_app, deadlines
     from specwire.server.drain import DrainingServer
+    from specwire.text import chat
 
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in [0, 65535], got {a.port}")

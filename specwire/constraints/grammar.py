@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specwire.config import ConfigError
-from specwire.constraints.bounds import check_gbnf
+from specwire.sample.constraints.bounds import check_gbnf
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 _compile_lock = threading.Lock()

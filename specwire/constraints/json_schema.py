@@ -18,8 +18,8 @@ from types import ModuleType
 from typing import Any
 
 from specwire.config import ConfigError
-from specwire.constraints.bounds import check_schema
-from specwire.constraints.grammar import GrammarSpec
+from specwire.sample.constraints.bounds import check_schema
+from specwire.sample.constraints.grammar import GrammarSpec
 
 #: Any JSON object (OpenAI's json_object mode answers with an object, never a bare value).
 JSON_OBJECT_SCHEMA: dict = {"type": "object"}

@@ -36,9 +36,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from specwire import chat
 from specwire.backend.base import Backend
-from specwire.engine import Engine
+from specwire.engine.engine import Engine
 from specwire.server import limits, schemas
 from specwire.server.deadlines import BodyBudget
 from specwire.server.errors import ApiError, install_handlers
@@ -59,6 +58,7 @@ from specwire.server.slots import (
 )
 from specwire.server.webui import RecentRequests
 from specwire.server.webui import install as install_webui
+from specwire.text import chat
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ class ServerSettings:
     sampling, draft: the defaults every request overrides field by field.
     alias:         the model name /v1/models lists (default: the target's file name).
     chat_template: named template (llama.cpp names) or Jinja source; None = the GGUF's own,
-                   else gemma for Gemma models, chatml otherwise (see specwire.chat).
+                   else gemma for Gemma models, chatml otherwise (see specwire.text.chat).
     api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
     queue_size:    requests allowed to wait for a slot; one more is refused with 429.
     n_predict:     the server's cap on tokens per request (-1: up to the context size).

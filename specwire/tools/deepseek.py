@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from specwire.tools.base import (
+from specwire.text.tools.base import (
     Parsed,
     Tool,
     ToolCall,
@@ -19,7 +19,7 @@ from specwire.tools.base import (
     calls_after,
     loads,
 )
-from specwire.tools.gbnf import Builder
+from specwire.text.tools.gbnf import Builder
 
 BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 
 from specwire.config import ConfigError
-from specwire.tools.base import Tool
+from specwire.text.tools.base import Tool
 
 
 class Builder:
     def __init__(self) -> None:
-        from specwire.constraints.json_schema import converter
+        from specwire.sample.constraints.json_schema import converter
 
         self._c = converter().SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
                                   raw_pattern=False)

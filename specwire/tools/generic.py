@@ -9,9 +9,9 @@ to that form whenever tools are offered.
 
 from __future__ import annotations
 
-from specwire.tools.base import Parsed, Tool, ToolFormat, call_from, dumps, loads
-from specwire.tools.gbnf import Builder
-from specwire.tools.hermes import call_schema
+from specwire.text.tools.base import Parsed, Tool, ToolFormat, call_from, dumps, loads
+from specwire.text.tools.gbnf import Builder
+from specwire.text.tools.hermes import call_schema
 
 
 class Generic(ToolFormat):

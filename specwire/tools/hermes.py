@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import re
 
-from specwire.tools.base import Parsed, Tool, ToolCall, ToolFormat, call_from, calls_among, loads
-from specwire.tools.gbnf import Builder
+from specwire.text.tools.base import (
+    Parsed,
+    Tool,
+    ToolCall,
+    ToolFormat,
+    call_from,
+    calls_among,
+    loads,
+)
+from specwire.text.tools.gbnf import Builder
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 

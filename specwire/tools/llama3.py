@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from specwire.tools.base import Parsed, Tool, ToolFormat, call_from, loads
-from specwire.tools.gbnf import Builder
-from specwire.tools.hermes import call_schema
+from specwire.text.tools.base import Parsed, Tool, ToolFormat, call_from, loads
+from specwire.text.tools.gbnf import Builder
+from specwire.text.tools.hermes import call_schema
 
 _TAG = "<|python_tag|>"
 

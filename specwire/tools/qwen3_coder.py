@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 
-from specwire.tools.base import Parsed, Tool, ToolCall, ToolFormat, calls_among, dumps, loads
-from specwire.tools.gbnf import Builder
+from specwire.text.tools.base import Parsed, Tool, ToolCall, ToolFormat, calls_among, dumps, loads
+from specwire.text.tools.gbnf import Builder
 
 _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>|$)",
                    re.S)

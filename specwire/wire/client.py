@@ -1,15 +1,15 @@
 """The target's transport of the draft link: gRPC streams and the synchronous port.
 
-The branch bookkeeping lives in drafters/branch.py and RemoteDrafter
-(drafters/remote.py) joins the two; this file only moves messages.
+The branch bookkeeping lives in link/branch.py and RemoteDrafter
+(link/remote.py) joins the two; this file only moves messages.
 Each session has a thread of its own that reads the node's chunks from a
 blocking gRPC stream into a buffer; the engine thread only reads that buffer
 under a lock and queues verdicts (handshakes run on a background asyncio
 thread). Synchronous sessions on a node with a synchronous port skip those
 threads: the engine thread writes its verdict and reads the chunk itself over
-wire/http2.py, as a round has nothing to overlap with. The drafters of one
+link/transport/h2/connection.py, as a round has nothing to overlap with. The drafters of one
 target (every slot of `serve -np N`) share its links and their connections
-(wire/linkset.py): each session is a stream of its own on them. In pipelined mode
+(link/transport/channels.py): each session is a stream of its own on them. In pipelined mode
 `propose` never waits: it takes whatever checked tokens extend the committed
 history, possibly none, and the engine then runs a plain decoding step. A dead,
 slow or hostile node therefore costs the target at most a lock and a list slice
@@ -28,15 +28,14 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
-
-from specwire.draftlink.messages import Close, Failure, TargetMessage, Verdict
-from specwire.wire import protocol, roundcodec
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire.http2 import CreditTimeout, GrpcStatus, H2Error
-from specwire.wire.link import Link, LinkError
-from specwire.wire.linkset import LinkSet, SyncLine
-from specwire.wire.peertext import peer_text
-from specwire.wire.protocol import ProtocolError
+from specwire.link.messages import Close, Failure, TargetMessage, Verdict
+from specwire.link.transport import protocol, roundcodec
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport.channel import Link, LinkError
+from specwire.link.transport.channels import LinkSet, SyncLine
+from specwire.link.transport.h2.connection import CreditTimeout, GrpcStatus, H2Error
+from specwire.link.transport.peertext import peer_text
+from specwire.link.transport.protocol import ProtocolError
 
 log = logging.getLogger("specwire.remote")
 

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
-from specwire.wire.peertext import peer_text
+from specwire.link.transport.peertext import peer_text
 
 #: Unread messages a stream may hold. A synchronous round is one message each way, so an
 #: honest peer never comes near it; a peer sending messages nobody asked for stops here.

@@ -46,10 +46,9 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-
-from specwire.wire.datapath import DataPath
-from specwire.wire.floods import FloodError, FloodLimits
-from specwire.wire.grpcframe import (
+from specwire.link.transport.h2.datapath import DataPath
+from specwire.link.transport.h2.floods import FloodError, FloodLimits
+from specwire.link.transport.h2.grpcframe import (
     GrpcStatus,
     H2Error,
     Stream,

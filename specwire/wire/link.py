@@ -4,7 +4,7 @@ The handshake runs before any sequence uses the node, so a node with another
 vocabulary, protocol version or a wrong token fails at connect with a message
 naming it, never as garbage tokens later. Hello and every Session stream share
 one blocking channel, so a target's sessions (all slots of `serve -np N`, see
-wire/linkset.py) reach the node's main port on one HTTP/2 connection, a
+link/transport/channels.py) reach the node's main port on one HTTP/2 connection, a
 stream each. A failure of one session backs the link off for new sessions but
 leaves the connection, and the other sessions on it, alone; only a failure of
 the connection itself (UNAVAILABLE, or a failed Hello) drops it.
@@ -22,12 +22,11 @@ import time
 from dataclasses import dataclass
 
 import grpc
-
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.http2 import Connection, H2Error
-from specwire.wire.peertext import peer_text
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport import specwire_pb2_grpc as pbg
+from specwire.link.transport.h2.connection import Connection, H2Error
+from specwire.link.transport.peertext import peer_text
 
 log = logging.getLogger("specwire.remote")
 
@@ -119,7 +118,7 @@ class Link:
 
         Sessions use grpcio's blocking API rather than grpc.aio: its threads
         move a message between the caller and the wire with fewer wake-ups. Measured
-        with bench/link_overhead.py, a synchronous round's link cost 1.4-1.5 ms over
+        with benchmarks/link_overhead.py, a synchronous round's link cost 1.4-1.5 ms over
         loopback this way, against 2.0 ms through grpc.aio driven from another thread.
         The channel is dropped when the link fails, so that a restarted node is reached
         on a fresh connection rather than after grpc's own reconnection backoff.
@@ -136,7 +135,7 @@ class Link:
         return True
 
     def sync_port(self) -> int:
-        """The node's synchronous port (wire/sync_server.py), 0 if it has none."""
+        """The node's synchronous port (link/transport/h2/server.py), 0 if it has none."""
         return self.hello.sync_port if self.hello is not None else 0
 
     def sync_address(self) -> tuple[str, int]:
