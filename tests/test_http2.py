@@ -189,9 +189,12 @@ SETTINGS_ACK = _frame(4, 1, 0, b"")
      "more than 100 RST_STREAM"),
     (_frame(2, 0, 1, b"\0\0\0\3\x10") * 501, "more than 500 ignored"),
     (b"", "closed by the peer"),
+    (_frame(1, 4, 1, hpack.Encoder().encode([hpack.NeverIndexedHeaderTuple(b":status", b"200"),
+                                             hpack.NeverIndexedHeaderTuple(b"x", b"\xff")])),
+     "not UTF-8"),
 ], ids=["oversized", "compressed", "message-limit", "window", "continuation", "hpack",
         "push", "zero-window-update", "window-overflow", "continuation-flood", "ping-flood",
-        "settings-flood", "rst-flood", "priority-flood", "hang-up"])
+        "settings-flood", "rst-flood", "priority-flood", "hang-up", "not-utf8-header"])
 def test_broken_frames_raise_h2error(garbage: bytes, why: str) -> None:
     """Frames outside HTTP/2 or gRPC framing, floods of frames that carry no data, and a peer
     that hangs up raise H2Error naming the problem; unknown frame types before them are

@@ -166,6 +166,47 @@ def test_memory_keeps_the_most_recent_within_budget_and_count(draft_params, targ
     tiny.close()
 
 
+@pytest.mark.slow
+def test_cached_sessions_are_forgotten_after_the_ttl(draft_params, target) -> None:
+    """--cache-ttl: a saved state and a warm context unused for longer are forgotten (by
+    expire at a given time, then by the sweeper on its own), and the next session with
+    their history reuses nothing."""
+    model = load_model(draft_params)
+    seqs = [chat_prompt(target, i, repeat=2) for i in range(2)]
+
+    def session(mem: KvCache, tokens: Sequence[int]) -> int:
+        be = mem.acquire(tokens)
+        n = 0
+        while n < min(len(be.tokens), len(tokens)) and be.tokens[n] == tokens[n]:
+            n += 1
+        be.truncate(n)
+        be.eval(tokens[n:], logits="none")
+        mem.release(be)
+        return n
+
+    mem = KvCache(draft_params, model, ram_mib=1024, sessions=4, max_contexts=1, ttl_s=60)
+    try:
+        session(mem, seqs[0])
+        session(mem, seqs[1])          # takes the context: seqs[0] is saved to RAM
+        assert mem.pooled() == 1 and mem.saved_bytes > 0
+        assert mem.expire(time.monotonic() + 30) == 0
+        assert mem.expire(time.monotonic() + 61) == 2
+        assert mem.pooled() == 0 and mem.saved_bytes == 0
+        assert session(mem, seqs[0]) == 0           # nothing of it is left
+    finally:
+        mem.close()
+    swept = KvCache(draft_params, model, ram_mib=1024, sessions=4, max_contexts=1, ttl_s=0.2)
+    try:
+        session(swept, seqs[0])
+        assert swept.pooled() == 1
+        deadline = time.monotonic() + 10
+        while swept.pooled() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert swept.pooled() == 0
+    finally:
+        swept.close()
+
+
 # ================================================================== draft nodes over links
 
 

@@ -55,7 +55,10 @@ def start_node(monkeypatch) -> Iterator:
 
 
 def _figures(node: RunningNode) -> dict[str, float]:
-    return parse_figures(httpx.get(f"http://127.0.0.1:{node.metrics_port}/metrics").text)
+    token = node.service.settings.token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return parse_figures(httpx.get(f"http://127.0.0.1:{node.metrics_port}/metrics",
+                                   headers=headers).text)
 
 
 def _history(node: RunningNode) -> list[int]:

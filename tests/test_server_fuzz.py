@@ -3,8 +3,11 @@
 A real server on the bundled pair (-c 256, -n 4 so generations stay short) is sent
 generated requests on every endpoint: bodies built from the API's field names with
 values of every JSON type (right, wrong, huge, nested, lone surrogates written as
-JSON escapes), raw byte strings, and GETs. Every answer must be below 500, an error
-must have the OpenAI-style body, and a stream must not carry a server error.
+JSON escapes), raw byte strings, and GETs; and generation requests with hostile
+constraints and histories (JSON schemas and GBNF with huge repetition counts, deep
+nesting and long rule chains, malformed assistant tool_calls, JSON nested thousands deep
+inside strings). Every answer must be below 500, an error must have the OpenAI-style
+body, and a stream must not carry a server error.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ FIELDS = ["prompt", "messages", "content", "tokens", "n_predict", "max_tokens",
           "speculative.n_max", "speculative.n_min", "speculative.p_min", "ignore_eos",
           "return_tokens", "n", "best_of", "logprobs", "n_probs", "echo", "model",
           "presence_penalty", "frequency_penalty", "response_format", "add_special",
-          "parse_special", "with_pieces", "grammar", "tools"]
+          "parse_special", "with_pieces", "grammar", "tools", "json_schema", "tool_choice",
+          "logit_bias"]
 
 # Text with everything JSON can carry, lone surrogates included (json.dumps escapes them):
 # generated text seldom draws one of the 2048 surrogates, so some are mixed in on purpose.
@@ -48,11 +52,45 @@ scalars = st.one_of(st.none(), st.booleans(), numbers, text)
 values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=5), st.dictionaries(st.one_of(text, st.sampled_from(FIELDS)),
                                                  inner, max_size=5)), max_leaves=20)
-messages = st.lists(st.fixed_dictionaries(
+# JSON nested deeper than any parser's patience, written inside a string (issue 23)
+deep_text = st.builds(lambda n, o: (o[0] * n) + "1" * (o[0] == '{"a": ') + (o[1] * n),
+                      st.integers(1, 6000), st.sampled_from([("[", "]"), ('{"a": ', "}")]))
+counts = st.one_of(st.integers(0, 2100), st.sampled_from([30000, 10**7, -1, 2.5, "9", None]))
+schemas = st.recursive(
+    st.one_of(st.builds(lambda k, n: {"type": "string", k: n},
+                        st.sampled_from(["minLength", "maxLength"]), counts),
+              st.builds(lambda n: {"type": "string", "pattern": f"^a{{0,{n}}}$"}, counts),
+              st.builds(lambda n: {"type": "string", "pattern": "^" + "(" * n + "a" + ")" * n
+                                   + "$"}, st.integers(1, 3000)),
+              st.fixed_dictionaries({"type": st.sampled_from(["integer", "boolean", "nah"])})),
+    lambda inner: st.one_of(
+        st.builds(lambda i, n: {"type": "array", "items": i, "maxItems": n}, inner, counts),
+        st.builds(lambda p: {"type": "object", "properties": p},
+                  st.dictionaries(st.sampled_from(["a", "b", "maxLength"]), inner, max_size=3)),
+        st.builds(lambda a: {"anyOf": a}, st.lists(inner, max_size=3))), max_leaves=6)
+grammars = st.one_of(
+    st.builds(lambda n: "root ::= " + "(" * n + '"a"' + ")" * n, st.integers(1, 100_000)),
+    st.builds(lambda n, m: f'root ::= "{"x" * n}"{{{m}}}', st.integers(1, 3000), counts),
+    st.builds(lambda n: "\n".join(f"r{i} ::= r{i + 1} | r{i + 1}" for i in range(n))
+              + f'\nr{n} ::= "a"', st.integers(1, 80)),
+    st.builds(lambda n: "root ::= " + " ".join(['"a"'] * n), st.integers(1, 3000)), text)
+tool_calls_ = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.one_of(st.just("f"), text, st.none(), numbers),
+         "arguments": st.one_of(deep_text, text, values)})}),
+    st.fixed_dictionaries({"function": st.one_of(text, numbers, st.none(), values)}),
+    text, values), max_size=3)
+messages = st.lists(st.one_of(st.fixed_dictionaries(
     {"role": st.one_of(st.sampled_from(["system", "user", "assistant"]), text),
      "content": st.one_of(text, st.lists(st.fixed_dictionaries(
-         {"type": st.sampled_from(["text", "image_url"]), "text": text}), max_size=2), values)}),
+         {"type": st.sampled_from(["text", "image_url"]), "text": text}), max_size=2), values,
+         deep_text)}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.none(),
+                           "tool_calls": st.one_of(tool_calls_, text, values)})),
     max_size=3)
+tools = st.lists(st.one_of(
+    st.builds(lambda s: {"type": "function", "function": {"name": "f", "parameters": s}},
+              schemas), values), max_size=2)
 plausible = {
     "prompt": st.one_of(text, st.lists(st.one_of(st.integers(-5, 300000), text), max_size=6)),
     "messages": messages,
@@ -61,6 +99,18 @@ plausible = {
     "stream": st.booleans(),
     "speculative": st.one_of(st.booleans(), st.dictionaries(
         st.sampled_from(["n_max", "n_min", "p_min"]), numbers, max_size=3)),
+    "json_schema": schemas,
+    "grammar": grammars,
+    "response_format": st.one_of(
+        st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}},
+                  schemas),
+        st.builds(lambda s: {"type": "json_object", "schema": s}, schemas)),
+    "tools": tools,
+    "tool_choice": st.sampled_from(["auto", "required", "none"]),
+    "logit_bias": st.one_of(st.dictionaries(st.integers(0, 300000).map(str), numbers,
+                                            max_size=5),
+                            st.builds(lambda n: {str(i): 1 for i in range(n)},
+                                      st.integers(290, 310))),
 }
 
 
@@ -170,3 +220,34 @@ segment = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E,
                       st.lists(segment, max_size=3).map(lambda parts: "/" + "/".join(parts))))
 def test_gets_never_get_a_5xx(http: httpx.Client, path: str) -> None:
     _check(http.get(path), f"GET {path}")
+
+
+@st.composite
+def constrained(draw) -> tuple[str, dict]:
+    """A generation request carrying a hostile constraint or history (issue 23's shapes):
+    huge repetition counts, deep nesting, long chains, malformed tool calls, nested JSON
+    inside strings."""
+    chat = draw(st.booleans())
+    if chat:
+        body = {"messages": draw(st.one_of(messages, st.just(
+            [{"role": "user", "content": "Hi"}]))), "max_tokens": 2}
+        key = draw(st.sampled_from(["response_format", "tools", "messages"]))
+        if key == "tools":
+            body["tools"] = draw(tools)
+            body["tool_choice"] = draw(st.sampled_from(["auto", "required"]))
+        elif key == "response_format":
+            body[key] = draw(plausible[key])
+        return draw(st.sampled_from(["/v1/chat/completions", "/chat/completions"])), body
+    body = dict(PROMPT_BASE)
+    key = draw(st.sampled_from(["json_schema", "grammar", "response_format"]))
+    body[key] = draw(plausible[key])
+    return draw(st.sampled_from(["/completion", "/v1/completions"])), body
+
+
+@FUZZ
+@given(case=constrained())
+def test_hostile_constraints_never_get_a_5xx(http: httpx.Client, case) -> None:
+    path, body = case
+    raw = json.dumps(body).encode()
+    r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    _check(r, f"POST {path} {raw[:300]!r}")

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import ToyBackend
-from test_server_fuzz import GETS, POSTS, _check, _raw_bodies, bodies, segment
+from test_server_fuzz import GETS, POSTS, _check, _raw_bodies, bodies, constrained, segment
 
 from specwire.config import SamplingParams
 from specwire.drafters.base import NoDrafter
@@ -57,3 +57,12 @@ def test_raw_bytes_never_get_a_5xx(http: TestClient, path: str, raw: bytes) -> N
                       st.lists(segment, max_size=3).map(lambda parts: "/" + "/".join(parts))))
 def test_gets_never_get_a_5xx(http: TestClient, path: str) -> None:
     _check(http.get(path), f"GET {path}")
+
+
+@settings(FAST, max_examples=25)
+@given(case=constrained())
+def test_hostile_constraints_never_get_a_5xx(http: TestClient, case) -> None:
+    path, body = case
+    raw = json.dumps(body).encode()
+    r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    _check(r, f"POST {path} {raw[:300]!r}")

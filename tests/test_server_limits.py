@@ -23,6 +23,8 @@ from specwire.engine.engine import Engine
 from specwire.server import ServerSettings, create_app
 from specwire.server.metrics import parse_figures
 
+JSON = {"Content-Type": "application/json"}
+
 
 def _toy_app(**settings):
     settings = ServerSettings(sampling=SamplingParams(temperature=0.0), **settings)
@@ -58,15 +60,24 @@ def test_body_over_the_cap_is_413_declared_or_streamed() -> None:
 
 def _body_over_the_cap(url: str) -> None:
     big = json.dumps({"prompt": "a" * 5000}).encode()
-    msg = _error(httpx.post(url + "/completion", content=big), 413)
+    msg = _error(httpx.post(url + "/completion", content=big, headers=JSON), 413)
     assert "4096 bytes" in msg and "--max-body" in msg
 
     def chunks():          # no Content-Length: the cap is counted as the body arrives
         for i in range(0, len(big), 1000):
             yield big[i:i + 1000]
-    assert "--max-body" in _error(httpx.post(url + "/v1/completions", content=chunks()), 413)
+    assert "--max-body" in _error(httpx.post(url + "/v1/completions", content=chunks(),
+                                             headers=JSON), 413)
     assert httpx.post(url + "/completion", json={"prompt": "z", "n_predict": 2}).status_code \
         == 200
+
+
+def _history(call: object) -> bytes:
+    """A chat body whose assistant turn holds `call` as its one tool call."""
+    return json.dumps({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "1", "content": "ok"}], "max_tokens": 2}).encode()
 
 
 HOSTILE = [
@@ -98,6 +109,20 @@ HOSTILE = [
     ("/completion", json.dumps({"prompt": [5] * 5000}).encode()[:4000], 400, "invalid JSON"),
     ("/completion", b'{"prompt": "z", "n_predict": ' + b"1" * 4000 + b"}", 400, "n_predict"),
     ("/detokenize", b'{"tokens": [1, 18446744073709551616]}', 400, "tokens[1]"),
+    # earlier tool calls in a chat history (issue 23: each was a 500 with a traceback)
+    ("/v1/chat/completions", _history({"type": "function", "function": {
+        "name": "f", "arguments": "[" * 5000 + "]" * 5000}}), 400,
+     "messages[1].tool_calls[0].function.arguments: nested deeper"),
+    ("/v1/chat/completions", _history({"type": "function", "function": {
+        "name": "f", "arguments": '{"a": ' * 70 + "1" + "}" * 70}}), 400,
+     "messages[1].tool_calls[0].function.arguments: nested deeper"),
+    ("/v1/chat/completions", _history({"type": "function", "function": "x"}), 400,
+     "messages[1].tool_calls[0].function: must be an object"),
+    ("/v1/chat/completions", _history({"type": "function", "function": {"arguments": "{}"}}),
+     400, "messages[1].tool_calls[0].function.name: required"),
+    ("/v1/chat/completions", _history("call"), 400, "messages[1].tool_calls[0]: must be"),
+    ("/v1/chat/completions", _history({"function": {"name": "f", "arguments": 5}}), 400,
+     "messages[1].tool_calls[0].function.arguments: must be"),
 ]
 
 
@@ -188,3 +213,80 @@ def test_max_body_flag_is_checked() -> None:
     with pytest.raises(CliError, match="--max-body"):
         args.func(args)
     assert parser.parse_args(["serve"]).max_body == 8 << 20
+
+
+def test_post_bodies_must_be_json(shared_toy) -> None:
+    """A web page can POST text/plain or a typeless body anywhere without a preflight:
+    415 unless the body is declared application/json."""
+    body = json.dumps({"prompt": "z", "n_predict": 1}).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None):
+        headers = {"Content-Type": ctype} if ctype else {}
+        r = shared_toy.post("/completion", content=body, headers=headers)
+        assert "Content-Type: must be application/json" in _error(r, 415)
+    r = shared_toy.post("/completion", content=body,
+                        headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200
+
+
+def test_host_must_be_an_address_localhost_or_allowed_without_a_key() -> None:
+    """DNS rebinding: a page on evil.example, its name pointed at this server, sends
+    Host: evil.example. Without --api-key that is a 403; addresses, localhost and
+    --allowed-host names pass; with a key nothing is checked (the key is the guard)."""
+    body = {"prompt": "z", "n_predict": 1}
+    with serve_app(_toy_app(allowed_hosts=("llm.lan",))) as url:
+        for host in ("evil.example", "evil.example:8080", "127.0.0.1.evil.example", "llm.lan.x"):
+            r = httpx.post(url + "/completion", json=body, headers={"Host": host})
+            assert "is not this server's" in _error(r, 403), host
+            assert httpx.get(url + "/props", headers={"Host": host}).status_code == 403
+        for host in ("127.0.0.1:8080", "localhost", "LOCALHOST:1", "[::1]:8080", "10.0.0.7",
+                     "llm.lan", "llm.lan:8080", "a.localhost"):
+            assert httpx.post(url + "/completion", json=body,
+                              headers={"Host": host}).status_code == 200, host
+        assert httpx.get(url + "/health", headers={"Host": "evil.example"}).status_code == 200
+    with serve_app(_toy_app(api_key="k")) as url:
+        r = httpx.post(url + "/completion", json=body,
+                       headers={"Host": "evil.example", "Authorization": "Bearer k"})
+        assert r.status_code == 200
+
+
+def test_logit_bias_is_capped_and_converted_once() -> None:
+    from specwire.sample.sampling import bias_arrays
+
+    many = {str(i): 1.0 for i in range(301)}
+    with serve_app(_toy_app()) as url:
+        r = httpx.post(url + "/completion", json={"prompt": "z", "logit_bias": many})
+        assert "logit_bias: 301 entries, at most 300" in _error(r, 400)
+    many = {str(i): 1.0 for i in range(11)}       # the toy vocabulary has 128 tokens
+    with serve_app(_toy_app(logit_bias_max=10)) as url:   # a text entry counts its tokens
+        assert "at most 10 (serve --logit-bias-max)" in _error(
+            httpx.post(url + "/completion", json={"prompt": "z", "logit_bias": many}), 400)
+        ok = {str(i): 1.0 for i in range(10)}
+        assert httpx.post(url + "/completion", json={"prompt": "z", "n_predict": 1,
+                                                     "logit_bias": ok}).status_code == 200
+        r = httpx.post(url + "/completion", json={"prompt": "z", "n_predict": 1,
+                                                  "logit_bias": [["abcdefghijkl", 1]]})
+        assert "logit_bias: its texts are more than 10 tokens" in _error(r, 400)
+    bias = tuple((i, 0.5) for i in range(50))
+    ids, values = bias_arrays(bias)
+    again = bias_arrays(bias)
+    assert again[0] is ids and again[1] is values and ids.tolist() == list(range(50))
+    assert bias_arrays(tuple(bias))[0] is ids          # the same tuple object
+    other = bias_arrays(tuple((i, 0.5) for i in range(50)))
+    assert other[0] is not ids and other[0].tolist() == ids.tolist()
+
+
+def test_new_serve_flags_are_checked() -> None:
+    import argparse
+
+    from specwire.cli.args import CliError
+    from specwire.cli.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "-m", "/nonexistent.gguf", "--logit-bias-max", "-1"])
+    with pytest.raises(CliError, match="--logit-bias-max"):
+        args.func(args)
+    a = parser.parse_args(["serve", "--allowed-host", "a.lan", "--allowed-host", "b.lan"])
+    assert a.allowed_host == ["a.lan", "b.lan"] and a.logit_bias_max == 300
+    assert serve._named("myhost.lan") == ("myhost.lan",) and serve._named("0.0.0.0") == ()
+    assert serve._named("::") == ()

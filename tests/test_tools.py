@@ -148,7 +148,8 @@ def test_tool_choice_and_tools_errors_name_the_problem() -> None:
             tool_calls.parse(body, src)
     bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "nah"}}}
     req = tool_calls.parse({"tools": [bad_schema], "tool_choice": "required"}, src)
-    with pytest.raises(ApiError, match="function 'f': parameters: unsupported or invalid"):
+    with pytest.raises(ApiError,
+                       match=re.escape("tools[0].function.parameters: unsupported or invalid")):
         tool_calls.grammar(req)
 
 
@@ -202,3 +203,58 @@ def test_a_template_that_cannot_render_tools_is_a_400_naming_it() -> None:
     ok = schemas.chat_completion({**body, "tool_choice": "none"}, Backend(),
                                  ServerSettings(chat_template=template), ["toy"])
     assert ok.chat is not None and ok.chat.tool_format is None
+
+
+DEEP = "[" * 5000 + "]" * 5000
+DEEP_OBJ = '{"a": ' * 3000 + "1" + "}" * 3000
+
+
+@pytest.mark.parametrize("family", sorted(OUTPUTS))
+def test_output_nested_past_the_recursion_limit_is_content(family: str) -> None:
+    """Model output nested 3000-5000 deep, where each family's reader parses JSON, is
+    content (or a call whose arguments hold it as text), never a RecursionError."""
+    req, _ = _request(family)
+    plan = tool_calls.plan(req, False, False)
+    for deep in (DEEP, DEEP_OBJ):
+        for reply in (deep, f"<tool_call>\n{deep}\n</tool_call>",
+                      '{"name": "get_weather", "arguments": ' + deep + "}",
+                      '{"name": "get_weather", "parameters": ' + deep + "}",
+                      "[TOOL_CALLS]" + deep,
+                      "<tool_call>\n<function=get_weather>\n<parameter=days>\n" + deep +
+                      "\n</parameter>\n</function>\n</tool_call>",
+                      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                      "get_weather\n```json\n" + deep + "\n```<｜tool▁call▁end｜>"
+                      "<｜tool▁calls▁end｜>"):
+            msg = whole(plan, reply)
+            for c in msg.calls:       # qwen3-coder keeps a parameter it cannot parse as text
+                assert isinstance(json.loads(c.arguments)["days"], str), (family, reply[:60])
+            out = ChatOutput(plan)
+            for i in range(0, len(reply), 997):
+                out.push(reply[i:i + 997])
+            out.finish()
+
+
+def test_history_tool_calls_are_checked_before_rendering() -> None:
+    src = chat.TEMPLATES["gemma"]
+    req = tool_calls.parse({"tools": [WEATHER]}, src)
+    bad = [
+        ({"function": {"name": "get_weather", "arguments": DEEP}}, "arguments: nested deeper"),
+        ({"function": "x"}, "[0].function: must be an object"),
+        ({"function": {"arguments": "{}"}}, "[0].function.name: required"),
+        ({"function": {"name": "f", "arguments": [1]}}, "arguments: must be a JSON string"),
+        ("x", "tool_calls[0]: must be an object"),
+    ]
+    for call, message in bad:
+        history = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+        for r in (req, None):
+            with pytest.raises(ApiError, match=re.escape("messages[1].tool_calls" + "")):
+                tool_calls.messages_for(r, history)
+            with pytest.raises(ApiError, match=re.escape(message)):
+                tool_calls.messages_for(r, history)
+    history = [HISTORY[0], {"role": "assistant", "tool_calls": "x"}]
+    with pytest.raises(ApiError, match=re.escape("messages[1].tool_calls: must be an array")):
+        tool_calls.messages_for(req, history)
+    ok = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": "not json"}},
+        {"function": {"name": "get_weather"}}]}]
+    assert len(tool_calls.messages_for(req, ok)) == 3

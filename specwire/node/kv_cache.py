@@ -14,6 +14,10 @@ with its history, so it evaluates only what is new. Two stores:
   least recently used out first. A later session whose history matches a saved
   state better than any pooled context gets it copied back in.
 
+Nothing is kept longer than --cache-ttl seconds after its last use (`ttl_s`): a
+sweeper thread forgets older saved states and closes older pooled contexts, so a
+finished conversation does not stay in the node's RAM for ever.
+
 A chat's next turn usually opens its session while the node is still closing
 the previous one (the Close and the new Open travel on different streams), so
 a session whose history shares many more tokens (WORTH_WAITING) with a session
@@ -92,7 +96,8 @@ class KvCache:
     """
 
     def __init__(self, params: ModelParams, model: Model, ram_mib: int = 8192,
-                 sessions: int = 32, max_contexts: int = 8) -> None:
+                 sessions: int = 32, max_contexts: int = 8, ttl_s: float = 0.0) -> None:
+        """ttl_s: entries unused this long are forgotten (0: kept until evicted)."""
         self.params, self.model = params, model
         self.budget = max(0, ram_mib) * MIB
         self.max_entries = max(0, sessions)
@@ -103,8 +108,13 @@ class KvCache:
         self._pool: list[_Pooled] = []
         self._active: dict[int, np.ndarray] = {}  # id(backend) -> its session's Open history
         self._saved: OrderedDict[int, kv_state.SavedState] = OrderedDict()  # LRU first
+        self._saved_at: dict[int, float] = {}  # key -> last use (time.monotonic)
         self._next_key = 0
         self._bytes = 0
+        self.ttl_s = ttl_s
+        self._closing = threading.Event()
+        if self.enabled and ttl_s > 0:
+            threading.Thread(target=self._sweep, name="kv-cache-ttl", daemon=True).start()
 
     # -- sessions ---------------------------------------------------------------------
 
@@ -129,6 +139,7 @@ class KvCache:
                 taken = self._oldest_pooled()
                 entry = self._saved[key]
                 self._saved.move_to_end(key)
+                self._saved_at[key] = time.monotonic()
             else:
                 taken, entry = warm, None
             if taken is not None:
@@ -189,10 +200,38 @@ class KvCache:
                 self._save(extra)
             extra.backend.close()
 
+    def expire(self, now: float | None = None) -> int:
+        """Forget what was last used more than ttl_s ago; how many entries went."""
+        if self.ttl_s <= 0:
+            return 0
+        cutoff = (time.monotonic() if now is None else now) - self.ttl_s
+        with self._lock:
+            old = [k for k, t in self._saved_at.items() if t < cutoff]
+            for key in old:
+                self._drop(key)
+            stale = [p for p in self._pool if p.used_at < cutoff]
+            for p in stale:
+                self._pool.remove(p)
+        for p in stale:
+            p.backend.close()
+        if old or stale:
+            log.info("kv cache: forgot %d saved sequences and %d warm contexts unused for "
+                     "%g s (--cache-ttl)", len(old), len(stale), self.ttl_s)
+        return len(old) + len(stale)
+
+    def _sweep(self) -> None:
+        while not self._closing.wait(max(0.05, min(self.ttl_s / 4, 30.0))):
+            try:
+                self.expire()
+            except Exception:  # noqa: BLE001 - the sweeper must not die
+                log.exception("kv cache: expiring entries failed")
+
     def close(self) -> None:
+        self._closing.set()
         with self._lock:
             pool, self._pool = self._pool, []
             self._saved.clear()
+            self._saved_at.clear()
             self._bytes = 0
         for p in pool:
             p.backend.close()
@@ -271,6 +310,7 @@ class KvCache:
                 self._drop(next(iter(self._saved)))
                 self.counters.evictions += 1
             self._saved[self._next_key] = state
+            self._saved_at[self._next_key] = time.monotonic()
             self._next_key += 1
             self._bytes += state.size
             self.counters.saves += 1
@@ -281,3 +321,4 @@ class KvCache:
 
     def _drop(self, key: int) -> None:
         self._bytes -= self._saved.pop(key).size
+        self._saved_at.pop(key, None)

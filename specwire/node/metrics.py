@@ -4,9 +4,8 @@ A target's /metrics shows its own side of the link; what the node holds for
 all its targets is only visible here: admitted calls, llama.cpp contexts
 (one per open session, so 0 when no target is drafting: a leak shows as a
 count that stays up), sessions by how they ended, refusals by reason, and
-the process collector (resident memory, open files). Served by
-prometheus_client's own HTTP server on a port of its own, without the node's
-token: the figures say nothing about what is drafted.
+the process collector (resident memory, open files). Served on a port of its own
+(node/exporter.py), with the node's token when it has one.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "specwire:node_"
@@ -95,15 +94,16 @@ class NodeMetrics:
         yield GaugeMetricFamily(PREFIX + "calibrations", "Targets whose draft calibration this "
                                 "node keeps (bounded).", value=self._calibrations())
 
-    def serve(self, host: str, port: int) -> int:
+    def serve(self, host: str, port: int, token: str | None = None) -> int:
         """Start the HTTP exporter on a daemon thread; the port it listens on."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
+        from specwire.node.exporter import Exporter
+
+        self._http = Exporter(host, port, self.registry, token)
+        return self._http.port
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
 
 

@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import logging
 import queue
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from specwire.link.session import DraftSession, error_message
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport import specwire_pb2_grpc as pbg
+from specwire.link.transport.channel import KEEPALIVE_MS
 from specwire.link.transport.h2.server import SyncServer, tls_context
 from specwire.link.transport.protocol import ProtocolError
 from specwire.node.calibrations import Calibrations, target_key
@@ -56,6 +58,8 @@ class NodeSettings:
     cache_sessions: int = 32  # and at most this many of them
     metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
     idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
+    shutdown_s: float = 10.0  # on SIGTERM: open sessions get this long, then are closed
+    cache_ttl_s: float = 900.0  # cached sessions unused this long are forgotten (0: never)
 
 
 #: A call must send its first message (a Session's Open, a ping) this soon, and a Ping
@@ -81,11 +85,13 @@ class DraftNodeService(pbg.DraftNodeServicer):
         self.calibrations = Calibrations(MAX_CALIBRATIONS)
         self._slots = threading.BoundedSemaphore(settings.max_sessions)
         self._in_use = 0  # admitted calls open now (for /metrics)
+        self.draining = False  # shutting down: no new sessions
         self._in_use_lock = threading.Lock()
         self.watchdog = Watchdog()
         self.sync_port = 0  # advertised in Hello once the sync server listens
         self.memory = KvCache(settings.model, model, settings.cache_ram_mib,
-                              settings.cache_sessions, settings.max_sessions)
+                              settings.cache_sessions, settings.max_sessions,
+                              settings.cache_ttl_s)
         self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
                                    lambda: len(self.calibrations), self.memory.pooled)
 
@@ -173,6 +179,9 @@ class DraftNodeService(pbg.DraftNodeServicer):
         """The token checked, and one of --max-sessions slots taken (context.abort if not)."""
         self._authorize(context)
         self.metrics.peer(port, context.peer())
+        if self.draining:
+            self.metrics.refuse("draining")
+            context.abort(grpc.StatusCode.UNAVAILABLE, "draft node shutting down")
         if not self._slots.acquire(blocking=False):
             self.metrics.refuse("busy")
             context.abort(
@@ -182,6 +191,10 @@ class DraftNodeService(pbg.DraftNodeServicer):
         with self._in_use_lock:
             self._in_use += 1
         self.metrics.call(method)
+
+    def in_use(self) -> int:
+        with self._in_use_lock:
+            return self._in_use
 
     def _release(self) -> None:
         with self._in_use_lock:
@@ -399,11 +412,25 @@ class RunningNode:
     sync: SyncServer | None
     metrics_port: int | None
 
-    def stop(self) -> None:
+    def drain(self, grace_s: float) -> None:
+        """No new sessions (both ports refuse them, UNAVAILABLE); those open get grace_s to
+        end, then the node stops (what is left is cancelled, a GOAWAY on the main port)."""
+        self.service.draining = True
+        if self.sync is not None:
+            self.sync.close()
+        open_ = self.service.in_use()
+        log.info("draft node shutting down: %d session%s open get up to %.0f s",
+                 open_, "" if open_ == 1 else "s", grace_s)
+        deadline = time.monotonic() + grace_s
+        while self.service.in_use() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.stop(grace_s=max(0.0, min(1.0, deadline - time.monotonic())))
+
+    def stop(self, grace_s: float = 1.0) -> None:
         if self.sync is not None:
             self.sync.close()
         self.service.metrics.close()
-        self.server.stop(grace=1.0).wait()
+        self.server.stop(grace=grace_s).wait()
         self.service.memory.close()
 
 
@@ -420,7 +447,14 @@ def start(settings: NodeSettings) -> RunningNode:
             # A connection with no call for this long is closed (one refused for its token
             # has none); targets reconnect on their next call without noticing.
             ("grpc.max_connection_idle_ms", int(settings.idle_s * 1000)),
+            # Targets ping every KEEPALIVE_MS while a session is open
+            # (link/transport/channel.py): allow it, rather than answering GOAWAY too_many_pings.
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+            ("grpc.keepalive_permit_without_calls", 1),
         ],
+        # Every admitted session and ping holds a call, plus short Hellos; more are refused
+        # by grpcio (RESOURCE_EXHAUSTED) before they take a thread.
+        maximum_concurrent_rpcs=2 * settings.max_sessions + 8,
     )
     service = DraftNodeService(settings, model)
     pbg.add_DraftNodeServicer_to_server(service, server)
@@ -432,7 +466,8 @@ def start(settings: NodeSettings) -> RunningNode:
     sync = _sync_server(settings, service)
     metrics_port = None
     if settings.metrics_port is not None:
-        metrics_port = service.metrics.serve(settings.host, settings.metrics_port)
+        metrics_port = service.metrics.serve(settings.host, settings.metrics_port,
+                                             settings.token)
     server.start()
     log.info(
         "draft node serving %s on %s:%d (%s, token %s)",
@@ -458,10 +493,15 @@ def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
     print(f"specwire draft node listening on {host}:{node.port}", flush=True)
     if ready is not None:
         ready.set()
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        node.server.wait_for_termination()
-    finally:
-        node.stop()
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    node.drain(settings.shutdown_s)
 
 
 def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServer | None:

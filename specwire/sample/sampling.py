@@ -90,8 +90,8 @@ def adjusted(row: np.ndarray, params: SamplingParams,
         return row
     out = row.copy()
     if params.logit_bias:
-        ids = np.fromiter((t for t, _ in params.logit_bias), dtype=np.int64)
-        out[ids] += np.fromiter((b for _, b in params.logit_bias), dtype=np.float32)
+        ids, values = bias_arrays(params.logit_bias)
+        out[ids] += values
     if penalise:
         vals = out[recent.ids]
         rp = params.repeat_penalty
@@ -101,6 +101,24 @@ def adjusted(row: np.ndarray, params: SamplingParams,
         vals = vals - counts * params.frequency_penalty - (counts > 0) * params.presence_penalty
         out[recent.ids] = vals
     return out
+
+
+_BIAS_CACHE: dict[int, tuple[tuple, np.ndarray, np.ndarray]] = {}
+_BIAS_CACHE_SIZE = 64
+
+
+def bias_arrays(bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, values) of a logit bias, converted once per bias tuple (a request's), not per
+    sampled token: keyed by the tuple's identity, which the cache holds on to."""
+    hit = _BIAS_CACHE.get(id(bias))
+    if hit is not None and hit[0] is bias:
+        return hit[1], hit[2]
+    ids = np.fromiter((t for t, _ in bias), dtype=np.int64, count=len(bias))
+    values = np.fromiter((b for _, b in bias), dtype=np.float32, count=len(bias))
+    if len(_BIAS_CACHE) >= _BIAS_CACHE_SIZE:
+        _BIAS_CACHE.pop(next(iter(_BIAS_CACHE)), None)
+    _BIAS_CACHE[id(bias)] = (bias, ids, values)
+    return ids, values
 
 
 def top_allowed(row: np.ndarray, n: int | None, allow: Allow) -> np.ndarray:

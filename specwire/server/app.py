@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -38,11 +39,23 @@ from starlette.concurrency import run_in_threadpool
 from specwire.backend.base import Backend
 from specwire.engine.engine import Engine
 from specwire.server import limits, schemas
+from specwire.server.deadlines import BodyBudget
 from specwire.server.errors import ApiError, install_handlers
 from specwire.server.metrics import CONTENT_TYPE, Metrics
 from specwire.server.responses import Dialect, LlamaCompletion, OpenAIChat, OpenAICompletion
 from specwire.server.settings import ServerSettings
-from specwire.server.slots import Chunk, Done, Event, Failed, Job, QueueFull, Result, Scheduler
+from specwire.server.slots import (
+    Chunk,
+    Done,
+    Draining,
+    Event,
+    Failed,
+    Job,
+    QueueFull,
+    Result,
+    Scheduler,
+    shutting_down,
+)
 from specwire.server.webui import RecentRequests
 from specwire.server.webui import install as install_webui
 from specwire.text import chat
@@ -81,6 +94,7 @@ def create_app(engine: Engine | Sequence[Engine],
     names = model_names(target, settings.alias)
     started = int(time.time())
     recent = RecentRequests()
+    budget = BodyBudget(settings.max_reading, settings.body_timeout_s)
 
     def exposition() -> str:
         return metrics.render().decode()
@@ -103,7 +117,8 @@ def create_app(engine: Engine | Sequence[Engine],
     async def health() -> dict:
         return {"status": "ok"}
 
-    api = APIRouter(dependencies=[Depends(_auth(settings.api_key))])
+    api = APIRouter(dependencies=[Depends(_auth(settings.api_key)),
+                                  Depends(_host_check(settings))])
 
     # -- information -------------------------------------------------------------------------
 
@@ -146,8 +161,17 @@ def create_app(engine: Engine | Sequence[Engine],
     # -- tokens ------------------------------------------------------------------------------
 
     async def read_json(request: Request) -> dict:
-        """The body within --max-body, parsed off the event loop (a large one takes a while)."""
-        raw = await limits.read_body(request, settings.max_body)
+        """The body within --max-body, parsed off the event loop (a large one takes a while).
+
+        Only as application/json: a web page may POST text/plain (or a typeless Blob) to
+        any address without asking first, but not JSON (the CORS preflight).
+        """
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";", 1)[0].strip().lower() != "application/json":
+            raise ApiError(415, f"Content-Type: must be application/json, got "
+                           f"{ctype[:60]!r} (curl: -H 'Content-Type: application/json')",
+                           "invalid_request_error")
+        raw = await limits.read_body(request, settings.max_body, budget)
         return await run_in_threadpool(schemas.parse_json, raw)
 
     @api.post("/tokenize")
@@ -171,6 +195,8 @@ def create_app(engine: Engine | Sequence[Engine],
             spec = await run_in_threadpool(parse, body)
             job = Job(spec.request, spec.stops, spec.stream)
             scheduler.submit(job)
+        except Draining:
+            raise shutting_down() from None
         except QueueFull:
             raise ApiError(429, f"the server is busy: {settings.queue_size} requests are already "
                            "waiting (--queue-size); retry later", "rate_limit_error") from None
@@ -234,6 +260,42 @@ def _auth(api_key: str | None) -> Callable:
                            "authentication_error")
 
     return check
+
+
+def _host_check(settings: ServerSettings) -> Callable:
+    """Without an API key, the Host header must be an IP address, localhost or an allowed
+    name: a web page whose own name an attacker points at this address (DNS rebinding)
+    would otherwise read and drive the server from a browser."""
+    allowed = frozenset(h.lower() for h in settings.allowed_hosts)
+
+    async def check(request: Request) -> None:
+        if settings.api_key:
+            return
+        host = request.headers.get("host")
+        if host is None or host_allowed(host, allowed):
+            return
+        raise ApiError(403, f"Host {host[:80]!r} is not this server's: connect by IP address "
+                       "or localhost, or start it with --allowed-host NAME or --api-key",
+                       "permission_error")
+
+    return check
+
+
+def host_allowed(host: str, allowed: frozenset[str]) -> bool:
+    """Whether a Host header (name or address, maybe with a port) is one this server takes."""
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:name.find("]")] if "]" in name else name[1:]
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    name = name.rstrip(".")
+    if name == "localhost" or name.endswith(".localhost") or name in allowed:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 async def _events(job: Job, request: Request) -> AsyncIterator[Event]:

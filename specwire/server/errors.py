@@ -22,8 +22,11 @@ TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    403: "permission_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "unavailable_error",
@@ -34,7 +37,7 @@ class ApiError(Exception):
     """A request that cannot be served, with the status and body to answer it with."""
 
     def __init__(self, status: int, message: str, type_: str | None = None,
-                 **extra: object) -> None:
+                 retry_after: int | None = None, **extra: object) -> None:
         # A message may quote the request; what cannot be written as UTF-8 (a lone
         # surrogate) is escaped, or answering the error would itself fail.
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -42,14 +45,17 @@ class ApiError(Exception):
         self.status, self.message = status, message
         self.type = type_ or TYPES.get(status, "invalid_request_error")
         self.extra = extra
+        self.retry_after = retry_after      # seconds, sent as the Retry-After header
 
     def body(self) -> dict:
         return {"error": {"code": self.status, "message": self.message, "type": self.type,
                           **self.extra}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def bad_request(message: str, **extra: object) -> ApiError:

@@ -21,6 +21,7 @@ integers (token ids) are checked at C speed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 from fastapi import Request
 
 from specwire.config import INT32_MAX
+from specwire.server.deadlines import BodyBudget
 from specwire.server.errors import ApiError, bad_request
 
 __all__ = ["INT32_MAX", "parse_json", "read_body"]
@@ -36,6 +38,8 @@ __all__ = ["INT32_MAX", "parse_json", "read_body"]
 #: ("123456," is 7 bytes) fits, so no request the server could serve is refused.
 MAX_BODY_BYTES = 8 << 20
 MAX_DEPTH = 32
+#: OpenAI's limit on logit_bias entries (`serve --logit-bias-max` raises it).
+MAX_LOGIT_BIAS = 300
 MAX_INT = 2**64
 #: Stop strings: llama-server takes any number, OpenAI at most 4. Each is searched for in
 #: every generated piece, so their number and length bound per-token work.
@@ -55,17 +59,30 @@ def too_large(cap: int) -> ApiError:
                     "(--max-body)")
 
 
-async def read_body(request: Request, cap: int) -> bytes:
-    """The body, or a 413 as soon as it is known to exceed `cap` bytes."""
+async def read_body(request: Request, cap: int, budget: BodyBudget | None = None) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed `cap` bytes.
+
+    budget: the bytes all requests may have in reading at once (503 past it) and the
+    time a body may take to arrive (408 past it).
+    """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > cap:
         raise too_large(cap)
+    budget = budget or BodyBudget(1 << 62, float("inf"))
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise too_large(cap)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(budget.timeout_s if math.isfinite(budget.timeout_s)
+                                   else None):
+            async for chunk in request.stream():
+                budget.take(len(chunk))
+                size += len(chunk)
+                if size > cap:
+                    raise too_large(cap)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise budget.late() from None
+    finally:
+        budget.give(size)
     return b"".join(chunks)
 
 

@@ -385,7 +385,7 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     check_fits(tokens, n, backend.n_ctx)
     sp = sampling(f, settings.sampling)
     try:
-        sp = replace(sp, **structured.penalties(body, backend))
+        sp = replace(sp, **structured.penalties(body, backend, settings.logit_bias_max))
     except ConfigError as e:
         raise bad_request(str(e)) from None
     sp = as_the_link_carries(sp)

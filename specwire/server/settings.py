@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.server.limits import MAX_BODY_BYTES
+from specwire.server.deadlines import BODY_TIMEOUT_S, MAX_READING_BYTES
+from specwire.server.limits import MAX_BODY_BYTES, MAX_LOGIT_BIAS
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,6 +28,11 @@ class ServerSettings:
     slot_prompt_similarity: a request goes to the idle slot whose cache shares the longest
                    prefix with its prompt if that is more than this share of the prompt,
                    else to the least recently used slot (0: always the latter).
+    logit_bias_max: entries a request's logit_bias may have (OpenAI's 300 by default).
+    body_timeout_s: seconds a request body may take to arrive (408 past it).
+    max_reading:   bytes of request bodies read at once, all requests together (503 past).
+    allowed_hosts: without api_key, the Host names a request may use besides IP addresses
+                   and localhost (DNS rebinding: a web page's own name that resolves here).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -41,3 +47,7 @@ class ServerSettings:
     reasoning_format: str = "auto"
     reasoning_budget: int = -1
     slot_prompt_similarity: float = 0.1
+    logit_bias_max: int = MAX_LOGIT_BIAS
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_reading: int = MAX_READING_BYTES
+    allowed_hosts: tuple[str, ...] = ()

@@ -85,6 +85,15 @@ class QueueFull(Exception):
     """No room to wait: the caller answers 429."""
 
 
+class Draining(Exception):
+    """The server is shutting down: the caller answers 503 with Retry-After."""
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry shortly (another instance, or "
+                    "this one once restarted)", "unavailable_error", retry_after=5)
+
+
 @dataclass(eq=False)
 class Job:
     """One request on its way through a slot; created on the event loop."""
@@ -95,6 +104,7 @@ class Job:
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    cut: bool = False          # cancelled by the shutdown: the client gets a 503, not silence
     finished: bool = False
     created: float = field(default_factory=time.perf_counter)
 
@@ -271,8 +281,7 @@ class Slot:
             if new:
                 self._clock.tick(len(new))
                 if job.cancelled.is_set():
-                    self.metrics.outcome("cancelled")
-                    self._end()         # the generation closes: drafter state freed now
+                    self._cancelled(job)
                     return
                 piece = self._stops.push(self._text.push(new))
                 if self._stops.stopped:
@@ -283,8 +292,7 @@ class Slot:
                 if job.stream and (piece or new):
                     job.emit(Chunk(piece, list(new), probs))
             elif job.cancelled.is_set():
-                self.metrics.outcome("cancelled")
-                self._end()
+                self._cancelled(job)
                 return
             if gen.error is not None:
                 self._fail(gen.error)
@@ -310,6 +318,14 @@ class Slot:
             timings=st.timings(), slot=self.index, drafter=self.drafter.name,
             stats=st, probs=gen.probs[:len(gen.tokens)])))
         self.metrics.outcome(gen.stop_type)
+
+    def _cancelled(self, job: Job) -> None:
+        """The client left (or the shutdown cut the job, which tells the client): close the
+        generation now, freeing its drafter state."""
+        self.metrics.outcome("cancelled")
+        if job.cut:
+            job.emit(Failed(shutting_down()))
+        self._end()
 
     def _fail(self, e: Exception) -> None:
         self.metrics.outcome("failed")
@@ -382,6 +398,7 @@ class Scheduler:
         self.thread = threading.Thread(target=self._loop, name="batch", daemon=True)
         self._started = False
         self._stopping = False
+        self._draining = False
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -417,7 +434,9 @@ class Scheduler:
             self.thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue a job; QueueFull if there is no room."""
+        """Queue a job; QueueFull if there is no room, Draining once shutting down."""
+        if self._draining:
+            raise Draining
         try:
             self.queue.put(job)
         except QueueFull:
@@ -425,7 +444,9 @@ class Scheduler:
             raise
 
     def check_room(self) -> None:
-        """QueueFull (counted) if a job submitted now would be refused."""
+        """QueueFull (counted) if a job submitted now would be refused; Draining."""
+        if self._draining:
+            raise Draining
         if not self.queue.has_room():
             self.metrics.reject()
             raise QueueFull
@@ -438,6 +459,27 @@ class Scheduler:
         if self.queue.remove(job):
             job.finished = True
             self.metrics.outcome("cancelled")
+
+    def drain(self) -> None:
+        """The shutdown begins: no new jobs, and those waiting for a slot get a 503 with
+        Retry-After now; running ones go on (see cut)."""
+        self._draining = True
+        for job in self.queue.close():
+            job.finished = True
+            self.metrics.outcome("cancelled")
+            job.emit(Failed(shutting_down()))
+
+    def cut(self) -> None:
+        """The drain's time is over: running jobs end now with a 503 (a stream gets it as
+        an error event), at their next step."""
+        for s in self.slots:
+            job = s.job
+            if job is not None and not job.finished:
+                job.cut = True
+                job.cancelled.set()
+
+    def running(self) -> int:
+        return sum(s.job is not None for s in self.slots)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True

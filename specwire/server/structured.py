@@ -18,6 +18,7 @@ from specwire.config import ConfigError
 from specwire.sample.constraints import JSON_OBJECT, Grammar, GrammarSpec, schema_grammar
 from specwire.sample.logprobs import MAX_N_PROBS, LogprobsSpec
 from specwire.server.errors import bad_request
+from specwire.server.limits import MAX_LOGIT_BIAS
 
 #: OpenAI's limits: top_logprobs up to 20 (chat), logprobs up to 5 (completions).
 MAX_TOP_LOGPROBS = 20
@@ -79,7 +80,7 @@ def _spec(body: dict) -> GrammarSpec | None:
         raise bad_request(str(e)) from None
 
 
-def penalties(body: dict, backend: Any) -> dict[str, Any]:
+def penalties(body: dict, backend: Any, max_bias: int = MAX_LOGIT_BIAS) -> dict[str, Any]:
     """SamplingParams changes for presence/frequency penalties and logit_bias."""
     out: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty"):
@@ -91,15 +92,21 @@ def penalties(body: dict, backend: Any) -> dict[str, Any]:
         out[name] = float(v)
     bias = body.get("logit_bias")
     if bias:
-        out["logit_bias"] = logit_bias(bias, backend)
+        out["logit_bias"] = logit_bias(bias, backend, max_bias)
     return out
 
 
-def logit_bias(value: Any, backend: Any) -> tuple[tuple[int, float], ...]:
+def logit_bias(value: Any, backend: Any,
+               max_bias: int = MAX_LOGIT_BIAS) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} or llama-server's [[id | "text", bias | false], ...].
 
-    A text entry biases every token of the text; false bans (bias -inf).
+    A text entry biases every token of the text; false bans (bias -inf). At most
+    max_bias entries, and as many tokens once texts are tokenized: every sampled token
+    of the request pays for each, on the target and on a draft node.
     """
+    if isinstance(value, dict | list) and len(value) > max_bias:
+        raise bad_request(f"logit_bias: {len(value)} entries, at most {max_bias} "
+                          "(serve --logit-bias-max)")
     if isinstance(value, dict):
         pairs = list(value.items())
     elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
@@ -117,6 +124,9 @@ def logit_bias(value: Any, backend: Any) -> tuple[tuple[int, float], ...]:
             b = float(bias)
         for t in _bias_tokens(key, backend):
             merged[t] = b
+        if len(merged) > max_bias:
+            raise bad_request(f"logit_bias: its texts are more than {max_bias} tokens "
+                              "(serve --logit-bias-max)")
     return tuple(sorted(merged.items()))
 
 

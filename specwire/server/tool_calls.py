@@ -25,6 +25,7 @@ from specwire.sample.constraints import GrammarSpec, schema_grammar
 from specwire.server.chat_output import ChatPlan
 from specwire.server.errors import bad_request
 from specwire.text.tools import Generic, Tool, ToolFormat, detect
+from specwire.text.tools.base import MAX_JSON_DEPTH, TooDeep, depth_within, loads
 
 
 @dataclass(slots=True)
@@ -105,6 +106,7 @@ def messages_for(req: ToolRequest | None, messages: list) -> list:
     instructions as a system message, earlier calls as the JSON it would have
     written, and tool results as user turns.
     """
+    check_history(messages)
     out = []
     for m in messages if isinstance(messages, list) else []:
         if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
@@ -119,7 +121,8 @@ def messages_for(req: ToolRequest | None, messages: list) -> list:
         if not isinstance(m, dict):
             converted.append(m)
         elif m.get("role") == "assistant" and m.get("tool_calls"):
-            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            calls = [{"name": c["function"]["name"],
+                      "arguments": c["function"].get("arguments", {})}
                      for c in m["tool_calls"] if isinstance(c, dict) and "function" in c]
             converted.append({"role": "assistant", "content": json.dumps(
                 {"tool_calls": calls} if req.parallel else {"tool_call": calls[0]}
@@ -137,13 +140,56 @@ def messages_for(req: ToolRequest | None, messages: list) -> list:
     return [{"role": "system", "content": instructions}, *converted]
 
 
+def check_history(messages: Any) -> None:
+    """Earlier tool calls in the history are well formed: a 400 naming the first that is not.
+
+    Each is {"function": {"name": ..., "arguments": JSON text or an object}}; arguments
+    nested deeper than the request body may be (MAX_JSON_DEPTH) are refused here, before
+    the template's tojson and the JSON parser recurse through them.
+    """
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls is None:
+            continue
+        where = f"messages[{i}].tool_calls"
+        if not isinstance(calls, list):
+            raise bad_request(f"{where}: must be an array of tool calls")
+        for j, c in enumerate(calls):
+            _check_call(c, f"{where}[{j}]")
+
+
+def _check_call(c: Any, where: str) -> None:
+    if not isinstance(c, dict):
+        raise bad_request(f"{where}: must be an object {{\"type\": \"function\", "
+                          "\"function\": {name, arguments}}")
+    fn = c.get("function")
+    if not isinstance(fn, dict):
+        raise bad_request(f"{where}.function: must be an object {{name, arguments}}")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad_request(f"{where}.function.name: required, a string")
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            loads(args)
+        except TooDeep as e:
+            raise bad_request(f"{where}.function.arguments: {e}") from None
+        except ValueError:
+            pass             # not JSON: the template gets the text as it is
+    elif isinstance(args, dict):
+        if not depth_within(args):
+            raise bad_request(f"{where}.function.arguments: nested deeper than "
+                              f"{MAX_JSON_DEPTH} levels")
+    elif args is not None:
+        raise bad_request(f"{where}.function.arguments: must be a JSON string or an object")
+
+
 def _call_for_template(c: Any) -> Any:
     if not (isinstance(c, dict) and isinstance(c.get("function"), dict)):
         return c
     args = c["function"].get("arguments")
     if isinstance(args, str):
         try:
-            parsed = json.loads(args)
+            parsed = loads(args)
         except ValueError:
             return c
         if isinstance(parsed, dict):
@@ -162,9 +208,11 @@ def grammar(req: ToolRequest | None) -> GrammarSpec | None:
     if req is None or req.choice == "none":
         return None
     try:
-        for t in req.offered():          # a bad schema is named by its tool
-            schema_grammar(t.parameters or {"type": "object"},
-                           f"tools: function {t.name!r}: parameters")
+        offered = req.offered()
+        for i, t in enumerate(req.tools):  # a bad schema is named by its place
+            if t in offered:
+                schema_grammar(t.parameters or {"type": "object"},
+                               f"tools[{i}].function.parameters")
         if isinstance(req.fmt, Generic):
             text = req.fmt.grammar(req.offered(), req.parallel, allow_response=not req.forced)
         elif req.forced:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from specwire.cli.args import CliError, add_draft_model_args, draft_model_params
+
+log = logging.getLogger("specwire.node")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-sessions", type=int, default=32, metavar="N",
                    help="most finished sessions kept in --cache-ram (least recently used "
                    "out first)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM: refuse new sessions, give open ones S seconds, then stop")
+    p.add_argument("--cache-ttl", type=float, default=900.0, metavar="S",
+                   help="forget cached sessions (--cache-ram, warm contexts) unused for S "
+                   "seconds (0: keep them until evicted)")
     p.add_argument("--token", default=os.environ.get("SPECWIRE_TOKEN"),
                    help="shared secret required from targets (env SPECWIRE_TOKEN)")
     p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
@@ -51,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(a: argparse.Namespace) -> int:
     from specwire.backend.base import BackendError
     from specwire.build import resolve_draft
+    from specwire.link.transport.channel import loopback
     from specwire.node.server import NodeSettings, serve
 
     if not 0 <= a.port <= 65535:
@@ -67,6 +76,11 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--max-sessions: must be >= 1, got {a.max_sessions}")
     if not 1 <= a.idle_timeout <= 86400:
         raise CliError(f"--idle-timeout: must be in 1..86400 seconds, got {a.idle_timeout:g}")
+    if not 0 <= a.shutdown_timeout <= 3600:
+        raise CliError(f"--shutdown-timeout: must be in [0, 3600] seconds, got "
+                       f"{a.shutdown_timeout:g}")
+    if a.cache_ttl < 0:
+        raise CliError(f"--cache-ttl: must be >= 0 seconds, got {a.cache_ttl:g}")
     if a.cache_ram < 0:
         raise CliError(f"--cache-ram: must be >= 0 MiB, got {a.cache_ram}")
     if a.cache_sessions < 0:
@@ -77,13 +91,17 @@ def run(a: argparse.Namespace) -> int:
         path = getattr(a, flag)
         if path and not os.path.isfile(path):
             raise CliError(f"--{flag.replace('_', '-')}: file not found: {path}")
+    if a.token and not a.tls_cert and not loopback(f"{a.host}:{a.port}"):
+        log.warning("--token without --tls-cert: targets send the token in clear text over "
+                    "the network to %s", a.host)
     a.ctx_size_draft = a.ctx_size_draft or a.ctx_size
     params = draft_model_params(a, resolve_draft(a.model))
     settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
-                            cache_sessions=a.cache_sessions, idle_s=a.idle_timeout)
+                            cache_sessions=a.cache_sessions, idle_s=a.idle_timeout,
+                            shutdown_s=a.shutdown_timeout, cache_ttl_s=a.cache_ttl)
     try:
         serve(settings)
     except BackendError as e:

@@ -8,6 +8,7 @@ See specwire/server/app.py for the endpoints.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import socket
@@ -67,6 +68,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body; more is refused with 413 (default 8 MiB: a "
                    "full 1M-token context as token ids)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="a connection must send a request's headers within S seconds "
+                   "(from its start, or from the next request's first byte)")
+    g.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                   help="a request body must arrive within S seconds (408 past it)")
+    g.add_argument("--max-connections", type=int, default=256, metavar="N",
+                   help="open connections at most; one more is closed at once")
+    g.add_argument("--max-reading", type=int, default=64 << 20, metavar="BYTES",
+                   help="bytes of request bodies in reading at once, all requests together "
+                   "(503 with Retry-After past it; default 64 MiB)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM: waiting requests get 503 with Retry-After, running "
+                   "generations get S seconds to finish, then end with a 503 (a stream: "
+                   "an error event)")
+    g.add_argument("--logit-bias-max", type=int, default=300, metavar="N",
+                   help="most logit_bias entries per request (default 300, as OpenAI); each "
+                   "costs every sampled token of the request")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without --api-key, requests must name an IP address or localhost "
+                   "in Host (DNS rebinding); this allows one more name (repeatable)")
     g.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1,
                    help="a request goes to the idle slot whose cached prompt shares most "
                    "with it, if more than this share of its prompt (0: least recently used "
@@ -85,7 +106,8 @@ def run(a: argparse.Namespace) -> int:
     from specwire.build import build_engine
     from specwire.cli.settings import engine_settings
     from specwire.drafters.base import declared
-    from specwire.server import ServerSettings, create_app
+    from specwire.server import ServerSettings, create_app, deadlines
+    from specwire.server.drain import DrainingServer
     from specwire.text import chat
 
     if not 0 <= a.port <= 65535:
@@ -98,6 +120,20 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"-n: must be >= -1, got {a.n_predict}")
     if a.max_body < 1:
         raise CliError(f"--max-body: must be >= 1, got {a.max_body}")
+    for flag in ("header_timeout", "body_timeout"):
+        if not 0 < getattr(a, flag) <= 86400:
+            raise CliError(f"--{flag.replace('_', '-')}: must be in (0, 86400] seconds, got "
+                           f"{getattr(a, flag):g}")
+    if not 0 <= a.shutdown_timeout <= 86400:
+        raise CliError(f"--shutdown-timeout: must be in [0, 86400] seconds, got "
+                       f"{a.shutdown_timeout:g}")
+    if a.max_connections < 1:
+        raise CliError(f"--max-connections: must be >= 1, got {a.max_connections}")
+    if a.max_reading < a.max_body:
+        raise CliError(f"--max-reading: must be at least --max-body ({a.max_body}), got "
+                       f"{a.max_reading}")
+    if a.logit_bias_max < 0:
+        raise CliError(f"--logit-bias-max: must be >= 0, got {a.logit_bias_max}")
     if a.chat_template_file:
         try:
             with open(a.chat_template_file, encoding="utf-8") as f:
@@ -125,7 +161,10 @@ def run(a: argparse.Namespace) -> int:
                               queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui,
                               max_body=a.max_body, reasoning_format=a.reasoning_format,
                               reasoning_budget=a.reasoning_budget,
-                              slot_prompt_similarity=a.slot_prompt_similarity)
+                              slot_prompt_similarity=a.slot_prompt_similarity,
+                              logit_bias_max=a.logit_bias_max, body_timeout_s=a.body_timeout,
+                              max_reading=a.max_reading,
+                              allowed_hosts=(*a.allowed_host, *_named(a.host)))
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
     for e in engines:
@@ -134,8 +173,10 @@ def run(a: argparse.Namespace) -> int:
     app = create_app(engines, settings)
     verbose = getattr(a, "verbose", False)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning",
-                            access_log=verbose, timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+                            access_log=verbose,
+                            http=deadlines.protocol(a.header_timeout, a.max_connections),
+                            limit_concurrency=a.max_connections + 1)
+    server = DrainingServer(config, app.state.scheduler, a.shutdown_timeout)
     port = sock.getsockname()[1]
     host = f"[{a.host}]" if ":" in a.host else a.host
     target, drafter = engines[0].target, engines[0].drafter
@@ -152,6 +193,15 @@ def run(a: argparse.Namespace) -> int:
             for d in e.drafters:
                 declared(d).close()
     return 0
+
+
+def _named(host: str) -> tuple[str, ...]:
+    """--host when it is a name (not an address): requests may use it in Host."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return (host,)
+    return ()
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -13,6 +13,7 @@ the connection itself (UNAVAILABLE, or a failed Hello) drops it.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import ssl
@@ -26,8 +27,17 @@ from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.h2.connection import Connection, H2Error
+from specwire.link.transport.peertext import peer_text
 
 log = logging.getLogger("specwire.remote")
+
+
+#: gRPC keepalive on the link: a ping after this long without frames, answered within the
+#: timeout or the connection is closed.
+KEEPALIVE_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+#: Session streams per link when the node did not say how many sessions it admits.
+MAX_STREAMS = 64
 
 
 class LinkError(Exception):
@@ -56,6 +66,9 @@ class Link:
             raise LinkError(f"--draft-url {url}: expected HOST:PORT")
         self.settings = settings
         self.fingerprint, self.n_vocab, self.target_name = fingerprint, n_vocab, target_name
+        if settings.token and not settings.tls_ca and not loopback(self.url):
+            log.warning("draft node %s: the token goes to it in clear text over the network; "
+                        "give --draft-tls-ca (and the node --tls-cert/--tls-key)", self.url)
         self._session_channel: grpc.Channel | None = None
         self._lock = threading.Lock()
         self.up = False
@@ -69,6 +82,25 @@ class Link:
         #: failure counts only if no other failure was counted since (the sessions on a
         #: connection that breaks all fail, and the backoff must grow once, not per session).
         self.epoch = 0
+        self._streams = 0  # pipelined Session streams open on this link now
+
+    def max_streams(self) -> int:
+        """Session streams this target may have open on the link at once: what the node
+        admits (its --max-sessions, from Hello) and a few closing, else MAX_STREAMS."""
+        hello = self.hello
+        return 2 * hello.max_sessions + 4 if hello and hello.max_sessions else MAX_STREAMS
+
+    def take_stream(self) -> bool:
+        """Count a stream about to open; False (nothing counted) if the link has its most."""
+        with self._lock:
+            if self._streams >= self.max_streams():
+                return False
+            self._streams += 1
+            return True
+
+    def give_stream(self) -> None:
+        with self._lock:
+            self._streams -= 1
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         tok = self.settings.token
@@ -155,6 +187,13 @@ class Link:
             ("grpc.use_local_subchannel_pool", 1),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            # A frozen node (or a link that drops packets) is found within
+            # KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS while a session is open; the node permits
+            # pings this often (node/server.py).
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.http2.max_pings_without_data", 0),
         ]
         s = self.settings
         if not s.tls_ca:
@@ -193,7 +232,8 @@ class Link:
         # greets and then drops every session still backs off longer each time.
         self.hello, self.up = reply, True
         log.info(
-            "draft node %s: %s, handshake %.1f ms", self.url, reply.draft_model, 1000 * self.rtt_s
+            "draft node %s: %s, handshake %.1f ms", self.url, peer_text(reply.draft_model),
+            1000 * self.rtt_s
         )
 
     async def close(self) -> None:
@@ -211,7 +251,7 @@ class Link:
             self._refuse(
                 f"incompatible models: the target {self.target_name} (vocabulary "
                 f"{self.n_vocab} tokens, fingerprint {self.fingerprint}) and the draft "
-                f"{r.draft_model} at {self.url} (vocabulary {r.n_vocab} tokens, "
+                f"{peer_text(r.draft_model)} at {self.url} (vocabulary {r.n_vocab} tokens, "
                 f"fingerprint {r.vocab_fingerprint}) do not share a tokenizer"
             )
 
@@ -249,10 +289,21 @@ class Link:
         log.warning("draft link %s down (%s); retry in %.2f s", self.url, reason, pause)
 
 
+def loopback(url: str) -> bool:
+    """Whether HOST:PORT names this machine (localhost or a loopback address)."""
+    host = url.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _reason(e: grpc.RpcError) -> str:
     if isinstance(e, grpc.Call):
-        return f"{e.code().name}: {e.details()}"
-    return str(e)
+        return f"{e.code().name}: {peer_text(e.details())}"
+    return peer_text(e)
 
 
 def _read(path: str) -> bytes:

@@ -36,9 +36,13 @@ from specwire.link.transport.base import Branch, Transport
 from specwire.link.transport.channel import Link, LinkError
 from specwire.link.transport.channels import LinkSet, SyncLine
 from specwire.link.transport.h2.connection import CreditTimeout, GrpcStatus, H2Error
+from specwire.link.transport.peertext import peer_text
 from specwire.link.transport.protocol import ProtocolError
 
 log = logging.getLogger("specwire.remote")
+
+#: After our Close, how long the node has to end a pipelined session before it is cancelled.
+CLOSE_GRACE_S = 2.0
 
 
 class NodeFailure(ProtocolError):
@@ -118,6 +122,10 @@ class GrpcTransport(Transport):
         self._out: queue.SimpleQueue | None = None  # its messages to send; None ends it
         self._sync: _SyncCall | None = None  # or the live call on a synchronous port
         self._closed = False
+        self.counters["sync_port_sessions"] = 0  # sessions opened on a synchronous port
+        self.counters["stream_cap"] = 0  # sessions not opened: the link had its most streams
+        self.counters["polled_answers"] = 0  # synchronous answers that came while polling
+        self.counters["poll_ms"] = 0.0  # time spent busy-polling for them
         self.forecast: ArrivalForecast | None = ArrivalForecast()  # None: never busy-poll
         self._opening = False
         self._reopened = -1  # the session that replaces a call the node refused (_reopen)
@@ -213,13 +221,20 @@ class GrpcTransport(Transport):
             self._drop(link, reason)
 
     def detach(self) -> None:
-        """Forget the current stream; ending its request queue lets it finish."""
+        """Forget the current stream; ending its request queue lets it finish, and if the
+        node does not end it within CLOSE_GRACE_S it is cancelled (a node that never
+        answers would hold its reading thread and its stream for ever)."""
         with self.branch.lock:
-            out, self._out, self._call = self._out, None, None
+            out, self._out, stream = self._out, None, self._call
+            self._call = None
             self._call_link = None
             call, self._sync = self._sync, None
         if out is not None:
             out.put(None)
+        if stream is not None:
+            with contextlib.suppress(RuntimeError):   # the loop is closed: so is the channel
+                self._loop.call_soon_threadsafe(self._loop.call_later, CLOSE_GRACE_S,
+                                                stream.cancel)
         if call is not None:
             try:
                 call.line.release(call.sid, call.closed)
@@ -378,7 +393,7 @@ class GrpcTransport(Transport):
 
     def _run_session(self, session: int, history: list[int]) -> None:
         """One Session stream, on its own thread: send the Open, then read chunks."""
-        link, call, out, epoch = None, None, None, None
+        link, call, out, epoch, taken = None, None, None, None, None
         try:
             picking = asyncio.run_coroutine_threadsafe(self._pick_link(), self._loop)
             # Every link's handshake has its own timeout; this one only guards against a
@@ -389,6 +404,11 @@ class GrpcTransport(Transport):
                 return
             if self._uses_sync_port(link) and self._open_sync(link, session, history):
                 return
+            if not link.take_stream():
+                self.counters["stream_cap"] += 1
+                link = None         # not this link's failure: nothing to count
+                return
+            taken = link
             out = queue.SimpleQueue()
             out.put(self._first_message(history))
             epoch = link.epoch
@@ -419,6 +439,8 @@ class GrpcTransport(Transport):
             if link is not None and session == self.branch.session:     # channel was closed
                 link.failed(str(e), epoch=epoch)
         finally:
+            if taken is not None:
+                taken.give_stream()
             if call is not None:
                 call.cancel()
             if out is not None:  # ends the request iterator: grpcio's thread that reads it
@@ -433,7 +455,7 @@ class GrpcTransport(Transport):
         """A message from the node, either transport; ProtocolError for a broken peer."""
         got = protocol.draft_from_pb(msg)
         if isinstance(got, Failure):
-            raise NodeFailure(f"draft node reported: {got.message}")
+            raise NodeFailure(f"draft node reported: {peer_text(got.message)}")
         self.branch.on_chunk(session, got)
 
     def _first_message(self, history: list[int]) -> pb.TargetMessage:
@@ -466,8 +488,8 @@ class GrpcTransport(Transport):
 
 def _rpc_reason(e: BaseException) -> str:
     if isinstance(e, grpc.aio.AioRpcError | grpc.Call):
-        return f"{e.code().name}: {e.details()}"
-    return str(e)
+        return f"{e.code().name}: {peer_text(e.details())}"
+    return peer_text(e)
 
 
 def _unavailable(e: grpc.RpcError) -> bool:

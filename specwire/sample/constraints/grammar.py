@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specwire.config import ConfigError
+from specwire.sample.constraints.bounds import check_gbnf
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 _compile_lock = threading.Lock()
@@ -86,6 +87,7 @@ class Grammar:
 
         if not spec.text.strip():
             raise ConfigError(f"{spec.origin}: the grammar is empty")
+        check_gbnf(spec.text, spec.origin)   # llama.cpp's parser has no bound of its own
         from specwire.backend.llama_process import ERROR, WARN, log_tap
 
         problems: list[str] = []

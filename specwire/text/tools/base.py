@@ -56,6 +56,39 @@ class Parsed:
     calls: list[ToolCall] = field(default_factory=list)
 
 
+#: Nesting deeper than this, in model output or in a history's arguments, is not a call:
+#: Python's parser and printer recurse per level (RecursionError at about 1000).
+MAX_JSON_DEPTH = 64
+
+
+class TooDeep(ValueError):
+    """JSON nested deeper than MAX_JSON_DEPTH."""
+
+
+def depth_within(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether a parsed JSON value nests at most `limit` levels (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            if d > limit:
+                return False
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return True
+
+
+def loads(text: str) -> Any:
+    """json.loads for untrusted text: nesting past MAX_JSON_DEPTH is a TooDeep (a ValueError),
+    never a RecursionError."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise TooDeep(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if not depth_within(value):
+        raise TooDeep(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
 def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
 
@@ -64,9 +97,11 @@ def as_arguments(value: Any) -> str | None:
     """A call's arguments as JSON text (an object), or None if they are not an object."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = loads(value)
         except ValueError:
             return None
+    elif not depth_within(value):
+        return None
     return dumps(value) if isinstance(value, dict) else None
 
 
@@ -79,8 +114,11 @@ def json_values(text: str, start: int = 0) -> list[tuple[int, int, Any]]:
             return out
         try:
             value, end = dec.raw_decode(text, j)
-        except ValueError:
+        except (ValueError, RecursionError):
             i = j + 1
+            continue
+        if not depth_within(value):
+            i = end
             continue
         out.append((j, end, value))
         i = end

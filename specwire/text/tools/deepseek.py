@@ -8,10 +8,17 @@
 
 from __future__ import annotations
 
-import json
 import re
 
-from specwire.text.tools.base import Parsed, Tool, ToolCall, ToolFormat, as_arguments, calls_after
+from specwire.text.tools.base import (
+    Parsed,
+    Tool,
+    ToolCall,
+    ToolFormat,
+    as_arguments,
+    calls_after,
+    loads,
+)
 from specwire.text.tools.gbnf import Builder
 
 BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -29,7 +36,7 @@ class DeepSeek(ToolFormat):
         def call(m: re.Match) -> ToolCall | None:
             name = m.group(1).strip()
             try:
-                args = as_arguments(json.loads(m.group(2)))
+                args = as_arguments(loads(m.group(2)))
             except ValueError:
                 return None
             return ToolCall(name, args) if name in known and args is not None else None

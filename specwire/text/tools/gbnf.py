@@ -15,9 +15,9 @@ from specwire.text.tools.base import Tool
 
 class Builder:
     def __init__(self) -> None:
-        from llama_cpp.llama_grammar import SchemaConverter
+        from specwire.sample.constraints.json_schema import converter
 
-        self._c = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
+        self._c = converter().SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
                                   raw_pattern=False)
         self._n = 0
 

@@ -9,9 +9,7 @@ to that form whenever tools are offered.
 
 from __future__ import annotations
 
-import json
-
-from specwire.text.tools.base import Parsed, Tool, ToolFormat, call_from, dumps
+from specwire.text.tools.base import Parsed, Tool, ToolFormat, call_from, dumps, loads
 from specwire.text.tools.gbnf import Builder
 from specwire.text.tools.hermes import call_schema
 
@@ -23,7 +21,7 @@ class Generic(ToolFormat):
 
     def parse(self, text: str, known: set[str]) -> Parsed:
         try:
-            doc = json.loads(text)
+            doc = loads(text)
         except ValueError:
             return Parsed(text)
         if not isinstance(doc, dict):

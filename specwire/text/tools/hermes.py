@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import re
 
-from specwire.text.tools.base import Parsed, Tool, ToolCall, ToolFormat, call_from, calls_among
+from specwire.text.tools.base import (
+    Parsed,
+    Tool,
+    ToolCall,
+    ToolFormat,
+    call_from,
+    calls_among,
+    loads,
+)
 from specwire.text.tools.gbnf import Builder
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -25,7 +32,7 @@ class Hermes(ToolFormat):
     def parse(self, text: str, known: set[str]) -> Parsed:
         def call(m: re.Match) -> ToolCall | None:
             try:
-                return call_from(json.loads(m.group(1)), known=known)
+                return call_from(loads(m.group(1)), known=known)
             except ValueError:
                 return None
         return calls_among(text, _BLOCK, call)

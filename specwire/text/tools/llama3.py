@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from specwire.text.tools.base import Parsed, Tool, ToolFormat, call_from
+from specwire.text.tools.base import Parsed, Tool, ToolFormat, call_from, loads
 from specwire.text.tools.gbnf import Builder
 from specwire.text.tools.hermes import call_schema
 
@@ -24,7 +22,7 @@ class Llama3(ToolFormat):
         calls = []
         for part in body.split(";"):      # several calls come separated by semicolons
             try:
-                obj = json.loads(part)
+                obj = loads(part)
             except ValueError:
                 return Parsed(text)
             call = call_from(obj, args_keys=("parameters", "arguments"), known=known)

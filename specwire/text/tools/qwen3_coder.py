@@ -13,10 +13,9 @@ A value is raw text for a string parameter and JSON for any other type.
 
 from __future__ import annotations
 
-import json
 import re
 
-from specwire.text.tools.base import Parsed, Tool, ToolCall, ToolFormat, calls_among, dumps
+from specwire.text.tools.base import Parsed, Tool, ToolCall, ToolFormat, calls_among, dumps, loads
 from specwire.text.tools.gbnf import Builder
 
 _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>|$)",
@@ -68,6 +67,6 @@ def _value(raw: str, schema: dict):
     if schema.get("type") == "string":
         return raw
     try:
-        return json.loads(raw)
+        return loads(raw)
     except ValueError:
         return raw

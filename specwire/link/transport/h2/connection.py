@@ -363,6 +363,9 @@ class Connection:
             self._fail(str(e), h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
         except H2Error as e:  # gRPC framing
             self._fail(str(e), h2.errors.ErrorCodes.PROTOCOL_ERROR)
+        except UnicodeDecodeError:  # h2 decodes header blocks as UTF-8, unchecked
+            self._fail("the peer sent a header that is not UTF-8",
+                       h2.errors.ErrorCodes.PROTOCOL_ERROR)
         self._flush(deadline)
 
     def _read(self, deadline: float, spin: tuple[float, float] | None = None) -> bytes:

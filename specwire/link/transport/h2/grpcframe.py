@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
+from specwire.link.transport.peertext import peer_text
+
 #: Unread messages a stream may hold. A synchronous round is one message each way, so an
 #: honest peer never comes near it; a peer sending messages nobody asked for stops here.
 MAX_QUEUED = 256
@@ -87,7 +89,7 @@ def check_status(headers: list[tuple[str, str]]) -> None:
         return
     if not _STATUS.fullmatch(code) or int(code) > MAX_STATUS_CODE:
         raise GrpcStatus(13, f"malformed grpc-status {code[:16]!r}")
-    raise GrpcStatus(int(code), unquote(h.get("grpc-message", ""))[:1000])
+    raise GrpcStatus(int(code), peer_text(unquote(h.get("grpc-message", ""))))
 
 
 def percent_encode(text: str) -> str:

@@ -20,10 +20,12 @@ connection closed opens a new one for its next session without failing it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import ssl
 import threading
+import time
 
 from specwire.link.transport import protocol
 from specwire.link.transport.h2.connection import Connection, H2Error
@@ -32,6 +34,11 @@ from specwire.link.transport.h2.mux import Calls
 log = logging.getLogger("specwire.node")
 
 HANDSHAKE_TIMEOUT_S = 10.0
+#: After a transient accept() error (EMFILE...), the wait before the next accept.
+ACCEPT_PAUSE_S = 0.1
+#: accept() errors that pass: out of descriptors or buffers, a peer gone before accept.
+TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
+                       errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
 
 
 class SyncServer:
@@ -48,20 +55,26 @@ class SyncServer:
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._closed = False
         self._thread = threading.Thread(target=self._accept, name="sync-accept", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
+        self._closed = True
         self._sock.close()
 
     def _accept(self) -> None:
         while True:
             try:
                 sock, addr = self._sock.accept()
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self._closed or e.errno not in TRANSIENT:
+                    return  # closed
+                log.warning("sync port: accept failed (%s); retrying", e.strerror or e)
+                time.sleep(ACCEPT_PAUSE_S)   # out of descriptors: some close meanwhile
+                continue
             if not self._slots.acquire(blocking=False):
                 log.warning("refused connection from %s:%d on the sync port: too many", *addr[:2])
                 sock.close()
