@@ -30,7 +30,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "config": (),
     "settings": ("config",),
     "backend": ("config",),
-    "text": ("config",),
+    "text": _CORE,                # tool formats build their grammars with the schema converter
     "sample": ("config",),
     "assets": ("config", "backend"),
     "policy": _CORE,

@@ -58,6 +58,7 @@ class LinkCounters:
     sync_port_sessions: float | None = None  # sessions opened on a synchronous port
     polled_answers: float | None = None  # synchronous answers that came while polling
     poll_ms: float | None = None  # time spent busy-polling for them
+    stream_cap: float | None = None  # sessions not opened: the link had its most streams
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: float(v) for f in fields(self) if (v := getattr(self, f.name)) is not None}

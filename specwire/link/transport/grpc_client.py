@@ -122,10 +122,6 @@ class GrpcTransport(Transport):
         self._out: queue.SimpleQueue | None = None  # its messages to send; None ends it
         self._sync: _SyncCall | None = None  # or the live call on a synchronous port
         self._closed = False
-        self.counters["sync_port_sessions"] = 0  # sessions opened on a synchronous port
-        self.counters["stream_cap"] = 0  # sessions not opened: the link had its most streams
-        self.counters["polled_answers"] = 0  # synchronous answers that came while polling
-        self.counters["poll_ms"] = 0.0  # time spent busy-polling for them
         self.forecast: ArrivalForecast | None = ArrivalForecast()  # None: never busy-poll
         self._opening = False
         self._reopened = -1  # the session that replaces a call the node refused (_reopen)
@@ -133,7 +129,7 @@ class GrpcTransport(Transport):
     def bind(self, branch: Branch) -> None:
         super().bind(branch)
         c = branch.counters  # the counters of this transport's own (LinkCounters)
-        c.sync_port_sessions, c.polled_answers, c.poll_ms = 0, 0, 0.0
+        c.sync_port_sessions, c.polled_answers, c.poll_ms, c.stream_cap = 0, 0, 0.0, 0
 
     def handshake(self, timeout_s: float = 30.0) -> list[str | None]:
         """Connect every link now (Hello, and the connection its sessions use), so that the
@@ -405,7 +401,7 @@ class GrpcTransport(Transport):
             if self._uses_sync_port(link) and self._open_sync(link, session, history):
                 return
             if not link.take_stream():
-                self.counters["stream_cap"] += 1
+                self.branch.counters.stream_cap += 1
                 link = None         # not this link's failure: nothing to count
                 return
             taken = link
