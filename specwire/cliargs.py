@@ -25,7 +25,8 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     g.add_argument(
         "-tb", "--threads-batch", type=int, default=0, help="target batch threads (0: = -t)"
     )
-    g.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="target layers on the GPU")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=0,
+                   help="target layers on the GPU")
     g.add_argument("-b", "--batch-size", type=int, default=512)
     g.add_argument("-ub", "--ubatch-size", type=int, default=512,
                    help="physical batch size (at most -b)")
@@ -177,7 +178,8 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
+    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8,
+                   help="temperature (0 = greedy)")
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--min-p", type=float, default=0.05)

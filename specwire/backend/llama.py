@@ -78,16 +78,18 @@ class Model:
             self._fingerprint = h.hexdigest()[:32]
         return self._fingerprint
 
-    def piece(self, token: int) -> bytes:
-        """The bytes a token prints as (special tokens print nothing)."""
-        p = self._pieces.get(token)
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes a token prints as (special tokens print nothing, unless `special`:
+        llama-server's --special)."""
+        key = ~token if special else token
+        p = self._pieces.get(key)
         if p is None:
             buf = ctypes.create_string_buffer(256)
-            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
-                n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            p = self._pieces[token] = buf.raw[: max(n, 0)]
+                n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            p = self._pieces[key] = buf.raw[: max(n, 0)]
         return p
 
     def tokenize(
@@ -354,8 +356,8 @@ class LlamaBackend:
     ) -> list[int]:
         return self.model.tokenize(text, add_special, parse_special)
 
-    def detokenize(self, tokens: Sequence[int]) -> bytes:
-        return b"".join(self.model.piece(int(t)) for t in tokens)
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        return b"".join(self.model.piece(int(t), special) for t in tokens)
 
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
@@ -418,8 +420,8 @@ class SeqView:
     ) -> list[int]:
         return self.owner.tokenize(text, add_special, parse_special)
 
-    def detokenize(self, tokens: Sequence[int]) -> bytes:
-        return self.owner.detokenize(tokens)
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        return self.owner.detokenize(tokens, special)
 
     def is_eog(self, token: int) -> bool:
         return self.owner.is_eog(token)

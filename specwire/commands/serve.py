@@ -8,6 +8,7 @@ See specwire/server/app.py for the endpoints.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ from specwire.cliargs import (
     draft_params,
     sampling_params,
 )
+from specwire.commands import compat
 
 log = logging.getLogger("specwire.serve")
 
@@ -38,7 +40,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free port)")
     g.add_argument("--api-key", default=os.environ.get("SPECWIRE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every endpoint but /health "
-                   "and the web UI's page, which asks for the key (env SPECWIRE_API_KEY)")
+                   "and the web UI's page, which asks for the key; a comma list gives "
+                   "several keys (env SPECWIRE_API_KEY)")
+    g.add_argument("--api-key-file", metavar="FNAME",
+                   help="API keys, one per line ('#' starts a comment line)")
+    g.add_argument("--ssl-key-file", metavar="FNAME", help="PEM private key: serve HTTPS")
+    g.add_argument("--ssl-cert-file", metavar="FNAME", help="PEM certificate: serve HTTPS")
+    g.add_argument("-to", "--timeout", type=int, default=600, metavar="N",
+                   help="seconds an idle client connection is kept open (default 600)")
+    g.add_argument("--threads-http", type=int, default=-1, metavar="N",
+                   help="threads that parse, tokenize and render requests (-1: the "
+                   "default pool)")
+    g.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="GET /metrics (Prometheus): on by default here, unlike "
+                   "llama-server; --no-metrics turns it off (404)")
+    g.add_argument("-sp", "--special", action="store_true",
+                   help="generated special tokens print their text")
+    g.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
+                   help="a JSON object of template variables every chat request gets "
+                   "(its own chat_template_kwargs win), e.g. '{\"enable_thinking\": false}'")
     g.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
                    help="the live page at GET / (--no-webui: off, / and /stats.json are 404)")
     g.add_argument("-a", "--alias", help="model name for /v1/models (default: the file name)")
@@ -62,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "drafter)")
     g.add_argument("--queue-size", type=int, default=16,
                    help="requests that may wait for a slot; more are refused with 429")
-    g.add_argument("-n", "--n-predict", type=int, default=-1,
+    g.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=-1,
                    help="most tokens per request (-1: up to the context size)")
     g.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body; more is refused with 413 (default 8 MiB: a "
@@ -74,9 +94,96 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--cache-reuse", type=int, default=0, metavar="N",
                    help="reuse cached chunks of at least N tokens after the common prefix "
                    "by shifting them in the KV cache (0: off; see docs/memory.md)")
+    add_log_args(p)
     add_model_args(p)
     add_sampling_args(p)
+    compat.add_compat_args(p)
     p.set_defaults(func=run)
+
+
+def add_log_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging (llama.cpp's flags)")
+    g.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
+                   default=argparse.SUPPRESS,
+                   help="log everything: debug lines and each HTTP request")
+    g.add_argument("-lv", "--verbosity", "--log-verbosity", type=int, default=None,
+                   metavar="N", help="log threshold as llama.cpp's: 1 errors, 2 warnings, "
+                   "3 info (default), 4-5 debug; 0 nothing but errors that stop serve")
+    g.add_argument("--log-file", metavar="FNAME", help="also write the log to FNAME")
+    g.add_argument("--log-disable", action="store_true", help="no log lines")
+    g.add_argument("--verbose-prompt", action="store_true",
+                   help="log each request's prompt tokens and their text")
+
+
+def log_level(a: argparse.Namespace) -> int:
+    """-v, --verbosity and --log-disable -> a logging level (llama.cpp's thresholds)."""
+    if getattr(a, "log_disable", False):
+        return logging.CRITICAL + 1
+    if getattr(a, "verbose", False):
+        return logging.DEBUG
+    v = getattr(a, "verbosity", None)
+    if v is None:
+        return logging.INFO
+    if v < 0:
+        raise CliError(f"--verbosity: must be >= 0, got {v}")
+    return {0: logging.CRITICAL, 1: logging.ERROR, 2: logging.WARNING,
+            3: logging.INFO}.get(v, logging.DEBUG)
+
+
+def setup_logging(a: argparse.Namespace) -> None:
+    root = logging.getLogger()
+    root.setLevel(log_level(a))
+    if getattr(a, "log_file", None):
+        try:
+            handler = logging.FileHandler(a.log_file, encoding="utf-8")
+        except OSError as e:
+            raise CliError(f"--log-file: cannot write {a.log_file}: {e.strerror or e}") from None
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+
+
+def api_keys(a: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key (a comma list) and --api-key-file's lines, as llama-server reads them."""
+    keys = [k.strip() for k in (a.api_key or "").split(",") if k.strip()]
+    if a.api_key_file:
+        try:
+            with open(a.api_key_file, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            raise CliError(f"--api-key-file: cannot read {a.api_key_file}: "
+                           f"{e.strerror or e}") from None
+        keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+        if not keys:
+            raise CliError(f"--api-key-file: {a.api_key_file} holds no key")
+    return tuple(dict.fromkeys(keys))
+
+
+def template_kwargs(text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        kw = json.loads(text)
+    except ValueError as e:
+        raise CliError(f"--chat-template-kwargs: not JSON: {e}") from None
+    if not isinstance(kw, dict):
+        raise CliError("--chat-template-kwargs: must be a JSON object")
+    from specwire.server.schemas import RESERVED_KWARGS
+    clash = RESERVED_KWARGS & set(kw)
+    if clash:
+        raise CliError(f"--chat-template-kwargs: {sorted(clash)[0]!r} cannot be set here")
+    return kw
+
+
+def ssl_files(a: argparse.Namespace) -> dict:
+    """uvicorn's ssl_keyfile / ssl_certfile, both or neither, each readable."""
+    key, cert = a.ssl_key_file, a.ssl_cert_file
+    if bool(key) != bool(cert):
+        raise CliError("--ssl-key-file and --ssl-cert-file: give both, or neither")
+    for flag, path in (("--ssl-key-file", key), ("--ssl-cert-file", cert)):
+        if path and not os.path.isfile(path):
+            raise CliError(f"{flag}: no such file: {path}")
+    return {"ssl_keyfile": key, "ssl_certfile": cert} if key else {}
 
 
 def run(a: argparse.Namespace) -> int:
@@ -88,6 +195,16 @@ def run(a: argparse.Namespace) -> int:
     from specwire.loader import build_engine
     from specwire.server import ServerSettings, create_app
 
+    setup_logging(a)
+    compat.check_compat(a)
+    compat.warn_remote_draft_flags(a)
+    keys = api_keys(a)
+    kwargs = template_kwargs(a.chat_template_kwargs)
+    tls = ssl_files(a)
+    if a.timeout < 1:
+        raise CliError(f"--timeout: must be >= 1, got {a.timeout}")
+    if a.threads_http == 0 or a.threads_http < -1:
+        raise CliError(f"--threads-http: must be >= 1 or -1, got {a.threads_http}")
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in [0, 65535], got {a.port}")
     if not 1 <= a.parallel <= 64:
@@ -121,11 +238,15 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
                        f"{', '.join(sorted(chat.TEMPLATES))} (or a Jinja template)")
     settings = ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
-                              chat_template=a.chat_template, api_key=a.api_key or None,
+                              chat_template=a.chat_template,
+                              api_key=",".join(keys) or None,
                               queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui,
                               max_body=a.max_body, reasoning_format=a.reasoning_format,
                               reasoning_budget=a.reasoning_budget,
-                              slot_prompt_similarity=a.slot_prompt_similarity)
+                              slot_prompt_similarity=a.slot_prompt_similarity,
+                              metrics=a.metrics, special=a.special,
+                              threads_http=a.threads_http, template_kwargs=kwargs,
+                              verbose_prompt=a.verbose_prompt)
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
     for e in engines:
@@ -134,16 +255,18 @@ def run(a: argparse.Namespace) -> int:
     app = create_app(engines, settings)
     verbose = getattr(a, "verbose", False)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning",
-                            access_log=verbose, timeout_graceful_shutdown=2)
+                            access_log=verbose, timeout_graceful_shutdown=2,
+                            timeout_keep_alive=a.timeout, **tls)
     server = uvicorn.Server(config)
     port = sock.getsockname()[1]
     host = f"[{a.host}]" if ":" in a.host else a.host
     target, drafter = engines[0].target, engines[0].drafter
-    log.info("listening on http://%s:%d (target %s, drafter %s, %d slot%s, context %d)",
-             host, port, target.name, drafter.name, a.parallel, "s" * (a.parallel > 1),
+    scheme = "https" if tls else "http"
+    log.info("listening on %s://%s:%d (target %s, drafter %s, %d slot%s, context %d)",
+             scheme, host, port, target.name, drafter.name, a.parallel, "s" * (a.parallel > 1),
              target.n_ctx)
     if a.webui:
-        log.info("live page: http://%s:%d/", host, port)
+        log.info("live page: %s://%s:%d/", scheme, host, port)
     try:
         server.run(sockets=[sock])
     finally:

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -56,7 +57,7 @@ POLL_S = 0.25
 def model_names(target: Backend, alias: str | None) -> list[str]:
     """Names a request may use for the served model: the alias first (listed by /v1/models)."""
     file_name = str(target.name)
-    names = [alias] if alias else []
+    names = [n.strip() for n in (alias or "").split(",") if n.strip()]
     for n in (file_name, Path(file_name).stem):
         if n not in names:
             names.append(n)
@@ -87,6 +88,10 @@ def create_app(engine: Engine | Sequence[Engine],
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if settings.threads_http > 0:     # --threads-http: the pool requests are parsed on
+            limiter = anyio.to_thread.current_default_thread_limiter()
+            limiter.total_tokens = settings.threads_http
+            log.info("HTTP request threads: %d", limiter.total_tokens)
         scheduler.start()
         try:
             yield
@@ -139,9 +144,10 @@ def create_app(engine: Engine | Sequence[Engine],
                 "drafter": engines[0].drafter.name, "chat_template_name": label,
                 "chat_template": source, "queue_size": settings.queue_size}
 
-    @api.get("/metrics")
-    async def metrics_text() -> Response:
-        return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE)
+    if settings.metrics:
+        @api.get("/metrics")
+        async def metrics_text() -> Response:
+            return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE)
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -169,7 +175,7 @@ def create_app(engine: Engine | Sequence[Engine],
             scheduler.check_room()    # before the body is read, parsed and tokenized
             body = await read_json(request)
             spec = await run_in_threadpool(parse, body)
-            job = Job(spec.request, spec.stops, spec.stream)
+            job = Job(spec.request, spec.stops, spec.stream, special=settings.special)
             scheduler.submit(job)
         except QueueFull:
             raise ApiError(429, f"the server is busy: {settings.queue_size} requests are already "
@@ -221,15 +227,17 @@ def create_app(engine: Engine | Sequence[Engine],
 
 
 def _auth(api_key: str | None) -> Callable:
-    """llama-server's --api-key: `Authorization: Bearer KEY` (or `X-Api-Key: KEY`)."""
+    """llama-server's --api-key: `Authorization: Bearer KEY` (or `X-Api-Key: KEY`); a comma
+    list is several keys, any of which is let in."""
+    keys = [k.encode() for k in (api_key or "").split(",") if k]
 
     async def check(request: Request) -> None:
-        if not api_key:
+        if not keys:
             return
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else \
             request.headers.get("x-api-key", "")
-        if not given or not hmac.compare_digest(given.encode(), api_key.encode()):
+        if not given or not any([hmac.compare_digest(given.encode(), k) for k in keys]):
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                            "authentication_error")
 

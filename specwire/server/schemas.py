@@ -23,8 +23,9 @@ Conventions, as in llama-server:
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,6 +38,8 @@ from specwire.server.chat_output import ChatPlan
 from specwire.server.errors import ApiError, bad_request
 from specwire.server.settings import ServerSettings
 from specwire.wire import protocol
+
+log = logging.getLogger("specwire.serve")
 
 
 @dataclass(slots=True)
@@ -304,11 +307,9 @@ def refuse_unsupported(f: Fields, chat_: bool = False) -> None:
 
 
 def check_model(f: Fields, names: Sequence[str]) -> None:
-    """OpenAI clients name a model: refuse one this server does not have (404)."""
-    model = f.str("model")
-    if model is not None and model not in names:
-        raise ApiError(404, f"model {model!r} not found; this server has {names[0]!r}",
-                       "not_found_error")
+    """OpenAI clients name a model: any name is served, as llama-server serves its one
+    model whatever a client calls it (agents send their own names); a non-string is 400."""
+    f.str("model")
 
 
 # -- whole requests ---------------------------------------------------------------------------
@@ -343,7 +344,8 @@ def chat_completion(body: dict, backend: Any, settings: ServerSettings,
         raise bad_request(str(e)) from None
     tools = tool_calls.parse(body, source)
     variables = {**tool_calls.template_variables(tools),
-                 **template_kwargs(body, settings.reasoning_budget)}
+                 **template_kwargs(body, settings.reasoning_budget,
+                                   settings.template_kwargs)}
     try:
         text = chat.render_for(backend, tool_calls.messages_for(tools, messages),
                                settings.chat_template, **variables)
@@ -361,18 +363,25 @@ def chat_completion(body: dict, backend: Any, settings: ServerSettings,
     return spec
 
 
-def template_kwargs(body: dict, reasoning_budget: int = -1) -> dict:
-    """chat_template_kwargs (e.g. {"enable_thinking": false}); --reasoning-budget 0 turns
-    thinking off as llama-server does, unless the request says otherwise."""
+#: template variables a request's chat_template_kwargs may not set (the server sets them).
+RESERVED_KWARGS = frozenset({"messages", "tools", "bos_token", "eos_token",
+                             "add_generation_prompt"})
+
+
+def template_kwargs(body: dict, reasoning_budget: int = -1,
+                    defaults: Mapping[str, Any] | None = None) -> dict:
+    """chat_template_kwargs (e.g. {"enable_thinking": false}) over the server's
+    --chat-template-kwargs; --reasoning-budget 0 turns thinking off as llama-server does,
+    unless the request or the server's kwargs say otherwise."""
     kw = body.get("chat_template_kwargs")
     if kw is None:
         kw = {}
     if not isinstance(kw, dict):
         raise bad_request(f"chat_template_kwargs: must be an object, got {_kind(kw)}")
-    reserved = {"messages", "tools", "bos_token", "eos_token", "add_generation_prompt"}
-    clash = reserved & set(kw)
+    clash = RESERVED_KWARGS & set(kw)
     if clash:
         raise bad_request(f"chat_template_kwargs: {sorted(clash)[0]!r} cannot be set here")
+    kw = {**(defaults or {}), **kw}
     if reasoning_budget == 0:
         kw = {"enable_thinking": False, **kw}
     return kw
@@ -383,6 +392,8 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
             tool_grammar: GrammarSpec | None = None) -> Completion:
     n = n_predict(f, settings, backend.n_ctx)
     check_fits(tokens, n, backend.n_ctx)
+    if settings.verbose_prompt:
+        log_prompt(tokens, backend)
     sp = sampling(f, settings.sampling)
     try:
         sp = replace(sp, **structured.penalties(body, backend))
@@ -408,6 +419,20 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,
                       lambda t: backend.detokenize([t]))
+
+
+def log_prompt(tokens: Sequence[int], backend: Any) -> None:
+    """--verbose-prompt: the prompt's tokens, each with its text, as llama.cpp prints them."""
+    def piece(t: int) -> str:
+        try:
+            raw = backend.detokenize([t], special=True)   # special tokens by their text
+        except TypeError:                                  # a backend without the option
+            raw = backend.detokenize([t])
+        return raw.decode(errors="replace")
+
+    pieces = (piece(t) for t in tokens)
+    log.info("prompt: %d tokens: %s", len(tokens),
+             " ".join(f"{t}:{p!r}" for t, p in zip(tokens, pieces, strict=True)))
 
 
 def tokenize(body: dict, backend: Any) -> dict:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.server.limits import MAX_BODY_BYTES
@@ -13,7 +14,9 @@ class ServerSettings:
     """What `specwire serve` was started with, apart from the models themselves.
 
     sampling, draft: the defaults every request overrides field by field.
-    alias:         the model name /v1/models lists (default: the target's file name).
+    alias:         the model name /v1/models lists (default: the target's file name); a
+                   comma list gives more names (llama-server's -a). Any `model` a request
+                   names is served, as llama-server serves its one model.
     chat_template: named template (llama.cpp names) or Jinja source; None = the GGUF's own,
                    else gemma for Gemma models, chatml otherwise (see specwire.chat).
     api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
@@ -27,6 +30,11 @@ class ServerSettings:
     slot_prompt_similarity: a request goes to the idle slot whose cache shares the longest
                    prefix with its prompt if that is more than this share of the prompt,
                    else to the least recently used slot (0: always the latter).
+    metrics:       serve GET /metrics (on by default here; llama-server needs --metrics).
+    special:       generated special tokens print their text (llama-server's --special).
+    threads_http:  threads that parse, tokenize and render requests (-1: the default pool).
+    template_kwargs: --chat-template-kwargs, the defaults of a request's chat_template_kwargs.
+    verbose_prompt: log each request's prompt tokens (--verbose-prompt).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -41,3 +49,8 @@ class ServerSettings:
     reasoning_format: str = "auto"
     reasoning_budget: int = -1
     slot_prompt_similarity: float = 0.1
+    metrics: bool = True
+    special: bool = False
+    threads_http: int = -1
+    template_kwargs: Mapping[str, object] = field(default_factory=dict)
+    verbose_prompt: bool = False

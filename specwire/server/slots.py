@@ -92,6 +92,7 @@ class Job:
     request: Request
     stops: Sequence[str] = ()
     stream: bool = False
+    special: bool = False   # --special: special tokens print their text
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -250,7 +251,9 @@ class Slot:
     def start(self, job: Job) -> None:
         """The job joins the engine's batch in this slot's sequence (at the next step)."""
         self.job = job
-        self._text = TextStream(self.target.detokenize)
+        target = self.target
+        self._text = TextStream(
+            (lambda t: target.detokenize(t, special=True)) if job.special else target.detokenize)
         self._stops = StopMatcher(job.stops)
         self._clock = _Clock(self.metrics, job.created)
         self._done = 0

@@ -1,0 +1,387 @@
+"""`specwire serve` as a drop-in for llama-server: users' command lines start it, and each
+llama.cpp flag is implemented, warned about or refused (specwire/commands/compat.py).
+
+Fast: how flags parse (whole words, no abbreviations), which warn and which refuse, and
+that the README's table names every flag. Slow: the two command lines of issue 26 (a
+user's ik_llama.cpp servers) start `serve` on the bundled pair and answer a chat request,
+and each implemented flag reaches what it should, on real servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import logging
+import re
+import shlex
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server import run_serve
+
+from specwire.cli import build_parser
+from specwire.cliargs import CliError
+from specwire.commands import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: issue 26's first command line, as its user runs ik_llama.cpp's llama-server.
+QWEN = ("llama-server --model big.gguf --model-draft draft.gguf --draft-max 16 --alias NAME "
+        "--ctx-size 98304 --ctx-size-draft 98304 -b 4096 -ub 4096 --mlock --temp 0.7 "
+        "--top-k 20 --top-p 0.8 --min-p 0.1 --repeat-penalty 1.05 -ctk q8_0 -ctv q8_0 "
+        "-ctkd q4_0 -ctvd q4_0 -fa -fmoe -amb 512 --seed 3407 --split-mode layer "
+        "--tensor-split 32,40 --main-gpu 1 --override-tensor exps=CPU --gpu-layers 99 "
+        "--gpu-layers-draft 99 --threads 32 --threads-draft 32 --host 0.0.0.0 --port 8080 "
+        "--log-enable --logdir /var/log/ --jinja --special --verbose-prompt --verbosity 2 "
+        "--prompt-cache cache.bin --prompt-cache-all --slot-save-path slot.bin "
+        "--lookup-cache-dynamic lookup.bin --keep -1 --slot-prompt-similarity 0.35 --metrics")
+#: what the second one (Ling-1T) adds.
+LING = "--reasoning-format auto -no-ooae --n-gpu-layers 99 --tensor-split 1,2,50"
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def user_args(line: str, **swap: str) -> list[str]:
+    """The command line's flags after `llama-server`, with `swap`'s values (flag -> value)."""
+    words = shlex.split(line)[1:]
+    for i, w in enumerate(words):
+        if w in swap:
+            words[i + 1] = swap[w]
+    return words
+
+
+# ------------------------------------------------------------------------ parsing (fast)
+
+
+def test_both_command_lines_parse_with_every_flag_meant() -> None:
+    a = parse(*user_args(QWEN), *shlex.split(LING))
+    assert a.draft_max == 16 and a.ctx_size == 98304 and a.ctx_size_draft == 98304
+    assert (a.batch_size, a.ubatch_size, a.mlock) == (4096, 4096, True)
+    assert (a.temp, a.top_k, a.top_p, a.min_p, a.repeat_penalty) == (0.7, 20, 0.8, 0.1, 1.05)
+    assert (a.cache_type_k, a.cache_type_k_draft, a.cache_type_v_draft) == (
+        "q8_0", "q4_0", "q4_0")
+    assert a.flash_attn == "on" and a.seed == 3407 and a.main_gpu == 1
+    assert a.n_gpu_layers == 99 and a.n_gpu_layers_draft == 99
+    assert a.tensor_split == "1,2,50" and a.override_tensor == ["exps=CPU"]
+    assert a.special and a.verbose_prompt and a.verbosity == 2 and a.metrics
+    assert a.slot_prompt_similarity == 0.35 and a.jinja and a.alias == "NAME"
+    # ik_llama.cpp's own flags are read as the flags they are, not as -n o-ooae
+    assert a.n_predict == -1
+    assert a.compat_no_offload_only_active_experts == [("-no-ooae", ())]
+    assert a.compat_attention_max_batch == [("-amb", ("512",))]
+    assert a.compat_keep == [("--keep", ("-1",))]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-nox"], "-nox"),                  # not -n ox
+    (["-ngl99"], "-ngl99"),              # llama.cpp never attaches a value to a flag
+    (["--metr"], "--metr"),              # no abbreviations of long flags
+    (["--api"], "--api"),
+])
+def test_flags_are_whole_words(specwire_cli, argv: list[str], needle: str) -> None:
+    r = specwire_cli("serve", *argv)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_negative_numbers_are_still_values() -> None:
+    a = parse("-n", "-1", "--keep", "-1", "--seed", "-5")
+    assert a.n_predict == -1 and a.seed == -5
+
+
+def _given(flag: compat.Flag, name: str) -> list[str]:
+    values = {0: [], 1: ["7"], "?": [], 2: ["a", "b"]}[flag.nargs]
+    return [name, *values]
+
+
+@pytest.mark.parametrize("flag", compat.IGNORED, ids=lambda f: f.names[0])
+def test_every_ignored_flag_warns_saying_why(flag: compat.Flag,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    for name in flag.names:
+        a = parse(*_given(flag, name))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "specwire.flags"):
+            compat.check_compat(a)
+        assert [r.getMessage() for r in caplog.records] == [f"{name}: ignored: {flag.why}"]
+
+
+@pytest.mark.parametrize("flag", compat.REFUSED, ids=lambda f: f.names[0])
+def test_every_refused_flag_is_one_line_naming_it(flag: compat.Flag) -> None:
+    for name in flag.names:
+        a = parse(*_given(flag, name))
+        with pytest.raises(CliError, match=re.escape(f"{name}: {flag.why}")):
+            compat.check_compat(a)
+
+
+def test_a_refused_flag_at_its_neutral_value_only_warns(caplog) -> None:
+    with caplog.at_level(logging.WARNING, "specwire.flags"):
+        compat.check_compat(parse("--mirostat", "0", "--typical", "1.0"))
+    assert len(caplog.records) == 2 and "this value turns it off" in caplog.text
+    with pytest.raises(CliError, match="--mirostat: Mirostat"):
+        compat.check_compat(parse("--mirostat", "2"))
+
+
+def test_refused_flags_stop_serve_before_any_model_loads(specwire_cli) -> None:
+    r = specwire_cli("serve", "-m", "/nonexistent.gguf", "--lora", "x.gguf")
+    assert r.returncode == 2 and "--lora: LoRA adapters are not implemented" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_no_flag_is_both_taken_and_listed() -> None:
+    """A flag serve implements must not also sit in compat's lists (its warning would lie)."""
+    p = build_parser()
+    serve = p._subparsers._group_actions[0].choices["serve"]
+    implemented = {s for act in serve._actions if not (act.dest or "").startswith("compat_")
+                   for s in act.option_strings}
+    listed = {n for f in compat.IGNORED + compat.REFUSED for n in f.names}
+    assert not implemented & listed, sorted(implemented & listed)
+
+
+def test_draft_model_flags_with_a_draft_url_warn(caplog) -> None:
+    with caplog.at_level(logging.WARNING, "specwire.flags"):
+        compat.warn_remote_draft_flags(parse("--draft-url", "box:7070", "-ctkd", "q4_0",
+                                             "-ngld", "99", "-cd", "4096"))
+    assert "-cd, -ngld, -ctkd: ignored with --draft-url" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "specwire.flags"):
+        compat.warn_remote_draft_flags(parse("--draft-url", "box:7070"))
+    assert not caplog.records
+
+
+def test_readme_table_lists_every_flag_and_its_handling() -> None:
+    """README's compatibility section names each llama-server flag once, in the row of
+    how serve handles it: implemented, warned about, or refused."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Compatibility"):text.index("## Measured")]
+    rows = {"implemented": "", "ignored": "", "refused": ""}
+    for line in section.splitlines():
+        m = re.match(r"\| \*\*(implemented|ignored|refused)\*\*", line)
+        if m:
+            rows[m.group(1)] += line
+    flags_in = {k: set(re.findall(r"`(-[-\w.]+)", v)) for k, v in rows.items()}
+    for flag in compat.IGNORED:
+        for name in flag.names:
+            assert name in flags_in["ignored"], name
+    for flag in compat.REFUSED:
+        for name in flag.names:
+            assert name in flags_in["refused"], name
+    p = build_parser()
+    serve = p._subparsers._group_actions[0].choices["serve"]
+    for act in serve._actions:
+        if act.dest.startswith("compat_") or act.help == argparse.SUPPRESS:
+            continue
+        for name in act.option_strings:
+            if name not in ("-h", "--help"):
+                assert name in flags_in["implemented"] | flags_in["ignored"], name
+
+
+# ------------------------------------------------------------------ the real server (slow)
+
+
+def _tls(ca: str) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=ca)
+
+
+def _ask(url: str, **kw) -> dict:
+    r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": "anything-the-client-likes", "max_tokens": 8,
+        "messages": [{"role": "user", "content": "Say hello."}], **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _models():
+    from specwire import models
+    return str(models.default_target()), str(models.default_draft())
+
+
+def _issue_line(tmp: Path, draft: list[str]) -> list[str]:
+    """QWEN with the bundled pair for its paths, files under tmp, and one thread per model
+    (this test machine has 2 cores; 32 threads each would crawl). Every other value is
+    the user's."""
+    target, draft_path = _models()
+    args = user_args(QWEN, **{"--model": target, "--model-draft": draft_path,
+                              "--threads": "1", "--threads-draft": "1",
+                              "--logdir": str(tmp), "--prompt-cache": str(tmp / "cache.bin"),
+                              "--slot-save-path": str(tmp / "slot.bin"),
+                              "--lookup-cache-dynamic": str(tmp / "lookup.bin")})
+    i = args.index("--model-draft")
+    args[i:i + 2] = draft
+    j = args.index("--port")
+    del args[j:j + 2]          # run_serve picks a free port
+    return args
+
+
+@pytest.mark.slow
+def test_issue_command_line_with_the_draft_in_process(tmp_path: Path) -> None:
+    _, draft = _models()
+    args = _issue_line(tmp_path, ["--model-draft", draft])
+    with run_serve(*args, no_traceback=True) as (url, log):
+        out = _ask(url)
+        assert out["choices"][0]["message"]["content"]
+        assert out["model"] == "NAME"
+        assert out["timings"]["draft_n"] > 0        # the in-process draft drafted
+        models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["NAME"]
+        text = log()
+    for flag in ("-fmoe", "-amb", "--prompt-cache", "--slot-save-path", "--keep",
+                 "--lookup-cache-dynamic", "--log-enable", "--logdir"):
+        assert f"WARNING specwire.flags: {flag}: ignored" in text, flag
+    assert "INFO" not in text               # --verbosity 2: warnings and errors only
+
+
+@pytest.mark.slow
+def test_issue_command_line_with_a_draft_node(tmp_path: Path) -> None:
+    """The Ling-1T line (QWEN plus LING) with --draft-url in place of --model-draft."""
+    from wire_helpers import node_process
+    with node_process(tmp_path) as node:
+        args = _issue_line(tmp_path, ["--draft-url", node.url]) + shlex.split(LING)
+        with run_serve(*args, no_traceback=True) as (url, log):
+            out = _ask(url)
+            assert out["choices"][0]["message"]["content"]
+            props = httpx.get(url + "/props", timeout=30).json()
+            assert props["drafter"].startswith("remote")
+            text = log()
+    assert "WARNING specwire.flags: -no-ooae: ignored" in text
+    assert "-cd, -ngld, -ctkd, -ctvd: ignored with --draft-url" in text  # -td 1 is the default
+
+
+# ------------------------------------------------------- implemented flags, one server (slow)
+
+KEYS = ("key-one", "key-two")
+
+
+@pytest.fixture(scope="module")
+def flag_server(tmp_path_factory) -> Iterator[tuple[str, dict, Path, object]]:
+    """serve with the implemented flags at once: HTTPS (a self-signed chain), two API keys
+    from a file, two aliases, --special, --chat-template-kwargs, --verbose-prompt,
+    --log-file, --no-metrics, --threads-http, --timeout."""
+    from wire_helpers import make_certs
+    tmp = tmp_path_factory.mktemp("flags")
+    certs = make_certs(tmp)
+    keyfile = tmp / "keys.txt"
+    keyfile.write_text(f"# the team's keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
+    logfile = tmp / "serve.log"
+    flags = ["-t", "1", "-c", "512", "--no-draft", "--temp", "0",
+             "--ssl-key-file", certs["server_key"], "--ssl-cert-file", certs["server_cert"],
+             "--api-key-file", str(keyfile), "-a", "coder,coder-fast", "--special",
+             "--chat-template-kwargs", '{"greeting": "Ahoy"}', "--verbose-prompt",
+             "--log-file", str(logfile), "--no-metrics", "--threads-http", "3",
+             "--timeout", "1",
+             "--chat-template", "{{ greeting }}{% for m in messages %} {{ m['content'] }}"
+                                "{% endfor %}"]
+    with run_serve(*flags, https=certs["ca"]) as (url, log):
+        yield url, {"Authorization": f"Bearer {KEYS[1]}"}, logfile, certs["ca"], log
+
+
+@pytest.mark.slow
+def test_ssl_serves_https_only(flag_server) -> None:
+    url, auth, _, ca, _ = flag_server
+    assert url.startswith("https://")
+    assert httpx.get(url + "/health", verify=_tls(ca), timeout=10).json() == {"status": "ok"}
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url.replace("https://", "http://") + "/health", timeout=5)
+
+
+@pytest.mark.slow
+def test_api_key_file_lets_each_key_in(flag_server) -> None:
+    url, _, _, ca, _ = flag_server
+    for key, status in ((KEYS[0], 200), (KEYS[1], 200), ("# the team's keys", 401),
+                        ("nope", 401)):
+        r = httpx.get(url + "/props", verify=_tls(ca), headers={"Authorization": f"Bearer {key}"},
+                      timeout=10)
+        assert r.status_code == status, key
+
+
+@pytest.mark.slow
+def test_alias_names_the_model_and_any_name_is_served(flag_server) -> None:
+    from openai import OpenAI
+    url, auth, _, ca, _ = flag_server
+    client = OpenAI(base_url=url + "/v1", api_key=KEYS[0], max_retries=0, timeout=300,
+                    http_client=httpx.Client(verify=_tls(ca)))
+    assert [m.id for m in client.models.list().data] == ["coder"]
+    out = client.chat.completions.create(model="gpt-4o", max_tokens=4, messages=[
+        {"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content is not None and out.model == "coder"
+
+
+@pytest.mark.slow
+def test_special_prints_special_tokens(flag_server) -> None:
+    url, auth, _, ca, _ = flag_server
+    body = {"prompt": "hi", "n_predict": 2, "temperature": 0, "logit_bias": [[105, 100]],
+            "return_tokens": True}
+    r = httpx.post(url + "/completion", json=body, headers=auth, verify=_tls(ca), timeout=300)
+    out = r.json()
+    assert out["tokens"] == [105, 105]
+    assert out["content"] == "<start_of_turn><start_of_turn>"
+    plain = httpx.post(url + "/detokenize", json={"tokens": [105]}, headers=auth, verify=_tls(ca),
+                       timeout=30).json()
+    assert plain["content"] == ""        # without --special the same token prints nothing
+
+
+@pytest.mark.slow
+def test_chat_template_kwargs_reach_the_template_and_prompt_is_logged(flag_server) -> None:
+    url, auth, logfile, ca, _ = flag_server
+    r = httpx.post(url + "/v1/chat/completions", headers=auth, verify=_tls(ca), timeout=300,
+                   json={"max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200, r.text
+    assert _last_prompt(logfile) == "Ahoy x"   # --verbose-prompt, written to --log-file
+    r = httpx.post(url + "/v1/chat/completions", headers=auth, verify=_tls(ca), timeout=300,
+                   json={"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+                         "chat_template_kwargs": {"greeting": "Hello"}})
+    assert r.status_code == 200
+    assert _last_prompt(logfile) == "Hello x"  # the request's own kwargs win
+
+
+def _last_prompt(logfile: Path) -> str:
+    """The text of the last prompt --verbose-prompt logged (its `id:'piece'` pairs)."""
+    line = [x for x in logfile.read_text().splitlines() if " prompt: " in x][-1]
+    quoted = re.findall(r"""\d+:('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""", line)
+    return "".join(ast.literal_eval(q) for q in quoted)
+
+
+@pytest.mark.slow
+def test_no_metrics_turns_metrics_off(flag_server) -> None:
+    url, auth, _, ca, _ = flag_server
+    assert httpx.get(url + "/metrics", headers=auth, verify=_tls(ca), timeout=10).status_code == 404
+
+
+@pytest.mark.slow
+def test_timeout_closes_an_idle_connection(flag_server) -> None:
+    import socket
+    import time
+    url, _, _, ca, _ = flag_server
+    host, port = url.removeprefix("https://").split(":")
+    ctx = ssl.create_default_context(cafile=ca)
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname=host) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200" in s.recv(4096)
+        start = time.monotonic()
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            while s.recv(4096):       # keep-alive: the server closes it after --timeout 1
+                pass
+        assert 0.5 < time.monotonic() - start < 3.5   # uvicorn's own default would be 5 s
+
+
+@pytest.mark.slow
+def test_threads_http_sizes_the_request_pool(flag_server) -> None:
+    """--threads-http 3: the startup log says the pool's size, read back from anyio."""
+    *_, log = flag_server
+    assert "HTTP request threads: 3" in log()
+
+
+@pytest.mark.slow
+def test_log_file_and_verbosity(tmp_path: Path) -> None:
+    logfile = tmp_path / "quiet.log"
+    with run_serve("-t", "1", "-c", "256", "--no-draft", "--verbosity", "1",
+                   "--log-file", str(logfile), "-fmoe") as (url, log):
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        text = log()
+    assert "listening on" not in text and "-fmoe" not in text   # errors only
+    assert logfile.read_text() == ""
