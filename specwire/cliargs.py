@@ -10,7 +10,15 @@ import argparse
 import os
 
 from specwire import cliplacement
-from specwire.config import ConfigError, DraftParams, ModelParams, SamplingParams, VerifyMode
+from specwire.config import (
+    ROPE_SCALINGS,
+    ConfigError,
+    DraftParams,
+    ModelParams,
+    Rope,
+    SamplingParams,
+    VerifyMode,
+)
 
 
 class CliError(Exception):
@@ -33,6 +41,7 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     g.add_argument("-ctk", "--cache-type-k", default="f16")
     g.add_argument("-ctv", "--cache-type-v", default="f16")
     cliplacement.add_target_placement_args(g)
+    add_rope_args(g)
     if not draft:
         return
     d = p.add_argument_group("draft")
@@ -93,11 +102,51 @@ def add_draft_model_args(d: argparse._ActionsContainer, plain: bool = False) -> 
         d.add_argument("-ub", "--ubatch-size", dest="ubatch_size_draft", type=int, default=512,
                        metavar="N", help="physical batch size (at most -b)")
     cliplacement.add_draft_placement_args(d, plain)
+    if plain:
+        add_rope_args(d)
     d.add_argument(
         "--seed-draft", type=int, default=None,
         help="the draft's own sampling seed (default: --seed, which couples draft and target "
         "for the most accepted tokens; output is the target's either way)"
     )
+
+
+def add_rope_args(g: argparse._ActionsContainer) -> None:
+    """llama.cpp's RoPE/YaRN overrides; the in-process draft model gets them too."""
+    g.add_argument("--rope-scaling", choices=sorted(ROPE_SCALINGS), default=None,
+                   help="RoPE frequency scaling (default: the model's)")
+    g.add_argument("--rope-scale", type=float, default=None, metavar="N",
+                   help="RoPE context scaling factor: the context grows N times "
+                   "(--rope-freq-scale 1/N)")
+    g.add_argument("--rope-freq-base", type=float, default=0.0, metavar="N",
+                   help="RoPE base frequency (default: the model's)")
+    g.add_argument("--rope-freq-scale", type=float, default=0.0, metavar="N",
+                   help="RoPE frequency scaling factor: the context grows 1/N times")
+    g.add_argument("--yarn-orig-ctx", type=int, default=0, metavar="N",
+                   help="YaRN: the model's original context (0: its training context)")
+    for name, what in (("ext-factor", "extrapolation mix factor (0.0: full interpolation)"),
+                       ("attn-factor", "scale of sqrt(t), the attention magnitude"),
+                       ("beta-slow", "high correction dim, or alpha"),
+                       ("beta-fast", "low correction dim, or beta")):
+        g.add_argument(f"--yarn-{name}", type=float, default=-1.0, metavar="N",
+                       help=f"YaRN: {what} (default -1: the model's)")
+
+
+def rope_params(a: argparse.Namespace) -> Rope:
+    """--rope-* and --yarn-* -> Rope; --rope-scale N is --rope-freq-scale 1/N."""
+    scale = getattr(a, "rope_freq_scale", 0.0)
+    rope_scale = getattr(a, "rope_scale", None)
+    if rope_scale is not None:
+        if not rope_scale > 0:
+            raise CliError(f"--rope-scale: must be > 0, got {rope_scale}")
+        scale = 1.0 / rope_scale
+    return _build(Rope, flags=ROPE_FLAG_OF, scaling=getattr(a, "rope_scaling", None),
+                  freq_base=getattr(a, "rope_freq_base", 0.0), freq_scale=scale,
+                  yarn_orig_ctx=getattr(a, "yarn_orig_ctx", 0),
+                  yarn_ext_factor=getattr(a, "yarn_ext_factor", -1.0),
+                  yarn_attn_factor=getattr(a, "yarn_attn_factor", -1.0),
+                  yarn_beta_slow=getattr(a, "yarn_beta_slow", -1.0),
+                  yarn_beta_fast=getattr(a, "yarn_beta_fast", -1.0))
 
 
 def add_draft_args(d: argparse._ActionsContainer) -> None:
@@ -239,6 +288,7 @@ def target_params(a: argparse.Namespace, path: str) -> ModelParams:
         flash_attn=fa,
         placement=place,
         numa=numa,
+        rope=rope_params(a),
     )
 
 
@@ -266,6 +316,7 @@ def draft_model_params(a: argparse.Namespace, path: str) -> ModelParams:
         flash_attn=fa,
         placement=place,
         numa=numa,
+        rope=rope_params(a),
     )
 
 
@@ -330,6 +381,11 @@ DRAFT_FLAG_OF = FLAG_OF | {
     "cache_type_v": "-ctvd",
     "flash_attn": "-fad",
 }
+
+
+#: Rope's fields -> their flags.
+ROPE_FLAG_OF = {"rope_scaling": "--rope-scaling", "rope_freq_base": "--rope-freq-base",
+                "rope_freq_scale": "--rope-freq-scale", "yarn_orig_ctx": "--yarn-orig-ctx"}
 
 
 def _build(cls, flags: dict[str, str] = FLAG_OF, **kw):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import json
 import logging
 import re
 import shlex
@@ -272,7 +273,7 @@ def flag_server(tmp_path_factory) -> Iterator[tuple[str, dict, Path, object]]:
              "--api-key-file", str(keyfile), "-a", "coder,coder-fast", "--special",
              "--chat-template-kwargs", '{"greeting": "Ahoy"}', "--verbose-prompt",
              "--log-file", str(logfile), "--no-metrics", "--threads-http", "3",
-             "--timeout", "1",
+             "--timeout", "1", "--no-warmup",
              "--chat-template", "{{ greeting }}{% for m in messages %} {{ m['content'] }}"
                                 "{% endfor %}"]
     with run_serve(*flags, https=certs["ca"]) as (url, log):
@@ -385,3 +386,107 @@ def test_log_file_and_verbosity(tmp_path: Path) -> None:
         text = log()
     assert "listening on" not in text and "-fmoe" not in text   # errors only
     assert logfile.read_text() == ""
+
+
+# ------------------------------------------------------------- RoPE / YaRN, grammar, warm-up
+
+ROPE = ["--rope-scaling", "yarn", "--rope-scale", "4", "--rope-freq-base", "500000",
+        "--yarn-orig-ctx", "8192", "--yarn-ext-factor", "1.0", "--yarn-attn-factor", "0.5",
+        "--yarn-beta-slow", "2", "--yarn-beta-fast", "16"]
+
+
+def test_rope_flags_reach_the_target_and_the_draft() -> None:
+    from specwire.cliargs import draft_model_params, target_params
+    a = parse(*ROPE)
+    rope = target_params(a, "t.gguf").rope
+    assert draft_model_params(a, "d.gguf").rope == rope
+    assert rope.context_fields() == {
+        "rope_scaling_type": 2, "rope_freq_base": 500000.0, "rope_freq_scale": 0.25,
+        "yarn_orig_ctx": 8192, "yarn_ext_factor": 1.0, "yarn_attn_factor": 0.5,
+        "yarn_beta_slow": 2.0, "yarn_beta_fast": 16.0}
+    assert target_params(parse(), "t.gguf").rope.context_fields() == {}   # the GGUF's own
+    node = build_parser().parse_args(["draft", "--rope-freq-base", "1000"])
+    assert draft_model_params(node, "d.gguf").rope.freq_base == 1000.0   # the node's too
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--rope-scaling", "ntk"], "--rope-scaling"),
+    (["--rope-scale", "0"], "--rope-scale: must be > 0"),
+    (["--rope-freq-base", "-3"], "--rope-freq-base"),
+    (["--json-schema", "{not json"], "--json-schema: not JSON"),
+    (["--grammar-file", "/no/such.gbnf"], "--grammar-file: cannot read"),
+    (["--grammar", "root ::= \"a\"", "-j", "{}"], "not allowed with"),
+])
+def test_bad_rope_and_grammar_flags_are_one_line(specwire_cli, argv, needle) -> None:
+    r = specwire_cli("serve", "-m", "/nonexistent.gguf", *argv)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_server_grammar_from_each_flag(tmp_path: Path) -> None:
+    from specwire.commands.serve import server_grammar
+    (tmp_path / "g.gbnf").write_text('root ::= "yes"')
+    (tmp_path / "s.json").write_text('{"type": "integer"}')
+    assert server_grammar(parse("--grammar", 'root ::= "yes"')).text == 'root ::= "yes"'
+    assert server_grammar(parse("--grammar-file", str(tmp_path / "g.gbnf"))).origin == \
+        "--grammar-file"
+    for argv, origin in ((["-j", '{"type": "integer"}'], "--json-schema"),
+                         (["-jf", str(tmp_path / "s.json")], "--json-schema-file")):
+        spec = server_grammar(parse(*argv))
+        assert spec.origin == origin and "root" in spec.text
+    assert server_grammar(parse()) is None
+
+
+def test_a_request_constraint_wins_over_the_servers(monkeypatch) -> None:
+    from specwire.constraints import GrammarSpec
+    from specwire.server import structured
+
+    class _Backend:
+        pass
+
+    class _Compiled:
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(structured.Grammar, "for_backend", lambda spec, backend: _Compiled())
+    server = GrammarSpec('root ::= "no"', "root", "--grammar")
+    assert structured.grammar_spec({}, _Backend(), None, server) is server
+    tool = GrammarSpec('root ::= "call"', "root", "tool_choice")
+    assert structured.grammar_spec({}, _Backend(), tool, server) is tool
+
+
+@pytest.mark.slow
+def test_rope_overrides_reach_llama_cpp_for_both_models() -> None:
+    """The context llama.cpp builds carries the values, and they change the logits."""
+    import numpy as np
+
+    from specwire.backend.llama import LlamaBackend
+    from specwire.config import ModelParams, Rope
+    rope = Rope(freq_base=1000.0, freq_scale=0.5, scaling="linear")
+    for path in _models():
+        plain = LlamaBackend(ModelParams(path, n_ctx=256))
+        scaled = LlamaBackend(ModelParams(path, n_ctx=256, rope=rope))
+        cp = scaled.context_params
+        assert (cp.rope_freq_base, cp.rope_freq_scale, cp.rope_scaling_type) == (
+            1000.0, 0.5, 1)
+        prompt = plain.tokenize("def fibonacci(n): return n if n < 2 else")
+        assert not np.allclose(plain.eval(prompt), scaled.eval(prompt), atol=1e-3)
+
+
+@pytest.mark.slow
+def test_json_schema_constrains_every_request_without_its_own() -> None:
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    with run_serve("-t", "1", "-c", "512", "--temp", "0", "-j", schema,
+                   no_traceback=True) as (url, log):
+        r = httpx.post(url + "/completion", timeout=300,
+                       json={"prompt": "A number:", "n_predict": 24}).json()
+        assert set(json.loads(r["content"])) == {"n"}       # the server's schema
+        own = httpx.post(url + "/completion", timeout=300, json={
+            "prompt": "Yes or no?", "n_predict": 4, "grammar": 'root ::= "yes"'}).json()
+        assert own["content"] == "yes"                      # the request's own wins
+        assert "warm-up: one target decode" in log()
+
+
+@pytest.mark.slow
+def test_no_warmup_skips_it(flag_server) -> None:
+    *_, log = flag_server
+    assert "listening on" in log() and "warm-up" not in log()

@@ -209,6 +209,8 @@ class LlamaBackend:
         cp.no_perf = True
         # Rolling back a sliding-window cache is only exact when it keeps every position.
         cp.swa_full = True
+        for name, value in params.rope.context_fields().items():
+            setattr(cp, name, value)
         self.context_params = cp   # as handed to llama.cpp (tests read n_ubatch from it)
         self.ctx = C.llama_init_from_model(self.model.ptr, cp)
         if not self.ctx:

@@ -296,12 +296,6 @@ REFUSED: tuple[Flag, ...] = (
        "these download models; give the files with -m / -md"),
     _f("--context-shift", "?", "context shift is not implemented: generation stops at the "
        "context's end (llama-server's default)", ("0", "off")),
-    _f("--grammar --grammar-file -j --json-schema -jf --json-schema-file", 1,
-       "a server-wide grammar is not implemented yet; give grammar / json_schema in the "
-       "request"),
-    _f("--rope-scaling --rope-scale --rope-freq-base --rope-freq-scale --yarn-orig-ctx "
-       "--yarn-ext-factor --yarn-attn-factor --yarn-beta-slow --yarn-beta-fast", 1,
-       "RoPE and YaRN overrides are not implemented yet: the GGUF's own are used"),
     _f("--rpc", 1, "llama.cpp's RPC backend is not wired in"),
     _f("--models-dir --models-preset --models-max", 1, "router mode is not implemented: "
        "one target per server"),

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import time
 
 from specwire import reasoning
 from specwire.cliargs import (
@@ -54,8 +55,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="GET /metrics (Prometheus): on by default here, unlike "
                    "llama-server; --no-metrics turns it off (404)")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode one token on the target before serving, so that the first "
+                   "request does not pay llama.cpp's first-use costs (the cache is emptied "
+                   "after)")
     g.add_argument("-sp", "--special", action="store_true",
                    help="generated special tokens print their text")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--grammar", metavar="GBNF", default=None,
+                   help="constrain every request that has no constraint of its own")
+    c.add_argument("--grammar-file", metavar="FNAME", default=None,
+                   help="--grammar, read from FNAME")
+    c.add_argument("-j", "--json-schema", metavar="SCHEMA", default=None,
+                   help="a JSON schema every request without its own constraint follows")
+    c.add_argument("-jf", "--json-schema-file", metavar="FILE", default=None,
+                   help="--json-schema, read from FILE")
     g.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
                    help="a JSON object of template variables every chat request gets "
                    "(its own chat_template_kwargs win), e.g. '{\"enable_thinking\": false}'")
@@ -175,6 +189,58 @@ def template_kwargs(text: str | None) -> dict:
     return kw
 
 
+def server_grammar(a: argparse.Namespace):  # noqa: ANN201 - GrammarSpec, imported late
+    """--grammar, --grammar-file, --json-schema or --json-schema-file -> a GrammarSpec."""
+    from specwire.config import ConfigError
+    from specwire.constraints import GrammarSpec, schema_grammar
+
+    for flag, dest, is_file, kind in (("--grammar", "grammar", False, "gbnf"),
+                                      ("--grammar-file", "grammar_file", True, "gbnf"),
+                                      ("--json-schema", "json_schema", False, "schema"),
+                                      ("--json-schema-file", "json_schema_file", True, "schema")):
+        text = getattr(a, dest, None)
+        if text is None:
+            continue
+        if is_file:
+            try:
+                with open(text, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise CliError(f"{flag}: cannot read {getattr(a, dest)}: {e.strerror or e}"
+                               ) from None
+        if kind == "gbnf":
+            return GrammarSpec(text, "root", flag)
+        try:
+            return schema_grammar(json.loads(text), flag)
+        except ValueError as e:
+            raise CliError(f"{flag}: not JSON: {e}") from None
+        except ConfigError as e:
+            raise CliError(str(e)) from None
+    return None
+
+
+def warm_up(target) -> None:  # noqa: ANN001 - a Backend
+    """llama-server's warm-up: one decode (BOS) on the target, then the cache emptied, so
+    nothing of it is left for requests to match."""
+    t0 = time.perf_counter()
+    target.eval(target.tokenize("", add_special=True) or [0])
+    target.truncate(0)
+    log.info("warm-up: one target decode in %.0f ms (--no-warmup skips it)",
+             (time.perf_counter() - t0) * 1000)
+
+
+def check_grammar(spec, target) -> None:  # noqa: ANN001 - GrammarSpec, Backend
+    """Compile the server-wide grammar once for the target: a bad one stops serve here."""
+    if spec is None:
+        return
+    from specwire.config import ConfigError
+    from specwire.constraints import Grammar
+    try:
+        Grammar.for_backend(spec, target).close()
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+
+
 def ssl_files(a: argparse.Namespace) -> dict:
     """uvicorn's ssl_keyfile / ssl_certfile, both or neither, each readable."""
     key, cert = a.ssl_key_file, a.ssl_cert_file
@@ -201,6 +267,7 @@ def run(a: argparse.Namespace) -> int:
     keys = api_keys(a)
     kwargs = template_kwargs(a.chat_template_kwargs)
     tls = ssl_files(a)
+    grammar = server_grammar(a)
     if a.timeout < 1:
         raise CliError(f"--timeout: must be >= 1, got {a.timeout}")
     if a.threads_http == 0 or a.threads_http < -1:
@@ -246,9 +313,12 @@ def run(a: argparse.Namespace) -> int:
                               slot_prompt_similarity=a.slot_prompt_similarity,
                               metrics=a.metrics, special=a.special,
                               threads_http=a.threads_http, template_kwargs=kwargs,
-                              verbose_prompt=a.verbose_prompt)
+                              verbose_prompt=a.verbose_prompt, grammar=grammar)
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
+    check_grammar(grammar, engines[0].target)
+    if a.warmup:
+        warm_up(engines[0].target)
     for e in engines:
         e.cache_reuse = a.cache_reuse
     sock = _listen(a.host, a.port)

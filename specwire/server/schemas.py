@@ -401,7 +401,7 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
         raise bad_request(str(e)) from None
     sp = as_the_link_carries(sp)
     logprobs = structured.logprobs_spec(body, dialect)
-    grammar = structured.grammar_spec(body, backend, tool_grammar)
+    grammar = structured.grammar_spec(body, backend, tool_grammar, settings.grammar)
     dp = draft(body, settings.draft)
     stops = stop_strings(f)
     stops += [s for s in extra_stops if s not in stops]

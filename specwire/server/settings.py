@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from specwire.config import DraftParams, SamplingParams
+from specwire.constraints import GrammarSpec
 from specwire.server.limits import MAX_BODY_BYTES
 
 
@@ -35,6 +36,9 @@ class ServerSettings:
     threads_http:  threads that parse, tokenize and render requests (-1: the default pool).
     template_kwargs: --chat-template-kwargs, the defaults of a request's chat_template_kwargs.
     verbose_prompt: log each request's prompt tokens (--verbose-prompt).
+    grammar:       --grammar / --json-schema: the constraint of every request that has none
+                   of its own (a request's grammar, json_schema, response_format or forced
+                   tool call wins).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -54,3 +58,4 @@ class ServerSettings:
     threads_http: int = -1
     template_kwargs: Mapping[str, object] = field(default_factory=dict)
     verbose_prompt: bool = False
+    grammar: GrammarSpec | None = None
