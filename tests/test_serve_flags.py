@@ -490,3 +490,16 @@ def test_json_schema_constrains_every_request_without_its_own() -> None:
 def test_no_warmup_skips_it(flag_server) -> None:
     *_, log = flag_server
     assert "listening on" in log() and "warm-up" not in log()
+
+
+def test_parallel_tool_calls_flag_sets_the_default_and_named_is_one_call() -> None:
+    from specwire.server import tool_calls
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert parse("--parallel-tool-calls").parallel_tool_calls and \
+        not parse().parallel_tool_calls
+    assert not tool_calls.parse({"tools": tools}, "").parallel          # llama-server's default
+    assert tool_calls.parse({"tools": tools}, "", True).parallel        # --parallel-tool-calls
+    assert not tool_calls.parse({"tools": tools, "parallel_tool_calls": False}, "", True).parallel
+    named = {"tools": tools, "parallel_tool_calls": True,
+             "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    assert not tool_calls.parse(named, "", True).parallel

@@ -236,7 +236,6 @@ IGNORED: tuple[Flag, ...] = (
        f"does that here; {_SPEC}"),
     _f("-draft --draft-params", 1, f"ik_llama.cpp's draft settings string; {_SPEC}"),
     _f("--recurrent-ckpt-mode", 1, "ik_llama.cpp's checkpoints of recurrent models"),
-    _f("--parallel-tool-calls", 0, "requests set parallel_tool_calls themselves"),
 )
 
 #: refused: accepting them would change the output without saying so.

@@ -61,6 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "after)")
     g.add_argument("-sp", "--special", action="store_true",
                    help="generated special tokens print their text")
+    g.add_argument("-ptc", "--parallel-tool-calls", action="store_true",
+                   help="chat requests may make several tool calls in one reply unless they "
+                   "say parallel_tool_calls: false (default: off, as in llama-server)")
     c = g.add_mutually_exclusive_group()
     c.add_argument("--grammar", metavar="GBNF", default=None,
                    help="constrain every request that has no constraint of its own")
@@ -313,7 +316,8 @@ def run(a: argparse.Namespace) -> int:
                               slot_prompt_similarity=a.slot_prompt_similarity,
                               metrics=a.metrics, special=a.special,
                               threads_http=a.threads_http, template_kwargs=kwargs,
-                              verbose_prompt=a.verbose_prompt, grammar=grammar)
+                              verbose_prompt=a.verbose_prompt, grammar=grammar,
+                              parallel_tool_calls=a.parallel_tool_calls)
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
     check_grammar(grammar, engines[0].target)

@@ -342,7 +342,7 @@ def chat_completion(body: dict, backend: Any, settings: ServerSettings,
         label, source = chat.template_for(backend, settings.chat_template)
     except ConfigError as e:
         raise bad_request(str(e)) from None
-    tools = tool_calls.parse(body, source)
+    tools = tool_calls.parse(body, source, settings.parallel_tool_calls)
     variables = {**tool_calls.template_variables(tools),
                  **template_kwargs(body, settings.reasoning_budget,
                                    settings.template_kwargs)}

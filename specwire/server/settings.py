@@ -39,6 +39,8 @@ class ServerSettings:
     grammar:       --grammar / --json-schema: the constraint of every request that has none
                    of its own (a request's grammar, json_schema, response_format or forced
                    tool call wins).
+    parallel_tool_calls: the default of a request's parallel_tool_calls
+                   (--parallel-tool-calls, ik_llama.cpp's flag; off as in llama-server).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -59,3 +61,4 @@ class ServerSettings:
     template_kwargs: Mapping[str, object] = field(default_factory=dict)
     verbose_prompt: bool = False
     grammar: GrammarSpec | None = None
+    parallel_tool_calls: bool = False
