@@ -503,3 +503,95 @@ def test_parallel_tool_calls_flag_sets_the_default_and_named_is_one_call() -> No
     named = {"tools": tools, "parallel_tool_calls": True,
              "tool_choice": {"type": "function", "function": {"name": "f"}}}
     assert not tool_calls.parse(named, "", True).parallel
+
+
+# ----------------------------------------------- llama.cpp's metrics, /slots, /apply-template
+
+
+def test_llamacpp_speculation_counters_beside_specwires() -> None:
+    from specwire.server.metrics import Metrics
+    from specwire.stats import Stats
+    stats = Stats()
+    for drafted, accepted in ((4, 2), (3, 3), (2, 0), (0, 0)):    # the last: no draft
+        stats.record_round(drafted, accepted, drafted)
+    m = Metrics()
+    m.record(0, stats, predicted=12)
+    f = m.figures()
+    assert f["llamacpp:spec_decode_num_drafts_total"] == 3
+    assert f["llamacpp:spec_decode_num_draft_tokens_total"] == 9 == \
+        f["specwire:draft_tokens_total"]
+    assert f["llamacpp:spec_decode_num_accepted_tokens_total"] == 5 == \
+        f["specwire:draft_tokens_accepted_total"]
+    per_pos = {k: v for k, v in f.items() if "per_pos" in k}
+    assert per_pos == {
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"}': 2,
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"}': 2,
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"}': 1,
+        'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="3"}': 0}
+    assert "# TYPE llamacpp:spec_decode_num_drafts_total counter" in m.render().decode()
+
+
+@pytest.fixture
+def toy_app():
+    from test_server import SpyDrafter, ToyBackend, serve_app
+
+    from specwire.config import SamplingParams
+    from specwire.engine import Engine
+    from specwire.server import ServerSettings, create_app
+
+    @contextlib.contextmanager
+    def run(**settings):
+        engine = Engine(ToyBackend(delay=0), SpyDrafter())
+        s = ServerSettings(sampling=SamplingParams(temperature=0.0), chat_template="chatml",
+                           **settings)
+        with serve_app(create_app(engine, s)) as url:
+            yield url
+    return run
+
+
+def test_slots_lists_each_slot_and_no_slots_hides_it(toy_app) -> None:
+    with toy_app() as url:
+        (slot,) = httpx.get(url + "/slots", timeout=10).json()
+        assert slot["id"] == 0 and slot["is_processing"] is False
+        assert slot["n_ctx"] == 4096 and slot["drafter"] == "spy" and slot["speculative"]
+    with toy_app(slots=False) as url:
+        assert httpx.get(url + "/slots", timeout=10).status_code == 404
+
+
+def test_apply_template_gives_the_chat_prompt(toy_app) -> None:
+    body = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Hi"}]}
+    with toy_app(template_kwargs={"unused": 1}) as url:
+        r = httpx.post(url + "/apply-template", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        prompt = r.json()["prompt"]
+        assert "<|im_start|>system\nBe brief.<|im_end|>" in prompt
+        assert prompt.endswith("<|im_start|>assistant\n")
+        bad = httpx.post(url + "/apply-template", json={"messages": "hi"}, timeout=10)
+        assert bad.status_code == 400 and "messages" in bad.text
+        assert httpx.post(url + "/apply-template", json={}, timeout=10).status_code == 400
+
+
+@pytest.mark.slow
+def test_real_server_exports_llamacpp_counters_and_slots() -> None:
+    with run_serve("-t", "1", "-td", "1", "-c", "512", "--temp", "0",
+                   "--draft-policy", "fixed", "--draft-p-min", "0") as (url, _):
+        out = httpx.post(url + "/completion", timeout=300, json={
+            "prompt": "def fibonacci(n):", "n_predict": 24}).json()
+        t = out["timings"]
+        text = httpx.get(url + "/metrics", timeout=30).text
+        from specwire.server.metrics import parse_figures
+        f = parse_figures(text)
+        assert f["llamacpp:spec_decode_num_draft_tokens_total"] == t["draft_n"] > 0
+        assert f["llamacpp:spec_decode_num_accepted_tokens_total"] == t["draft_n_accepted"]
+        per_pos = [v for k, v in f.items() if "_per_pos" in k]
+        assert sum(per_pos) == t["draft_n_accepted"]
+        (slot,) = httpx.get(url + "/slots", timeout=30).json()
+        assert slot["speculative"] and not slot["is_processing"] and slot["n_cached"] > 0
+        chat = {"messages": [{"role": "user", "content": "Say hello."}]}
+        prompt = httpx.post(url + "/apply-template", json=chat, timeout=30).json()["prompt"]
+        n = len(httpx.post(url + "/tokenize", json={"content": prompt, "add_special": False},
+                           timeout=30).json()["tokens"])
+        usage = httpx.post(url + "/v1/chat/completions", timeout=300,
+                           json={**chat, "max_tokens": 2}).json()["usage"]
+        assert usage["prompt_tokens"] == n

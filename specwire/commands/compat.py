@@ -162,8 +162,6 @@ IGNORED: tuple[Flag, ...] = (
     _f("--keep", 1, "the tokens a context shift keeps; specwire does not shift the "
        "context (llama-server's default, --no-context-shift), so it stops at the end"),
     _f("--no-context-shift", 0, "already so: generation stops at the context's end"),
-    _f("--no-slots", 0, "GET /slots is not served yet"),
-    _f("--slots", 0, "GET /slots is not served yet"),
     _f("--props", 0, "POST /props is not implemented; GET /props is served"),
     _f("--sse-ping-interval", 1, "streams send every token at once; no keep-alive pings"),
     _f("--sleep-idle-seconds", 1, "the models stay loaded"),

@@ -55,6 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="GET /metrics (Prometheus): on by default here, unlike "
                    "llama-server; --no-metrics turns it off (404)")
+    g.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="GET /slots: each slot's state (--no-slots: 404)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="decode one token on the target before serving, so that the first "
                    "request does not pay llama.cpp's first-use costs (the cache is emptied "
@@ -317,7 +319,7 @@ def run(a: argparse.Namespace) -> int:
                               metrics=a.metrics, special=a.special,
                               threads_http=a.threads_http, template_kwargs=kwargs,
                               verbose_prompt=a.verbose_prompt, grammar=grammar,
-                              parallel_tool_calls=a.parallel_tool_calls)
+                              parallel_tool_calls=a.parallel_tool_calls, slots=a.slots)
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
     check_grammar(grammar, engines[0].target)

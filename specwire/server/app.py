@@ -11,6 +11,8 @@ Endpoints
   POST /v1/chat/completions          OpenAI chat completion (the GGUF's chat template or
                                      --chat-template)
   POST /tokenize, /detokenize        llama-server's
+  POST /apply-template               the chat prompt a chat request would give the model
+  GET  /slots                        each slot's state (--no-slots: 404)
   GET  /, /stats.json                the live page and its figures (webui/; --no-webui)
 
 A request is parsed and tokenized off the event loop (a thread of the pool),
@@ -144,6 +146,11 @@ def create_app(engine: Engine | Sequence[Engine],
                 "drafter": engines[0].drafter.name, "chat_template_name": label,
                 "chat_template": source, "queue_size": settings.queue_size}
 
+    if settings.slots:
+        @api.get("/slots")
+        async def slots() -> list:
+            return scheduler.slot_states()
+
     if settings.metrics:
         @api.get("/metrics")
         async def metrics_text() -> Response:
@@ -160,6 +167,11 @@ def create_app(engine: Engine | Sequence[Engine],
     async def tokenize(request: Request) -> dict:
         body = await read_json(request)
         return await run_in_threadpool(schemas.tokenize, body, target)
+
+    @api.post("/apply-template")
+    async def apply_template(request: Request) -> dict:
+        body = await read_json(request)
+        return await run_in_threadpool(schemas.apply_template, body, target, settings)
 
     @api.post("/detokenize")
     async def detokenize(request: Request) -> dict:

@@ -335,7 +335,23 @@ def chat_completion(body: dict, backend: Any, settings: ServerSettings,
     f = Fields(body)
     check_model(f, names)
     refuse_unsupported(f, chat_=True)
-    _, messages = f.find("messages")
+    label, text, tools = rendered(body, backend, settings)
+    check_fits_bound(limits.fewest_tokens(text, backend), backend.n_ctx)
+    tokens = backend.tokenize(text, add_special=False, parse_special=True)
+    if not tokens:
+        raise bad_request("messages: the rendered prompt is empty")
+    spec = _finish(f, body, tokens, backend, settings, chat.TEMPLATE_STOPS.get(label, []),
+                   "chat", tool_calls.grammar(tools))
+    spec.chat = tool_calls.plan(tools, settings.reasoning_format != "none",
+                                text.rstrip().endswith(reasoning.OPEN))
+    return spec
+
+
+def rendered(body: dict, backend: Any, settings: ServerSettings
+             ) -> tuple[str, str, tool_calls.ToolRequest | None]:
+    """A chat body's messages (and tools) through the chat template: (template label,
+    prompt text, the tools asked for)."""
+    _, messages = Fields(body).find("messages")
     if messages is None:
         raise bad_request("messages: required")
     try:
@@ -352,15 +368,16 @@ def chat_completion(body: dict, backend: Any, settings: ServerSettings,
     except ConfigError as e:
         where = "tools: the chat template cannot render this request: " if tools else ""
         raise bad_request(where + str(e)) from None
-    check_fits_bound(limits.fewest_tokens(text, backend), backend.n_ctx)
-    tokens = backend.tokenize(text, add_special=False, parse_special=True)
-    if not tokens:
-        raise bad_request("messages: the rendered prompt is empty")
-    spec = _finish(f, body, tokens, backend, settings, chat.TEMPLATE_STOPS.get(label, []),
-                   "chat", tool_calls.grammar(tools))
-    spec.chat = tool_calls.plan(tools, settings.reasoning_format != "none",
-                                text.rstrip().endswith(reasoning.OPEN))
-    return spec
+    return label, text, tools
+
+
+def apply_template(body: dict, backend: Any, settings: ServerSettings) -> dict:
+    """POST /apply-template: {messages, tools?, chat_template_kwargs?} -> {prompt}, the text
+    /v1/chat/completions would give the model, as llama-server answers it."""
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    _, text, _ = rendered(body, backend, settings)
+    return {"prompt": text}
 
 
 #: template variables a request's chat_template_kwargs may not set (the server sets them).

@@ -31,6 +31,7 @@ class ServerSettings:
     slot_prompt_similarity: a request goes to the idle slot whose cache shares the longest
                    prefix with its prompt if that is more than this share of the prompt,
                    else to the least recently used slot (0: always the latter).
+    slots:         serve GET /slots (--no-slots: 404), as llama-server does by default.
     metrics:       serve GET /metrics (on by default here; llama-server needs --metrics).
     special:       generated special tokens print their text (llama-server's --special).
     threads_http:  threads that parse, tokenize and render requests (-1: the default pool).
@@ -62,3 +63,4 @@ class ServerSettings:
     verbose_prompt: bool = False
     grammar: GrammarSpec | None = None
     parallel_tool_calls: bool = False
+    slots: bool = True

@@ -457,6 +457,25 @@ class Scheduler:
                 "deferred": len(self.queue), "capacity": self.queue.capacity,
                 "slots": len(self.slots)}
 
+    def slot_states(self) -> list[dict]:
+        """GET /slots: each slot as llama-server lists it (id, n_ctx, is_processing,
+        speculative, the running request's settings), plus its drafter and cached tokens."""
+        out = []
+        for s in self.slots:
+            job = s.job
+            req = job.request if job is not None else None
+            entry = {"id": s.index, "n_ctx": s.target.n_ctx, "is_processing": job is not None,
+                     "speculative": s.drafter.name != "none",
+                     "drafter": s.drafter.name, "n_cached": s.target.n_past}
+            if req is not None:
+                entry["params"] = {"n_predict": req.n_predict, **req.sampling.to_dict(),
+                                   "speculative.n_max": req.draft.n_max,
+                                   "speculative.n_min": req.draft.n_min,
+                                   "speculative.p_min": req.draft.p_min}
+                entry["n_prompt_tokens"] = len(req.prompt)
+            out.append(entry)
+        return out
+
     def link_states(self) -> list[tuple[int, dict]]:
         out = []
         for s in self.slots:
