@@ -7,6 +7,7 @@ from the parsed namespace, so a bad value is refused with the flag's name.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from specwire import cliplacement
@@ -320,17 +321,33 @@ def draft_model_params(a: argparse.Namespace, path: str) -> ModelParams:
     )
 
 
+#: llama.cpp's and ik_llama.cpp's drafters that specwire has no counterpart for: the draft
+#: model (draft-simple) drafts in their place, with a warning.
+OTHER_DRAFT_TYPES = ("draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "mtp",
+                     "eagle3")
+
+
 def spec_type(a: argparse.Namespace) -> str | None:
-    """--spec-type -> "model", "ngram" or "none" (None: not given); conflicts refused."""
+    """--spec-type -> "model", "ngram" or "none" (None: not given); conflicts refused.
+
+    llama.cpp takes a comma list (ik_llama.cpp: `type:key=value,...`, repeated): the
+    first entry decides. A llama.cpp drafter specwire lacks (EAGLE-3, MTP...) drafts with
+    the draft model instead, and says so: speculation stays lossless either way."""
     value = getattr(a, "spec_type", None)
     if value is None:
         return None
-    if value in ("draft", "draft-simple"):
+    first = value.split(",")[0].split(":")[0].strip()
+    if first in ("draft", "draft-simple"):
         kind = "model"
-    elif value.startswith("ngram"):
+    elif first.startswith("ngram") or first == "suffix":
         kind = "ngram"
-    elif value == "none":
+    elif first == "none":
         kind = "none"
+    elif first in OTHER_DRAFT_TYPES:
+        kind = "model"
+        logging.getLogger("specwire.flags").warning(
+            "--spec-type %s: specwire has no such drafter; speculation runs with the draft "
+            "model instead (draft-simple: -md, or --draft-url)", first)
     else:
         raise CliError(f"--spec-type: {value!r} is not supported; specwire drafts with "
                        "draft-simple (a draft model), ngram-* (prompt lookup) or none")

@@ -595,3 +595,106 @@ def test_real_server_exports_llamacpp_counters_and_slots() -> None:
         usage = httpx.post(url + "/v1/chat/completions", timeout=300,
                            json={**chat, "max_tokens": 2}).json()["usage"]
         assert usage["prompt_tokens"] == n
+
+
+# ------------------------------------------- speculation configured but inactive: said once
+
+
+def _useless(rounds: int = 40):
+    """An adaptive policy after `rounds` of a drafter whose tokens are never kept."""
+    from specwire.policy import AdaptivePolicy
+    p = AdaptivePolicy(8)
+    for _ in range(rounds):
+        k = p.choose(16)
+        p.observe(k, 0, 0.0001 * k, 0.02 + 0.001 * (k + 1))
+    return p
+
+
+def _stats(rounds: int, drafted: int, accepted: int):
+    from specwire.stats import Stats
+    s = Stats()
+    for i in range(rounds):
+        s.record_round(drafted if i == 0 else 0, accepted if i == 0 else 0, drafted)
+    return s
+
+
+def test_the_policy_turning_drafting_off_is_said_once_with_its_figures(caplog) -> None:
+    from specwire.server.speculation import SpeculationWatch
+    watch, policy = SpeculationWatch(), _useless()
+    assert not policy.warm
+    with caplog.at_level(logging.WARNING, "specwire.speculation"):
+        for slot in (0, 0, 1):
+            state = watch.after(slot, "model:d.gguf", _stats(40, 4, 0), policy, True)
+            assert state.cause == "policy" and not state.active
+    (record,) = caplog.records                       # once per cause, not per request
+    text = record.getMessage()
+    assert "adaptive policy stopped drafting" in text and "acceptance 0." in text
+    assert "ms for one token" in text and "tokens/s plain against" in text
+    assert [s["slot"] for s in watch.states()] == [0, 1]
+    assert watch.states()[0]["cause"] == "policy"
+
+
+def test_an_unreachable_node_is_said_once_and_a_working_draft_not_at_all(caplog) -> None:
+    from specwire.policy import AdaptivePolicy
+    from specwire.server.speculation import SpeculationWatch
+    watch = SpeculationWatch()
+    with caplog.at_level(logging.WARNING, "specwire.speculation"):
+        for _ in range(3):
+            st = watch.after(0, "remote:box", _stats(20, 0, 0), AdaptivePolicy(8), True,
+                             {"box:7070": 0.0})
+        assert st.cause == "unreachable" and "box:7070" in st.detail
+        warm = AdaptivePolicy(8)
+        warm.warm = True
+        assert watch.after(1, "model:d", _stats(20, 8, 6), warm, True).active
+        assert watch.after(2, "model:d", _stats(20, 0, 0), warm, False) is None  # off by request
+        assert watch.after(3, "none", _stats(20, 0, 0), warm, True) is None      # no drafter
+    assert len(caplog.records) == 1
+
+
+def test_a_drafter_that_proposes_nothing_is_said(caplog) -> None:
+    from specwire.policy import FixedPolicy
+    from specwire.server.speculation import SpeculationWatch
+    watch = SpeculationWatch()
+    with caplog.at_level(logging.WARNING, "specwire.speculation"):
+        st = watch.after(0, "threaded:d.gguf", _stats(30, 0, 0), FixedPolicy(8), True)
+        assert watch.after(1, "ngram", _stats(30, 0, 0), FixedPolicy(8), True).active
+    assert st.cause == "no-drafts" and "30 rounds" in st.detail
+    assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize("value, kind", [("draft-mtp", "model"), ("draft-eagle3,ngram-mod",
+                                                                  "model"),
+                                         ("ngram-mod:n_max=64", "ngram"), ("suffix", "ngram")])
+def test_spec_types_specwire_lacks_draft_with_the_model_and_say_so(value, kind, caplog) -> None:
+    from specwire.cliargs import spec_type
+    with caplog.at_level(logging.WARNING, "specwire.flags"):
+        assert spec_type(parse("--spec-type", value)) == kind
+    assert ("no such drafter" in caplog.text) == (kind == "model")
+    with pytest.raises(CliError, match="--spec-type"):
+        spec_type(parse("--spec-type", "telepathy"))
+
+
+def test_stats_json_has_each_slots_speculation_state(toy_app) -> None:
+    """The toy's drafter proposes nothing: the live page's figures say so."""
+    with toy_app() as url:
+        r = httpx.post(url + "/completion", json={"prompt": "z", "n_predict": 20}, timeout=30)
+        assert r.status_code == 200
+        (state,) = httpx.get(url + "/stats.json", timeout=10).json()["speculation"]
+        assert state["slot"] == 0 and not state["active"] and state["cause"] in (
+            "policy", "no-drafts")
+
+
+@pytest.mark.slow
+def test_an_unreachable_draft_node_is_warned_once_and_shown(tmp_path: Path) -> None:
+    from wire_helpers import free_port
+    dead = f"127.0.0.1:{free_port()}"
+    with run_serve("-t", "1", "-c", "512", "--temp", "0", "--draft-url", dead,
+                   no_traceback=True) as (url, log):
+        for _ in range(2):
+            out = httpx.post(url + "/completion", timeout=300,
+                             json={"prompt": "def add(a, b):", "n_predict": 12}).json()
+            assert out["content"] and out["timings"]["draft_n"] == 0
+        states = httpx.get(url + "/stats.json", timeout=30).json()["speculation"]
+        text = log()
+    assert states[0]["cause"] == "unreachable" and dead in states[0]["detail"]
+    assert text.count("speculation inactive on slot 0") == 1

@@ -34,6 +34,7 @@ from specwire.config import ConfigError
 from specwire.engine import Engine, Generation, Request
 from specwire.server.errors import ApiError
 from specwire.server.metrics import Metrics
+from specwire.server.speculation import SpeculationWatch
 from specwire.server.stops import StopMatcher
 from specwire.stats import Stats
 from specwire.textstream import TextStream
@@ -236,8 +237,10 @@ def pick_slot(prompt: Sequence[int], idle: Sequence[Slot], similarity: float) ->
 class Slot:
     """One sequence of an engine's batch, and the job it serves."""
 
-    def __init__(self, index: int, engine: Engine, seq: int, metrics: Metrics) -> None:
+    def __init__(self, index: int, engine: Engine, seq: int, metrics: Metrics,
+                 watch: SpeculationWatch | None = None) -> None:
         self.index, self.engine, self.seq, self.metrics = index, engine, seq, metrics
+        self.watch = watch
         self.target = engine.batch.seq(seq)
         self.drafter = engine.drafters[seq]
         self.job: Job | None = None
@@ -326,6 +329,17 @@ class Slot:
             self.job.emit(Failed(ApiError(500, f"generation failed: {type(e).__name__}: {e}",
                                           "server_error")))
 
+    def _watch(self, gen: Generation, job: Job) -> None:
+        """Tell the speculation watch how this generation drafted (never raises)."""
+        try:
+            fn = getattr(self.drafter, "link_state", None)
+            links = dict(fn()) if callable(fn) else None
+            req = job.request
+            self.watch.after(self.index, self.drafter.name, gen.stats, gen.policy,
+                             req.draft.enabled and req.draft.n_max > 0, links)
+        except Exception:  # noqa: BLE001 - a report must not break the slot
+            log.debug("speculation watch failed", exc_info=True)
+
     def _end(self) -> None:
         """The job is over: its sequence leaves the batch, the slot is free."""
         gen, job = self.gen, self.job
@@ -336,6 +350,8 @@ class Slot:
             except Exception:  # noqa: BLE001 - a drafter failing to end must not kill the slot
                 log.exception("slot %d: closing the generation failed", self.index)
             self.metrics.record(self.index, gen.stats, len(gen.tokens))
+            if self.watch is not None and job is not None:
+                self._watch(gen, job)
         if self._clock is not None:
             self._clock.finish()
             self._clock = None
@@ -379,7 +395,8 @@ class Scheduler:
         self.metrics = metrics
         self.engines = list(engines)
         self.queue = JobQueue(queue_size, similarity)
-        self.slots = [Slot(i, e, seq, metrics) for i, (e, seq) in
+        self.watch = SpeculationWatch()
+        self.slots = [Slot(i, e, seq, metrics, self.watch) for i, (e, seq) in
                       enumerate((e, seq) for e in self.engines for seq in range(e.n_seq))]
         self.queue.set_free(len(self.slots))
         self.thread = threading.Thread(target=self._loop, name="batch", daemon=True)
