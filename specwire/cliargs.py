@@ -351,6 +351,14 @@ def spec_type(a: argparse.Namespace) -> str | None:
     else:
         raise CliError(f"--spec-type: {value!r} is not supported; specwire drafts with "
                        "draft-simple (a draft model), ngram-* (prompt lookup) or none")
+    given = [flag for flag, on in (("-md", getattr(a, "model_draft", None)),
+                                   ("--draft-url", getattr(a, "draft_url", None)),
+                                   ("--draft-ngram", getattr(a, "draft_ngram", False))) if on]
+    if kind == "none" and given:
+        logging.getLogger("specwire.flags").warning(
+            "--spec-type none: %s configured but not used: speculation is off (plain "
+            "decoding, as llama.cpp does)", " and ".join(given))
+        return kind
     clash = {"--draft-ngram": getattr(a, "draft_ngram", False) and kind != "ngram",
              "--no-draft": getattr(a, "no_draft", False) and kind != "none",
              "--draft-url": bool(getattr(a, "draft_url", None)) and kind != "model",
