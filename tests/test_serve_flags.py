@@ -178,7 +178,8 @@ def test_readme_table_lists_every_flag_and_its_handling() -> None:
             continue
         for name in act.option_strings:
             if name not in ("-h", "--help"):
-                assert name in flags_in["implemented"] | flags_in["ignored"], name
+                assert name in flags_in["implemented"] | flags_in["ignored"] | {
+                    n for n in flags_in["refused"] if n == "--rpc"}, name
 
 
 # ------------------------------------------------------------------ the real server (slow)
@@ -698,3 +699,15 @@ def test_an_unreachable_draft_node_is_warned_once_and_shown(tmp_path: Path) -> N
         text = log()
     assert states[0]["cause"] == "unreachable" and dead in states[0]["detail"]
     assert text.count("speculation inactive on slot 0") == 1
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "draft"])
+def test_rpc_is_one_line_saying_what_this_llama_cpp_can_do(specwire_cli, command) -> None:
+    from llama_cpp import llama_supports_rpc
+    args = ["x"] if command == "generate" else []
+    r = specwire_cli(command, *args, "-m", "/nonexistent.gguf", "--rpc", "box:50052")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    if llama_supports_rpc():
+        assert "does not place a model on RPC devices yet" in r.stderr
+    else:
+        assert "has no RPC backend" in r.stderr and "-DGGML_RPC=on" in r.stderr

@@ -293,7 +293,6 @@ REFUSED: tuple[Flag, ...] = (
        "these download models; give the files with -m / -md"),
     _f("--context-shift", "?", "context shift is not implemented: generation stops at the "
        "context's end (llama-server's default)", ("0", "off")),
-    _f("--rpc", 1, "llama.cpp's RPC backend is not wired in"),
     _f("--models-dir --models-preset --models-max", 1, "router mode is not implemented: "
        "one target per server"),
     _f("--models-autoload --no-models-autoload", 0, "router mode is not implemented"),
@@ -370,3 +369,33 @@ def warn_remote_draft_flags(a: argparse.Namespace) -> None:
         log.warning("%s: ignored with --draft-url: the draft model runs on the draft node; "
                     "give these to `specwire draft` (-c, -t, -tb, -ngl, -ctk, -ctv, ...)",
                     ", ".join(given))
+
+
+#: how to build llama-cpp-python with llama.cpp's RPC backend (docs/deployment.md).
+RPC_BUILD = ('CMAKE_ARGS="-DGGML_RPC=on" pip install --force-reinstall --no-cache-dir '
+             'llama-cpp-python')
+
+
+def add_rpc_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
+                   help="llama.cpp's RPC servers to spread the model over (not supported "
+                   "yet: refused with what the installed llama.cpp can do)")
+
+
+def check_rpc(a: argparse.Namespace) -> None:
+    """--rpc: refused with one line; it says whether this llama.cpp has the RPC backend."""
+    servers = getattr(a, "rpc", None)
+    if not servers:
+        return
+    try:
+        from llama_cpp import llama_supports_rpc
+        built = bool(llama_supports_rpc())
+    except (ImportError, OSError, AttributeError):
+        built = False
+    if not built:
+        raise CliError(f"--rpc {servers}: the installed llama.cpp has no RPC backend; build "
+                       f"it with {RPC_BUILD} (docs/deployment.md), and run llama.cpp's "
+                       "rpc-server on each box")
+    raise CliError(f"--rpc {servers}: this llama.cpp has the RPC backend, but specwire does "
+                   "not place a model on RPC devices yet; put the draft on the other box "
+                   "instead (`specwire draft` there, --draft-url here)")

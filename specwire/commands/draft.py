@@ -6,6 +6,7 @@ import argparse
 import os
 
 from specwire.cliargs import CliError, add_draft_model_args, draft_model_params
+from specwire.commands import compat
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
     add_draft_model_args(p, plain=True)
+    compat.add_rpc_arg(p)
     p.set_defaults(func=run)
 
 
@@ -53,6 +55,7 @@ def run(a: argparse.Namespace) -> int:
     from specwire.loader import resolve_draft
     from specwire.node.server import NodeSettings, serve
 
+    compat.check_rpc(a)
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in 0..65535, got {a.port}")
     sync_port = None if a.no_sync_port else (

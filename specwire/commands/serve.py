@@ -116,6 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_log_args(p)
     add_model_args(p)
     add_sampling_args(p)
+    compat.add_rpc_arg(p)
     compat.add_compat_args(p)
     p.set_defaults(func=run)
 
@@ -268,6 +269,7 @@ def run(a: argparse.Namespace) -> int:
 
     setup_logging(a)
     compat.check_compat(a)
+    compat.check_rpc(a)
     compat.warn_remote_draft_flags(a)
     keys = api_keys(a)
     kwargs = template_kwargs(a.chat_template_kwargs)
