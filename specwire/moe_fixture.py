@@ -30,6 +30,9 @@ import numpy as np
 from specwire import models
 from specwire.backend.base import BackendError
 
+#: FIM role -> token id in the Gemma vocabulary (<unused0> is 6): tokens no text uses.
+FIM_TOKENS = {"pre": 6, "suf": 7, "mid": 8, "sep": 9, "rep": 10}
+
 
 @dataclass(frozen=True, slots=True)
 class MoeSpec:
@@ -46,9 +49,15 @@ class MoeSpec:
     logit_std: float = 4.0
     seed: int = 20251130
     draft_type: str = "Q5_0"  # the draft: this model through llama.cpp's quantizer
+    #: give the vocabulary fill-in-the-middle tokens (Gemma's <unused0..4> as FIM prefix,
+    #: suffix, middle, file separator and repository), for /infill's tests
+    fim: bool = False
 
     def key(self) -> str:
-        text = json.dumps({"spec": asdict(self), "builder": 1}, sort_keys=True)
+        spec = asdict(self)
+        if not self.fim:
+            del spec["fim"]     # the files built before the option keep their names
+        text = json.dumps({"spec": spec, "builder": 1}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -99,6 +108,9 @@ def write_moe(path: Path, spec: MoeSpec, tokenizer_from: Path) -> None:
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _copy_tokenizer(reader, w)
+    if spec.fim:
+        for name, token in FIM_TOKENS.items():
+            w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", token)
     for name, array in _weights(spec, n_vocab):
         w.add_tensor(name, array)
     w.write_header_to_file()

@@ -711,3 +711,106 @@ def test_rpc_is_one_line_saying_what_this_llama_cpp_can_do(specwire_cli, command
         assert "does not place a model on RPC devices yet" in r.stderr
     else:
         assert "has no RPC backend" in r.stderr and "-DGGML_RPC=on" in r.stderr
+
+
+# ------------------------------------------------------------------------------- /infill
+
+
+class _FimBackend:
+    """Characters as tokens (ord), FIM tokens at 1001.., BOS 1."""
+    name, n_ctx = "fim.gguf", 4096
+
+    def __init__(self, **fim: int) -> None:
+        self.fim = fim
+
+    def fim_tokens(self) -> dict[str, int]:
+        return self.fim
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True):
+        assert not add_special and not parse_special     # code is plain text
+        return [ord(c) for c in text]
+
+
+FIM = {"pre": 1001, "suf": 1002, "mid": 1003, "sep": 1004, "rep": 1005, "bos": 1}
+
+
+def _chars(tokens) -> str:
+    names = {v: f"<{k}>" for k, v in FIM.items()}
+    return "".join(names.get(t, chr(t)) for t in tokens)
+
+
+def test_infill_prompt_is_llama_servers_layout() -> None:
+    from specwire.server.infill import Extra, prompt_tokens
+    b = _FimBackend(**FIM)
+    toks = prompt_tokens(b, "def f(", ")\n", "x", [Extra("a.py", "A=1")], 512, 4096, 16)
+    assert _chars(toks) == ("<rep>myproject\n<sep>a.py\nA=1<sep>filename\n"
+                            "<bos><pre>def f(x<suf>)\n<mid>")
+    spm = prompt_tokens(b, "P", "S", "", [], 512, 4096, 16, spm=True)
+    assert _chars(spm).endswith("<bos><suf>S<pre>P<mid>")
+    plain = _FimBackend(pre=1001, suf=1002, mid=1003)      # no sep, rep or BOS
+    assert _chars(prompt_tokens(plain, "P", "S", "", [Extra("f", "E")], 512, 4096, 16)) == \
+        "\n\n--- snippet ---\n\nE<pre>P<suf>S<mid>"
+
+
+def test_infill_keeps_the_prefix_end_and_the_suffix_start() -> None:
+    from specwire.server.infill import Extra, prompt_tokens
+    b = _FimBackend(**FIM)
+    toks = prompt_tokens(b, "a" * 100 + "END", "BEGIN" + "z" * 100, "", [], 16, 4096, 16)
+    text = _chars(toks)
+    assert "<pre>" + "a" * 9 + "END<suf>" in text          # 3/4 of a batch of 16
+    assert text.endswith("<suf>BE<mid>")                    # 16/4 - 2
+    extra = prompt_tokens(b, "", "", "", [Extra("f", "x" * 50)], 16, 64, 8)
+    # 64 - 16 - 2*8 = 32 tokens of context, its end: 22 of the file, then <sep>filename\n
+    assert _chars(extra) == "x" * 22 + "<sep>filename\n<bos><pre><suf><mid>"
+
+
+def test_infill_refuses_a_model_without_fim_tokens_and_bad_extra() -> None:
+    from specwire.server.errors import ApiError
+    from specwire.server.infill import parse_extra, prompt_tokens
+    with pytest.raises(ApiError, match="has no <fim_pre>, <fim_suf>, <fim_mid> token"):
+        prompt_tokens(_FimBackend(), "a", "b", "", [], 512, 4096, 16)
+    with pytest.raises(ApiError, match=r"input_extra\[0\]"):
+        parse_extra([{"text": 3}])
+    assert parse_extra([{"text": "t"}])[0].filename == "tmp"
+
+
+@pytest.fixture(scope="module")
+def fim_pair():
+    from specwire.moe_fixture import MoeSpec, ensure_moe
+    return ensure_moe(MoeSpec(fim=True))
+
+
+@pytest.mark.slow
+def test_infill_on_a_fim_model_is_the_same_with_and_without_a_draft(fim_pair) -> None:
+    from specwire.backend.llama import load_model
+    from specwire.config import ModelParams
+    from specwire.moe_fixture import FIM_TOKENS
+    fim = load_model(ModelParams(str(fim_pair.target))).fim_tokens()
+    assert {k: fim[k] for k in FIM_TOKENS} == FIM_TOKENS       # read back from the GGUF
+    body = {"input_prefix": "def total(xs):\n    s = 0\n    for x in xs:\n",
+            "input_suffix": "\n    return s\n",
+            "input_extra": [{"filename": "util.py", "text": "def add(a, b):\n    return a + b\n"}],
+            "n_predict": 24, "temperature": 0, "return_tokens": True}
+    with run_serve("-m", str(fim_pair.target), "-md", str(fim_pair.draft), "-t", "1", "-td",
+                   "1", "-c", "1024", "--draft-policy", "fixed", "--draft-p-min", "0",
+                   no_traceback=True) as (url, _):
+        drafted = httpx.post(url + "/infill", json=body, timeout=300).json()
+        plain = httpx.post(url + "/infill", json={**body, "speculative": False},
+                           timeout=300).json()
+        seeded = {**body, "temperature": 0.8, "seed": 11}
+        s1 = httpx.post(url + "/infill", json=seeded, timeout=300).json()
+        s0 = httpx.post(url + "/infill", json={**seeded, "speculative": False},
+                        timeout=300).json()
+    assert drafted["tokens"] == plain["tokens"] and len(plain["tokens"]) > 0
+    assert drafted["timings"]["draft_n"] > 0 and plain["timings"]["draft_n"] == 0
+    assert s1["tokens"] == s0["tokens"]
+    n_prompt = drafted["timings"]["prompt_n"] + drafted["timings"].get("cache_n", 0)
+    assert n_prompt > 40          # the extra file, prefix and suffix all went in
+
+
+@pytest.mark.slow
+def test_infill_on_the_bundled_gemma_is_a_clear_400() -> None:
+    with run_serve("-t", "1", "-c", "256", "--no-draft") as (url, _):
+        r = httpx.post(url + "/infill", json={"input_prefix": "a", "input_suffix": "b"},
+                       timeout=60)
+    assert r.status_code == 400 and "<fim_pre>" in r.json()["error"]["message"]

@@ -112,6 +112,16 @@ class Model:
         t = C.llama_model_chat_template(self.ptr, None)
         return t.decode() if t else None
 
+    def fim_tokens(self) -> dict[str, int]:
+        """The vocabulary's fill-in-the-middle tokens (pre, suf, mid, pad, rep, sep) that
+        it has, by name, and "bos" when its prompts start with BOS."""
+        out = {name: int(getattr(C, f"llama_vocab_fim_{name}")(self.vocab))
+               for name in ("pre", "suf", "mid", "pad", "rep", "sep")}
+        out = {k: v for k, v in out.items() if v >= 0}
+        if C.llama_vocab_get_add_bos(self.vocab):
+            out["bos"] = self.bos
+        return out
+
     def token_text(self, token: int) -> str:
         return (C.llama_vocab_get_text(self.vocab, token) or b"").decode(errors="replace")
 
@@ -370,6 +380,9 @@ class LlamaBackend:
     def chat_template(self) -> str | None:
         return self.model.chat_template()
 
+    def fim_tokens(self) -> dict[str, int]:
+        return self.model.fim_tokens()
+
     def close(self) -> None:
         if self.ctx:
             C.llama_batch_free(self._batch)
@@ -433,6 +446,9 @@ class SeqView:
 
     def chat_template(self) -> str | None:
         return self.owner.chat_template()
+
+    def fim_tokens(self) -> dict[str, int]:
+        return self.owner.fim_tokens()
 
 
 def check_pair(target: Model, draft: Model) -> None:

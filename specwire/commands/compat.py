@@ -204,7 +204,6 @@ IGNORED: tuple[Flag, ...] = (
     _f("--reasoning-tokens", 1, "slots are chosen by the whole prompt here"),
     _f("--reasoning-preserve --no-reasoning-preserve", 0, "the template decides what "
        "history keeps"),
-    _f("--spm-infill", 0, "/infill is not served yet"),
     _f("-r --reverse-prompt", 1, "llama-cli's interactive stop; server requests give "
        "`stop`"),
     _f("--no-mmproj --no-mmproj-auto --mmproj-auto --no-mmproj-offload --mmproj-offload",

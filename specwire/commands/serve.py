@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="GET /metrics (Prometheus): on by default here, unlike "
                    "llama-server; --no-metrics turns it off (404)")
+    g.add_argument("--spm-infill", action="store_true",
+                   help="/infill: suffix before prefix (Suffix/Prefix/Middle), as some "
+                   "models prefer")
     g.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
                    help="GET /slots: each slot's state (--no-slots: 404)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
@@ -321,7 +324,8 @@ def run(a: argparse.Namespace) -> int:
                               metrics=a.metrics, special=a.special,
                               threads_http=a.threads_http, template_kwargs=kwargs,
                               verbose_prompt=a.verbose_prompt, grammar=grammar,
-                              parallel_tool_calls=a.parallel_tool_calls, slots=a.slots)
+                              parallel_tool_calls=a.parallel_tool_calls, slots=a.slots,
+                              spm_infill=a.spm_infill)
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
     check_grammar(grammar, engines[0].target)

@@ -11,6 +11,7 @@ Endpoints
   POST /v1/chat/completions          OpenAI chat completion (the GGUF's chat template or
                                      --chat-template)
   POST /tokenize, /detokenize        llama-server's
+  POST /infill                       fill-in-the-middle (input_prefix/suffix/extra)
   POST /apply-template               the chat prompt a chat request would give the model
   GET  /slots                        each slot's state (--no-slots: 404)
   GET  /, /stats.json                the live page and its figures (webui/; --no-webui)
@@ -211,6 +212,12 @@ def create_app(engine: Engine | Sequence[Engine],
     async def completion(request: Request) -> Response:
         return await generate(request, "/completion",
                               lambda b: schemas.completion(b, target, settings, names),
+                              LlamaCompletion)
+
+    @api.post("/infill")
+    async def infill(request: Request) -> Response:
+        return await generate(request, "/infill",
+                              lambda b: schemas.infill(b, target, settings, names),
                               LlamaCompletion)
 
     @api.post("/v1/completions")

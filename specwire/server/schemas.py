@@ -33,6 +33,7 @@ from specwire import chat, reasoning
 from specwire.config import ConfigError, DraftParams, SamplingParams
 from specwire.constraints import GrammarSpec
 from specwire.engine import Request
+from specwire.server import infill as infill_prompt
 from specwire.server import limits, structured, tool_calls
 from specwire.server.chat_output import ChatPlan
 from specwire.server.errors import ApiError, bad_request
@@ -436,6 +437,25 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,
                       lambda t: backend.detokenize([t]))
+
+
+def infill(body: dict, backend: Any, settings: ServerSettings,
+           names: Sequence[str]) -> Completion:
+    """POST /infill: llama-server's fields (input_prefix, input_suffix, input_extra, prompt)
+    -> the FIM prompt (infill.py), then a completion like /completion's."""
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    f = Fields(body)
+    check_model(f, names)
+    refuse_unsupported(f, chat_=False)
+    texts = {name: f.str(name, default="") for name in ("input_prefix", "input_suffix")}
+    typed = f.str("prompt", default="")
+    extra = infill_prompt.parse_extra(body.get("input_extra"))
+    n_batch = getattr(getattr(backend, "params", None), "n_batch", 512)
+    tokens = infill_prompt.prompt_tokens(
+        backend, texts["input_prefix"], texts["input_suffix"], typed, extra, n_batch,
+        backend.n_ctx, max(0, n_predict(f, settings, backend.n_ctx)), settings.spm_infill)
+    return _finish(f, body, tokens, backend, settings, [], "completion")
 
 
 def log_prompt(tokens: Sequence[int], backend: Any) -> None:

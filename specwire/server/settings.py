@@ -31,6 +31,7 @@ class ServerSettings:
     slot_prompt_similarity: a request goes to the idle slot whose cache shares the longest
                    prefix with its prompt if that is more than this share of the prompt,
                    else to the least recently used slot (0: always the latter).
+    spm_infill:    /infill puts the suffix before the prefix (--spm-infill).
     slots:         serve GET /slots (--no-slots: 404), as llama-server does by default.
     metrics:       serve GET /metrics (on by default here; llama-server needs --metrics).
     special:       generated special tokens print their text (llama-server's --special).
@@ -64,3 +65,4 @@ class ServerSettings:
     grammar: GrammarSpec | None = None
     parallel_tool_calls: bool = False
     slots: bool = True
+    spm_infill: bool = False
