@@ -153,8 +153,6 @@ IGNORED: tuple[Flag, ...] = (
     _f("--prompt-cache", 1, "llama-cli's file of one run's prompt state (llama-server "
        "ignores it too); serve keeps each slot's prompt cache in memory"),
     _f("--prompt-cache-all --prompt-cache-ro", 0, "goes with --prompt-cache"),
-    _f("--slot-save-path", 1, "saving and restoring slots (POST /slots/ID?action=save) is "
-       "not implemented yet, so the directory is not used"),
     _f("-lcd --lookup-cache-dynamic", 1, "lookup decoding's n-gram file; specwire's n-gram "
        "drafter (--draft-ngram) keeps its table in memory"),
     _f("-lcs --lookup-cache-static", 1, "lookup decoding's n-gram file; specwire's n-gram "

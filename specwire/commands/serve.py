@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="GET /metrics (Prometheus): on by default here, unlike "
                    "llama-server; --no-metrics turns it off (404)")
+    g.add_argument("--slot-save-path", metavar="PATH", default=None,
+                   help="folder for POST /slots/{id}?action=save|restore (a slot's KV cache "
+                   "as a file)")
     g.add_argument("--spm-infill", action="store_true",
                    help="/infill: suffix before prefix (Suffix/Prefix/Middle), as some "
                    "models prefer")
@@ -250,6 +253,19 @@ def check_grammar(spec, target) -> None:  # noqa: ANN001 - GrammarSpec, Backend
         raise CliError(str(e)) from None
 
 
+def slot_folder(path: str | None) -> str | None:
+    """--slot-save-path: a folder, made if missing (llama-server's reading of it)."""
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--slot-save-path: cannot use {path}: {e.strerror or e}") from None
+    if not os.path.isdir(path):
+        raise CliError(f"--slot-save-path: {path} is not a folder")
+    return path
+
+
 def ssl_files(a: argparse.Namespace) -> dict:
     """uvicorn's ssl_keyfile / ssl_certfile, both or neither, each readable."""
     key, cert = a.ssl_key_file, a.ssl_cert_file
@@ -325,7 +341,8 @@ def run(a: argparse.Namespace) -> int:
                               threads_http=a.threads_http, template_kwargs=kwargs,
                               verbose_prompt=a.verbose_prompt, grammar=grammar,
                               parallel_tool_calls=a.parallel_tool_calls, slots=a.slots,
-                              spm_infill=a.spm_infill)
+                              spm_infill=a.spm_infill,
+                              slot_save_path=slot_folder(a.slot_save_path))
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
     check_grammar(grammar, engines[0].target)

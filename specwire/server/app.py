@@ -14,6 +14,7 @@ Endpoints
   POST /infill                       fill-in-the-middle (input_prefix/suffix/extra)
   POST /apply-template               the chat prompt a chat request would give the model
   GET  /slots                        each slot's state (--no-slots: 404)
+  POST /slots/{id}?action=           save / restore (--slot-save-path) / erase its cache
   GET  /, /stats.json                the live page and its figures (webui/; --no-webui)
 
 A request is parsed and tokenized off the event loop (a thread of the pool),
@@ -151,6 +152,12 @@ def create_app(engine: Engine | Sequence[Engine],
         @api.get("/slots")
         async def slots() -> list:
             return scheduler.slot_states()
+
+    @api.post("/slots/{slot_id}")
+    async def slot_action(slot_id: int, request: Request, action: str = "") -> dict:
+        body = await read_json(request) if action != "erase" else {}
+        return await run_in_threadpool(scheduler.slot_action, slot_id, action,
+                                       settings.slot_save_path, body)
 
     if settings.metrics:
         @api.get("/metrics")

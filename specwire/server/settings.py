@@ -31,6 +31,7 @@ class ServerSettings:
     slot_prompt_similarity: a request goes to the idle slot whose cache shares the longest
                    prefix with its prompt if that is more than this share of the prompt,
                    else to the least recently used slot (0: always the latter).
+    slot_save_path: the folder POST /slots/{id}?action=save|restore uses (--slot-save-path).
     spm_infill:    /infill puts the suffix before the prefix (--spm-infill).
     slots:         serve GET /slots (--no-slots: 404), as llama-server does by default.
     metrics:       serve GET /metrics (on by default here; llama-server needs --metrics).
@@ -66,3 +67,4 @@ class ServerSettings:
     parallel_tool_calls: bool = False
     slots: bool = True
     spm_infill: bool = False
+    slot_save_path: str | None = None

@@ -402,20 +402,23 @@ class Scheduler:
         self.thread = threading.Thread(target=self._loop, name="batch", daemon=True)
         self._started = False
         self._stopping = False
+        #: held by the worker for each admit-step-pump; a slot action takes it to run
+        #: while no engine steps
+        self.lock = threading.Lock()
 
     def _loop(self) -> None:
         while not self._stopping:
-            self._admit()
-            busy = [s for s in self.slots if s.job is not None]
-            if not busy:
-                if not self.queue.wait():
-                    break
-                continue
-            for e in self.engines:
-                if e.scheduler.running:
-                    e.step()
-            for s in busy:
-                s.pump()
+            with self.lock:         # slot actions (slot_files.py) run between iterations
+                self._admit()
+                busy = [s for s in self.slots if s.job is not None]
+                if busy:
+                    for e in self.engines:
+                        if e.scheduler.running:
+                            e.step()
+                    for s in busy:
+                        s.pump()
+            if not busy and not self.queue.wait():
+                break
         for s in self.slots:
             if s.job is not None:
                 s.job.cancelled.set()
@@ -473,6 +476,15 @@ class Scheduler:
         return {"processing": sum(s.job is not None for s in self.slots),
                 "deferred": len(self.queue), "capacity": self.queue.capacity,
                 "slots": len(self.slots)}
+
+    def slot_action(self, index: int, action: str, folder: str | None, body: object) -> dict:
+        """POST /slots/{id}?action=...: run it on the idle slot between steps."""
+        from specwire.server import slot_files
+        if not 0 <= index < len(self.slots):
+            raise ApiError(404, f"no slot {index}; this server has {len(self.slots)}",
+                           "not_found_error")
+        with self.lock:
+            return slot_files.run(self.slots[index], action, folder, body)
 
     def slot_states(self) -> list[dict]:
         """GET /slots: each slot as llama-server lists it (id, n_ctx, is_processing,
