@@ -480,9 +480,9 @@ def test_openai_chat(oai) -> None:
     assert streamed == msg.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert set(chunks[-1].to_dict()["timings"]) >= TIMINGS
-    from openai import NotFoundError
-    with pytest.raises(NotFoundError):
-        oai.chat.completions.create(**{**kw, "model": "no-such-model"})
+    # any model name is served, as llama-server serves its one model (agents send theirs)
+    other = oai.chat.completions.create(**{**kw, "model": "no-such-model"})
+    assert other.choices[0].message.content == msg.content
 
 
 @pytest.mark.slow
