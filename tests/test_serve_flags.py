@@ -878,3 +878,15 @@ def test_slot_save_erase_restore_on_the_bundled_pair(tmp_path: Path) -> None:
         assert httpx.post(url + "/slots/7?action=erase", timeout=60).status_code == 404
     assert again["timings"]["cache_n"] > 0          # the restored cache was used
     assert again["tokens"] == first["tokens"]       # and changed nothing
+
+
+def test_verbose_and_verbosity_set_llama_cpps_thresholds() -> None:
+    from specwire.commands.serve import log_level
+    assert log_level(parse()) == logging.INFO
+    assert log_level(parse("-v")) == log_level(parse("--log-verbose")) == logging.DEBUG
+    assert [log_level(parse("-lv", str(n))) for n in range(6)] == [
+        logging.CRITICAL, logging.ERROR, logging.WARNING, logging.INFO, logging.DEBUG,
+        logging.DEBUG]
+    assert log_level(parse("--log-disable", "-v")) > logging.CRITICAL
+    with pytest.raises(CliError, match="--verbosity"):
+        log_level(parse("--verbosity", "-1"))
