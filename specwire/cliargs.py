@@ -43,6 +43,11 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     g.add_argument("-ctv", "--cache-type-v", default="f16")
     cliplacement.add_target_placement_args(g)
     add_rope_args(g)
+    g.add_argument("--lora", action="append", default=[], metavar="FNAME[,...]",
+                   help="LoRA adapter GGUF applied to the target (scale 1); repeatable, or a "
+                   "comma list")
+    g.add_argument("--lora-scaled", action="append", default=[], metavar="FNAME:SCALE[,...]",
+                   help="LoRA adapter with its scale; repeatable, or a comma list")
     if not draft:
         return
     d = p.add_argument_group("draft")
@@ -131,6 +136,22 @@ def add_rope_args(g: argparse._ActionsContainer) -> None:
                        ("beta-fast", "low correction dim, or beta")):
         g.add_argument(f"--yarn-{name}", type=float, default=-1.0, metavar="N",
                        help=f"YaRN: {what} (default -1: the model's)")
+
+
+def lora_params(a: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """--lora FNAME[,...] (scale 1) and --lora-scaled FNAME:SCALE[,...], in order given."""
+    out = [(path, 1.0) for value in getattr(a, "lora", []) or [] for path in value.split(",")
+           if path]
+    for value in getattr(a, "lora_scaled", []) or []:
+        for item in value.split(","):
+            path, sep, scale = item.rpartition(":")
+            try:
+                if not sep or not path:
+                    raise ValueError
+                out.append((path, float(scale)))
+            except ValueError:
+                raise CliError(f"--lora-scaled: expected FNAME:SCALE, got {item!r}") from None
+    return tuple(out)
 
 
 def rope_params(a: argparse.Namespace) -> Rope:
@@ -290,6 +311,7 @@ def target_params(a: argparse.Namespace, path: str) -> ModelParams:
         placement=place,
         numa=numa,
         rope=rope_params(a),
+        loras=lora_params(a),
     )
 
 

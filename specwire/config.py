@@ -257,6 +257,8 @@ class ModelParams:
     placement: Placement = Placement()
     numa: str = "disabled"    # --numa: process-wide, applied before the first model loads
     rope: Rope = Rope()       # --rope-* / --yarn-*: the context's RoPE overrides
+    #: --lora / --lora-scaled: (adapter GGUF, scale) applied to this model's context
+    loras: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.flash_attn, bool):  # the older boolean spelling

@@ -128,8 +128,8 @@ def test_a_refused_flag_at_its_neutral_value_only_warns(caplog) -> None:
 
 
 def test_refused_flags_stop_serve_before_any_model_loads(specwire_cli) -> None:
-    r = specwire_cli("serve", "-m", "/nonexistent.gguf", "--lora", "x.gguf")
-    assert r.returncode == 2 and "--lora: LoRA adapters are not implemented" in r.stderr
+    r = specwire_cli("serve", "-m", "/nonexistent.gguf", "--mmproj", "x.gguf")
+    assert r.returncode == 2 and "--mmproj: multimodal input is not implemented" in r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -797,7 +797,7 @@ def test_infill_on_a_fim_model_is_the_same_with_and_without_a_draft(fim_pair) ->
             "n_predict": 24, "temperature": 0, "return_tokens": True}
     with run_serve("-m", str(fim_pair.target), "-md", str(fim_pair.draft), "-t", "1", "-td",
                    "1", "-c", "1024", "--draft-policy", "fixed", "--draft-p-min", "0",
-                   no_traceback=True) as (url, _):
+                   "--draft-mode", "sync", no_traceback=True) as (url, _):
         drafted = httpx.post(url + "/infill", json=body, timeout=300).json()
         plain = httpx.post(url + "/infill", json={**body, "speculative": False},
                            timeout=300).json()
@@ -890,3 +890,49 @@ def test_verbose_and_verbosity_set_llama_cpps_thresholds() -> None:
     assert log_level(parse("--log-disable", "-v")) > logging.CRITICAL
     with pytest.raises(CliError, match="--verbosity"):
         log_level(parse("--verbosity", "-1"))
+
+
+# -------------------------------------------------------------------------------- --lora
+
+
+def test_lora_flags_in_order_with_their_scales() -> None:
+    from specwire.cliargs import lora_params, target_params
+    a = parse("--lora", "a.gguf,b.gguf", "--lora-scaled", "c.gguf:0.5,d:e.gguf:2")
+    assert lora_params(a) == (("a.gguf", 1.0), ("b.gguf", 1.0), ("c.gguf", 0.5),
+                              ("d:e.gguf", 2.0))
+    assert target_params(a, "t.gguf").loras == lora_params(a)
+    with pytest.raises(CliError, match="--lora-scaled: expected FNAME:SCALE"):
+        lora_params(parse("--lora-scaled", "c.gguf"))
+
+
+@pytest.mark.slow
+def test_lora_reaches_llama_cpp_and_stays_lossless(tmp_path: Path) -> None:
+    import numpy as np
+
+    from specwire.backend.base import BackendError
+    from specwire.backend.llama import LlamaBackend
+    from specwire.config import ModelParams
+    from specwire.moe_fixture import MoeSpec, ensure_moe, ensure_moe_lora
+    pair, lora = ensure_moe(MoeSpec()), str(ensure_moe_lora(MoeSpec()))
+    prompt = [2, 1000, 2000, 3000, 4000]
+
+    def logits(*loras):
+        b = LlamaBackend(ModelParams(str(pair.target), n_ctx=128, loras=loras))
+        out = b.eval(prompt).copy()
+        b.close()
+        return out
+
+    base = logits()
+    assert not np.allclose(logits((lora, 1.0)), base, atol=1e-3)   # the adapter acts
+    assert np.allclose(logits((lora, 0.0)), base, atol=1e-4)       # at scale 0 it does not
+    with pytest.raises(BackendError, match="could not load"):
+        logits((str(pair.draft), 1.0))                             # a model, not an adapter
+    body = {"prompt": [2, 1000, 2000, 3000], "n_predict": 24, "temperature": 0,
+            "return_tokens": True}
+    with run_serve("-m", str(pair.target), "-md", str(pair.draft), "-t", "1", "-td", "1",
+                   "-c", "256", "--lora", lora, "--draft-policy", "fixed",
+                   "--draft-p-min", "0", "--draft-mode", "sync", no_traceback=True) as (url, _):
+        drafted = httpx.post(url + "/completion", json=body, timeout=300).json()
+        plain = httpx.post(url + "/completion", json={**body, "speculative": False},
+                           timeout=300).json()
+    assert drafted["tokens"] == plain["tokens"] and drafted["timings"]["draft_n"] > 0

@@ -134,6 +134,17 @@ class Model:
         return int(C.llama_vocab_eos(self.vocab))
 
 
+def _load_lora(model: Model, path: str):  # noqa: ANN202 - llama_adapter_lora_p
+    """A LoRA adapter GGUF for this model (--lora); it lives as long as the model."""
+    if not os.path.isfile(path):
+        raise BackendError(f"--lora: no such file: {path}")
+    adapter = C.llama_adapter_lora_init(model.ptr, path.encode())
+    if not adapter:
+        raise BackendError(f"--lora: llama.cpp could not load {path} as a LoRA adapter of "
+                           f"{model.path} (another architecture or shapes?)")
+    return adapter
+
+
 _models: dict[tuple, Model] = {}
 _models_lock = threading.Lock()
 
@@ -222,6 +233,7 @@ class LlamaBackend:
         for name, value in params.rope.context_fields().items():
             setattr(cp, name, value)
         self.context_params = cp   # as handed to llama.cpp (tests read n_ubatch from it)
+        self.loras = [_load_lora(self.model, path) for path, _ in params.loras]
         self.ctx = C.llama_init_from_model(self.model.ptr, cp)
         if not self.ctx:
             raise BackendError(
@@ -229,6 +241,14 @@ class LlamaBackend:
                 f"sequences) for {params.path}"
             )
         _count_context(+1)
+        if self.loras:
+            adapters = (C.llama_adapter_lora_p_ctypes * len(self.loras))(*self.loras)
+            scales = (ctypes.c_float * len(self.loras))(*(s for _, s in params.loras))
+            if C.llama_set_adapters_lora(self.ctx, adapters, len(self.loras), scales) != 0:
+                C.llama_free(self.ctx)
+                self.ctx = None
+                _count_context(-1)
+                raise BackendError(f"llama.cpp could not apply --lora to {params.path}")
         self.n_ctx = int(C.llama_n_ctx(self.ctx)) // n_seq   # per sequence
         self.mem = C.llama_get_memory(self.ctx)
         self.n_batch = self._cap = params.n_batch
