@@ -48,6 +48,8 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
                    "comma list")
     g.add_argument("--lora-scaled", action="append", default=[], metavar="FNAME:SCALE[,...]",
                    help="LoRA adapter with its scale; repeatable, or a comma list")
+    g.add_argument("--lora-init-without-apply", action="store_true",
+                   help="load the adapters at scale 0 (POST /lora-adapters sets them)")
     if not draft:
         return
     d = p.add_argument_group("draft")
@@ -151,6 +153,8 @@ def lora_params(a: argparse.Namespace) -> tuple[tuple[str, float], ...]:
                 out.append((path, float(scale)))
             except ValueError:
                 raise CliError(f"--lora-scaled: expected FNAME:SCALE, got {item!r}") from None
+    if getattr(a, "lora_init_without_apply", False):
+        out = [(path, 0.0) for path, _ in out]
     return tuple(out)
 
 

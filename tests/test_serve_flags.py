@@ -897,6 +897,8 @@ def test_verbose_and_verbosity_set_llama_cpps_thresholds() -> None:
 
 def test_lora_flags_in_order_with_their_scales() -> None:
     from specwire.cliargs import lora_params, target_params
+    assert lora_params(parse("--lora", "a.gguf", "--lora-init-without-apply")) == (
+        ("a.gguf", 0.0),)
     a = parse("--lora", "a.gguf,b.gguf", "--lora-scaled", "c.gguf:0.5,d:e.gguf:2")
     assert lora_params(a) == (("a.gguf", 1.0), ("b.gguf", 1.0), ("c.gguf", 0.5),
                               ("d:e.gguf", 2.0))
@@ -935,4 +937,13 @@ def test_lora_reaches_llama_cpp_and_stays_lossless(tmp_path: Path) -> None:
         drafted = httpx.post(url + "/completion", json=body, timeout=300).json()
         plain = httpx.post(url + "/completion", json={**body, "speculative": False},
                            timeout=300).json()
+        assert httpx.get(url + "/lora-adapters", timeout=30).json() == [
+            {"id": 0, "path": lora, "scale": 1.0}]
+        off = httpx.post(url + "/lora-adapters", json=[{"id": 0, "scale": 0.0}], timeout=30)
+        assert off.json()[0]["scale"] == 0.0
+        base = httpx.post(url + "/completion", json={**body, "cache_prompt": False},
+                          timeout=300).json()
+        bad = httpx.post(url + "/lora-adapters", json=[{"id": 3, "scale": 1}], timeout=30)
+        assert bad.status_code == 400 and "no adapter 3" in bad.text
     assert drafted["tokens"] == plain["tokens"] and drafted["timings"]["draft_n"] > 0
+    assert base["tokens"] != plain["tokens"]            # scale 0: the base model's output

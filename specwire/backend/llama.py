@@ -241,14 +241,12 @@ class LlamaBackend:
                 f"sequences) for {params.path}"
             )
         _count_context(+1)
-        if self.loras:
-            adapters = (C.llama_adapter_lora_p_ctypes * len(self.loras))(*self.loras)
-            scales = (ctypes.c_float * len(self.loras))(*(s for _, s in params.loras))
-            if C.llama_set_adapters_lora(self.ctx, adapters, len(self.loras), scales) != 0:
-                C.llama_free(self.ctx)
-                self.ctx = None
-                _count_context(-1)
-                raise BackendError(f"llama.cpp could not apply --lora to {params.path}")
+        self.lora_scales = [s for _, s in params.loras]
+        if self.loras and not self._set_loras():
+            C.llama_free(self.ctx)
+            self.ctx = None
+            _count_context(-1)
+            raise BackendError(f"llama.cpp could not apply --lora to {params.path}")
         self.n_ctx = int(C.llama_n_ctx(self.ctx)) // n_seq   # per sequence
         self.mem = C.llama_get_memory(self.ctx)
         self.n_batch = self._cap = params.n_batch
@@ -356,6 +354,20 @@ class LlamaBackend:
             out.append(buf[r:r + p.n_rows])
             r += p.n_rows
         return out
+
+    def set_lora_scales(self, scales: Sequence[float]) -> None:
+        """POST /lora-adapters: each loaded adapter's new scale (0: off)."""
+        if len(scales) != len(self.loras):
+            raise BackendError(f"{len(scales)} scales for {len(self.loras)} adapters")
+        old, self.lora_scales = self.lora_scales, [float(s) for s in scales]
+        if not self._set_loras():
+            self.lora_scales = old
+            raise BackendError("llama.cpp could not change the LoRA scales")
+
+    def _set_loras(self) -> bool:
+        adapters = (C.llama_adapter_lora_p_ctypes * len(self.loras))(*self.loras)
+        scales = (ctypes.c_float * len(self.loras))(*self.lora_scales)
+        return C.llama_set_adapters_lora(self.ctx, adapters, len(self.loras), scales) == 0
 
     def seq_decode_s(self, seq: int) -> float:
         """Sequence seq's share of the time inside llama_decode: of each decode, the

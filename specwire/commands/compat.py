@@ -270,8 +270,6 @@ REFUSED: tuple[Flag, ...] = (
        "presence_penalty in the request", ("0", "0.0", "0.00")),
     _f("--frequency-penalty", 1, "a server-wide default is not implemented; give "
        "frequency_penalty in the request", ("0", "0.0", "0.00")),
-    _f("--lora-init-without-apply", 0, "adapters are applied at their scale from the start: "
-       "POST /lora-adapters is not implemented"),
     _f("--control-vector --control-vector-scaled", 1, "control vectors are not "
        "implemented"),
     _f("--control-vector-layer-range", 2, "control vectors are not implemented"),

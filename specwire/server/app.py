@@ -14,6 +14,7 @@ Endpoints
   POST /infill                       fill-in-the-middle (input_prefix/suffix/extra)
   POST /apply-template               the chat prompt a chat request would give the model
   GET  /slots                        each slot's state (--no-slots: 404)
+  GET  /lora-adapters, POST          the target's LoRA adapters and their scales
   POST /slots/{id}?action=           save / restore (--slot-save-path) / erase its cache
   GET  /, /stats.json                the live page and its figures (webui/; --no-webui)
 
@@ -152,6 +153,19 @@ def create_app(engine: Engine | Sequence[Engine],
         @api.get("/slots")
         async def slots() -> list:
             return scheduler.slot_states()
+
+    @api.get("/lora-adapters")
+    async def lora_adapters() -> list:
+        return scheduler.lora_adapters()
+
+    @api.post("/lora-adapters")
+    async def set_lora_adapters(request: Request) -> list:
+        raw = await limits.read_body(request, settings.max_body)   # a JSON array, not object
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise ApiError(400, f"the body is not JSON: {e}") from None
+        return await run_in_threadpool(scheduler.set_lora_adapters, body)
 
     @api.post("/slots/{slot_id}")
     async def slot_action(slot_id: int, request: Request, action: str = "") -> dict:

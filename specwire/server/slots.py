@@ -486,6 +486,34 @@ class Scheduler:
         with self.lock:
             return slot_files.run(self.slots[index], action, folder, body)
 
+    def lora_adapters(self) -> list[dict]:
+        """GET /lora-adapters: the target's adapters (llama-server's id, path, scale)."""
+        target = self.engines[0].target
+        paths = [p for p, _ in getattr(getattr(target, "params", None), "loras", ())]
+        scales = getattr(target, "lora_scales", [])
+        return [{"id": i, "path": p, "scale": s} for i, (p, s) in enumerate(zip(paths, scales,
+                                                                               strict=True))]
+
+    def set_lora_adapters(self, body: object) -> list[dict]:
+        """POST /lora-adapters [{"id", "scale"}]: new scales, applied between steps (a
+        running request goes on with them); an adapter not named keeps its scale."""
+        current = self.lora_adapters()
+        if not isinstance(body, list) or not all(
+                isinstance(x, dict) and isinstance(x.get("id"), int) and
+                isinstance(x.get("scale"), int | float) and not isinstance(x.get("scale"), bool)
+                for x in body):
+            raise ApiError(400, 'the body must be [{"id": N, "scale": X}, ...]')
+        scales = [a["scale"] for a in current]
+        for x in body:
+            if not 0 <= x["id"] < len(current):
+                raise ApiError(400, f"id: no adapter {x['id']}; this server has "
+                               f"{len(current)}")
+            scales[x["id"]] = float(x["scale"])
+        with self.lock:
+            for e in self.engines:
+                e.target.set_lora_scales(scales)
+        return self.lora_adapters()
+
     def slot_states(self) -> list[dict]:
         """GET /slots: each slot as llama-server lists it (id, n_ctx, is_processing,
         speculative, the running request's settings), plus its drafter and cached tokens."""
