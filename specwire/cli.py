@@ -1,4 +1,4 @@
-"""`specwire` entry point: one sub-command per module under specwire.commands.
+"""`specwire` entry point: one sub-command per module under specwire.cli.commands.
 
 User errors (bad flags, missing files, incompatible models) print one line
 naming the problem and exit with status 2; tracebacks are for bugs only.
@@ -12,7 +12,7 @@ import logging
 import sys
 
 from specwire.backend.base import BackendError
-from specwire.cliargs import CliError
+from specwire.cli.args import CliError
 from specwire.config import ConfigError
 
 COMMANDS = ("generate", "models", "draft", "serve", "bench", "plan")
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            parser_class=CommandParser)
     for name in COMMANDS:
-        importlib.import_module(f"specwire.commands.{name}").register(sub)
+        importlib.import_module(f"specwire.cli.commands.{name}").register(sub)
     return p
 
 

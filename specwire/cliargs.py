@@ -10,7 +10,7 @@ import argparse
 import logging
 import os
 
-from specwire import cliplacement
+from specwire.cli import placement as cliplacement
 from specwire.config import (
     ROPE_SCALINGS,
     ConfigError,
@@ -449,7 +449,7 @@ def _build(cls, flags: dict[str, str] = FLAG_OF, **kw):
 
 def _branch_count(text: str) -> int:
     """--draft-branches: alternates per chunk, 0..MAX_ALTERNATES (the protocol's limit)."""
-    from specwire.draftlink.messages import MAX_ALTERNATES
+    from specwire.link.messages import MAX_ALTERNATES
 
     try:
         n = int(text)

@@ -20,17 +20,17 @@ import numpy as np
 from specwire.backend.base import Backend, reusable_prefix
 from specwire.backend.batch import BatchBackend, Part, as_batch
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
-from specwire.constraints.grammar import Grammar, GrammarSpec
 from specwire.drafters.base import Draft, Drafter, NoDrafter
 from specwire.drafters.bubble import never_wait
 from specwire.drafters.guard import DraftGuard, check_verify_mode
 from specwire.drafters.lockstep import Drafting
-from specwire.logprobs import LogprobsSpec, TokenProb
-from specwire.policy import AdaptivePolicy, FixedPolicy, Policy, PolicyMemory
-from specwire.scheduler import BatchScheduler
-from specwire.sequence import Round
-from specwire.stats import Stats, counter_delta
-from specwire.verify import Verifier
+from specwire.engine.round import Round
+from specwire.engine.scheduler import BatchScheduler
+from specwire.engine.stats import Stats, counter_delta
+from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy, Policy, PolicyMemory
+from specwire.sample.constraints.grammar import Grammar, GrammarSpec
+from specwire.sample.logprobs import LogprobsSpec, TokenProb
+from specwire.sample.verify import Verifier
 
 
 @dataclass(slots=True)

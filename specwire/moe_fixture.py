@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specwire import models
+from specwire.assets import models
 from specwire.backend.base import BackendError
 
 #: FIM role -> token id in the Gemma vocabulary (<unused0> is 6): tokens no text uses.

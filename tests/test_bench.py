@@ -16,19 +16,19 @@ import os
 from pathlib import Path
 
 import pytest
+from specwire.cli.args import CliError
+from specwire.cli.commands import bench as bench_cmd
+from specwire.cli.commands import plan as plan_cmd
+from specwire.engine.stats import counter_delta
+from specwire.policy.throughput import VerifyCurve, expected_tokens, local_rate
 
 from specwire.bench import plots, predict, prompts, report
 from specwire.bench.runner import Config, PromptRun, tokens_digest
 from specwire.bench.sweep import Settings, configurations
-from specwire.cliargs import CliError
-from specwire.commands import bench as bench_cmd
-from specwire.commands import plan as plan_cmd
-from specwire.stats import counter_delta
-from specwire.throughput import VerifyCurve, expected_tokens, local_rate
 
 
 def _parse(cmd_module, argv: list[str]) -> argparse.Namespace:
-    """Parse one sub-command without specwire.cli (which imports every command)."""
+    """Parse one sub-command without specwire.cli.main (which imports every command)."""
     p = argparse.ArgumentParser()
     cmd_module.register(p.add_subparsers(dest="command"))
     return p.parse_args(argv)
@@ -240,7 +240,7 @@ def test_prediction_plain_local_and_mixture() -> None:
     rounds = predict.Rounds(rounds=10, drafting_rounds=10, drafted=30, accepted=30)
     got = predict.predict(Config("local", 8), 10.0, 50.0, rounds, curve, 20.0)
     assert got["k"] == 3 and got["inputs"]["acceptance"] == 1.0
-    from specwire.throughput import PlanInputs
+    from specwire.policy.throughput import PlanInputs
     expect = local_rate(PlanInputs(10.0, 50.0, 1.0, verify=curve), 3)
     assert got["predicted_tps"] == pytest.approx(expect)
     # half the rounds draft nothing: plain steps that still paid one draft step for asking

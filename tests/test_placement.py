@@ -2,7 +2,7 @@
 
 Fast tests: every flag parses into the settings the backend applies, bad values
 are one line naming the flag (exit 2), fields missing from a llama-cpp-python
-build are refused. Slow tests load the tiny MoE (specwire/moe_fixture.py):
+build are refused. Slow tests load the tiny MoE (specwire/assets/moe.py):
 llama.cpp's own log shows the overrides land on exactly the tensors named, -ub
 and --no-mmap reach the structs handed to llama.cpp, and a draft never changes
 the MoE's greedy or seeded output.
@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from specwire.cli.args import CliError, draft_model_params, draft_params, spec_type, target_params
+from specwire.cli.main import build_parser
+from specwire.cli.placement import node_flags
 
 from specwire.backend import placement
 from specwire.backend.base import BackendError
-from specwire.cli import build_parser
-from specwire.cliargs import CliError, draft_model_params, draft_params, spec_type, target_params
-from specwire.cliplacement import node_flags
 from specwire.config import Placement, TensorOverride
 
 EXPS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
@@ -322,7 +322,7 @@ def test_flash_attn_on_both_struct_layouts() -> None:
 
 @pytest.fixture(scope="module")
 def moe():
-    from specwire import moe_fixture
+    from specwire.assets import moe as moe_fixture
     return moe_fixture.ensure_moe()
 
 
@@ -349,7 +349,9 @@ def load_with_log(argv: list[str], path: Path):
 
 @pytest.mark.slow
 def test_moe_is_a_moe_with_the_gemma_vocabulary(moe) -> None:
-    from specwire import models, moe_fixture
+    from specwire.assets import models
+    from specwire.assets import moe as moe_fixture
+
     from specwire.backend.llama import check_pair, load_model
     from specwire.backend.llama_process import llama_log
     from specwire.config import ModelParams
@@ -373,7 +375,7 @@ def test_moe_is_a_moe_with_the_gemma_vocabulary(moe) -> None:
     (["-ot", r"blk\.1\.=CPU", "--n-cpu-moe", "1"], r"blk\.1\.|blk\.0" + EXPS),
 ])
 def test_overrides_land_on_exactly_the_tensors_named(moe, argv, pattern) -> None:
-    from specwire import moe_fixture
+    from specwire.assets import moe as moe_fixture
     _model, backend, lines = load_with_log(argv, moe.target)
     want = {n for n in moe_fixture.tensor_names() if re.search(pattern, n)}
     got = overridden(lines)
@@ -416,9 +418,10 @@ def moe_engines(moe):
 
 
 def moe_generate(target, draft, prompt: str, sampling, k: int = 4):
+    from specwire.engine.engine import Engine, Request
+
     from specwire.config import DraftParams
     from specwire.drafters.model import ModelDrafter
-    from specwire.engine import Engine, Request
     dp = DraftParams(n_max=k, p_min=0.0, enabled=draft is not None)
     drafter = ModelDrafter(draft) if draft is not None else None
     gen = Engine(target, drafter).generate(Request(target.tokenize(prompt), N_PREDICT,

@@ -1,5 +1,5 @@
 """`specwire serve` as a drop-in for llama-server: users' command lines start it, and each
-llama.cpp flag is implemented, warned about or refused (specwire/commands/compat.py).
+llama.cpp flag is implemented, warned about or refused (specwire/cli/commands/compat.py).
 
 Fast: how flags parse (whole words, no abbreviations), which warn and which refuse, and
 that the README's table names every flag. Slow: the two command lines of issue 26 (a
@@ -22,11 +22,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from specwire.cli.args import CliError
+from specwire.cli.commands import compat
+from specwire.cli.main import build_parser
 from test_server import run_serve
-
-from specwire.cli import build_parser
-from specwire.cliargs import CliError
-from specwire.commands import compat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,7 +197,7 @@ def _ask(url: str, **kw) -> dict:
 
 
 def _models():
-    from specwire import models
+    from specwire.assets import models
     return str(models.default_target()), str(models.default_draft())
 
 
@@ -401,7 +400,7 @@ ROPE = ["--rope-scaling", "yarn", "--rope-scale", "4", "--rope-freq-base", "5000
 
 
 def test_rope_flags_reach_the_target_and_the_draft() -> None:
-    from specwire.cliargs import draft_model_params, target_params
+    from specwire.cli.args import draft_model_params, target_params
     a = parse(*ROPE)
     rope = target_params(a, "t.gguf").rope
     assert draft_model_params(a, "d.gguf").rope == rope
@@ -428,7 +427,7 @@ def test_bad_rope_and_grammar_flags_are_one_line(specwire_cli, argv, needle) -> 
 
 
 def test_server_grammar_from_each_flag(tmp_path: Path) -> None:
-    from specwire.commands.serve import server_grammar
+    from specwire.cli.commands.serve import server_grammar
     (tmp_path / "g.gbnf").write_text('root ::= "yes"')
     (tmp_path / "s.json").write_text('{"type": "integer"}')
     assert server_grammar(parse("--grammar", 'root ::= "yes"')).text == 'root ::= "yes"'
@@ -442,7 +441,8 @@ def test_server_grammar_from_each_flag(tmp_path: Path) -> None:
 
 
 def test_a_request_constraint_wins_over_the_servers(monkeypatch) -> None:
-    from specwire.constraints import GrammarSpec
+    from specwire.sample.constraints import GrammarSpec
+
     from specwire.server import structured
 
     class _Backend:
@@ -514,8 +514,9 @@ def test_parallel_tool_calls_flag_sets_the_default_and_named_is_one_call() -> No
 
 
 def test_llamacpp_speculation_counters_beside_specwires() -> None:
+    from specwire.engine.stats import Stats
+
     from specwire.server.metrics import Metrics
-    from specwire.stats import Stats
     stats = Stats()
     for drafted, accepted in ((4, 2), (3, 3), (2, 0), (0, 0)):    # the last: no draft
         stats.record_round(drafted, accepted, drafted)
@@ -538,10 +539,10 @@ def test_llamacpp_speculation_counters_beside_specwires() -> None:
 
 @pytest.fixture
 def toy_app():
+    from specwire.engine.engine import Engine
     from test_server import SpyDrafter, ToyBackend, serve_app
 
     from specwire.config import SamplingParams
-    from specwire.engine import Engine
     from specwire.server import ServerSettings, create_app
 
     @contextlib.contextmanager
@@ -607,7 +608,7 @@ def test_real_server_exports_llamacpp_counters_and_slots() -> None:
 
 def _useless(rounds: int = 40):
     """An adaptive policy after `rounds` of a drafter whose tokens are never kept."""
-    from specwire.policy import AdaptivePolicy
+    from specwire.policy.adaptive import AdaptivePolicy
     p = AdaptivePolicy(8)
     for _ in range(rounds):
         k = p.choose(16)
@@ -616,7 +617,7 @@ def _useless(rounds: int = 40):
 
 
 def _stats(rounds: int, drafted: int, accepted: int):
-    from specwire.stats import Stats
+    from specwire.engine.stats import Stats
     s = Stats()
     for i in range(rounds):
         s.record_round(drafted if i == 0 else 0, accepted if i == 0 else 0, drafted)
@@ -640,7 +641,8 @@ def test_the_policy_turning_drafting_off_is_said_once_with_its_figures(caplog) -
 
 
 def test_an_unreachable_node_is_said_once_and_a_working_draft_not_at_all(caplog) -> None:
-    from specwire.policy import AdaptivePolicy
+    from specwire.policy.adaptive import AdaptivePolicy
+
     from specwire.server.speculation import SpeculationWatch
     watch = SpeculationWatch()
     with caplog.at_level(logging.WARNING, "specwire.speculation"):
@@ -657,7 +659,8 @@ def test_an_unreachable_node_is_said_once_and_a_working_draft_not_at_all(caplog)
 
 
 def test_a_drafter_that_proposes_nothing_is_said(caplog) -> None:
-    from specwire.policy import FixedPolicy
+    from specwire.policy.adaptive import FixedPolicy
+
     from specwire.server.speculation import SpeculationWatch
     watch = SpeculationWatch()
     with caplog.at_level(logging.WARNING, "specwire.speculation"):
@@ -671,7 +674,7 @@ def test_a_drafter_that_proposes_nothing_is_said(caplog) -> None:
                                                                   "model"),
                                          ("ngram-mod:n_max=64", "ngram"), ("suffix", "ngram")])
 def test_spec_types_specwire_lacks_draft_with_the_model_and_say_so(value, kind, caplog) -> None:
-    from specwire.cliargs import spec_type
+    from specwire.cli.args import spec_type
     with caplog.at_level(logging.WARNING, "specwire.flags"):
         assert spec_type(parse("--spec-type", value)) == kind
     assert ("no such drafter" in caplog.text) == (kind == "model")
@@ -780,15 +783,16 @@ def test_infill_refuses_a_model_without_fim_tokens_and_bad_extra() -> None:
 
 @pytest.fixture(scope="module")
 def fim_pair():
-    from specwire.moe_fixture import MoeSpec, ensure_moe
+    from specwire.assets.moe import MoeSpec, ensure_moe
     return ensure_moe(MoeSpec(fim=True))
 
 
 @pytest.mark.slow
 def test_infill_on_a_fim_model_is_the_same_with_and_without_a_draft(fim_pair) -> None:
+    from specwire.assets.moe import FIM_TOKENS
+
     from specwire.backend.llama import load_model
     from specwire.config import ModelParams
-    from specwire.moe_fixture import FIM_TOKENS
     fim = load_model(ModelParams(str(fim_pair.target))).fim_tokens()
     assert {k: fim[k] for k in FIM_TOKENS} == FIM_TOKENS       # read back from the GGUF
     body = {"input_prefix": "def total(xs):\n    s = 0\n    for x in xs:\n",
@@ -881,7 +885,7 @@ def test_slot_save_erase_restore_on_the_bundled_pair(tmp_path: Path) -> None:
 
 
 def test_verbose_and_verbosity_set_llama_cpps_thresholds() -> None:
-    from specwire.commands.serve import log_level
+    from specwire.cli.commands.serve import log_level
     assert log_level(parse()) == logging.INFO
     assert log_level(parse("-v")) == log_level(parse("--log-verbose")) == logging.DEBUG
     assert [log_level(parse("-lv", str(n))) for n in range(6)] == [
@@ -896,7 +900,7 @@ def test_verbose_and_verbosity_set_llama_cpps_thresholds() -> None:
 
 
 def test_lora_flags_in_order_with_their_scales() -> None:
-    from specwire.cliargs import lora_params, target_params
+    from specwire.cli.args import lora_params, target_params
     assert lora_params(parse("--lora", "a.gguf", "--lora-init-without-apply")) == (
         ("a.gguf", 0.0),)
     a = parse("--lora", "a.gguf,b.gguf", "--lora-scaled", "c.gguf:0.5,d:e.gguf:2")
@@ -910,11 +914,11 @@ def test_lora_flags_in_order_with_their_scales() -> None:
 @pytest.mark.slow
 def test_lora_reaches_llama_cpp_and_stays_lossless(tmp_path: Path) -> None:
     import numpy as np
+    from specwire.assets.moe import MoeSpec, ensure_moe, ensure_moe_lora
 
     from specwire.backend.base import BackendError
     from specwire.backend.llama import LlamaBackend
     from specwire.config import ModelParams
-    from specwire.moe_fixture import MoeSpec, ensure_moe, ensure_moe_lora
     pair, lora = ensure_moe(MoeSpec()), str(ensure_moe_lora(MoeSpec()))
     prompt = [2, 1000, 2000, 3000, 4000]
 

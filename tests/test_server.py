@@ -28,10 +28,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from specwire.engine.engine import Engine
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import NoDrafter
-from specwire.engine import Engine
 from specwire.server import ServerSettings, create_app, schemas
 from specwire.server.errors import ApiError
 from specwire.server.slots import JobQueue, QueueFull
@@ -323,8 +323,8 @@ def test_toy_parallel_slots_and_no_waiting_room() -> None:
 def test_serve_refuses_bad_flags_before_loading_models() -> None:
     import argparse
 
-    from specwire.cliargs import CliError
-    from specwire.commands import serve
+    from specwire.cli.args import CliError
+    from specwire.cli.commands import serve
 
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())
@@ -357,7 +357,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     """`python -m specwire serve` with no model flags: the bundled pair."""
-    from specwire import models
+    from specwire.assets import models
     models.default_target()
     models.default_draft()
     with run_serve("-t", "1", "-td", "1", "-c", "512", "--queue-size", "3",

@@ -192,10 +192,11 @@ def test_tool_errors_are_400(server: str) -> None:
 
 @pytest.mark.parametrize("family", sorted(OUTPUTS))
 def test_every_family_grammar_compiles_in_llama_cpp(family: str) -> None:
-    from specwire import models
+    from specwire.assets import models
+    from specwire.sample.constraints import Grammar
+
     from specwire.backend.llama import load_model
     from specwire.config import ModelParams
-    from specwire.constraints import Grammar
     vocab = load_model(ModelParams(str(models.default_target()))).vocab
     for parallel in (False, True):
         req, _ = _request(family, tool_choice="required", parallel_tool_calls=parallel)

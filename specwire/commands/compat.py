@@ -20,7 +20,7 @@ import argparse
 import logging
 from dataclasses import dataclass
 
-from specwire.cliargs import CliError
+from specwire.cli.args import CliError
 
 log = logging.getLogger("specwire.flags")
 

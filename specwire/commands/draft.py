@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from specwire.cliargs import CliError, add_draft_model_args, draft_model_params
-from specwire.commands import compat
+from specwire.cli.args import CliError, add_draft_model_args, draft_model_params
+from specwire.cli.commands import compat
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(a: argparse.Namespace) -> int:
     from specwire.backend.base import BackendError
-    from specwire.loader import resolve_draft
+    from specwire.build import resolve_draft
     from specwire.node.server import NodeSettings, serve
 
     compat.check_rpc(a)

@@ -6,14 +6,14 @@ import argparse
 import json
 import sys
 
-from specwire.cliargs import (
+from specwire.cli.args import (
     CliError,
     add_model_args,
     add_sampling_args,
     draft_params,
     sampling_params,
 )
-from specwire.commands import compat
+from specwire.cli.commands import compat
 from specwire.config import ConfigError
 
 
@@ -66,10 +66,10 @@ def read_prompt(a: argparse.Namespace) -> str | list[dict]:
 
 
 def run(a: argparse.Namespace) -> int:
-    from specwire.commands.settings import engine_settings
-    from specwire.engine import Request
-    from specwire.loader import build_engine
-    from specwire.textstream import TextStream
+    from specwire.build import build_engine
+    from specwire.cli.settings import engine_settings
+    from specwire.engine.engine import Request
+    from specwire.text.stream import TextStream
 
     compat.check_rpc(a)
     if a.n_predict < 0:
@@ -79,7 +79,7 @@ def run(a: argparse.Namespace) -> int:
     engine = build_engine(engine_settings(a))
     target = engine.target
     if isinstance(prompt, list):
-        from specwire.chat import render_for
+        from specwire.text.chat import render_for
         text = render_for(target, prompt, a.chat_template)
         tokens = target.tokenize(text, add_special=False, parse_special=True)
     else:

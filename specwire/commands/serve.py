@@ -14,15 +14,15 @@ import os
 import socket
 import time
 
-from specwire import reasoning
-from specwire.cliargs import (
+from specwire.cli.args import (
     CliError,
     add_model_args,
     add_sampling_args,
     draft_params,
     sampling_params,
 )
-from specwire.commands import compat
+from specwire.cli.commands import compat
+from specwire.text import reasoning
 
 log = logging.getLogger("specwire.serve")
 
@@ -204,7 +204,7 @@ def template_kwargs(text: str | None) -> dict:
 def server_grammar(a: argparse.Namespace):  # noqa: ANN201 - GrammarSpec, imported late
     """--grammar, --grammar-file, --json-schema or --json-schema-file -> a GrammarSpec."""
     from specwire.config import ConfigError
-    from specwire.constraints import GrammarSpec, schema_grammar
+    from specwire.sample.constraints import GrammarSpec, schema_grammar
 
     for flag, dest, is_file, kind in (("--grammar", "grammar", False, "gbnf"),
                                       ("--grammar-file", "grammar_file", True, "gbnf"),
@@ -246,7 +246,7 @@ def check_grammar(spec, target) -> None:  # noqa: ANN001 - GrammarSpec, Backend
     if spec is None:
         return
     from specwire.config import ConfigError
-    from specwire.constraints import Grammar
+    from specwire.sample.constraints import Grammar
     try:
         Grammar.for_backend(spec, target).close()
     except ConfigError as e:
@@ -280,11 +280,11 @@ def ssl_files(a: argparse.Namespace) -> dict:
 def run(a: argparse.Namespace) -> int:
     import uvicorn
 
-    from specwire import chat
-    from specwire.commands.settings import engine_settings
+    from specwire.build import build_engine
+    from specwire.cli.settings import engine_settings
     from specwire.drafters.base import declared
-    from specwire.loader import build_engine
     from specwire.server import ServerSettings, create_app
+    from specwire.text import chat
 
     setup_logging(a)
     compat.check_compat(a)

@@ -41,9 +41,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from specwire import chat
 from specwire.backend.base import Backend
-from specwire.engine import Engine
+from specwire.engine.engine import Engine
 from specwire.server import limits, schemas
 from specwire.server.errors import ApiError, install_handlers
 from specwire.server.metrics import CONTENT_TYPE, Metrics
@@ -52,6 +51,7 @@ from specwire.server.settings import ServerSettings
 from specwire.server.slots import Chunk, Done, Event, Failed, Job, QueueFull, Result, Scheduler
 from specwire.server.webui import RecentRequests
 from specwire.server.webui import install as install_webui
+from specwire.text import chat
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, ge
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from specwire.stats import Stats
+from specwire.engine.stats import Stats
 
 PREFIX = "specwire:"
 LLAMA_PREFIX = "llamacpp:"

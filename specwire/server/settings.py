@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.constraints import GrammarSpec
+from specwire.sample.constraints import GrammarSpec
 from specwire.server.limits import MAX_BODY_BYTES
 
 
@@ -19,7 +19,7 @@ class ServerSettings:
                    comma list gives more names (llama-server's -a). Any `model` a request
                    names is served, as llama-server serves its one model.
     chat_template: named template (llama.cpp names) or Jinja source; None = the GGUF's own,
-                   else gemma for Gemma models, chatml otherwise (see specwire.chat).
+                   else gemma for Gemma models, chatml otherwise (see specwire.text.chat).
     api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
     queue_size:    requests allowed to wait for a slot; one more is refused with 429.
     n_predict:     the server's cap on tokens per request (-1: up to the context size).

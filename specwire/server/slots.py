@@ -3,7 +3,7 @@
 An Engine holds up to n_seq sequences in one target context (serve -np N); each
 sequence is a "slot" in llama-server's words. One worker thread runs the
 engines' steps: every running request's round goes into the same decode
-(specwire/scheduler.py), so N concurrent requests read the target's weights
+(specwire/engine/scheduler.py), so N concurrent requests read the target's weights
 once per step, not N times. Requests wait in one bounded FIFO: first come,
 first served, and a request that finds the queue full is refused at once (429)
 instead of piling up behind a long generation. A request goes to the idle slot
@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 
 from specwire.backend.base import BackendError
 from specwire.config import ConfigError
-from specwire.engine import Engine, Generation, Request
+from specwire.engine.engine import Engine, Generation, Request
+from specwire.engine.stats import Stats
 from specwire.server.errors import ApiError
 from specwire.server.metrics import Metrics
 from specwire.server.speculation import SpeculationWatch
 from specwire.server.stops import StopMatcher
-from specwire.stats import Stats
-from specwire.textstream import TextStream
+from specwire.text.stream import TextStream
 
 log = logging.getLogger(__name__)
 

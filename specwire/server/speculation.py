@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from specwire.policy import AdaptivePolicy
-from specwire.stats import Stats
+from specwire.engine.stats import Stats
+from specwire.policy.adaptive import AdaptivePolicy
 
 log = logging.getLogger("specwire.speculation")
 

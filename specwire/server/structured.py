@@ -15,8 +15,8 @@ import math
 from typing import Any
 
 from specwire.config import ConfigError
-from specwire.constraints import JSON_OBJECT, Grammar, GrammarSpec, schema_grammar
-from specwire.logprobs import MAX_N_PROBS, LogprobsSpec
+from specwire.sample.constraints import JSON_OBJECT, Grammar, GrammarSpec, schema_grammar
+from specwire.sample.logprobs import MAX_N_PROBS, LogprobsSpec
 from specwire.server.errors import bad_request
 
 #: OpenAI's limits: top_logprobs up to 20 (chat), logprobs up to 5 (completions).

@@ -9,7 +9,7 @@
   tool_choice is exactly one call to that function, whatever it says.
 
 The model's own chat template renders the tools when it knows them (its
-format is recognised from what the template writes, see specwire.tools);
+format is recognised from what the template writes, see specwire.text.tools);
 a template that knows no tools gets llama-server's generic JSON format with the
 tools described in a system message. A forced call is constrained by a grammar
 (the call syntax with the tool's argument schema) so that even a small model
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from specwire.config import ConfigError
-from specwire.constraints import GrammarSpec, schema_grammar
+from specwire.sample.constraints import GrammarSpec, schema_grammar
 from specwire.server.chat_output import ChatPlan
 from specwire.server.errors import bad_request
-from specwire.tools import Generic, Tool, ToolFormat, detect
+from specwire.text.tools import Generic, Tool, ToolFormat, detect
 
 
 @dataclass(slots=True)
