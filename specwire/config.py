@@ -198,6 +198,48 @@ class Placement:
             f"must be proportions >= 0, not all 0, got {list(self.tensor_split)}")
 
 
+#: llama.cpp's --rope-scaling values (llama_rope_scaling_type).
+ROPE_SCALINGS = {"none": 0, "linear": 1, "yarn": 2}
+
+
+@dataclass(slots=True, frozen=True)
+class Rope:
+    """RoPE and YaRN overrides (llama.cpp's --rope-* and --yarn-* flags); each None or 0
+    keeps the GGUF's own value, as llama.cpp's defaults do."""
+
+    scaling: str | None = None        # --rope-scaling none|linear|yarn
+    freq_base: float = 0.0            # --rope-freq-base
+    freq_scale: float = 0.0           # --rope-freq-scale (--rope-scale N: 1/N)
+    yarn_orig_ctx: int = 0
+    yarn_ext_factor: float = -1.0
+    yarn_attn_factor: float = -1.0
+    yarn_beta_slow: float = -1.0
+    yarn_beta_fast: float = -1.0
+
+    def __post_init__(self) -> None:
+        _check(self.scaling is None or self.scaling in ROPE_SCALINGS, "rope_scaling",
+               f"must be none, linear or yarn, got {self.scaling!r}")
+        _check(self.freq_base >= 0, "rope_freq_base", f"must be >= 0, got {self.freq_base}")
+        _check(self.freq_scale >= 0, "rope_freq_scale", f"must be > 0, got {self.freq_scale}")
+        _check(self.yarn_orig_ctx >= 0, "yarn_orig_ctx", f"must be >= 0, got {self.yarn_orig_ctx}")
+
+    def context_fields(self) -> dict[str, float | int]:
+        """The llama_context_params fields to set (those the user gave)."""
+        out: dict[str, float | int] = {}
+        if self.scaling is not None:
+            out["rope_scaling_type"] = ROPE_SCALINGS[self.scaling]
+        defaults = Rope()
+        for name, field_ in (("freq_base", "rope_freq_base"), ("freq_scale", "rope_freq_scale"),
+                             ("yarn_orig_ctx", "yarn_orig_ctx"),
+                             ("yarn_ext_factor", "yarn_ext_factor"),
+                             ("yarn_attn_factor", "yarn_attn_factor"),
+                             ("yarn_beta_slow", "yarn_beta_slow"),
+                             ("yarn_beta_fast", "yarn_beta_fast")):
+            if getattr(self, name) != getattr(defaults, name):
+                out[field_] = getattr(self, name)
+        return out
+
+
 @dataclass(slots=True, frozen=True)
 class ModelParams:
     """How one GGUF is loaded; the target and the draft each get their own."""
@@ -214,6 +256,9 @@ class ModelParams:
     flash_attn: str = "auto"  # -fa on|off|auto
     placement: Placement = Placement()
     numa: str = "disabled"    # --numa: process-wide, applied before the first model loads
+    rope: Rope = Rope()       # --rope-* / --yarn-*: the context's RoPE overrides
+    #: --lora / --lora-scaled: (adapter GGUF, scale) applied to this model's context
+    loras: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.flash_attn, bool):  # the older boolean spelling

@@ -175,6 +175,14 @@ def test_aggregate_record() -> None:
     assert report.warnings([r]) and "b" in report.warnings([r])[0]
     table = report.render_table([r])
     assert "remote-sync k=4 rtt=10ms" in table and "NO" in table
+    # as llama-spec-bench prints it: 4 draft rounds kept 7 tokens, plus their own 4
+    assert r["drafting_rounds"] == 4 and r["rounds"] == 7
+    assert r["mean_accepted_length"] == pytest.approx((7 + 4) / 4)
+    spec = report.render_speculation([r]).splitlines()
+    assert spec[0].split()[:8] == ["configuration", "rounds", "drafts", "drafted", "accepted",
+                                   "rate", "mean", "len"]
+    assert spec[2].split()[-14:] == ["7", "4", "12", "7", "58.3%", "2.75",
+                                     "75", "67", "50", "50", "-", "-", "-", "-"]
 
 
 def test_adaptive_against_best_fixed() -> None:

@@ -153,14 +153,20 @@ def test_spec_type(value: str, kind: str) -> None:
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--spec-type", "draft-mtp"], "not supported"),
+    (["--spec-type", "telepathy"], "not supported"),
     (["--spec-type", "ngram-simple", "-md", "d.gguf"], "contradicts -md"),
-    (["--spec-type", "none", "--draft-ngram"], "contradicts --draft-ngram"),
     (["--spec-type", "draft-simple", "--no-draft"], "contradicts --no-draft"),
 ])
 def test_spec_type_conflicts(argv: list[str], needle: str) -> None:
     with pytest.raises(CliError, match=needle):
         spec_type(parse("generate", "x", *argv))
+
+
+def test_spec_type_none_beside_a_draft_turns_speculation_off_and_says_so(caplog) -> None:
+    with caplog.at_level("WARNING", "specwire.flags"):
+        a = parse("generate", "x", "--spec-type", "none", "-md", "d.gguf")
+        assert spec_type(a) == "none" and not draft_params(a).enabled
+    assert "-md configured but not used: speculation is off" in caplog.text
 
 
 # --------------------------------------------------------------------------- bad values

@@ -91,6 +91,71 @@ def test_forced_call_has_schema_valid_arguments_and_streams_the_same(oai, choice
     assert r.timings["draft_n"] > 0 and plain.timings["draft_n"] == 0
 
 
+def _streamed_calls(stream) -> tuple[list[tuple[str, str]], str | None, str]:
+    parts: dict[int, dict] = {}
+    finish, content = None, ""
+    for ch in stream:
+        for ci in ch.choices:
+            finish = ci.finish_reason or finish
+            content += ci.delta.content or ""
+            for d in ci.delta.tool_calls or []:
+                p = parts.setdefault(d.index, {"name": "", "arguments": ""})
+                p["name"] += d.function.name or ""
+                p["arguments"] += d.function.arguments or ""
+    return [(p["name"], p["arguments"]) for p in parts.values()], finish, content
+
+
+@pytest.mark.parametrize("parallel", [None, True], ids=["default", "parallel-on"])
+def test_named_tool_choice_is_exactly_one_call(oai, parallel) -> None:
+    """An agent forcing a function gets one call to it, whether or not it allows parallel
+    calls (the small model, left free, would repeat the call until max_tokens); streamed
+    the same, and the same tokens with and without a draft."""
+    kw = {"model": "any-name", "messages": ASK, "tools": [WEATHER], "temperature": 0,
+          "max_tokens": 200,
+          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    if parallel is not None:
+        kw["parallel_tool_calls"] = parallel
+    r = oai.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c.message.content
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    _call_args(call)
+    assert r.usage.completion_tokens < 200
+    calls, finish, _ = _streamed_calls(oai.chat.completions.create(**kw, stream=True))
+    assert finish == "tool_calls" and [n for n, _ in calls] == ["get_weather"]
+    assert json.loads(calls[0][1]) == json.loads(call.function.arguments)
+    plain = oai.chat.completions.create(**kw, extra_body={"speculative": False})
+    assert plain.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    assert r.timings["draft_n"] > 0 and plain.timings["draft_n"] == 0
+
+
+def test_parallel_tool_calls_defaults_to_off(oai) -> None:
+    """As in llama-server: "required" without parallel_tool_calls is one call."""
+    kw = {"model": "x", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+          "temperature": 0, "max_tokens": 200}
+    r = oai.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_auto_tool_choice_streams_and_is_lossless(oai) -> None:
+    """tool_choice auto: a call or an answer, the same streamed, with and without a draft."""
+    kw = {"model": "x", "messages": ASK, "tools": [WEATHER], "temperature": 0,
+          "max_tokens": 80}
+    r = oai.chat.completions.create(**kw)
+    m = r.choices[0].message
+    whole = [(t.function.name, t.function.arguments) for t in m.tool_calls or []]
+    calls, finish, content = _streamed_calls(oai.chat.completions.create(**kw, stream=True))
+    assert finish == r.choices[0].finish_reason
+    assert [(n, json.loads(a)) for n, a in calls] == [(n, json.loads(a)) for n, a in whole]
+    assert content == (m.content or "")
+    plain = oai.chat.completions.create(**kw, extra_body={"speculative": False}).choices[0]
+    assert plain.message.content == m.content
+    assert [(t.function.name, t.function.arguments) for t in plain.message.tool_calls or []] \
+        == whole
+
+
 def test_history_with_tool_results_and_auto(oai) -> None:
     model = oai.models.list().data[0].id
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
@@ -131,6 +196,7 @@ def test_every_family_grammar_compiles_in_llama_cpp(family: str) -> None:
     from specwire.backend.llama import load_model
     from specwire.config import ModelParams
     from specwire.sample.constraints import Grammar
+
     vocab = load_model(ModelParams(str(models.default_target()))).vocab
     for parallel in (False, True):
         req, _ = _request(family, tool_choice="required", parallel_tool_calls=parallel)

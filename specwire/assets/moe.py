@@ -30,6 +30,9 @@ import numpy as np
 from specwire.assets import models
 from specwire.backend.base import BackendError
 
+#: FIM role -> token id in the Gemma vocabulary (<unused0> is 6): tokens no text uses.
+FIM_TOKENS = {"pre": 6, "suf": 7, "mid": 8, "sep": 9, "rep": 10}
+
 
 @dataclass(frozen=True, slots=True)
 class MoeSpec:
@@ -46,9 +49,15 @@ class MoeSpec:
     logit_std: float = 4.0
     seed: int = 20251130
     draft_type: str = "Q5_0"  # the draft: this model through llama.cpp's quantizer
+    #: give the vocabulary fill-in-the-middle tokens (Gemma's <unused0..4> as FIM prefix,
+    #: suffix, middle, file separator and repository), for /infill's tests
+    fim: bool = False
 
     def key(self) -> str:
-        text = json.dumps({"spec": asdict(self), "builder": 1}, sort_keys=True)
+        spec = asdict(self)
+        if not self.fim:
+            del spec["fim"]     # the files built before the option keep their names
+        text = json.dumps({"spec": spec, "builder": 1}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -76,6 +85,42 @@ def ensure_moe(spec: MoeSpec = MoeSpec(), progress: bool = False) -> MoePair:
     return MoePair(target, draft)
 
 
+def ensure_moe_lora(spec: MoeSpec = MoeSpec(), rank: int = 4, alpha: float = 8.0) -> Path:
+    """A LoRA adapter GGUF for the MoE target (on every layer's attn_q and attn_v), so that
+    --lora has something real to load: seeded random A and B, large enough that the
+    adapted model's greedy output differs from the base's."""
+    folder = models.home()
+    path = folder / f"moe-tiny-{spec.key()}-lora-r{rank}.gguf"
+    if path.exists():
+        return path
+    with models.locked(folder):
+        if not path.exists():
+            with models.atomic_output(path) as tmp:
+                _write_lora(tmp, spec, rank, alpha)
+    return path
+
+
+def _write_lora(path: Path, spec: MoeSpec, rank: int, alpha: float) -> None:
+    gguf = _gguf()
+    rng = np.random.default_rng(spec.seed + 1)
+    kv = spec.n_embd // spec.n_head * spec.n_head_kv
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for i in range(spec.n_layer):
+        for name, n_out in (("attn_q", spec.n_embd), ("attn_v", kv)):
+            # ggml's A is [n_in, rank] and B [rank, n_out]; numpy shapes are reversed
+            a = rng.standard_normal((rank, spec.n_embd), dtype=np.float32) * spec.n_embd ** -0.5
+            b = rng.standard_normal((n_out, rank), dtype=np.float32) * rank ** -0.5
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_a", a)
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_b", b)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_moe(path: Path, spec: MoeSpec, tokenizer_from: Path) -> None:
     """Write the MoE GGUF to `path`, its tokenizer copied from the GGUF `tokenizer_from`."""
     gguf = _gguf()
@@ -99,6 +144,9 @@ def write_moe(path: Path, spec: MoeSpec, tokenizer_from: Path) -> None:
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _copy_tokenizer(reader, w)
+    if spec.fim:
+        for name, token in FIM_TOKENS.items():
+            w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", token)
     for name, array in _weights(spec, n_vocab):
         w.add_tensor(name, array)
     w.write_header_to_file()

@@ -66,6 +66,34 @@ def restore(backend: LlamaBackend, saved: SavedState) -> bool:
     return True
 
 
+def save_file(view, path: str) -> int:  # noqa: ANN001 - LlamaBackend or its SeqView
+    """llama-server's slot save: one sequence's cells and tokens to a file; bytes written."""
+    owner, seq = getattr(view, "owner", view), getattr(view, "seq_id", 0)
+    tokens = (C.llama_token * max(1, view.n_past))(*view.tokens)
+    written = C.llama_state_seq_save_file(owner.ctx, path.encode(), seq, tokens, view.n_past)
+    if written == 0:
+        raise BackendError(f"llama.cpp could not save the slot's KV cache to {path}")
+    return int(written)
+
+
+def load_file(view, path: str) -> int:  # noqa: ANN001 - LlamaBackend or its SeqView
+    """llama-server's slot restore: the file's cells into this sequence (what it held
+    before is dropped); tokens restored. A file of another model or context is refused."""
+    owner, seq = getattr(view, "owner", view), getattr(view, "seq_id", 0)
+    view.truncate(0)
+    tokens = (C.llama_token * view.n_ctx)()
+    count = ctypes.c_size_t(0)
+    read = C.llama_state_seq_load_file(owner.ctx, path.encode(), seq, tokens, view.n_ctx,
+                                       ctypes.byref(count))
+    if read == 0:
+        C.llama_memory_seq_rm(owner.mem, seq, -1, -1)
+        view.adopt([])
+        raise BackendError(f"llama.cpp could not restore {path} into this slot (another "
+                           "model, context size or cache type?)")
+    view.adopt(list(tokens[:count.value]))
+    return count.value
+
+
 def can_shift(backend: LlamaBackend) -> bool:
     """Whether the context's memory supports moving cells to new positions."""
     return bool(C.llama_memory_can_shift(backend.mem))

@@ -78,16 +78,18 @@ class Model:
             self._fingerprint = h.hexdigest()[:32]
         return self._fingerprint
 
-    def piece(self, token: int) -> bytes:
-        """The bytes a token prints as (special tokens print nothing)."""
-        p = self._pieces.get(token)
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes a token prints as (special tokens print nothing, unless `special`:
+        llama-server's --special)."""
+        key = ~token if special else token
+        p = self._pieces.get(key)
         if p is None:
             buf = ctypes.create_string_buffer(256)
-            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
-                n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-            p = self._pieces[token] = buf.raw[: max(n, 0)]
+                n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            p = self._pieces[key] = buf.raw[: max(n, 0)]
         return p
 
     def tokenize(
@@ -110,6 +112,16 @@ class Model:
         t = C.llama_model_chat_template(self.ptr, None)
         return t.decode() if t else None
 
+    def fim_tokens(self) -> dict[str, int]:
+        """The vocabulary's fill-in-the-middle tokens (pre, suf, mid, pad, rep, sep) that
+        it has, by name, and "bos" when its prompts start with BOS."""
+        out = {name: int(getattr(C, f"llama_vocab_fim_{name}")(self.vocab))
+               for name in ("pre", "suf", "mid", "pad", "rep", "sep")}
+        out = {k: v for k, v in out.items() if v >= 0}
+        if C.llama_vocab_get_add_bos(self.vocab):
+            out["bos"] = self.bos
+        return out
+
     def token_text(self, token: int) -> str:
         return (C.llama_vocab_get_text(self.vocab, token) or b"").decode(errors="replace")
 
@@ -120,6 +132,17 @@ class Model:
     @property
     def eos(self) -> int:
         return int(C.llama_vocab_eos(self.vocab))
+
+
+def _load_lora(model: Model, path: str):  # noqa: ANN202 - llama_adapter_lora_p
+    """A LoRA adapter GGUF for this model (--lora); it lives as long as the model."""
+    if not os.path.isfile(path):
+        raise BackendError(f"--lora: no such file: {path}")
+    adapter = C.llama_adapter_lora_init(model.ptr, path.encode())
+    if not adapter:
+        raise BackendError(f"--lora: llama.cpp could not load {path} as a LoRA adapter of "
+                           f"{model.path} (another architecture or shapes?)")
+    return adapter
 
 
 _models: dict[tuple, Model] = {}
@@ -207,7 +230,10 @@ class LlamaBackend:
         cp.no_perf = True
         # Rolling back a sliding-window cache is only exact when it keeps every position.
         cp.swa_full = True
+        for name, value in params.rope.context_fields().items():
+            setattr(cp, name, value)
         self.context_params = cp   # as handed to llama.cpp (tests read n_ubatch from it)
+        self.loras = [_load_lora(self.model, path) for path, _ in params.loras]
         self.ctx = C.llama_init_from_model(self.model.ptr, cp)
         if not self.ctx:
             raise BackendError(
@@ -215,6 +241,12 @@ class LlamaBackend:
                 f"sequences) for {params.path}"
             )
         _count_context(+1)
+        self.lora_scales = [s for _, s in params.loras]
+        if self.loras and not self._set_loras():
+            C.llama_free(self.ctx)
+            self.ctx = None
+            _count_context(-1)
+            raise BackendError(f"llama.cpp could not apply --lora to {params.path}")
         self.n_ctx = int(C.llama_n_ctx(self.ctx)) // n_seq   # per sequence
         self.mem = C.llama_get_memory(self.ctx)
         self.n_batch = self._cap = params.n_batch
@@ -323,6 +355,20 @@ class LlamaBackend:
             r += p.n_rows
         return out
 
+    def set_lora_scales(self, scales: Sequence[float]) -> None:
+        """POST /lora-adapters: each loaded adapter's new scale (0: off)."""
+        if len(scales) != len(self.loras):
+            raise BackendError(f"{len(scales)} scales for {len(self.loras)} adapters")
+        old, self.lora_scales = self.lora_scales, [float(s) for s in scales]
+        if not self._set_loras():
+            self.lora_scales = old
+            raise BackendError("llama.cpp could not change the LoRA scales")
+
+    def _set_loras(self) -> bool:
+        adapters = (C.llama_adapter_lora_p_ctypes * len(self.loras))(*self.loras)
+        scales = (ctypes.c_float * len(self.loras))(*self.lora_scales)
+        return C.llama_set_adapters_lora(self.ctx, adapters, len(self.loras), scales) == 0
+
     def seq_decode_s(self, seq: int) -> float:
         """Sequence seq's share of the time inside llama_decode: of each decode, the
         fraction of its tokens that were seq's (decode_s is every sequence's)."""
@@ -354,8 +400,8 @@ class LlamaBackend:
     ) -> list[int]:
         return self.model.tokenize(text, add_special, parse_special)
 
-    def detokenize(self, tokens: Sequence[int]) -> bytes:
-        return b"".join(self.model.piece(int(t)) for t in tokens)
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        return b"".join(self.model.piece(int(t), special) for t in tokens)
 
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
@@ -365,6 +411,9 @@ class LlamaBackend:
 
     def chat_template(self) -> str | None:
         return self.model.chat_template()
+
+    def fim_tokens(self) -> dict[str, int]:
+        return self.model.fim_tokens()
 
     def close(self) -> None:
         if self.ctx:
@@ -418,8 +467,8 @@ class SeqView:
     ) -> list[int]:
         return self.owner.tokenize(text, add_special, parse_special)
 
-    def detokenize(self, tokens: Sequence[int]) -> bytes:
-        return self.owner.detokenize(tokens)
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        return self.owner.detokenize(tokens, special)
 
     def is_eog(self, token: int) -> bool:
         return self.owner.is_eog(token)
@@ -429,6 +478,9 @@ class SeqView:
 
     def chat_template(self) -> str | None:
         return self.owner.chat_template()
+
+    def fim_tokens(self) -> dict[str, int]:
+        return self.owner.fim_tokens()
 
 
 def check_pair(target: Model, draft: Model) -> None:

@@ -219,6 +219,11 @@ def aggregate(cfg: Config, runs: Sequence[PromptRun], plain: Sequence[PromptRun]
         "rejected_rounds": sum(r.stats.get("rejected_rounds", 0) for r in runs),
         "mean_accepted": (sum(i * c for i, c in enumerate(hist)) / rounds_with_draft
                           if rounds_with_draft else None),
+        "drafting_rounds": rounds_with_draft,
+        #: llama-spec-bench's "mean accepted length": tokens per drafting round, the
+        #: target's own (bonus or corrected) token included
+        "mean_accepted_length": ((accepted + rounds_with_draft) / rounds_with_draft
+                                 if rounds_with_draft else None),
         "accepted_hist": hist,
         "by_position": merge_by_position(r.stats.get("by_position", []) for r in runs),
         "time": time_split(cfg, runs),
@@ -411,10 +416,38 @@ def _pct_cell(x: float | None, width: int) -> str:
     return f"{'-' if x is None else f'{100 * x:.1f}%':>{width}}"
 
 
+#: draft positions the speculation table shows (llama-spec-bench's per-position acceptance).
+POSITIONS = 8
+
+
+def render_speculation(records: Sequence[dict]) -> str:
+    """What users compare across tools, as ik_llama.cpp's llama-spec-bench prints it:
+    rounds, drafts, drafted and accepted tokens, the acceptance rate, the mean accepted
+    length (the target's own token included) and acceptance at each draft position."""
+    width = max([len("configuration"), *(len(r["label"]) for r in records)])
+    pos = " ".join(f"{f'p{i}':>4}" for i in range(POSITIONS))
+    head = (f"{'configuration':<{width}} {'rounds':>6} {'drafts':>6} {'drafted':>7} "
+            f"{'accepted':>8} {'rate':>6} {'mean len':>8}  acceptance by position {pos}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        by_pos = {p["position"]: p["rate"] for p in r.get("by_position", [])}
+        cells = " ".join(f"{_pct(by_pos.get(i)):>4}" for i in range(POSITIONS))
+        lines.append(f"{r['label']:<{width}} {r['rounds']:>6} "
+                     f"{r.get('drafting_rounds', 0):>6} {r['draft_n']:>7} "
+                     f"{r['draft_n_accepted']:>8} {_pct_cell(r['acceptance'], 6)} "
+                     f"{_num(r.get('mean_accepted_length'), 8, 2)}  "
+                     f"{'':>22} {cells}")
+    legend = ("rounds: target steps of every request; drafts: rounds that verified a draft; "
+              "rate: accepted/drafted; mean len: tokens per draft round, the target's own "
+              "token included (llama-spec-bench's mean accepted length); p0..: % of the "
+              "drafts reaching each position that the target kept there")
+    return "\n".join([*lines, textwrap.fill(legend, width=len(head))])
+
+
 def render_summary(results: dict) -> str:
-    """The table, then warnings, adaptive against fixed, and the plan's error."""
+    """The tables, then warnings, adaptive against fixed, and the plan's error."""
     records = results["records"]
-    parts = [render_table(records)]
+    parts = [render_table(records), "", render_speculation(records)]
     ad = results.get("adaptive_vs_fixed") or []
     if ad:
         parts.append("adaptive policy against the best fixed draft length (tokens/s over the "

@@ -7,10 +7,19 @@ from the parsed namespace, so a bad value is refused with the flag's name.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from specwire.cli import placement as cliplacement
-from specwire.config import ConfigError, DraftParams, ModelParams, SamplingParams, VerifyMode
+from specwire.config import (
+    ROPE_SCALINGS,
+    ConfigError,
+    DraftParams,
+    ModelParams,
+    Rope,
+    SamplingParams,
+    VerifyMode,
+)
 
 
 class CliError(ConfigError):
@@ -26,13 +35,22 @@ def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     g.add_argument(
         "-tb", "--threads-batch", type=int, default=0, help="target batch threads (0: = -t)"
     )
-    g.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="target layers on the GPU")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=0,
+                   help="target layers on the GPU")
     g.add_argument("-b", "--batch-size", type=int, default=512)
     g.add_argument("-ub", "--ubatch-size", type=int, default=512,
                    help="physical batch size (at most -b)")
     g.add_argument("-ctk", "--cache-type-k", default="f16")
     g.add_argument("-ctv", "--cache-type-v", default="f16")
     cliplacement.add_target_placement_args(g)
+    add_rope_args(g)
+    g.add_argument("--lora", action="append", default=[], metavar="FNAME[,...]",
+                   help="LoRA adapter GGUF applied to the target (scale 1); repeatable, or a "
+                   "comma list")
+    g.add_argument("--lora-scaled", action="append", default=[], metavar="FNAME:SCALE[,...]",
+                   help="LoRA adapter with its scale; repeatable, or a comma list")
+    g.add_argument("--lora-init-without-apply", action="store_true",
+                   help="load the adapters at scale 0 (POST /lora-adapters sets them)")
     if not draft:
         return
     d = p.add_argument_group("draft")
@@ -93,11 +111,69 @@ def add_draft_model_args(d: argparse._ActionsContainer, plain: bool = False) -> 
         d.add_argument("-ub", "--ubatch-size", dest="ubatch_size_draft", type=int, default=512,
                        metavar="N", help="physical batch size (at most -b)")
     cliplacement.add_draft_placement_args(d, plain)
+    if plain:
+        add_rope_args(d)
     d.add_argument(
         "--seed-draft", type=int, default=None,
         help="the draft's own sampling seed (default: --seed, which couples draft and target "
         "for the most accepted tokens; output is the target's either way)"
     )
+
+
+def add_rope_args(g: argparse._ActionsContainer) -> None:
+    """llama.cpp's RoPE/YaRN overrides; the in-process draft model gets them too."""
+    g.add_argument("--rope-scaling", choices=sorted(ROPE_SCALINGS), default=None,
+                   help="RoPE frequency scaling (default: the model's)")
+    g.add_argument("--rope-scale", type=float, default=None, metavar="N",
+                   help="RoPE context scaling factor: the context grows N times "
+                   "(--rope-freq-scale 1/N)")
+    g.add_argument("--rope-freq-base", type=float, default=0.0, metavar="N",
+                   help="RoPE base frequency (default: the model's)")
+    g.add_argument("--rope-freq-scale", type=float, default=0.0, metavar="N",
+                   help="RoPE frequency scaling factor: the context grows 1/N times")
+    g.add_argument("--yarn-orig-ctx", type=int, default=0, metavar="N",
+                   help="YaRN: the model's original context (0: its training context)")
+    for name, what in (("ext-factor", "extrapolation mix factor (0.0: full interpolation)"),
+                       ("attn-factor", "scale of sqrt(t), the attention magnitude"),
+                       ("beta-slow", "high correction dim, or alpha"),
+                       ("beta-fast", "low correction dim, or beta")):
+        g.add_argument(f"--yarn-{name}", type=float, default=-1.0, metavar="N",
+                       help=f"YaRN: {what} (default -1: the model's)")
+
+
+def lora_params(a: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """--lora FNAME[,...] (scale 1) and --lora-scaled FNAME:SCALE[,...], in order given."""
+    out = [(path, 1.0) for value in getattr(a, "lora", []) or [] for path in value.split(",")
+           if path]
+    for value in getattr(a, "lora_scaled", []) or []:
+        for item in value.split(","):
+            path, sep, scale = item.rpartition(":")
+            try:
+                if not sep or not path:
+                    raise ValueError
+                out.append((path, float(scale)))
+            except ValueError:
+                raise CliError(f"--lora-scaled: expected FNAME:SCALE, got {item!r}") from None
+    if getattr(a, "lora_init_without_apply", False):
+        out = [(path, 0.0) for path, _ in out]
+    return tuple(out)
+
+
+def rope_params(a: argparse.Namespace) -> Rope:
+    """--rope-* and --yarn-* -> Rope; --rope-scale N is --rope-freq-scale 1/N."""
+    scale = getattr(a, "rope_freq_scale", 0.0)
+    rope_scale = getattr(a, "rope_scale", None)
+    if rope_scale is not None:
+        if not rope_scale > 0:
+            raise CliError(f"--rope-scale: must be > 0, got {rope_scale}")
+        scale = 1.0 / rope_scale
+    return _build(Rope, flags=ROPE_FLAG_OF, scaling=getattr(a, "rope_scaling", None),
+                  freq_base=getattr(a, "rope_freq_base", 0.0), freq_scale=scale,
+                  yarn_orig_ctx=getattr(a, "yarn_orig_ctx", 0),
+                  yarn_ext_factor=getattr(a, "yarn_ext_factor", -1.0),
+                  yarn_attn_factor=getattr(a, "yarn_attn_factor", -1.0),
+                  yarn_beta_slow=getattr(a, "yarn_beta_slow", -1.0),
+                  yarn_beta_fast=getattr(a, "yarn_beta_fast", -1.0))
 
 
 def add_draft_args(d: argparse._ActionsContainer) -> None:
@@ -178,7 +254,8 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
+    g.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.8,
+                   help="temperature (0 = greedy)")
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--min-p", type=float, default=0.05)
@@ -238,6 +315,8 @@ def target_params(a: argparse.Namespace, path: str) -> ModelParams:
         flash_attn=fa,
         placement=place,
         numa=numa,
+        rope=rope_params(a),
+        loras=lora_params(a),
     )
 
 
@@ -265,23 +344,48 @@ def draft_model_params(a: argparse.Namespace, path: str) -> ModelParams:
         flash_attn=fa,
         placement=place,
         numa=numa,
+        rope=rope_params(a),
     )
 
 
+#: llama.cpp's and ik_llama.cpp's drafters that specwire has no counterpart for: the draft
+#: model (draft-simple) drafts in their place, with a warning.
+OTHER_DRAFT_TYPES = ("draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "mtp",
+                     "eagle3")
+
+
 def spec_type(a: argparse.Namespace) -> str | None:
-    """--spec-type -> "model", "ngram" or "none" (None: not given); conflicts refused."""
+    """--spec-type -> "model", "ngram" or "none" (None: not given); conflicts refused.
+
+    llama.cpp takes a comma list (ik_llama.cpp: `type:key=value,...`, repeated): the
+    first entry decides. A llama.cpp drafter specwire lacks (EAGLE-3, MTP...) drafts with
+    the draft model instead, and says so: speculation stays lossless either way."""
     value = getattr(a, "spec_type", None)
     if value is None:
         return None
-    if value in ("draft", "draft-simple"):
+    first = value.split(",")[0].split(":")[0].strip()
+    if first in ("draft", "draft-simple"):
         kind = "model"
-    elif value.startswith("ngram"):
+    elif first.startswith("ngram") or first == "suffix":
         kind = "ngram"
-    elif value == "none":
+    elif first == "none":
         kind = "none"
+    elif first in OTHER_DRAFT_TYPES:
+        kind = "model"
+        logging.getLogger("specwire.flags").warning(
+            "--spec-type %s: specwire has no such drafter; speculation runs with the draft "
+            "model instead (draft-simple: -md, or --draft-url)", first)
     else:
         raise CliError(f"--spec-type: {value!r} is not supported; specwire drafts with "
                        "draft-simple (a draft model), ngram-* (prompt lookup) or none")
+    given = [flag for flag, on in (("-md", getattr(a, "model_draft", None)),
+                                   ("--draft-url", getattr(a, "draft_url", None)),
+                                   ("--draft-ngram", getattr(a, "draft_ngram", False))) if on]
+    if kind == "none" and given:
+        logging.getLogger("specwire.flags").warning(
+            "--spec-type none: %s configured but not used: speculation is off (plain "
+            "decoding, as llama.cpp does)", " and ".join(given))
+        return kind
     clash = {"--draft-ngram": getattr(a, "draft_ngram", False) and kind != "ngram",
              "--no-draft": getattr(a, "no_draft", False) and kind != "none",
              "--draft-url": bool(getattr(a, "draft_url", None)) and kind != "model",
@@ -329,6 +433,11 @@ DRAFT_FLAG_OF = FLAG_OF | {
     "cache_type_v": "-ctvd",
     "flash_attn": "-fad",
 }
+
+
+#: Rope's fields -> their flags.
+ROPE_FLAG_OF = {"rope_scaling": "--rope-scaling", "rope_freq_base": "--rope-freq-base",
+                "rope_freq_scale": "--rope-freq-scale", "yarn_orig_ctx": "--yarn-orig-ctx"}
 
 
 def _build(cls, flags: dict[str, str] = FLAG_OF, **kw):

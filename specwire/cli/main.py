@@ -18,10 +18,35 @@ from specwire.config import ConfigError
 COMMANDS = ("generate", "models", "draft", "serve", "bench", "plan")
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A sub-command's parser with llama.cpp's reading of flags: a flag is a whole word.
+
+    argparse would read `-no-ooae` as `-n o-ooae` (a short flag with its value attached)
+    and `--meta` as `--metrics` (an abbreviation); llama.cpp does neither, so neither is
+    done here: an unknown single-dash word is refused by name.
+    """
+
+    def __init__(self, *a, **kw) -> None:
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*a, **kw)
+
+    def _parse_optional(self, arg_string: str):  # noqa: ANN202 - argparse's own hook
+        if (len(arg_string) > 2 and arg_string[0] == "-" and arg_string[1] != "-"
+                and "=" not in arg_string and " " not in arg_string
+                and arg_string not in self._option_string_actions
+                and not self._negative_number_matcher.match(arg_string)):
+            self.error(f"unrecognized argument: {arg_string} (a single-dash flag is one "
+                       f"word, as in llama.cpp; {arg_string[:2]} does not take a value "
+                       "attached to it)")
+        return super()._parse_optional(arg_string)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specwire", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="specwire", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           parser_class=CommandParser)
     for name in COMMANDS:
         importlib.import_module(f"specwire.cli.commands.{name}").register(sub)
     return p

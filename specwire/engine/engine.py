@@ -124,6 +124,11 @@ class Generation:
         out, self._out = self._out, []
         return out
 
+    @property
+    def policy(self) -> Policy:
+        """The draft-length policy this generation ran with (its state at the end)."""
+        return self._policy
+
     # -- the scheduler's side --------------------------------------------------
 
     @property

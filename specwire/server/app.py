@@ -11,6 +11,11 @@ Endpoints
   POST /v1/chat/completions          OpenAI chat completion (the GGUF's chat template or
                                      --chat-template)
   POST /tokenize, /detokenize        llama-server's
+  POST /infill                       fill-in-the-middle (input_prefix/suffix/extra)
+  POST /apply-template               the chat prompt a chat request would give the model
+  GET  /slots                        each slot's state (--no-slots: 404)
+  GET  /lora-adapters, POST          the target's LoRA adapters and their scales
+  POST /slots/{id}?action=           save / restore (--slot-save-path) / erase its cache
   GET  /, /stats.json                the live page and its figures (webui/; --no-webui)
 
 A request is parsed and tokenized off the event loop (a thread of the pool),
@@ -32,6 +37,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -69,7 +75,7 @@ POLL_S = 0.25
 def model_names(target: Backend, alias: str | None) -> list[str]:
     """Names a request may use for the served model: the alias first (listed by /v1/models)."""
     file_name = str(target.name)
-    names = [alias] if alias else []
+    names = [n.strip() for n in (alias or "").split(",") if n.strip()]
     for n in (file_name, Path(file_name).stem):
         if n not in names:
             names.append(n)
@@ -101,6 +107,10 @@ def create_app(engine: Engine | Sequence[Engine],
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if settings.threads_http > 0:     # --threads-http: the pool requests are parsed on
+            limiter = anyio.to_thread.current_default_thread_limiter()
+            limiter.total_tokens = settings.threads_http
+            log.info("HTTP request threads: %d", limiter.total_tokens)
         scheduler.start()
         try:
             yield
@@ -154,9 +164,34 @@ def create_app(engine: Engine | Sequence[Engine],
                 "drafter": engines[0].drafter.name, "chat_template_name": label,
                 "chat_template": source, "queue_size": settings.queue_size}
 
-    @api.get("/metrics")
-    async def metrics_text() -> Response:
-        return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE)
+    if settings.slots:
+        @api.get("/slots")
+        async def slots() -> list:
+            return scheduler.slot_states()
+
+    @api.get("/lora-adapters")
+    async def lora_adapters() -> list:
+        return scheduler.lora_adapters()
+
+    @api.post("/lora-adapters")
+    async def set_lora_adapters(request: Request) -> list:
+        raw = await limits.read_body(request, settings.max_body)   # a JSON array, not object
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise ApiError(400, f"the body is not JSON: {e}") from None
+        return await run_in_threadpool(scheduler.set_lora_adapters, body)
+
+    @api.post("/slots/{slot_id}")
+    async def slot_action(slot_id: int, request: Request, action: str = "") -> dict:
+        body = await read_json(request) if action != "erase" else {}
+        return await run_in_threadpool(scheduler.slot_action, slot_id, action,
+                                       settings.slot_save_path, body)
+
+    if settings.metrics:
+        @api.get("/metrics")
+        async def metrics_text() -> Response:
+            return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE)
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -179,6 +214,11 @@ def create_app(engine: Engine | Sequence[Engine],
         body = await read_json(request)
         return await run_in_threadpool(schemas.tokenize, body, target)
 
+    @api.post("/apply-template")
+    async def apply_template(request: Request) -> dict:
+        body = await read_json(request)
+        return await run_in_threadpool(schemas.apply_template, body, target, settings)
+
     @api.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         body = await read_json(request)
@@ -193,7 +233,7 @@ def create_app(engine: Engine | Sequence[Engine],
             scheduler.check_room()    # before the body is read, parsed and tokenized
             body = await read_json(request)
             spec = await run_in_threadpool(parse, body)
-            job = Job(spec.request, spec.stops, spec.stream)
+            job = Job(spec.request, spec.stops, spec.stream, special=settings.special)
             scheduler.submit(job)
         except Draining:
             raise shutting_down() from None
@@ -219,6 +259,12 @@ def create_app(engine: Engine | Sequence[Engine],
     async def completion(request: Request) -> Response:
         return await generate(request, "/completion",
                               lambda b: schemas.completion(b, target, settings, names),
+                              LlamaCompletion)
+
+    @api.post("/infill")
+    async def infill(request: Request) -> Response:
+        return await generate(request, "/infill",
+                              lambda b: schemas.infill(b, target, settings, names),
                               LlamaCompletion)
 
     @api.post("/v1/completions")
@@ -247,15 +293,17 @@ def create_app(engine: Engine | Sequence[Engine],
 
 
 def _auth(api_key: str | None) -> Callable:
-    """llama-server's --api-key: `Authorization: Bearer KEY` (or `X-Api-Key: KEY`)."""
+    """llama-server's --api-key: `Authorization: Bearer KEY` (or `X-Api-Key: KEY`); a comma
+    list is several keys, any of which is let in."""
+    keys = [k.encode() for k in (api_key or "").split(",") if k]
 
     async def check(request: Request) -> None:
-        if not api_key:
+        if not keys:
             return
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else \
             request.headers.get("x-api-key", "")
-        if not given or not hmac.compare_digest(given.encode(), api_key.encode()):
+        if not given or not any([hmac.compare_digest(given.encode(), k) for k in keys]):
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                            "authentication_error")
 

@@ -17,6 +17,10 @@ life: they are kept as the latest snapshot per slot, and the network share of
 the drafting time is the growth of its `network_ms` (or `wait_ms`, the remote
 drafter's name for it) between generations.
 
+Beside specwire's own series, the speculation counters llama.cpp exports (vLLM's schema,
+`llamacpp:` prefix: drafts, draft tokens, accepted tokens, accepted tokens per draft
+position), so that dashboards built for those work unchanged.
+
 `Metrics.figures()` returns the same samples as Python numbers, keyed as the
 exposition writes them (`name{label="value"}`), for pages that show them.
 """
@@ -34,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specwire.engine.stats import Stats
 
 PREFIX = "specwire:"
+LLAMA_PREFIX = "llamacpp:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _NETWORK_KEYS = ("network_ms", "wait_ms")
 
@@ -67,6 +72,7 @@ class Metrics:
         self.verify_ms = 0.0
         self.network_ms = 0.0
         self.accepted_hist: Counter[int] = Counter()
+        self.accepted_at: Counter[int] = Counter()   # draft position -> tokens kept there
         self._drafter: dict[int, dict[str, float]] = {}
         self._queue: QueueState = dict
         self._links: LinkStates = list
@@ -122,6 +128,8 @@ class Metrics:
             for n, count in enumerate(stats.hist):
                 if count:
                     self.accepted_hist[n] += count
+            for pos, (_drafted, kept) in enumerate(stats.by_position):
+                self.accepted_at[pos] += kept
             if stats.drafter:
                 for key in _NETWORK_KEYS:
                     if key in stats.drafter:
@@ -196,6 +204,7 @@ class Metrics:
                          "(round_seconds over draft_rounds).",
                          ("phase",), [((k,), v / self.rounds if self.rounds else 0.0)
                                       for k, v in phases.items()])
+            yield from self._llama_families()
             yield _gauge("drafter_stat", "Each slot's drafter's own figures (Drafter.stats), "
                          "summed over the slot's generations.", ("slot", "name"),
                          [((str(s), k), v) for s, snap in sorted(self._drafter.items())
@@ -216,6 +225,25 @@ class Metrics:
         yield _gauge("contexts_open", "llama.cpp contexts open in this process (target and "
                      "local draft; a draft node reports its own).", ("side",),
                      [(("target",), _open_contexts())])
+
+
+    def _llama_families(self) -> Iterator[Metric]:
+        """llama.cpp's (and vLLM's) speculation counters, from the same figures."""
+        for name, help_, value in (
+                ("spec_decode_num_drafts", "Rounds that verified a draft.",
+                 sum(self.accepted_hist.values())),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.", self.draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 self.accepted_tokens)):
+            family = CounterMetricFamily(LLAMA_PREFIX + name, help_)
+            family.add_metric([], float(value))
+            yield family
+        per_pos = CounterMetricFamily(LLAMA_PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position (0: the "
+                                      "first).", labels=["position"])
+        for pos, kept in sorted(self.accepted_at.items()):
+            per_pos.add_metric([str(pos)], float(kept))
+        yield per_pos
 
 
 class _Collector:

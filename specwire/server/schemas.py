@@ -23,8 +23,9 @@ Conventions, as in llama-server:
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,11 +33,14 @@ from specwire.config import ConfigError, DraftParams, SamplingParams
 from specwire.engine.engine import Request
 from specwire.link.transport import protocol
 from specwire.sample.constraints import GrammarSpec
+from specwire.server import infill as infill_prompt
 from specwire.server import limits, structured, tool_calls
 from specwire.server.chat_output import ChatPlan
 from specwire.server.errors import ApiError, bad_request
 from specwire.server.settings import ServerSettings
 from specwire.text import chat, reasoning
+
+log = logging.getLogger("specwire.serve")
 
 
 @dataclass(slots=True)
@@ -304,11 +308,9 @@ def refuse_unsupported(f: Fields, chat_: bool = False) -> None:
 
 
 def check_model(f: Fields, names: Sequence[str]) -> None:
-    """OpenAI clients name a model: refuse one this server does not have (404)."""
-    model = f.str("model")
-    if model is not None and model not in names:
-        raise ApiError(404, f"model {model!r} not found; this server has {names[0]!r}",
-                       "not_found_error")
+    """OpenAI clients name a model: any name is served, as llama-server serves its one
+    model whatever a client calls it (agents send their own names); a non-string is 400."""
+    f.str("model")
 
 
 # -- whole requests ---------------------------------------------------------------------------
@@ -334,22 +336,7 @@ def chat_completion(body: dict, backend: Any, settings: ServerSettings,
     f = Fields(body)
     check_model(f, names)
     refuse_unsupported(f, chat_=True)
-    _, messages = f.find("messages")
-    if messages is None:
-        raise bad_request("messages: required")
-    try:
-        label, source = chat.template_for(backend, settings.chat_template)
-    except ConfigError as e:
-        raise bad_request(str(e)) from None
-    tools = tool_calls.parse(body, source)
-    variables = {**tool_calls.template_variables(tools),
-                 **template_kwargs(body, settings.reasoning_budget)}
-    try:
-        text = chat.render_for(backend, tool_calls.messages_for(tools, messages),
-                               settings.chat_template, **variables)
-    except ConfigError as e:
-        where = "tools: the chat template cannot render this request: " if tools else ""
-        raise bad_request(where + str(e)) from None
+    label, text, tools = rendered(body, backend, settings)
     check_fits_bound(limits.fewest_tokens(text, backend), backend.n_ctx)
     tokens = backend.tokenize(text, add_special=False, parse_special=True)
     if not tokens:
@@ -361,18 +348,58 @@ def chat_completion(body: dict, backend: Any, settings: ServerSettings,
     return spec
 
 
-def template_kwargs(body: dict, reasoning_budget: int = -1) -> dict:
-    """chat_template_kwargs (e.g. {"enable_thinking": false}); --reasoning-budget 0 turns
-    thinking off as llama-server does, unless the request says otherwise."""
+def rendered(body: dict, backend: Any, settings: ServerSettings
+             ) -> tuple[str, str, tool_calls.ToolRequest | None]:
+    """A chat body's messages (and tools) through the chat template: (template label,
+    prompt text, the tools asked for)."""
+    _, messages = Fields(body).find("messages")
+    if messages is None:
+        raise bad_request("messages: required")
+    try:
+        label, source = chat.template_for(backend, settings.chat_template)
+    except ConfigError as e:
+        raise bad_request(str(e)) from None
+    tools = tool_calls.parse(body, source, settings.parallel_tool_calls)
+    variables = {**tool_calls.template_variables(tools),
+                 **template_kwargs(body, settings.reasoning_budget,
+                                   settings.template_kwargs)}
+    try:
+        text = chat.render_for(backend, tool_calls.messages_for(tools, messages),
+                               settings.chat_template, **variables)
+    except ConfigError as e:
+        where = "tools: the chat template cannot render this request: " if tools else ""
+        raise bad_request(where + str(e)) from None
+    return label, text, tools
+
+
+def apply_template(body: dict, backend: Any, settings: ServerSettings) -> dict:
+    """POST /apply-template: {messages, tools?, chat_template_kwargs?} -> {prompt}, the text
+    /v1/chat/completions would give the model, as llama-server answers it."""
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    _, text, _ = rendered(body, backend, settings)
+    return {"prompt": text}
+
+
+#: template variables a request's chat_template_kwargs may not set (the server sets them).
+RESERVED_KWARGS = frozenset({"messages", "tools", "bos_token", "eos_token",
+                             "add_generation_prompt"})
+
+
+def template_kwargs(body: dict, reasoning_budget: int = -1,
+                    defaults: Mapping[str, Any] | None = None) -> dict:
+    """chat_template_kwargs (e.g. {"enable_thinking": false}) over the server's
+    --chat-template-kwargs; --reasoning-budget 0 turns thinking off as llama-server does,
+    unless the request or the server's kwargs say otherwise."""
     kw = body.get("chat_template_kwargs")
     if kw is None:
         kw = {}
     if not isinstance(kw, dict):
         raise bad_request(f"chat_template_kwargs: must be an object, got {_kind(kw)}")
-    reserved = {"messages", "tools", "bos_token", "eos_token", "add_generation_prompt"}
-    clash = reserved & set(kw)
+    clash = RESERVED_KWARGS & set(kw)
     if clash:
         raise bad_request(f"chat_template_kwargs: {sorted(clash)[0]!r} cannot be set here")
+    kw = {**(defaults or {}), **kw}
     if reasoning_budget == 0:
         kw = {"enable_thinking": False, **kw}
     return kw
@@ -383,6 +410,8 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
             tool_grammar: GrammarSpec | None = None) -> Completion:
     n = n_predict(f, settings, backend.n_ctx)
     check_fits(tokens, n, backend.n_ctx)
+    if settings.verbose_prompt:
+        log_prompt(tokens, backend)
     sp = sampling(f, settings.sampling)
     try:
         sp = replace(sp, **structured.penalties(body, backend, settings.logit_bias_max))
@@ -390,7 +419,7 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
         raise bad_request(str(e)) from None
     sp = as_the_link_carries(sp)
     logprobs = structured.logprobs_spec(body, dialect)
-    grammar = structured.grammar_spec(body, backend, tool_grammar)
+    grammar = structured.grammar_spec(body, backend, tool_grammar, settings.grammar)
     dp = draft(body, settings.draft)
     stops = stop_strings(f)
     stops += [s for s in extra_stops if s not in stops]
@@ -408,6 +437,39 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,
                       lambda t: backend.detokenize([t]))
+
+
+def infill(body: dict, backend: Any, settings: ServerSettings,
+           names: Sequence[str]) -> Completion:
+    """POST /infill: llama-server's fields (input_prefix, input_suffix, input_extra, prompt)
+    -> the FIM prompt (infill.py), then a completion like /completion's."""
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    f = Fields(body)
+    check_model(f, names)
+    refuse_unsupported(f, chat_=False)
+    texts = {name: f.str(name, default="") for name in ("input_prefix", "input_suffix")}
+    typed = f.str("prompt", default="")
+    extra = infill_prompt.parse_extra(body.get("input_extra"))
+    n_batch = getattr(getattr(backend, "params", None), "n_batch", 512)
+    tokens = infill_prompt.prompt_tokens(
+        backend, texts["input_prefix"], texts["input_suffix"], typed, extra, n_batch,
+        backend.n_ctx, max(0, n_predict(f, settings, backend.n_ctx)), settings.spm_infill)
+    return _finish(f, body, tokens, backend, settings, [], "completion")
+
+
+def log_prompt(tokens: Sequence[int], backend: Any) -> None:
+    """--verbose-prompt: the prompt's tokens, each with its text, as llama.cpp prints them."""
+    def piece(t: int) -> str:
+        try:
+            raw = backend.detokenize([t], special=True)   # special tokens by their text
+        except TypeError:                                  # a backend without the option
+            raw = backend.detokenize([t])
+        return raw.decode(errors="replace")
+
+    pieces = (piece(t) for t in tokens)
+    log.info("prompt: %d tokens: %s", len(tokens),
+             " ".join(f"{t}:{p!r}" for t, p in zip(tokens, pieces, strict=True)))
 
 
 def tokenize(body: dict, backend: Any) -> dict:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from specwire.config import DraftParams, SamplingParams
+from specwire.sample.constraints import GrammarSpec
 from specwire.server.deadlines import BODY_TIMEOUT_S, MAX_READING_BYTES
 from specwire.server.limits import MAX_BODY_BYTES, MAX_LOGIT_BIAS
 
@@ -14,7 +16,9 @@ class ServerSettings:
     """What `specwire serve` was started with, apart from the models themselves.
 
     sampling, draft: the defaults every request overrides field by field.
-    alias:         the model name /v1/models lists (default: the target's file name).
+    alias:         the model name /v1/models lists (default: the target's file name); a
+                   comma list gives more names (llama-server's -a). Any `model` a request
+                   names is served, as llama-server serves its one model.
     chat_template: named template (llama.cpp names) or Jinja source; None = the GGUF's own,
                    else gemma for Gemma models, chatml otherwise (see specwire.text.chat).
     api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
@@ -33,6 +37,19 @@ class ServerSettings:
     max_reading:   bytes of request bodies read at once, all requests together (503 past).
     allowed_hosts: without api_key, the Host names a request may use besides IP addresses
                    and localhost (DNS rebinding: a web page's own name that resolves here).
+    slot_save_path: the folder POST /slots/{id}?action=save|restore uses (--slot-save-path).
+    spm_infill:    /infill puts the suffix before the prefix (--spm-infill).
+    slots:         serve GET /slots (--no-slots: 404), as llama-server does by default.
+    metrics:       serve GET /metrics (on by default here; llama-server needs --metrics).
+    special:       generated special tokens print their text (llama-server's --special).
+    threads_http:  threads that parse, tokenize and render requests (-1: the default pool).
+    template_kwargs: --chat-template-kwargs, the defaults of a request's chat_template_kwargs.
+    verbose_prompt: log each request's prompt tokens (--verbose-prompt).
+    grammar:       --grammar / --json-schema: the constraint of every request that has none
+                   of its own (a request's grammar, json_schema, response_format or forced
+                   tool call wins).
+    parallel_tool_calls: the default of a request's parallel_tool_calls
+                   (--parallel-tool-calls, ik_llama.cpp's flag; off as in llama-server).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -51,3 +68,13 @@ class ServerSettings:
     body_timeout_s: float = BODY_TIMEOUT_S
     max_reading: int = MAX_READING_BYTES
     allowed_hosts: tuple[str, ...] = ()
+    metrics: bool = True
+    special: bool = False
+    threads_http: int = -1
+    template_kwargs: Mapping[str, object] = field(default_factory=dict)
+    verbose_prompt: bool = False
+    grammar: GrammarSpec | None = None
+    parallel_tool_calls: bool = False
+    slots: bool = True
+    spm_infill: bool = False
+    slot_save_path: str | None = None

@@ -35,6 +35,7 @@ from specwire.engine.engine import Engine, Generation, Request
 from specwire.engine.stats import Stats
 from specwire.server.errors import ApiError
 from specwire.server.metrics import Metrics
+from specwire.server.speculation import SpeculationWatch
 from specwire.server.stops import StopMatcher
 from specwire.text.stream import TextStream
 
@@ -101,6 +102,7 @@ class Job:
     request: Request
     stops: Sequence[str] = ()
     stream: bool = False
+    special: bool = False   # --special: special tokens print their text
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -245,8 +247,10 @@ def pick_slot(prompt: Sequence[int], idle: Sequence[Slot], similarity: float) ->
 class Slot:
     """One sequence of an engine's batch, and the job it serves."""
 
-    def __init__(self, index: int, engine: Engine, seq: int, metrics: Metrics) -> None:
+    def __init__(self, index: int, engine: Engine, seq: int, metrics: Metrics,
+                 watch: SpeculationWatch | None = None) -> None:
         self.index, self.engine, self.seq, self.metrics = index, engine, seq, metrics
+        self.watch = watch
         self.target = engine.batch.seq(seq)
         self.drafter = engine.drafters[seq]
         self.job: Job | None = None
@@ -260,7 +264,9 @@ class Slot:
     def start(self, job: Job) -> None:
         """The job joins the engine's batch in this slot's sequence (at the next step)."""
         self.job = job
-        self._text = TextStream(self.target.detokenize)
+        target = self.target
+        self._text = TextStream(
+            (lambda t: target.detokenize(t, special=True)) if job.special else target.detokenize)
         self._stops = StopMatcher(job.stops)
         self._clock = _Clock(self.metrics, job.created)
         self._done = 0
@@ -339,6 +345,17 @@ class Slot:
             self.job.emit(Failed(ApiError(500, f"generation failed: {type(e).__name__}: {e}",
                                           "server_error")))
 
+    def _watch(self, gen: Generation, job: Job) -> None:
+        """Tell the speculation watch how this generation drafted (never raises)."""
+        try:
+            fn = getattr(self.drafter, "link_state", None)
+            links = dict(fn()) if callable(fn) else None
+            req = job.request
+            self.watch.after(self.index, self.drafter.name, gen.stats, gen.policy,
+                             req.draft.enabled and req.draft.n_max > 0, links)
+        except Exception:  # noqa: BLE001 - a report must not break the slot
+            log.debug("speculation watch failed", exc_info=True)
+
     def _end(self) -> None:
         """The job is over: its sequence leaves the batch, the slot is free."""
         gen, job = self.gen, self.job
@@ -349,6 +366,8 @@ class Slot:
             except Exception:  # noqa: BLE001 - a drafter failing to end must not kill the slot
                 log.exception("slot %d: closing the generation failed", self.index)
             self.metrics.record(self.index, gen.stats, len(gen.tokens))
+            if self.watch is not None and job is not None:
+                self._watch(gen, job)
         if self._clock is not None:
             self._clock.finish()
             self._clock = None
@@ -392,27 +411,31 @@ class Scheduler:
         self.metrics = metrics
         self.engines = list(engines)
         self.queue = JobQueue(queue_size, similarity)
-        self.slots = [Slot(i, e, seq, metrics) for i, (e, seq) in
+        self.watch = SpeculationWatch()
+        self.slots = [Slot(i, e, seq, metrics, self.watch) for i, (e, seq) in
                       enumerate((e, seq) for e in self.engines for seq in range(e.n_seq))]
         self.queue.set_free(len(self.slots))
         self.thread = threading.Thread(target=self._loop, name="batch", daemon=True)
         self._started = False
         self._stopping = False
         self._draining = False
+        #: held by the worker for each admit-step-pump; a slot action takes it to run
+        #: while no engine steps
+        self.lock = threading.Lock()
 
     def _loop(self) -> None:
         while not self._stopping:
-            self._admit()
-            busy = [s for s in self.slots if s.job is not None]
-            if not busy:
-                if not self.queue.wait():
-                    break
-                continue
-            for e in self.engines:
-                if e.scheduler.running:
-                    e.step()
-            for s in busy:
-                s.pump()
+            with self.lock:         # slot actions (slot_files.py) run between iterations
+                self._admit()
+                busy = [s for s in self.slots if s.job is not None]
+                if busy:
+                    for e in self.engines:
+                        if e.scheduler.running:
+                            e.step()
+                    for s in busy:
+                        s.pump()
+            if not busy and not self.queue.wait():
+                break
         for s in self.slots:
             if s.job is not None:
                 s.job.cancelled.set()
@@ -495,6 +518,62 @@ class Scheduler:
         return {"processing": sum(s.job is not None for s in self.slots),
                 "deferred": len(self.queue), "capacity": self.queue.capacity,
                 "slots": len(self.slots)}
+
+    def slot_action(self, index: int, action: str, folder: str | None, body: object) -> dict:
+        """POST /slots/{id}?action=...: run it on the idle slot between steps."""
+        from specwire.server import slot_files
+        if not 0 <= index < len(self.slots):
+            raise ApiError(404, f"no slot {index}; this server has {len(self.slots)}",
+                           "not_found_error")
+        with self.lock:
+            return slot_files.run(self.slots[index], action, folder, body)
+
+    def lora_adapters(self) -> list[dict]:
+        """GET /lora-adapters: the target's adapters (llama-server's id, path, scale)."""
+        target = self.engines[0].target
+        paths = [p for p, _ in getattr(getattr(target, "params", None), "loras", ())]
+        scales = getattr(target, "lora_scales", [])
+        return [{"id": i, "path": p, "scale": s} for i, (p, s) in enumerate(zip(paths, scales,
+                                                                               strict=True))]
+
+    def set_lora_adapters(self, body: object) -> list[dict]:
+        """POST /lora-adapters [{"id", "scale"}]: new scales, applied between steps (a
+        running request goes on with them); an adapter not named keeps its scale."""
+        current = self.lora_adapters()
+        if not isinstance(body, list) or not all(
+                isinstance(x, dict) and isinstance(x.get("id"), int) and
+                isinstance(x.get("scale"), int | float) and not isinstance(x.get("scale"), bool)
+                for x in body):
+            raise ApiError(400, 'the body must be [{"id": N, "scale": X}, ...]')
+        scales = [a["scale"] for a in current]
+        for x in body:
+            if not 0 <= x["id"] < len(current):
+                raise ApiError(400, f"id: no adapter {x['id']}; this server has "
+                               f"{len(current)}")
+            scales[x["id"]] = float(x["scale"])
+        with self.lock:
+            for e in self.engines:
+                e.target.set_lora_scales(scales)
+        return self.lora_adapters()
+
+    def slot_states(self) -> list[dict]:
+        """GET /slots: each slot as llama-server lists it (id, n_ctx, is_processing,
+        speculative, the running request's settings), plus its drafter and cached tokens."""
+        out = []
+        for s in self.slots:
+            job = s.job
+            req = job.request if job is not None else None
+            entry = {"id": s.index, "n_ctx": s.target.n_ctx, "is_processing": job is not None,
+                     "speculative": s.drafter.name != "none",
+                     "drafter": s.drafter.name, "n_cached": s.target.n_past}
+            if req is not None:
+                entry["params"] = {"n_predict": req.n_predict, **req.sampling.to_dict(),
+                                   "speculative.n_max": req.draft.n_max,
+                                   "speculative.n_min": req.draft.n_min,
+                                   "speculative.p_min": req.draft.p_min}
+                entry["n_prompt_tokens"] = len(req.prompt)
+            out.append(entry)
+        return out
 
     def link_states(self) -> list[tuple[int, dict]]:
         out = []

@@ -25,12 +25,13 @@ MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 
 
-def grammar_spec(body: dict, backend: Any,
-                 tool_grammar: GrammarSpec | None = None) -> GrammarSpec | None:
+def grammar_spec(body: dict, backend: Any, tool_grammar: GrammarSpec | None = None,
+                 default: GrammarSpec | None = None) -> GrammarSpec | None:
     """The request's constraint, if any, checked by compiling it for the model.
 
     tool_grammar: the constraint of a forced tool call (tool_calls.py), which
-    cannot be combined with another one.
+    cannot be combined with another one. default: the server's --grammar or
+    --json-schema, for a request with neither (compiled once at startup).
     """
     spec = _spec(body)
     if spec is not None and tool_grammar is not None:
@@ -38,7 +39,7 @@ def grammar_spec(body: dict, backend: Any,
                           "combined with another constraint")
     spec = spec or tool_grammar
     if spec is None:
-        return None
+        return default
     try:
         Grammar.for_backend(spec, backend).close()
     except ConfigError as e:

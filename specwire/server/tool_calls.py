@@ -4,7 +4,9 @@
 * tool_choice: "auto" (default), "none" (tools are neither shown nor parsed),
   "required" (a call is forced), or {"type": "function", "function": {"name": N}}
   (a call to N is forced);
-* parallel_tool_calls (default true): several calls in one reply.
+* parallel_tool_calls: several calls in one reply; off unless the request (or the
+  server's --parallel-tool-calls) turns it on, as in llama-server. A named
+  tool_choice is exactly one call to that function, whatever it says.
 
 The model's own chat template renders the tools when it knows them (its
 format is recognised from what the template writes, see specwire.text.tools);
@@ -44,7 +46,7 @@ class ToolRequest:
         return [t for t in self.tools if self.named is None or t.name == self.named]
 
 
-def parse(body: dict, template: str) -> ToolRequest | None:
+def parse(body: dict, template: str, parallel_default: bool = False) -> ToolRequest | None:
     """The request's tools, or None when it has none; 400 naming what is wrong."""
     raw = body.get("tools")
     if body.get("functions"):
@@ -61,9 +63,13 @@ def parse(body: dict, template: str) -> ToolRequest | None:
     if len(set(names)) != len(names):
         raise bad_request("tools: two tools have the same name")
     choice, named = _choice(body.get("tool_choice"), set(names))
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is None:
+        parallel = parallel_default
     if not isinstance(parallel, bool):
         raise bad_request("parallel_tool_calls: must be true or false")
+    if choice == "named":     # a call to that function: one, not one or more
+        parallel = False
     fmt = detect(template, tools)
     return ToolRequest(tools, choice, named, parallel, fmt)
 

@@ -7,6 +7,7 @@ import logging
 import os
 
 from specwire.cli.args import CliError, add_draft_model_args, draft_model_params
+from specwire.cli.commands import compat
 
 log = logging.getLogger("specwire.node")
 
@@ -53,6 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
     add_draft_model_args(p, plain=True)
+    compat.add_rpc_arg(p)
     p.set_defaults(func=run)
 
 
@@ -62,6 +64,7 @@ def run(a: argparse.Namespace) -> int:
     from specwire.link.transport.channel import loopback
     from specwire.node.server import NodeSettings, serve
 
+    compat.check_rpc(a)
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in 0..65535, got {a.port}")
     sync_port = None if a.no_sync_port else (

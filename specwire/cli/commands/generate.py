@@ -13,6 +13,7 @@ from specwire.cli.args import (
     draft_params,
     sampling_params,
 )
+from specwire.cli.commands import compat
 from specwire.config import ConfigError
 
 
@@ -31,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_model_args(p)
     add_sampling_args(p)
+    compat.add_rpc_arg(p)
     p.set_defaults(func=run)
 
 
@@ -69,6 +71,7 @@ def run(a: argparse.Namespace) -> int:
     from specwire.engine.engine import Request
     from specwire.text.stream import TextStream
 
+    compat.check_rpc(a)
     if a.n_predict < 0:
         raise CliError(f"-n: must be >= 0, got {a.n_predict}")
     prompt = read_prompt(a)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
 import socket
+import time
 
 from specwire.cli.args import (
     CliError,
@@ -20,6 +22,7 @@ from specwire.cli.args import (
     draft_params,
     sampling_params,
 )
+from specwire.cli.commands import compat
 from specwire.text import reasoning
 
 log = logging.getLogger("specwire.serve")
@@ -39,7 +42,49 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free port)")
     g.add_argument("--api-key", default=os.environ.get("SPECWIRE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every endpoint but /health "
-                   "and the web UI's page, which asks for the key (env SPECWIRE_API_KEY)")
+                   "and the web UI's page, which asks for the key; a comma list gives "
+                   "several keys (env SPECWIRE_API_KEY)")
+    g.add_argument("--api-key-file", metavar="FNAME",
+                   help="API keys, one per line ('#' starts a comment line)")
+    g.add_argument("--ssl-key-file", metavar="FNAME", help="PEM private key: serve HTTPS")
+    g.add_argument("--ssl-cert-file", metavar="FNAME", help="PEM certificate: serve HTTPS")
+    g.add_argument("-to", "--timeout", type=int, default=600, metavar="N",
+                   help="seconds an idle client connection is kept open (default 600)")
+    g.add_argument("--threads-http", type=int, default=-1, metavar="N",
+                   help="threads that parse, tokenize and render requests (-1: the "
+                   "default pool)")
+    g.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="GET /metrics (Prometheus): on by default here, unlike "
+                   "llama-server; --no-metrics turns it off (404)")
+    g.add_argument("--slot-save-path", metavar="PATH", default=None,
+                   help="folder for POST /slots/{id}?action=save|restore (a slot's KV cache "
+                   "as a file)")
+    g.add_argument("--spm-infill", action="store_true",
+                   help="/infill: suffix before prefix (Suffix/Prefix/Middle), as some "
+                   "models prefer")
+    g.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="GET /slots: each slot's state (--no-slots: 404)")
+    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode one token on the target before serving, so that the first "
+                   "request does not pay llama.cpp's first-use costs (the cache is emptied "
+                   "after)")
+    g.add_argument("-sp", "--special", action="store_true",
+                   help="generated special tokens print their text")
+    g.add_argument("-ptc", "--parallel-tool-calls", action="store_true",
+                   help="chat requests may make several tool calls in one reply unless they "
+                   "say parallel_tool_calls: false (default: off, as in llama-server)")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--grammar", metavar="GBNF", default=None,
+                   help="constrain every request that has no constraint of its own")
+    c.add_argument("--grammar-file", metavar="FNAME", default=None,
+                   help="--grammar, read from FNAME")
+    c.add_argument("-j", "--json-schema", metavar="SCHEMA", default=None,
+                   help="a JSON schema every request without its own constraint follows")
+    c.add_argument("-jf", "--json-schema-file", metavar="FILE", default=None,
+                   help="--json-schema, read from FILE")
+    g.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
+                   help="a JSON object of template variables every chat request gets "
+                   "(its own chat_template_kwargs win), e.g. '{\"enable_thinking\": false}'")
     g.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
                    help="the live page at GET / (--no-webui: off, / and /stats.json are 404)")
     g.add_argument("-a", "--alias", help="model name for /v1/models (default: the file name)")
@@ -63,7 +108,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "drafter)")
     g.add_argument("--queue-size", type=int, default=16,
                    help="requests that may wait for a slot; more are refused with 429")
-    g.add_argument("-n", "--n-predict", type=int, default=-1,
+    g.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=-1,
                    help="most tokens per request (-1: up to the context size)")
     g.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body; more is refused with 413 (default 8 MiB: a "
@@ -95,9 +140,162 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--cache-reuse", type=int, default=0, metavar="N",
                    help="reuse cached chunks of at least N tokens after the common prefix "
                    "by shifting them in the KV cache (0: off; see docs/memory.md)")
+    add_log_args(p)
     add_model_args(p)
     add_sampling_args(p)
+    compat.add_rpc_arg(p)
+    compat.add_compat_args(p)
     p.set_defaults(func=run)
+
+
+def add_log_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging (llama.cpp's flags)")
+    g.add_argument("-v", "--verbose", "--log-verbose", action="store_true",
+                   default=argparse.SUPPRESS,
+                   help="log everything: debug lines and each HTTP request")
+    g.add_argument("-lv", "--verbosity", "--log-verbosity", type=int, default=None,
+                   metavar="N", help="log threshold as llama.cpp's: 1 errors, 2 warnings, "
+                   "3 info (default), 4-5 debug; 0 nothing but errors that stop serve")
+    g.add_argument("--log-file", metavar="FNAME", help="also write the log to FNAME")
+    g.add_argument("--log-disable", action="store_true", help="no log lines")
+    g.add_argument("--verbose-prompt", action="store_true",
+                   help="log each request's prompt tokens and their text")
+
+
+def log_level(a: argparse.Namespace) -> int:
+    """-v, --verbosity and --log-disable -> a logging level (llama.cpp's thresholds)."""
+    if getattr(a, "log_disable", False):
+        return logging.CRITICAL + 1
+    if getattr(a, "verbose", False):
+        return logging.DEBUG
+    v = getattr(a, "verbosity", None)
+    if v is None:
+        return logging.INFO
+    if v < 0:
+        raise CliError(f"--verbosity: must be >= 0, got {v}")
+    return {0: logging.CRITICAL, 1: logging.ERROR, 2: logging.WARNING,
+            3: logging.INFO}.get(v, logging.DEBUG)
+
+
+def setup_logging(a: argparse.Namespace) -> None:
+    root = logging.getLogger()
+    root.setLevel(log_level(a))
+    if getattr(a, "log_file", None):
+        try:
+            handler = logging.FileHandler(a.log_file, encoding="utf-8")
+        except OSError as e:
+            raise CliError(f"--log-file: cannot write {a.log_file}: {e.strerror or e}") from None
+        handler.setFormatter(logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+
+
+def api_keys(a: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key (a comma list) and --api-key-file's lines, as llama-server reads them."""
+    keys = [k.strip() for k in (a.api_key or "").split(",") if k.strip()]
+    if a.api_key_file:
+        try:
+            with open(a.api_key_file, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            raise CliError(f"--api-key-file: cannot read {a.api_key_file}: "
+                           f"{e.strerror or e}") from None
+        keys += [k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")]
+        if not keys:
+            raise CliError(f"--api-key-file: {a.api_key_file} holds no key")
+    return tuple(dict.fromkeys(keys))
+
+
+def template_kwargs(text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        kw = json.loads(text)
+    except ValueError as e:
+        raise CliError(f"--chat-template-kwargs: not JSON: {e}") from None
+    if not isinstance(kw, dict):
+        raise CliError("--chat-template-kwargs: must be a JSON object")
+    from specwire.server.schemas import RESERVED_KWARGS
+    clash = RESERVED_KWARGS & set(kw)
+    if clash:
+        raise CliError(f"--chat-template-kwargs: {sorted(clash)[0]!r} cannot be set here")
+    return kw
+
+
+def server_grammar(a: argparse.Namespace):  # noqa: ANN201 - GrammarSpec, imported late
+    """--grammar, --grammar-file, --json-schema or --json-schema-file -> a GrammarSpec."""
+    from specwire.config import ConfigError
+    from specwire.sample.constraints import GrammarSpec, schema_grammar
+
+    for flag, dest, is_file, kind in (("--grammar", "grammar", False, "gbnf"),
+                                      ("--grammar-file", "grammar_file", True, "gbnf"),
+                                      ("--json-schema", "json_schema", False, "schema"),
+                                      ("--json-schema-file", "json_schema_file", True, "schema")):
+        text = getattr(a, dest, None)
+        if text is None:
+            continue
+        if is_file:
+            try:
+                with open(text, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise CliError(f"{flag}: cannot read {getattr(a, dest)}: {e.strerror or e}"
+                               ) from None
+        if kind == "gbnf":
+            return GrammarSpec(text, "root", flag)
+        try:
+            return schema_grammar(json.loads(text), flag)
+        except ValueError as e:
+            raise CliError(f"{flag}: not JSON: {e}") from None
+        except ConfigError as e:
+            raise CliError(str(e)) from None
+    return None
+
+
+def warm_up(target) -> None:  # noqa: ANN001 - a Backend
+    """llama-server's warm-up: one decode (BOS) on the target, then the cache emptied, so
+    nothing of it is left for requests to match."""
+    t0 = time.perf_counter()
+    target.eval(target.tokenize("", add_special=True) or [0])
+    target.truncate(0)
+    log.info("warm-up: one target decode in %.0f ms (--no-warmup skips it)",
+             (time.perf_counter() - t0) * 1000)
+
+
+def check_grammar(spec, target) -> None:  # noqa: ANN001 - GrammarSpec, Backend
+    """Compile the server-wide grammar once for the target: a bad one stops serve here."""
+    if spec is None:
+        return
+    from specwire.config import ConfigError
+    from specwire.sample.constraints import Grammar
+    try:
+        Grammar.for_backend(spec, target).close()
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+
+
+def slot_folder(path: str | None) -> str | None:
+    """--slot-save-path: a folder, made if missing (llama-server's reading of it)."""
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--slot-save-path: cannot use {path}: {e.strerror or e}") from None
+    if not os.path.isdir(path):
+        raise CliError(f"--slot-save-path: {path} is not a folder")
+    return path
+
+
+def ssl_files(a: argparse.Namespace) -> dict:
+    """uvicorn's ssl_keyfile / ssl_certfile, both or neither, each readable."""
+    key, cert = a.ssl_key_file, a.ssl_cert_file
+    if bool(key) != bool(cert):
+        raise CliError("--ssl-key-file and --ssl-cert-file: give both, or neither")
+    for flag, path in (("--ssl-key-file", key), ("--ssl-cert-file", cert)):
+        if path and not os.path.isfile(path):
+            raise CliError(f"{flag}: no such file: {path}")
+    return {"ssl_keyfile": key, "ssl_certfile": cert} if key else {}
 
 
 def run(a: argparse.Namespace) -> int:
@@ -110,6 +308,18 @@ def run(a: argparse.Namespace) -> int:
     from specwire.server.drain import DrainingServer
     from specwire.text import chat
 
+    setup_logging(a)
+    compat.check_compat(a)
+    compat.check_rpc(a)
+    compat.warn_remote_draft_flags(a)
+    keys = api_keys(a)
+    kwargs = template_kwargs(a.chat_template_kwargs)
+    tls = ssl_files(a)
+    grammar = server_grammar(a)
+    if a.timeout < 1:
+        raise CliError(f"--timeout: must be >= 1, got {a.timeout}")
+    if a.threads_http == 0 or a.threads_http < -1:
+        raise CliError(f"--threads-http: must be >= 1 or -1, got {a.threads_http}")
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in [0, 65535], got {a.port}")
     if not 1 <= a.parallel <= 64:
@@ -157,34 +367,45 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
                        f"{', '.join(sorted(chat.TEMPLATES))} (or a Jinja template)")
     settings = ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
-                              chat_template=a.chat_template, api_key=a.api_key or None,
+                              chat_template=a.chat_template,
+                              api_key=",".join(keys) or None,
                               queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui,
                               max_body=a.max_body, reasoning_format=a.reasoning_format,
                               reasoning_budget=a.reasoning_budget,
                               slot_prompt_similarity=a.slot_prompt_similarity,
                               logit_bias_max=a.logit_bias_max, body_timeout_s=a.body_timeout,
                               max_reading=a.max_reading,
-                              allowed_hosts=(*a.allowed_host, *_named(a.host)))
+                              allowed_hosts=(*a.allowed_host, *_named(a.host)),
+                              metrics=a.metrics, special=a.special,
+                              threads_http=a.threads_http, template_kwargs=kwargs,
+                              verbose_prompt=a.verbose_prompt, grammar=grammar,
+                              parallel_tool_calls=a.parallel_tool_calls, slots=a.slots,
+                              spm_infill=a.spm_infill,
+                              slot_save_path=slot_folder(a.slot_save_path))
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
+    check_grammar(grammar, engines[0].target)
+    if a.warmup:
+        warm_up(engines[0].target)
     for e in engines:
         e.cache_reuse = a.cache_reuse
     sock = _listen(a.host, a.port)
     app = create_app(engines, settings)
     verbose = getattr(a, "verbose", False)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning",
-                            access_log=verbose,
+                            access_log=verbose, timeout_keep_alive=a.timeout, **tls,
                             http=deadlines.protocol(a.header_timeout, a.max_connections),
                             limit_concurrency=a.max_connections + 1)
     server = DrainingServer(config, app.state.scheduler, a.shutdown_timeout)
     port = sock.getsockname()[1]
     host = f"[{a.host}]" if ":" in a.host else a.host
     target, drafter = engines[0].target, engines[0].drafter
-    log.info("listening on http://%s:%d (target %s, drafter %s, %d slot%s, context %d)",
-             host, port, target.name, drafter.name, a.parallel, "s" * (a.parallel > 1),
+    scheme = "https" if tls else "http"
+    log.info("listening on %s://%s:%d (target %s, drafter %s, %d slot%s, context %d)",
+             scheme, host, port, target.name, drafter.name, a.parallel, "s" * (a.parallel > 1),
              target.n_ctx)
     if a.webui:
-        log.info("live page: http://%s:%d/", host, port)
+        log.info("live page: %s://%s:%d/", scheme, host, port)
     try:
         server.run(sockets=[sock])
     finally:

@@ -65,6 +65,7 @@ def snapshot(metrics_text: str, scheduler: Scheduler, recent: RecentRequests,
         "slots": [{"id": s.index, "busy": s.job is not None, "drafter": s.engine.drafter.name}
                   for s in scheduler.slots],
         "nodes": draft_nodes(e, scheduler),
+        "speculation": scheduler.watch.states(),
         "served": recent.served,
         "recent": list(recent.rows),
     }
