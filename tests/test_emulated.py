@@ -171,7 +171,10 @@ def test_fit_scale_covers_every_measured_decode() -> None:
     assert s == pytest.approx(0.5)          # the plain step and the draft token bind
     assert regimes.fit_scale(e, {1: 0.5 * step, 8: 3.3 * step}, None, margin=1.0) == \
         pytest.approx(1.1)                  # the batch binds
-    assert regimes.fit_scale(e, target, draft) == pytest.approx(0.5 * regimes.MARGIN)
+    assert regimes.fit_scale(e, target, draft) == pytest.approx(
+        regimes.round_up(0.5 * regimes.MARGIN))
+    assert regimes.round_up(1.6976) == 1.7 and regimes.round_up(0.4101) == 0.42
+    assert regimes.round_up(2.0) == 2.0
     # at the fitted scale nothing measured is over its emulated time
     scaled = e.with_scale(s)
     assert all(t <= scaled.target_regime().decode_s(n) + 1e-12 for n, t in target.items())

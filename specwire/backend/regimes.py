@@ -10,6 +10,7 @@ scale; tokens/s in the emulated model's own units are wall tokens/s times it.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -181,7 +182,15 @@ def fit_scale(emu: Emulation, target_s: dict[int, float],
         ratios += [t / d.decode_s(n) for n, t in draft_s.items()]
     if not ratios:
         raise ValueError("fit_scale: nothing measured")
-    return margin * max(ratios)
+    return round_up(margin * max(ratios))
+
+
+def round_up(x: float, digits: int = 2) -> float:
+    """x rounded up to `digits` significant digits (a scale that reads well: 1.7, 0.42)."""
+    if x <= 0:
+        return x
+    step = 10 ** (math.floor(math.log10(x)) - digits + 1)
+    return round(math.ceil(x / step - 1e-9) * step, 12)
 
 
 def measure_scale(emu: Emulation, target: Any, prompt: Sequence[int],
@@ -193,3 +202,23 @@ def measure_scale(emu: Emulation, target: Any, prompt: Sequence[int],
     measured = {"target_s": t, "draft_s": d,
                 "target_plain_ms": 1000 * t.get(1, statistics.fmean(t.values()))}
     return fit_scale(emu, t, d), measured
+
+
+#: What the scale is measured after: a prompt of about a hundred tokens of code.
+SCALE_TEXT = ("def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
+              "    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
+              "    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n"
+              "        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n"
+              "        else:\n            out.append(b[j]); j += 1\n"
+              "    return out + a[i:] + b[j:]\n\n# Rewrite it as a generator, with a test.\n")
+
+
+def scaled(emu: Emulation, fit: bool, target: Any, draft: Any | None = None
+           ) -> tuple[Emulation, dict]:
+    """The emulation at its scale: measured on the real target (and draft) when `fit`,
+    else as given; (emulation, what was measured, empty when nothing was)."""
+    if not fit:
+        return emu, {}
+    prompt = target.tokenize(SCALE_TEXT, add_special=True, parse_special=False)
+    scale, measured = measure_scale(emu, target, prompt, draft)
+    return emu.with_scale(scale), measured

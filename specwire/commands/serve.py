@@ -15,6 +15,7 @@ import socket
 from specwire import reasoning
 from specwire.cliargs import (
     CliError,
+    add_emulation_args,
     add_model_args,
     add_sampling_args,
     draft_params,
@@ -76,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "by shifting them in the KV cache (0: off; see docs/memory.md)")
     add_model_args(p)
     add_sampling_args(p)
+    add_emulation_args(p)
     p.set_defaults(func=run)
 
 

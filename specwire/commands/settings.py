@@ -8,7 +8,13 @@ import argparse
 import os
 
 from specwire.backend.base import BackendError
-from specwire.cliargs import CliError, draft_model_params, spec_type, target_params
+from specwire.cliargs import (
+    CliError,
+    draft_model_params,
+    emulation_args,
+    spec_type,
+    target_params,
+)
 from specwire.config import VerifyMode
 from specwire.settings import DraftSettings, EngineSettings, MeasureSettings, RemoteSettings
 
@@ -33,7 +39,8 @@ def engine_settings(a: argparse.Namespace) -> EngineSettings:
                           branches=getattr(a, "draft_branches", None),
                           lockstep=(kind == "model" and not getattr(a, "draft_hybrid", False)
                                     and getattr(a, "draft_mode", "auto") != "pipelined"))
-    return EngineSettings(target, draft, verify)
+    emu, scale = emulation_args(a)
+    return EngineSettings(target, draft, verify, emu, scale is None)
 
 
 def drafter_kind(a: argparse.Namespace) -> str:
