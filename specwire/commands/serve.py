@@ -150,6 +150,9 @@ def run(a: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        from specwire.commands.generate import emulation_lines
+        for line in emulation_lines(target):
+            log.info("%s", line)
         for e in engines:
             for d in e.drafters:
                 declared(d).close()
