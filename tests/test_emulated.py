@@ -108,6 +108,10 @@ def test_a_batch_decode_is_one_held_batch_of_all_parts() -> None:
     b.seq(1).eval([7], logits="last")                  # a sequence's own eval is held too
     assert clock.now == pytest.approx(0.1 * (1 + 6 / 7) + 0.3)
     assert b.decode_s == pytest.approx(clock.now)
+    # each sequence's share follows its share of the real time (FakeBatch: its own evals)
+    shares = [b.seq_decode_s(i) for i in range(2)]
+    assert sum(shares) == pytest.approx(b.decode_s)
+    assert b.seq(1).decode_s == pytest.approx(shares[1])
     assert b.seq(1).tokens == fb.seqs[1].tokens
     assert not isinstance(emulate(FakeBackend(MODEL), Regime(0.1)), BatchBackend)
 

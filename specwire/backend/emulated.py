@@ -191,6 +191,12 @@ class _EmulatedSeq(EmulatedBackend):
     def __init__(self, owner: EmulatedBatch, i: int) -> None:
         super().__init__(owner.inner.seq(i), owner.regime, owner.counters, owner._hold.clock)
         self._hold = owner._hold   # one timeline: the batch's decode_s includes its evals
+        self._owner, self._i = owner, i
+
+    @property
+    def decode_s(self) -> float:
+        """This sequence's share of the batch's held time, as a real sequence view's."""
+        return self._owner.seq_decode_s(self._i)
 
 
 class EmulatedBatch(EmulatedBackend):
