@@ -204,3 +204,41 @@ def test_resolve_refuses_bad_figures() -> None:
     custom = regimes.resolve(None, target_tps=10.0, verify_cost="1:1,4:2")
     assert custom.preset == "custom" and custom.draft_tps is None
     assert custom.draft_regime() is None
+
+
+def _run(over: int, decodes: int, draft_over: int = 0):
+    from specwire.bench.runner import PromptRun
+    hold = {"decodes": decodes, "over": over, "prompt_chunks": 1, "prompt_over": 1,
+            "real_s": 1.0, "emulated_s": 2.0}
+    return PromptRun("p", "code", 10, 20, 5.0, 1.0, 4000.0, "limit", "x", {}, extra={
+        "emulation": {"target": hold, "draft": {**hold, "over": draft_over}}})
+
+
+def test_bench_marks_a_configuration_over_five_percent() -> None:
+    from specwire.bench import report
+    ok = report.emulation([_run(1, 50), _run(1, 50)])            # 2 of 100: valid
+    assert ok["target"]["over"] == 2 and ok["target"]["decodes"] == 100
+    assert ok["target"]["over_share"] == pytest.approx(0.02) and ok["valid"]
+    bad = report.emulation([_run(0, 50, draft_over=3), _run(0, 50, draft_over=3)])
+    assert bad["draft"]["over_share"] == pytest.approx(0.06) and not bad["valid"]
+    from specwire.bench.runner import PromptRun
+    assert report.emulation([PromptRun("p", "code", 1, 1, 1.0, 1.0, 1.0, "limit", "x", {})]) \
+        is None
+    results = {"emulation": {"scale": 2.0, "describe": "emulating seed-moe",
+                             "node": {"decodes": 100, "over": 7}},
+               "records": [{"label": "local k=8", "emulation": bad, "prompts": [
+                   {"category": "code", "generated": 20, "predicted_ms": 4000.0}]}]}
+    text = "\n".join(report.emulation_lines(results))
+    assert "local k=8: 10.00 emulated tok/s" in text
+    assert "draft 6/100 (6.0%) - NOT A VALID EMULATION" in text
+    assert "draft node (all its configurations): 7/100" in text and text.count("NOT A VALID") == 2
+
+
+def test_bench_reads_the_nodes_count(tmp_path) -> None:
+    from specwire.bench.sweep import node_holds
+    log = tmp_path / "draft-node.log"
+    assert node_holds(log) is None
+    log.write_text("x INFO specwire.node: emulation: 10 draft decodes, 1 over their emulated "
+                   "time; 2 prompt chunks, 0 over\nx INFO specwire.node: emulation: 25 draft "
+                   "decodes, 3 over their emulated time; 4 prompt chunks, 1 over\n")
+    assert node_holds(log) == {"decodes": 25, "over": 3, "prompt_chunks": 4, "prompt_over": 1}
