@@ -8,6 +8,7 @@ See specwire/server/app.py for the endpoints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -134,6 +135,7 @@ def run(a: argparse.Namespace) -> int:
         e.cache_reuse = a.cache_reuse
     sock = _listen(a.host, a.port)
     app = create_app(engines, settings)
+    _log_emulation_at_shutdown(app, engines[0].target)
     verbose = getattr(a, "verbose", False)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning",
                             access_log=verbose, timeout_graceful_shutdown=2)
@@ -150,13 +152,28 @@ def run(a: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
-        from specwire.commands.generate import emulation_lines
-        for line in emulation_lines(target):
-            log.info("%s", line)
         for e in engines:
             for d in e.drafters:
                 declared(d).close()
     return 0
+
+
+def _log_emulation_at_shutdown(app, target) -> None:
+    """--emulate: log how many decodes overran their emulated time when the app's lifespan
+    ends (uvicorn re-raises SIGTERM after it, so code after server.run may never run)."""
+    from specwire.commands.generate import emulation_lines
+    if getattr(target, "emulation", None) is None:
+        return
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            yield state
+        for line in emulation_lines(target):
+            log.info("%s", line)
+
+    app.router.lifespan_context = lifespan
 
 
 def _listen(host: str, port: int) -> socket.socket:
