@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from specwire import cliplacement
+from specwire.cli import placement as cliplacement
 from specwire.config import ConfigError, DraftParams, ModelParams, SamplingParams, VerifyMode
 
 
@@ -340,7 +340,7 @@ def _build(cls, flags: dict[str, str] = FLAG_OF, **kw):
 
 def _branch_count(text: str) -> int:
     """--draft-branches: alternates per chunk, 0..MAX_ALTERNATES (the protocol's limit)."""
-    from specwire.draftlink.messages import MAX_ALTERNATES
+    from specwire.link.messages import MAX_ALTERNATES
 
     try:
         n = int(text)

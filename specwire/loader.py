@@ -2,7 +2,7 @@
 
 Shared by generate, serve and bench so that every command resolves the bundled
 defaults, refuses incompatible pairs and picks the drafter the same way. The
-commands build the settings from their flags (specwire/commands/settings.py).
+commands build the settings from their flags (specwire/cli/settings.py).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from specwire.backend.base import Backend, BackendError
-from specwire.cliargs import CliError
-from specwire.cliplacement import draft_flag_names
+from specwire.cli.args import CliError
+from specwire.cli.placement import draft_flag_names
 from specwire.config import ConfigError
 from specwire.drafters.base import Drafter, NoDrafter, declared
-from specwire.engine import Engine
+from specwire.engine.engine import Engine
 from specwire.settings import DraftSettings, EngineSettings
 
 log = logging.getLogger(__name__)
@@ -25,14 +25,14 @@ log = logging.getLogger(__name__)
 def resolve_target(path: str | None) -> str:
     if path:
         return path
-    from specwire import models
+    from specwire.assets import models
     return str(models.default_target())
 
 
 def resolve_draft(path: str | None) -> str:
     if path:
         return path
-    from specwire import models
+    from specwire.assets import models
     return str(models.default_draft())
 
 
@@ -59,7 +59,7 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         if s.draft.lockstep and n_seq > 1:
             drafters = lockstep_drafters(s.draft, target, n_seq, wrap)
         elif s.draft.kind == "remote" and not s.draft.hybrid:
-            from specwire.drafters.remote import make_remote_drafters
+            from specwire.link.remote import make_remote_drafters
             drafters = make_remote_drafters(list(s.draft.urls), s.draft.remote, target, n_seq)
         else:
             drafters = [build_drafter(s.draft, target, wrap) for _ in range(n_seq)]
@@ -112,12 +112,12 @@ def build_drafter(s: DraftSettings, target: Backend,
                   wrap: Callable[[Any], Any] = _identity) -> Drafter:
     if s.hybrid:
         from specwire.drafters.hybrid import HybridDrafter
-        from specwire.drafters.ngram import NgramDrafter
+        from specwire.drafters.ngram.drafter import NgramDrafter
         return HybridDrafter(NgramDrafter(), build_model_drafter(s, target, wrap))
     if s.kind == "none":
         return NoDrafter()
     if s.kind == "ngram":
-        from specwire.drafters.ngram import NgramDrafter
+        from specwire.drafters.ngram.drafter import NgramDrafter
         return NgramDrafter()
     return build_model_drafter(s, target, wrap)
 
@@ -126,7 +126,7 @@ def build_model_drafter(s: DraftSettings, target: Backend,
                         wrap: Callable[[Any], Any] = _identity) -> Drafter:
     """A draft model: remote (--draft-url) or in this process (-md or the bundled one)."""
     if s.kind == "remote":
-        from specwire.drafters.remote import make_remote_drafter
+        from specwire.link.remote import make_remote_drafter
         return make_remote_drafter(list(s.urls), s.remote, target)
     from specwire.backend.llama import LlamaBackend, check_pair, load_model
     assert s.model is not None  # DraftSettings refuses kind model without one
@@ -134,8 +134,8 @@ def build_model_drafter(s: DraftSettings, target: Backend,
     check_pair(target.model, dmodel)
     backend = wrap(LlamaBackend(s.model, dmodel))
     if s.threaded:
-        from specwire.drafters.alternates import branch_params
-        from specwire.drafters.threaded import ThreadedDrafter
+        from specwire.link.alternates import branch_params
+        from specwire.link.threaded import ThreadedDrafter
         drafter = ThreadedDrafter(backend)
         drafter.branches = branch_params(s.branches)
         return drafter

@@ -1,7 +1,7 @@
 """What the commands hand below them: typed settings built from the command line.
 
-argparse namespaces stay in specwire/commands/ (specwire/commands/settings.py
-and commands/bench.py build these from them); the loader, the remote drafter's
+argparse namespaces stay in specwire/cli/commands/ (specwire/cli/settings.py
+and cli/commands/bench.py build these from them); the loader, the remote drafter's
 factory, the calibration and the benchmark's sweep take these instead, so what
 they depend on is spelt out and a caller without a command line (a test, the
 benchmark) builds them directly.

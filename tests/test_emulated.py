@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 from fakes import FakeBackend, FakeBatch, FakeClock, FakeModel
+from specwire.engine.engine import Engine, Request
+from specwire.policy.throughput import VerifyCurve
 
 from specwire.backend import emulated as emu_mod
 from specwire.backend import regimes
 from specwire.backend.batch import BatchBackend, Part
 from specwire.backend.emulated import HoldCounters, Regime, emulate, split_tokens
 from specwire.config import DraftParams, SamplingParams
-from specwire.engine import Engine, Request
-from specwire.throughput import VerifyCurve
 
 MODEL = FakeModel(n_vocab=40, seed=3)
 CURVE = VerifyCurve.parse("1:1,8:3")

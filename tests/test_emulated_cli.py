@@ -60,13 +60,14 @@ def test_emulated_generation_gives_the_unemulated_tokens() -> None:
 def test_emulated_engine_matches_for_every_draft_length() -> None:
     """In one process, with fixed regimes (no fit): target and draft held, greedy output
     token-identical to the unheld run at draft lengths 1, 4 and 8."""
-    from specwire import models
+    from specwire.assets import models
+    from specwire.engine.engine import Engine, Request
+    from specwire.policy.throughput import VerifyCurve
+
     from specwire.backend.emulated import Regime, emulate
     from specwire.backend.llama import LlamaBackend
     from specwire.config import DraftParams, ModelParams, SamplingParams
     from specwire.drafters.model import ModelDrafter
-    from specwire.engine import Engine, Request
-    from specwire.throughput import VerifyCurve
 
     target = LlamaBackend(ModelParams(str(models.default_target()), n_ctx=512))
     draft = LlamaBackend(ModelParams(str(models.default_draft()), n_ctx=512))

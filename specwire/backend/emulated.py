@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from specwire.backend.batch import BatchBackend, Part
-from specwire.throughput import VerifyCurve
+from specwire.policy.throughput import VerifyCurve
 
 #: A configuration with more of its decodes over their emulated time is not valid.
 MAX_OVER_SHARE = 0.05

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from specwire.backend.emulated import Regime
-from specwire.throughput import VerifyCurve
+from specwire.policy.throughput import VerifyCurve
 
 #: Real decodes must fit under their emulated times with this much room: a shared
 #: machine's noise should not push them over.

@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from specwire.bench import cpus
+from specwire.bench.netemu import LinkEmulator
 from specwire.bench.runner import Config
-from specwire.cliargs import CliError
-from specwire.cliplacement import draft_flag_names
+from specwire.cli.args import CliError
+from specwire.cli.placement import draft_flag_names
 from specwire.drafters.base import declared
-from specwire.netemu import LinkEmulator
 from specwire.settings import BenchSettings
 
 MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
@@ -241,8 +241,8 @@ class Drafters:
             from specwire.drafters.model import ModelDrafter
             return ModelDrafter(self.draft_backend())
         if mode == "local-pipelined":
-            from specwire.drafters.alternates import branch_params
-            from specwire.drafters.threaded import ThreadedDrafter
+            from specwire.link.alternates import branch_params
+            from specwire.link.threaded import ThreadedDrafter
             drafter = ThreadedDrafter(self.draft_backend())
             drafter.branches = branch_params(self.bench.remote.branches)
             return drafter
@@ -252,7 +252,7 @@ class Drafters:
             from specwire.drafters.model import ModelDrafter
             return self._hybrid(cfg, ModelDrafter(self.draft_backend()))
         if mode == "ngram-classic":
-            from specwire.drafters.ngram_classic import ClassicNgramDrafter
+            from specwire.bench.baselines import ClassicNgramDrafter
             return ClassicNgramDrafter()
         if mode == "random":
             from specwire.drafters.random import RandomDrafter
@@ -261,7 +261,7 @@ class Drafters:
         return NoDrafter()
 
     def _ngram(self, cfg: Config) -> Any:
-        from specwire.drafters.ngram import MatchCalibration, NgramDrafter, RoundCost
+        from specwire.drafters.ngram.drafter import MatchCalibration, NgramDrafter, RoundCost
         calibration, cost = self._ngram_memory.setdefault(cfg.label(),
                                                           (MatchCalibration(), RoundCost()))
         return NgramDrafter(cache=None, calibration=calibration, cost=cost)
@@ -273,7 +273,7 @@ class Drafters:
 
     def _remote(self, emu: LinkEmulator, pipelined: bool) -> Any:
         """A fresh Link + RemoteDrafter through the emulator, handshake done."""
-        from specwire.drafters.remote import make_remote_drafter
+        from specwire.link.remote import make_remote_drafter
         opts = dataclasses.replace(self.bench.remote, pipelined=pipelined)
         drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
         link = drafter.links[0]

@@ -24,11 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from specwire.backend.emulated import HoldCounters
+from specwire.bench.netemu import LinkEmulator
 from specwire.bench.prompts import Prompt
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import declared
-from specwire.engine import Engine, Request
-from specwire.netemu import LinkEmulator
+from specwire.engine.engine import Engine, Request
 
 #: Budget when neither -n nor the prompt's max_tokens says.
 DEFAULT_MAX_TOKENS = 128

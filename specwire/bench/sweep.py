@@ -30,7 +30,7 @@ from specwire.bench.runner import (
     run_prompt,
     warm_up,
 )
-from specwire.cliargs import CliError
+from specwire.cli.args import CliError
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.settings import BenchSettings
 
@@ -81,7 +81,7 @@ def run(s: Settings, bench: BenchSettings, sampling: SamplingParams,
     from specwire.backend.base import BackendError
     from specwire.backend.llama import LlamaBackend
     from specwire.backend.placement import check
-    from specwire.cliplacement import draft_flag_names
+    from specwire.cli.placement import draft_flag_names
 
     try:
         plist = resolve(s.prompts, s.limit)
@@ -211,8 +211,8 @@ def _run_all(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload
              stack: contextlib.ExitStack) -> list[list[PromptRun]]:
     from tqdm import tqdm
 
-    from specwire.engine import Engine
-    from specwire.policy import PolicyMemory
+    from specwire.engine.engine import Engine
+    from specwire.policy.adaptive import PolicyMemory
     bar = tqdm(total=len(cfgs) * len(work.prompts), unit="prompt", disable=not s.progress,
                dynamic_ncols=True, file=sys.stderr)
     stack.callback(bar.close)

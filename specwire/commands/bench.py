@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from specwire.backend.base import BackendError
-from specwire.cliargs import (
+from specwire.bench.netemu import parse_bandwidth, parse_duration
+from specwire.cli.args import (
     CliError,
     add_emulation_args,
     add_model_args,
@@ -27,9 +28,8 @@ from specwire.cliargs import (
     sampling_params,
     target_params,
 )
-from specwire.cliplacement import node_flags
-from specwire.commands.settings import remote_settings
-from specwire.netemu import parse_bandwidth, parse_duration
+from specwire.cli.placement import node_flags
+from specwire.cli.settings import remote_settings
 from specwire.settings import BenchSettings
 
 QUICK = {"prompts": "code", "limit": 6, "n_predict": 64, "modes": "plain,local,local-pipelined"}
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="Examples: specwire bench --quick;  specwire bench --prompts code,qa "
         "--modes plain,local,remote-sync,remote-pipelined,ngram --rtt 0.2ms,2ms,20ms "
         "--draft-max 4,8 --out bench-out;  several requests in flight against specwire serve "
-        "and llama-server: python -m specwire.bench.concurrency --help")
+        "and llama-server: python -m benchmarks.concurrency --help")
     g = p.add_argument_group("benchmark")
     g.add_argument("--prompts", default=None, metavar="SETS",
                    help="JSONL files or shipped sets (code, prose, qa), comma separated "
@@ -152,7 +152,7 @@ def bench_settings(a: argparse.Namespace, modes: list[str]) -> BenchSettings:
     """Flags -> the models and links the sweep uses; the draft model only when a mode runs
     it (a missing one is then a CliError, as is a bad placement flag)."""
     from specwire.bench.modes import MODEL_MODES
-    from specwire.loader import resolve_draft, resolve_target
+    from specwire.build import resolve_draft, resolve_target
 
     try:
         target = target_params(a, resolve_target(a.model))

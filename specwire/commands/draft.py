@@ -5,12 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from specwire.cliargs import (
-    CliError,
-    add_draft_model_args,
-    add_emulation_args,
-    draft_model_params,
-)
+from specwire.cli.args import CliError, add_draft_model_args, add_emulation_args, draft_model_params
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(a: argparse.Namespace) -> int:
     from specwire.backend.base import BackendError
-    from specwire.loader import resolve_draft
+    from specwire.build import resolve_draft
     from specwire.node.server import NodeSettings, serve
 
     if not 0 <= a.port <= 65535:
@@ -108,7 +103,7 @@ def node_emulation(a: argparse.Namespace):
     None. The scale is the target's (it fits both models): the node cannot guess it."""
     from specwire.backend.emulated import Regime
     from specwire.backend.regimes import PRESETS
-    from specwire.throughput import VerifyCurve
+    from specwire.policy.throughput import VerifyCurve
 
     if a.emulate is None and a.draft_tps is None:
         if a.verify_cost is not None or a.emulate_scale is not None:

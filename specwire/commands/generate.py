@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from specwire.cliargs import (
+from specwire.cli.args import (
     CliError,
     add_emulation_args,
     add_model_args,
@@ -66,10 +66,10 @@ def read_prompt(a: argparse.Namespace) -> str | list[dict]:
 
 
 def run(a: argparse.Namespace) -> int:
-    from specwire.commands.settings import engine_settings
-    from specwire.engine import Request
-    from specwire.loader import build_engine
-    from specwire.textstream import TextStream
+    from specwire.build import build_engine
+    from specwire.cli.settings import engine_settings
+    from specwire.engine.engine import Request
+    from specwire.text.stream import TextStream
 
     if a.n_predict < 0:
         raise CliError(f"-n: must be >= 0, got {a.n_predict}")
@@ -78,7 +78,7 @@ def run(a: argparse.Namespace) -> int:
     engine = build_engine(engine_settings(a))
     target = engine.target
     if isinstance(prompt, list):
-        from specwire.chat import render_for
+        from specwire.text.chat import render_for
         text = render_for(target, prompt, a.chat_template)
         tokens = target.tokenize(text, add_special=False, parse_special=True)
     else:

@@ -13,8 +13,7 @@ import logging
 import os
 import socket
 
-from specwire import reasoning
-from specwire.cliargs import (
+from specwire.cli.args import (
     CliError,
     add_emulation_args,
     add_model_args,
@@ -22,6 +21,7 @@ from specwire.cliargs import (
     draft_params,
     sampling_params,
 )
+from specwire.text import reasoning
 
 log = logging.getLogger("specwire.serve")
 
@@ -85,11 +85,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(a: argparse.Namespace) -> int:
     import uvicorn
 
-    from specwire import chat
-    from specwire.commands.settings import engine_settings
+    from specwire.build import build_engine
+    from specwire.cli.settings import engine_settings
     from specwire.drafters.base import declared
-    from specwire.loader import build_engine
     from specwire.server import ServerSettings, create_app
+    from specwire.text import chat
 
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in [0, 65535], got {a.port}")
@@ -161,7 +161,7 @@ def run(a: argparse.Namespace) -> int:
 def _log_emulation_at_shutdown(app, target) -> None:
     """--emulate: log how many decodes overran their emulated time when the app's lifespan
     ends (uvicorn re-raises SIGTERM after it, so code after server.run may never run)."""
-    from specwire.commands.generate import emulation_lines
+    from specwire.cli.commands.generate import emulation_lines
     if getattr(target, "emulation", None) is None:
         return
     inner = app.router.lifespan_context

@@ -1,5 +1,5 @@
 """Command line -> typed settings (specwire.settings), so that no argparse namespace
-travels below specwire/commands/. Every flag keeps its name and meaning; a bad one is
+travels below specwire/cli/commands/. Every flag keeps its name and meaning; a bad one is
 a CliError naming it."""
 
 from __future__ import annotations
@@ -8,13 +8,7 @@ import argparse
 import os
 
 from specwire.backend.base import BackendError
-from specwire.cliargs import (
-    CliError,
-    draft_model_params,
-    emulation_args,
-    spec_type,
-    target_params,
-)
+from specwire.cli.args import CliError, draft_model_params, emulation_args, spec_type, target_params
 from specwire.config import VerifyMode
 from specwire.settings import DraftSettings, EngineSettings, MeasureSettings, RemoteSettings
 
@@ -22,7 +16,7 @@ from specwire.settings import DraftSettings, EngineSettings, MeasureSettings, Re
 def engine_settings(a: argparse.Namespace) -> EngineSettings:
     """generate's and serve's flags -> the target, the drafter and the verification mode
     (bundled pair by default)."""
-    from specwire.loader import resolve_draft, resolve_target
+    from specwire.build import resolve_draft, resolve_target
 
     try:
         target = target_params(a, resolve_target(a.model))
@@ -81,7 +75,7 @@ def local_mode(a: argparse.Namespace) -> str:
 
 def measure_settings(a: argparse.Namespace) -> MeasureSettings:
     """`plan --measure`'s flags -> the pair to load and the prompts to run."""
-    from specwire.loader import resolve_draft, resolve_target
+    from specwire.build import resolve_draft, resolve_target
 
     if a.measure_limit < 1 or a.measure_n < 1:
         raise CliError("--measure-limit and --measure-n must be >= 1")
