@@ -8,6 +8,8 @@ commands build the settings from their flags (specwire/cli/settings.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from specwire.backend.base import Backend, BackendError
 from specwire.config import ConfigError
@@ -49,13 +51,16 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         if s.draft.model is not None:
             check(s.draft.model.placement, dict(s.draft.flags))
         target = LlamaBackend(s.target, n_seq=n_seq)
+        wrap = _identity
+        if s.emulation is not None:
+            target, wrap = emulated(s, target)
         if s.draft.lockstep and n_seq > 1:
-            drafters = lockstep_drafters(s.draft, target, n_seq)
+            drafters = lockstep_drafters(s.draft, target, n_seq, wrap)
         elif s.draft.kind == "remote" and not s.draft.hybrid:
             from specwire.link.remote import make_remote_drafters
             drafters = make_remote_drafters(list(s.draft.urls), s.draft.remote, target, n_seq)
         else:
-            drafters = [build_drafter(s.draft, target) for _ in range(n_seq)]
+            drafters = [build_drafter(s.draft, target, wrap) for _ in range(n_seq)]
     except BackendError as e:
         raise ConfigError(str(e)) from None
     try:
@@ -66,20 +71,57 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         raise
 
 
-def build_drafter(s: DraftSettings, target: Backend) -> Drafter:
+def _identity(backend: Any) -> Any:
+    return backend
+
+
+def emulated(s: EngineSettings, target: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """--emulate: the target held to the emulated one's times, and how to hold a local
+    draft model's backend; the scale is fitted to the real pair first unless given."""
+    from specwire.backend.emulated import HoldCounters, emulate
+    from specwire.backend.llama import LlamaBackend, load_model
+    from specwire.backend.regimes import scaled
+    assert s.emulation is not None
+    probe = None
+    if s.fit_scale and s.draft.model is not None and s.emulation.draft_tps is not None:
+        probe = LlamaBackend(s.draft.model, load_model(s.draft.model, dict(s.draft.flags)))
+    try:
+        emu, _measured = scaled(s.emulation, s.fit_scale, target, probe)
+    finally:
+        if probe is not None:
+            probe.close()
+    log.info("%s", emu.describe())
+    if s.draft.kind == "remote" and emu.draft_tps is not None:
+        log.info("emulation: start the draft node with --emulate-scale %.4g --draft-tps %g "
+                 "--verify-cost %s to hold its drafts alike", emu.scale, emu.draft_tps,
+                 ",".join(f"{n}:{c:g}" for n, c in emu.verify.points))
+    regime = emu.draft_regime()
+    draft_counters = HoldCounters()
+
+    def wrap(backend: Any) -> Any:
+        return backend if regime is None else emulate(backend, regime, draft_counters)
+
+    held = emulate(target, emu.target_regime())
+    held.emulation, held.draft_counters = emu, draft_counters   # for the commands' reports
+    return held, wrap
+
+
+def build_drafter(s: DraftSettings, target: Backend,
+                  wrap: Callable[[Any], Any] = _identity) -> Drafter:
     if s.hybrid:
         from specwire.drafters.hybrid import HybridDrafter
         from specwire.drafters.ngram.drafter import NgramDrafter
-        return HybridDrafter(NgramDrafter(), build_model_drafter(s, target))
+        return HybridDrafter(NgramDrafter(), build_model_drafter(s, target, wrap))
     if s.kind == "none":
         return NoDrafter()
     if s.kind == "ngram":
         from specwire.drafters.ngram.drafter import NgramDrafter
         return NgramDrafter()
-    return build_model_drafter(s, target)
+    return build_model_drafter(s, target, wrap)
 
 
-def build_model_drafter(s: DraftSettings, target: Backend) -> Drafter:
+def build_model_drafter(s: DraftSettings, target: Backend,
+                        wrap: Callable[[Any], Any] = _identity) -> Drafter:
     """A draft model: remote (--draft-url) or in this process (-md or the bundled one)."""
     if s.kind == "remote":
         from specwire.link.remote import make_remote_drafter
@@ -88,7 +130,7 @@ def build_model_drafter(s: DraftSettings, target: Backend) -> Drafter:
     assert s.model is not None  # DraftSettings refuses kind model without one
     dmodel = load_model(s.model, dict(s.flags))
     check_pair(target.model, dmodel)
-    backend = LlamaBackend(s.model, dmodel)
+    backend = wrap(LlamaBackend(s.model, dmodel))
     if s.threaded:
         from specwire.link.alternates import branch_params
         from specwire.link.threaded import ThreadedDrafter
@@ -99,11 +141,12 @@ def build_model_drafter(s: DraftSettings, target: Backend) -> Drafter:
     return ModelDrafter(backend)
 
 
-def lockstep_drafters(s: DraftSettings, target: Backend, n_seq: int) -> list[Drafter]:
+def lockstep_drafters(s: DraftSettings, target: Backend, n_seq: int,
+                      wrap: Callable[[Any], Any] = _identity) -> list[Drafter]:
     """One draft context of n_seq sequences on the draft's weights, a drafter for each."""
     from specwire.backend.llama import LlamaBackend, check_pair, load_model
     from specwire.drafters.model import ModelDrafter
     assert s.model is not None  # DraftSettings refuses kind model without one
     dmodel = load_model(s.model, dict(s.flags))
     check_pair(target.model, dmodel)
-    return ModelDrafter.per_sequence(LlamaBackend(s.model, dmodel, n_seq=n_seq))
+    return ModelDrafter.per_sequence(wrap(LlamaBackend(s.model, dmodel, n_seq=n_seq)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from specwire.backend.regimes import Emulation
 from specwire.config import ModelParams, VerifyMode
 
 DRAFTER_KINDS = ("none", "ngram", "remote", "model")
@@ -66,6 +67,10 @@ class EngineSettings:
     target: ModelParams
     draft: DraftSettings = field(default_factory=DraftSettings)
     verify: VerifyMode | None = None
+    #: --emulate: hold the target's (and a local draft's) decodes to an emulated model's
+    #: times; fit_scale: measure the scale at start-up (--emulate-scale auto)
+    emulation: Emulation | None = None
+    fit_scale: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,5 +99,7 @@ class BenchSettings:
     draft_url: str | None = None      # a running node instead of one started here
     llama_server: str | None = None   # http://HOST:PORT for mode llama-server
     shared_cpus: bool = False         # the node and this process share every CPU
+    emulation: Emulation | None = None  # --emulate (bench fits the scale unless given)
+    fit_scale: bool = True
     flags: Mapping[str, object] = field(default_factory=dict)  # secrets already masked
     draft_flags: Mapping[str, str] = field(default_factory=dict)  # as DraftSettings.flags

@@ -95,6 +95,10 @@ class FakeClock:
     def charge(self, seconds: float) -> None:
         self.now += seconds
 
+    def sleep(self, seconds: float) -> None:
+        """A wait moves the clock as a charge does (the emulated backend holds with it)."""
+        self.now += max(0.0, seconds)
+
     def install(self, monkeypatch, *modules) -> FakeClock:
         """Be the `time` of these modules for the test."""
         for module in modules:

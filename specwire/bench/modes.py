@@ -170,8 +170,28 @@ class Drafters:
         # server, as the policy's estimates do (its cache of requests does not, here)
         self._ngram_memory: dict[str, tuple[Any, Any]] = {}
         self._hybrid_memory: dict[str, Any] = {}  # the hybrid's estimates, likewise
+        self._draft_regime: Any = None   # --emulate: the draft's times (see hold)
+        self._draft_counters: Any = None
+        self._held_draft: Any = None
+
+    def hold(self, regime: Any, counters: Any, node_flags: tuple[str, ...]) -> None:
+        """--emulate: hold the local draft model to `regime`, and start a draft node with
+        `node_flags` added, which hold its drafts alike."""
+        self._draft_regime, self._draft_counters = regime, counters
+        self.bench = dataclasses.replace(self.bench,
+                                         node_flags=(*self.bench.node_flags, *node_flags))
 
     def draft_backend(self) -> Any:
+        """The in-process draft model, held to the emulated draft's times under --emulate."""
+        backend = self.real_draft_backend()
+        if self._draft_regime is None:
+            return backend
+        if self._held_draft is None:
+            from specwire.backend.emulated import emulate
+            self._held_draft = emulate(backend, self._draft_regime, self._draft_counters)
+        return self._held_draft
+
+    def real_draft_backend(self) -> Any:
         """The in-process draft model (checked against the target's vocabulary)."""
         if self._draft_backend is None:
             from specwire.backend.base import BackendError

@@ -232,8 +232,29 @@ def aggregate(cfg: Config, runs: Sequence[PromptRun], plain: Sequence[PromptRun]
         "tokens_match_plain": match,
         "mismatched_prompts": mismatched,
         "by_category": by_category(runs, plain),
+        "emulation": emulation(runs),
         "prompts": [r.to_dict() for r in runs],
     }
+
+
+_HOLD_SUMS = ("decodes", "over", "prompt_chunks", "prompt_over", "real_s", "emulated_s")
+
+
+def emulation(runs: Sequence[PromptRun]) -> dict | None:
+    """--emulate: per model, the decodes held and those over their emulated time, and
+    whether the configuration is a valid emulation (at most 5% over, each model)."""
+    from specwire.backend.emulated import MAX_OVER_SHARE
+
+    parts = [r.extra["emulation"] for r in runs if r.extra.get("emulation")]
+    if not parts:
+        return None
+    out: dict = {}
+    for name in parts[0]:
+        tot = {k: sum(p[name][k] for p in parts) for k in _HOLD_SUMS}
+        tot["over_share"] = tot["over"] / tot["decodes"] if tot["decodes"] else 0.0
+        out[name] = tot
+    out["valid"] = all(v["over_share"] <= MAX_OVER_SHARE for v in out.values())
+    return out
 
 
 # --------------------------------------------------------------------------- across records
@@ -474,6 +495,7 @@ def render_summary(results: dict) -> str:
                          f"{sv.get('waited_empty', 0):.0f} in vain); a fresh branch's first "
                          f"token came {_num(sv.get('fresh_first_ms_mean'), 0, 1)} ms after "
                          f"the verdict")
+    parts += emulation_lines(results)
     errs = [abs(r["plan"]["error_pct"]) for r in records
             if r.get("plan") and r["mode"] != "plain"]
     if errs:
@@ -481,3 +503,31 @@ def render_summary(results: dict) -> str:
                      f"worst {max(errs):.0f}% over {len(errs)} configurations")
     parts += [f"WARNING: {w}" for w in results.get("warnings", [])]
     return "\n".join(parts)
+
+
+def emulation_lines(results: dict) -> list[str]:
+    """--emulate: the regime and its scale, each configuration's decodes over their time
+    (those above 5% marked: not a valid emulation), the node's over the whole run."""
+    emu = results.get("emulation")
+    if not emu:
+        return []
+    scale = emu["scale"]
+    out = [f"emulation: {emu['describe']}; tokens/s above are wall time, x {scale:.3g} gives "
+           f"the emulated model's (round trips shown are wall time too)"]
+    for r in results["records"]:
+        e = r.get("emulation")
+        if not e:
+            continue
+        shares = ", ".join(f"{name} {v['over']}/{v['decodes']} ({100 * v['over_share']:.1f}%)"
+                           for name, v in e.items() if name != "valid" and v["decodes"])
+        rate = overall_rate(r)
+        emulated = f"{rate * scale:.2f} emulated tok/s; " if rate else ""
+        out.append(f"  {r['label']}: {emulated}decodes over their emulated time: {shares}"
+                   f"{'' if e['valid'] else ' - NOT A VALID EMULATION'}")
+    node = emu.get("node")
+    if node:
+        share = node["over"] / node["decodes"] if node["decodes"] else 0.0
+        out.append(f"  draft node (all its configurations): {node['over']}/{node['decodes']} "
+                   f"drafts over their emulated time ({100 * share:.1f}%)"
+                   f"{'' if share <= 0.05 else ' - NOT A VALID EMULATION'}")
+    return out

@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from specwire.backend.emulated import HoldCounters
 from specwire.bench.netemu import LinkEmulator
 from specwire.bench.prompts import Prompt
 from specwire.config import DraftParams, SamplingParams
@@ -76,6 +77,9 @@ class Workload:
     draft: DraftParams                   # n_max and policy are replaced per configuration
     n_predict: int | None = None         # overrides each prompt's max_tokens
     ignore_eos: bool = False
+    #: --emulate: the holds' counters by model ("target", "draft"); each prompt's run
+    #: records what they counted during it
+    holds: dict = field(default_factory=dict)
 
     def budget(self, i: int) -> int:
         if self.n_predict is not None:
@@ -152,9 +156,12 @@ def run_prompt(engine: Engine, work: Workload, cfg: Config, i: int,
     reset_state(engine)
     if link is not None:
         link.reset_counters()
+    before = {k: c.snapshot() for k, c in work.holds.items()}
     gen = engine.generate(Request(work.tokens[i], work.budget(i), work.sampling,
                                   draft_params(work, cfg), work.ignore_eos))
     tokens = gen.run()
+    extra = ({"emulation": {k: HoldCounters.since(before[k], c.snapshot())
+                            for k, c in work.holds.items()}} if work.holds else {})
     st = gen.stats.to_dict()
     st["drafter"] = dict(gen.stats.drafter) if cfg.drafting else {}
     p = work.prompts[i]
@@ -163,7 +170,8 @@ def run_prompt(engine: Engine, work: Workload, cfg: Config, i: int,
         tokens_per_s=gen.stats.predicted_per_second, prompt_ms=gen.stats.prompt_ms,
         predicted_ms=gen.stats.predicted_ms, stop_type=gen.stop_type,
         tokens_sha=tokens_digest(tokens), stats=st,
-        link_bytes_up=link.bytes_up if link else 0, link_bytes_down=link.bytes_down if link else 0)
+        link_bytes_up=link.bytes_up if link else 0, link_bytes_down=link.bytes_down if link else 0,
+        extra=extra)
 
 
 def format_ms(seconds: float) -> str:

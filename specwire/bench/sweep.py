@@ -11,6 +11,7 @@ configurations alike instead of on whichever ran during it.
 from __future__ import annotations
 
 import contextlib
+import re
 import shlex
 import sys
 import time
@@ -41,7 +42,8 @@ class Settings:
     modes: list[str]
     out: Path
     limit: int | None = None
-    rtts: list[float] = field(default_factory=lambda: [0.002])
+    #: round trips (None under --emulate: the preset's); emulated time until scaled
+    rtts: list[float] | None = field(default_factory=lambda: [0.002])
     bandwidths: list[float | None] = field(default_factory=lambda: [None])
     draft_max: list[int] = field(default_factory=lambda: [8])
     policies: list[str] = field(default_factory=lambda: ["fixed"])
@@ -83,9 +85,9 @@ def run(s: Settings, bench: BenchSettings, sampling: SamplingParams,
         plist = resolve(s.prompts, s.limit)
     except PromptError as e:
         raise ConfigError(str(e)) from None
-    cfgs = configurations(s)
     s.out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
+    emulation: dict = {}
     with contextlib.ExitStack() as stack:
         try:
             check(bench.target.placement)                    # both, before either loads
@@ -94,15 +96,79 @@ def run(s: Settings, bench: BenchSettings, sampling: SamplingParams,
             target = LlamaBackend(bench.target)
         except BackendError as e:
             raise ConfigError(str(e)) from None
-        work = _workload(plist, target, bench, s, sampling, draft)
         drafters = Drafters(bench, target, s.out, stack)
+        holds: dict = {}
+        if bench.emulation is not None:
+            target, s, holds, emulation = _emulate(bench, s, target, drafters)
+        cfgs = configurations(s)
+        work = _workload(plist, target, bench, s, sampling, draft)
+        work.holds = holds
         calib = _calibrate(cfgs, target, drafters, work)
         runs = _run_all(cfgs, target, drafters, work, s, stack)
+        if emulation:
+            emulation["node"] = node_holds(s.out / "draft-node.log")
     results = _results(bench, s, cfgs, runs, calib, sampling, draft, time.time() - t_start)
+    if emulation:
+        results["emulation"] = emulation
     report.write_json(s.out / "results.json", results)
     if s.plots:
         results["plots"] = [str(p) for p in plots.write_all(results["records"], s.out)]
     return results
+
+
+def _emulate(bench: BenchSettings, s: Settings, target: Any, drafters: Drafters
+             ) -> tuple[Any, Settings, dict, dict]:
+    """--emulate: fit the scale to the real pair (unless given), hold the target and the
+    local draft, start any draft node holding its drafts alike, and turn the swept round
+    trips (emulated time) into wall time. (target, settings, counters, what to record)."""
+    import dataclasses
+
+    from specwire.backend.emulated import HoldCounters, emulate
+    from specwire.backend.regimes import scaled
+    assert bench.emulation is not None
+    probe = (drafters.real_draft_backend()
+             if bench.draft is not None and bench.emulation.draft_tps is not None else None)
+    emu, measured = scaled(bench.emulation, bench.fit_scale, target, probe)
+    holds = {"target": HoldCounters(), "draft": HoldCounters()}
+    held = emulate(target, emu.target_regime(), holds["target"])
+    regime = emu.draft_regime()
+    node = () if regime is None else (
+        "--emulate-scale", f"{emu.scale:.6g}", "--draft-tps", f"{emu.draft_tps:g}",
+        "--verify-cost", ",".join(f"{n}:{c:g}" for n, c in emu.verify.points))
+    drafters.hold(regime, holds["draft"], node)
+    drafters.target = held
+    rtts = s.rtts if s.rtts is not None else [emu.rtt_s]
+    s = dataclasses.replace(s, rtts=[r * emu.scale for r in rtts])
+    print(emu.describe(), file=sys.stderr)
+    return held, s, holds, {**emu.to_dict(), "describe": emu.describe(),
+                            "emulated_rtts_ms": [1000 * r for r in rtts],
+                            "measured": _jsonable_measure(measured)}
+
+
+def _jsonable_measure(measured: dict) -> dict:
+    """Real decode seconds by batch size -> milliseconds, keys as text (JSON)."""
+    out: dict = {}
+    for k, v in measured.items():
+        out[k] = ({str(n): round(1000 * t, 3) for n, t in v.items()} if isinstance(v, dict)
+                  else v)
+    return out
+
+
+_NODE_HOLDS = re.compile(r"emulation: (\d+) draft decodes, (\d+) over their emulated time; "
+                         r"(\d+) prompt chunks, (\d+) over")
+
+
+def node_holds(log_path: Path) -> dict | None:
+    """The draft node's last count of held drafts (it logs one as each session closes)."""
+    try:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    found = _NODE_HOLDS.findall(text)
+    if not found:
+        return None
+    d, o, p, po = map(int, found[-1])
+    return {"decodes": d, "over": o, "prompt_chunks": p, "prompt_over": po}
 
 
 def _workload(plist: list[Prompt], target: Any, bench: BenchSettings, s: Settings,

@@ -459,3 +459,66 @@ def _branch_count(text: str) -> int:
     if not 0 <= n <= MAX_ALTERNATES:
         raise argparse.ArgumentTypeError(f"{n} outside 0..{MAX_ALTERNATES}")
     return n
+
+
+# --------------------------------------------------------------------------- emulation
+
+
+def add_emulation_args(p: argparse.ArgumentParser, node: bool = False) -> None:
+    """--emulate and its figures, named as `plan`'s (backend/regimes.py has the presets).
+
+    node (specwire draft): only the draft's figures and the scale the target printed.
+    """
+    from specwire.backend.regimes import PRESETS, preset_help
+
+    g = p.add_argument_group(
+        "emulation", "hold every real decode until an emulated model would finish it: the "
+        "real models compute every token, only time is emulated (docs/benchmarks.md). "
+        f"Presets: {preset_help()}")
+    g.add_argument("--emulate", choices=sorted(PRESETS), metavar="PRESET",
+                   help=f"emulate a deployment: {', '.join(PRESETS)}")
+    if not node:
+        g.add_argument("--target-tps", type=float, metavar="TPS",
+                       help="the emulated target's plain tokens/s (default: the preset's)")
+        g.add_argument("--prompt-tps", type=float, metavar="TPS",
+                       help="the emulated target's prompt tokens/s (default: the preset's)")
+    g.add_argument("--verify-cost", metavar="N:COST,...",
+                   help="a batch of N tokens in plain steps, interpolated, e.g. 1:1,8:3 "
+                   "(default: the preset's)")
+    g.add_argument("--draft-tps", type=float, metavar="TPS",
+                   help="the emulated draft's tokens/s (default: the preset's)")
+    g.add_argument("--emulate-scale", default=None if node else "auto", metavar="auto|X",
+                   help="wall time = emulated time x X; "
+                   + ("required with --emulate: the scale the target printed"
+                      if node else "auto (default): the smallest that fits this machine's "
+                      "real decodes under the emulated times, measured at start-up"))
+
+
+def emulation_args(a: argparse.Namespace):
+    """(Emulation or None, scale or None for auto) from the flags; CliError names the flag."""
+    from specwire.backend.regimes import resolve
+
+    target_tps = getattr(a, "target_tps", None)
+    given = [f for f, v in (("--verify-cost", a.verify_cost), ("--draft-tps", a.draft_tps),
+                            ("--prompt-tps", getattr(a, "prompt_tps", None)))
+             if v is not None]
+    if a.emulate is None and target_tps is None:
+        if given:
+            raise CliError(f"{given[0]}: emulates a model; give --emulate PRESET or "
+                           "--target-tps")
+        return None, None
+    try:
+        emu = resolve(a.emulate, target_tps, a.verify_cost, getattr(a, "prompt_tps", None),
+                      a.draft_tps)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    scale = a.emulate_scale
+    if scale in (None, "auto"):
+        return emu, None
+    try:
+        value = float(scale)
+    except ValueError:
+        raise CliError(f"--emulate-scale: expected auto or a number, got {scale!r}") from None
+    if not 0 < value < 1e4:
+        raise CliError(f"--emulate-scale: must be > 0, got {scale}")
+    return emu.with_scale(value), value

@@ -8,7 +8,7 @@ import argparse
 import os
 
 from specwire.backend.base import BackendError
-from specwire.cli.args import CliError, draft_model_params, spec_type, target_params
+from specwire.cli.args import CliError, draft_model_params, emulation_args, spec_type, target_params
 from specwire.cli.placement import draft_flag_names
 from specwire.config import VerifyMode
 from specwire.settings import DraftSettings, EngineSettings, MeasureSettings, RemoteSettings
@@ -35,7 +35,8 @@ def engine_settings(a: argparse.Namespace) -> EngineSettings:
                           lockstep=(kind == "model" and not getattr(a, "draft_hybrid", False)
                                     and getattr(a, "draft_mode", "auto") != "pipelined"),
                           flags=draft_flag_names())
-    return EngineSettings(target, draft, verify)
+    emu, scale = emulation_args(a)
+    return EngineSettings(target, draft, verify, emu, scale is None)
 
 
 def drafter_kind(a: argparse.Namespace) -> str:

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,9 +96,12 @@ class KvCache:
     """
 
     def __init__(self, params: ModelParams, model: Model, ram_mib: int = 8192,
-                 sessions: int = 32, max_contexts: int = 8, ttl_s: float = 0.0) -> None:
-        """ttl_s: entries unused this long are forgotten (0: kept until evicted)."""
+                 sessions: int = 32, max_contexts: int = 8, ttl_s: float = 0.0,
+                 wrap: Callable[[LlamaBackend], LlamaBackend] | None = None) -> None:
+        """ttl_s: entries unused this long are forgotten (0: kept until evicted); wrap:
+        applied to every context made (the node's --emulate holds them)."""
         self.params, self.model = params, model
+        self._wrap = wrap or (lambda backend: backend)
         self.budget = max(0, ram_mib) * MIB
         self.max_entries = max(0, sessions)
         self.max_contexts = max(1, max_contexts)
@@ -122,7 +125,7 @@ class KvCache:
         """A context for a session with this history, holding as much of it as the
         memory had (the session's drafter truncates the rest and evaluates the gap)."""
         if not self.enabled:
-            return LlamaBackend(self.params, self.model)
+            return self._wrap(LlamaBackend(self.params, self.model))
         want = np.asarray(history, dtype=np.int32)
         deadline = time.monotonic() + WAIT_FOR_CLOSE_S
         with self._lock:
@@ -146,7 +149,7 @@ class KvCache:
                 self._pool.remove(taken)
                 self._active[id(taken.backend)] = want
         if taken is None:
-            backend = LlamaBackend(self.params, self.model)
+            backend = self._wrap(LlamaBackend(self.params, self.model))
             with self._lock:
                 self._active[id(backend)] = want
         else:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from specwire.backend.emulated import HoldCounters, Regime, emulate
 from specwire.backend.llama import Model, load_model, open_contexts
 from specwire.config import ModelParams
 from specwire.link.messages import Verdict
@@ -60,6 +61,8 @@ class NodeSettings:
     idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
     shutdown_s: float = 10.0  # on SIGTERM: open sessions get this long, then are closed
     cache_ttl_s: float = 900.0  # cached sessions unused this long are forgotten (0: never)
+    #: --emulate: every draft context is held to this regime (backend/emulated.py)
+    emulation: Regime | None = None
 
 
 #: A call must send its first message (a Session's Open, a ping) this soon, and a Ping
@@ -89,9 +92,13 @@ class DraftNodeService(pbg.DraftNodeServicer):
         self._in_use_lock = threading.Lock()
         self.watchdog = Watchdog()
         self.sync_port = 0  # advertised in Hello once the sync server listens
+        self.holds = HoldCounters()   # what --emulate's holds saw, logged per session
+        regime = settings.emulation
         self.memory = KvCache(settings.model, model, settings.cache_ram_mib,
                               settings.cache_sessions, settings.max_sessions,
-                              settings.cache_ttl_s)
+                              settings.cache_ttl_s,
+                              wrap=None if regime is None
+                              else lambda b: emulate(b, regime, self.holds))
         self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
                                    lambda: len(self.calibrations), self.memory.pooled)
 
@@ -270,6 +277,11 @@ class DraftNodeService(pbg.DraftNodeServicer):
             self.memory.release(session.backend, session.committed)
             if self.memory.enabled:
                 log.info("session closes: %d tokens kept", session.backend.n_past)
+            if self.settings.emulation is not None:
+                h = self.holds
+                log.info("emulation: %d draft decodes, %d over their emulated time; "
+                         "%d prompt chunks, %d over", h.decodes, h.over, h.prompt_chunks,
+                         h.prompt_over)
 
 
 class SyncCall:

@@ -19,10 +19,12 @@ from specwire.backend.base import BackendError
 from specwire.bench.netemu import parse_bandwidth, parse_duration
 from specwire.cli.args import (
     CliError,
+    add_emulation_args,
     add_model_args,
     add_sampling_args,
     draft_model_params,
     draft_params,
+    emulation_args,
     sampling_params,
     target_params,
 )
@@ -54,9 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "llama-server (default plain,local; plain always runs as the reference)")
     g.add_argument("-n", "--n-predict", type=int, default=None,
                    help="tokens per prompt (default: each prompt's max_tokens, else 128)")
-    g.add_argument("--rtt", default="2ms",
+    g.add_argument("--rtt", default=None,
                    help="round trips of the emulated link for remote modes, comma list "
-                   "(e.g. 0.2ms,2ms,20ms; bare number = ms; default 2ms)")
+                   "(e.g. 0.2ms,2ms,20ms; bare number = ms; default 2ms; under --emulate "
+                   "emulated time, default the preset's)")
     g.add_argument("--bandwidth", default="inf",
                    help="link bandwidths, comma list (e.g. 1gbit,100mbit; default inf)")
     g.add_argument("--quick", action="store_true",
@@ -78,6 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "under every configuration in turn, so machine drift hits all alike)")
     add_model_args(p)
     add_sampling_args(p)
+    add_emulation_args(p)
     d = p.add_argument_group("sweep (comma lists)")
     d.add_argument("--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", dest="draft_max",
                    default="8",
@@ -135,7 +139,8 @@ def settings_from_args(a: argparse.Namespace):
         raise CliError("mode llama-server needs --llama-server URL")
     return Settings(
         prompts=pick["prompts"], modes=modes, out=Path(a.out), limit=pick["limit"],
-        rtts=_list("--rtt", a.rtt, parse_duration),
+        rtts=(_list("--rtt", a.rtt, parse_duration) if a.rtt is not None
+              else None if emulation_args(a)[0] is not None else [0.002]),
         bandwidths=_list("--bandwidth", a.bandwidth, _bandwidth),
         draft_max=_list("--draft-max", a.draft_max, _draft_len),
         policies=_list("--draft-policy", a.draft_policy, _policy),
@@ -161,8 +166,10 @@ def bench_settings(a: argparse.Namespace, modes: list[str]) -> BenchSettings:
             *(["-s", str(a.seed_draft)] if a.seed_draft is not None else [])]
     flags = {k: "***" if k in SECRETS and v else v for k, v in vars(a).items()
              if k != "func" and _jsonable(v)}
+    emu, scale = emulation_args(a)
     return BenchSettings(target, draft, tuple(node), remote_settings(a), a.draft_url,
-                         a.llama_server, a.shared_cpus, flags, draft_flag_names())
+                         a.llama_server, a.shared_cpus, emu, scale is None, flags,
+                         draft_flag_names())
 
 
 #: Flags whose values must not land in a results file that gets shared.

@@ -6,7 +6,12 @@ import argparse
 import logging
 import os
 
-from specwire.cli.args import CliError, add_draft_model_args, draft_model_params
+from specwire.cli.args import (
+    CliError,
+    add_draft_model_args,
+    add_emulation_args,
+    draft_model_params,
+)
 from specwire.cli.commands import compat
 
 log = logging.getLogger("specwire.node")
@@ -55,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
     add_draft_model_args(p, plain=True)
     compat.add_rpc_arg(p)
+    add_emulation_args(p, node=True)
     p.set_defaults(func=run)
 
 
@@ -104,7 +110,11 @@ def run(a: argparse.Namespace) -> int:
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
                             cache_sessions=a.cache_sessions, idle_s=a.idle_timeout,
-                            shutdown_s=a.shutdown_timeout, cache_ttl_s=a.cache_ttl)
+                            shutdown_s=a.shutdown_timeout, cache_ttl_s=a.cache_ttl,
+                            emulation=node_emulation(a))
+    if settings.emulation is not None:
+        print(f"emulation: each draft token held to {1000 * settings.emulation.step_s:.3g} ms "
+              f"(wall), batches on {settings.emulation.curve.describe()}", flush=True)
     try:
         serve(settings)
     except BackendError as e:
@@ -112,3 +122,35 @@ def run(a: argparse.Namespace) -> int:
     except OSError as e:
         raise CliError(f"cannot listen on {a.host}:{a.port}: {e}") from None
     return 0
+
+
+def node_emulation(a: argparse.Namespace):
+    """--emulate / --draft-tps with the target's --emulate-scale -> the drafts' Regime, or
+    None. The scale is the target's (it fits both models): the node cannot guess it."""
+    from specwire.backend.emulated import Regime
+    from specwire.backend.regimes import PRESETS
+    from specwire.policy.throughput import VerifyCurve
+
+    if a.emulate is None and a.draft_tps is None:
+        if a.verify_cost is not None or a.emulate_scale is not None:
+            raise CliError("--verify-cost/--emulate-scale: give --emulate PRESET or --draft-tps")
+        return None
+    if a.emulate_scale is None:
+        raise CliError("--emulate-scale: required on a draft node (the scale the target "
+                       "printed, or bench's; wall time = emulated time x it)")
+    try:
+        scale = float(a.emulate_scale)
+    except ValueError:
+        raise CliError(f"--emulate-scale: not a number: {a.emulate_scale!r}") from None
+    if not 0 < scale < 1e4:
+        raise CliError(f"--emulate-scale: must be > 0, got {a.emulate_scale}")
+    preset = PRESETS.get(a.emulate) if a.emulate else None
+    tps = a.draft_tps or (preset.draft_tps if preset else None)
+    if tps is None or not tps > 0:
+        raise CliError(f"--draft-tps: must be > 0, got {tps}")
+    text = a.verify_cost or (preset.verify_cost if preset else None)
+    try:
+        curve = VerifyCurve.parse(text) if text else VerifyCurve()
+    except ValueError as e:
+        raise CliError(f"--verify-cost: {e}") from None
+    return Regime(scale / tps, curve)

@@ -8,6 +8,7 @@ import sys
 
 from specwire.cli.args import (
     CliError,
+    add_emulation_args,
     add_model_args,
     add_sampling_args,
     draft_params,
@@ -33,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_sampling_args(p)
     compat.add_rpc_arg(p)
+    add_emulation_args(p)
     p.set_defaults(func=run)
 
 
@@ -100,13 +102,33 @@ def run(a: argparse.Namespace) -> int:
     text = stream.text()
     st = gen.stats
     if a.json:
+        emu = getattr(target, "emulation", None)
         print(json.dumps({"tokens": gen.tokens, "text": text, "stop_type": gen.stop_type,
                           "timings": st.timings(), "stats": st.to_dict(),
-                          "draft": engine.drafter.name}))
+                          "draft": engine.drafter.name,
+                          **({"emulation": {**emu.to_dict(),
+                                            "target": target.counters.snapshot(),
+                                            "draft": target.draft_counters.snapshot()}}
+                             if emu else {})}))
         return 0
     sys.stdout.write(stream.flush() + "\n")
     print(format_stats(st, engine.drafter.name), file=sys.stderr)
+    print(*emulation_lines(target), sep="\n", file=sys.stderr)
     return 0
+
+
+def emulation_lines(target) -> list[str]:
+    """--emulate: the regime at its scale and how many decodes overran their emulated time."""
+    emu = getattr(target, "emulation", None)
+    if emu is None:
+        return []
+    out = [emu.describe()]
+    for name, c in (("target", target.counters), ("draft", target.draft_counters)):
+        if c.decodes:
+            verdict = "" if c.valid else " - not a valid emulation"
+            out.append(f"{name} decodes over their emulated time: {c.over} of {c.decodes} "
+                       f"({100 * c.over_share:.1f}%){verdict}")
+    return out
 
 
 def format_stats(st, drafter: str) -> str:

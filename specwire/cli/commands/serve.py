@@ -8,6 +8,7 @@ See specwire/server/app.py for the endpoints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
@@ -17,6 +18,7 @@ import time
 
 from specwire.cli.args import (
     CliError,
+    add_emulation_args,
     add_model_args,
     add_sampling_args,
     draft_params,
@@ -143,6 +145,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_log_args(p)
     add_model_args(p)
     add_sampling_args(p)
+    add_emulation_args(p)
     compat.add_rpc_arg(p)
     compat.add_compat_args(p)
     p.set_defaults(func=run)
@@ -391,6 +394,7 @@ def run(a: argparse.Namespace) -> int:
         e.cache_reuse = a.cache_reuse
     sock = _listen(a.host, a.port)
     app = create_app(engines, settings)
+    _log_emulation_at_shutdown(app, engines[0].target)
     verbose = getattr(a, "verbose", False)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning",
                             access_log=verbose, timeout_keep_alive=a.timeout, **tls,
@@ -423,6 +427,24 @@ def _named(host: str) -> tuple[str, ...]:
     except ValueError:
         return (host,)
     return ()
+
+
+def _log_emulation_at_shutdown(app, target) -> None:
+    """--emulate: log how many decodes overran their emulated time when the app's lifespan
+    ends (uvicorn re-raises SIGTERM after it, so code after server.run may never run)."""
+    from specwire.cli.commands.generate import emulation_lines
+    if getattr(target, "emulation", None) is None:
+        return
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            yield state
+        for line in emulation_lines(target):
+            log.info("%s", line)
+
+    app.router.lifespan_context = lifespan
 
 
 def _listen(host: str, port: int) -> socket.socket:
