@@ -78,9 +78,9 @@ def _identity(backend: Any) -> Any:
 def emulated(s: EngineSettings, target: Any) -> tuple[Any, Callable[[Any], Any]]:
     """--emulate: the target held to the emulated one's times, and how to hold a local
     draft model's backend; the scale is fitted to the real pair first unless given."""
-    from specwire.backend.emulated import HoldCounters, emulate
     from specwire.backend.llama import LlamaBackend, load_model
-    from specwire.backend.regimes import scaled
+    from specwire.emulate.hold import HoldCounters, emulate
+    from specwire.emulate.regimes import scaled
     assert s.emulation is not None
     probe = None
     if s.fit_scale and s.draft.model is not None and s.emulation.draft_tps is not None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from specwire.backend.regimes import Emulation
 from specwire.config import ModelParams, VerifyMode
+from specwire.emulate.regimes import Emulation
 
 DRAFTER_KINDS = ("none", "ngram", "remote", "model")
 

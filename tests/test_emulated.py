@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 from fakes import FakeBackend, FakeBatch, FakeClock, FakeModel
 
-from specwire.backend import emulated as emu_mod
-from specwire.backend import regimes
 from specwire.backend.batch import BatchBackend, Part
-from specwire.backend.emulated import HoldCounters, Regime, emulate, split_tokens
 from specwire.config import DraftParams, SamplingParams
+from specwire.emulate import hold as emu_mod
+from specwire.emulate import regimes
+from specwire.emulate.hold import HoldCounters, Regime, emulate, split_tokens
 from specwire.engine.engine import Engine, Request
 from specwire.policy.throughput import VerifyCurve
 

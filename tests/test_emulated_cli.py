@@ -61,10 +61,10 @@ def test_emulated_engine_matches_for_every_draft_length() -> None:
     """In one process, with fixed regimes (no fit): target and draft held, greedy output
     token-identical to the unheld run at draft lengths 1, 4 and 8."""
     from specwire.assets import models
-    from specwire.backend.emulated import Regime, emulate
     from specwire.backend.llama import LlamaBackend
     from specwire.config import DraftParams, ModelParams, SamplingParams
     from specwire.drafters.model import ModelDrafter
+    from specwire.emulate.hold import Regime, emulate
     from specwire.engine.engine import Engine, Request
     from specwire.policy.throughput import VerifyCurve
 

@@ -28,21 +28,22 @@ _DRAFT = (*_CORE, "policy", "backend", "drafters")
 #: Per unit: the other units of specwire it may import (anything not listed is forbidden).
 ALLOWED: dict[str, tuple[str, ...]] = {
     "config": (),
-    "settings": ("config",),
+    "settings": ("config", "emulate"),
     "backend": ("config",),
     "text": _CORE,                # tool formats build their grammars with the schema converter
     "sample": ("config",),
     "assets": ("config", "backend"),
     "policy": _CORE,
+    "emulate": (*_CORE, "policy", "backend"),
     "drafters": _DRAFT,
     "engine": _DRAFT,
     "link": (*_DRAFT, "settings"),
-    "node": (*_DRAFT, "settings", "link"),
+    "node": (*_DRAFT, "settings", "link", "emulate"),
     "server": (*_DRAFT, "settings", "engine", "text"),
-    "build": (*_DRAFT, "settings", "engine", "link", "assets"),
-    "bench": (*_DRAFT, "settings", "engine", "link", "text", "assets", "build"),
+    "build": (*_DRAFT, "settings", "engine", "link", "assets", "emulate"),
+    "bench": (*_DRAFT, "settings", "engine", "link", "text", "assets", "build", "emulate"),
     "cli": (*_DRAFT, "settings", "engine", "link", "text", "assets", "build", "bench", "node",
-            "server"),
+            "server", "emulate"),
     "__main__": ("cli",),
     "__init__": (),
 }

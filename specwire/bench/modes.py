@@ -187,7 +187,7 @@ class Drafters:
         if self._draft_regime is None:
             return backend
         if self._held_draft is None:
-            from specwire.backend.emulated import emulate
+            from specwire.emulate.hold import emulate
             self._held_draft = emulate(backend, self._draft_regime, self._draft_counters)
         return self._held_draft
 

@@ -243,7 +243,7 @@ _HOLD_SUMS = ("decodes", "over", "prompt_chunks", "prompt_over", "real_s", "emul
 def emulation(runs: Sequence[PromptRun]) -> dict | None:
     """--emulate: per model, the decodes held and those over their emulated time, and
     whether the configuration is a valid emulation (at most 5% over, each model)."""
-    from specwire.backend.emulated import MAX_OVER_SHARE
+    from specwire.emulate.hold import MAX_OVER_SHARE
 
     parts = [r.extra["emulation"] for r in runs if r.extra.get("emulation")]
     if not parts:

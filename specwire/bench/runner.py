@@ -23,11 +23,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from specwire.backend.emulated import HoldCounters
 from specwire.bench.netemu import LinkEmulator
 from specwire.bench.prompts import Prompt
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import declared
+from specwire.emulate.hold import HoldCounters
 from specwire.engine.engine import Engine, Request
 
 #: Budget when neither -n nor the prompt's max_tokens says.

@@ -123,8 +123,8 @@ def _emulate(bench: BenchSettings, s: Settings, target: Any, drafters: Drafters
     trips (emulated time) into wall time. (target, settings, counters, what to record)."""
     import dataclasses
 
-    from specwire.backend.emulated import HoldCounters, emulate
-    from specwire.backend.regimes import scaled
+    from specwire.emulate.hold import HoldCounters, emulate
+    from specwire.emulate.regimes import scaled
     assert bench.emulation is not None
     probe = (drafters.real_draft_backend()
              if bench.draft is not None and bench.emulation.draft_tps is not None else None)

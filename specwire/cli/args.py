@@ -465,11 +465,11 @@ def _branch_count(text: str) -> int:
 
 
 def add_emulation_args(p: argparse.ArgumentParser, node: bool = False) -> None:
-    """--emulate and its figures, named as `plan`'s (backend/regimes.py has the presets).
+    """--emulate and its figures, named as `plan`'s (emulate/regimes.py has the presets).
 
     node (specwire draft): only the draft's figures and the scale the target printed.
     """
-    from specwire.backend.regimes import PRESETS, preset_help
+    from specwire.emulate.regimes import PRESETS, preset_help
 
     g = p.add_argument_group(
         "emulation", "hold every real decode until an emulated model would finish it: the "
@@ -496,7 +496,7 @@ def add_emulation_args(p: argparse.ArgumentParser, node: bool = False) -> None:
 
 def emulation_args(a: argparse.Namespace):
     """(Emulation or None, scale or None for auto) from the flags; CliError names the flag."""
-    from specwire.backend.regimes import resolve
+    from specwire.emulate.regimes import resolve
 
     target_tps = getattr(a, "target_tps", None)
     given = [f for f, v in (("--verify-cost", a.verify_cost), ("--draft-tps", a.draft_tps),

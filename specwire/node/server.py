@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from specwire.backend.emulated import HoldCounters, Regime, emulate
 from specwire.backend.llama import Model, load_model, open_contexts
 from specwire.config import ModelParams
+from specwire.emulate.hold import HoldCounters, Regime, emulate
 from specwire.link.messages import Verdict
 from specwire.link.session import DraftSession, error_message
 from specwire.link.transport import protocol
@@ -61,7 +61,7 @@ class NodeSettings:
     idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
     shutdown_s: float = 10.0  # on SIGTERM: open sessions get this long, then are closed
     cache_ttl_s: float = 900.0  # cached sessions unused this long are forgotten (0: never)
-    #: --emulate: every draft context is held to this regime (backend/emulated.py)
+    #: --emulate: every draft context is held to this regime (emulate/hold.py)
     emulation: Regime | None = None
 
 

@@ -127,8 +127,8 @@ def run(a: argparse.Namespace) -> int:
 def node_emulation(a: argparse.Namespace):
     """--emulate / --draft-tps with the target's --emulate-scale -> the drafts' Regime, or
     None. The scale is the target's (it fits both models): the node cannot guess it."""
-    from specwire.backend.emulated import Regime
-    from specwire.backend.regimes import PRESETS
+    from specwire.emulate.hold import Regime
+    from specwire.emulate.regimes import PRESETS
     from specwire.policy.throughput import VerifyCurve
 
     if a.emulate is None and a.draft_tps is None:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from specwire.backend.emulated import Regime
+from specwire.emulate.hold import Regime
 from specwire.policy.throughput import VerifyCurve
 
 #: Real decodes must fit under their emulated times with this much room: a shared

@@ -1,0 +1,1 @@
+"""Emulated models: real decodes held to a bigger model's times, and the regimes' presets."""
