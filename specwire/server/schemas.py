@@ -23,6 +23,7 @@ Conventions, as in llama-server:
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -37,6 +38,9 @@ from specwire.server.chat_output import ChatPlan
 from specwire.server.errors import ApiError, bad_request
 from specwire.server.settings import ServerSettings
 from specwire.wire import protocol
+
+#: Longest cache_salt accepted (vLLM sets none; the node sees a fixed-size digest).
+MAX_SALT = 1024
 
 
 @dataclass(slots=True)
@@ -147,6 +151,18 @@ def as_the_link_carries(params: SamplingParams) -> SamplingParams:
         raise bad_request(f"{str(e).removeprefix('sampling settings: ')} once rounded to "
                           "float32, as the draft link carries it") from None
     return params
+
+
+def cache_scope(f: Fields) -> str:
+    """The draft node's cache scope of a request (vLLM's cache_salt): requests share cached
+    history on the node only with requests of the same salt. The node gets a digest of it,
+    never the salt; no salt is the scope "", shared by every request without one."""
+    salt = f.str("cache_salt")
+    if salt is None:
+        return ""
+    if not salt or len(salt) > MAX_SALT:
+        raise bad_request(f"cache_salt: must be 1 to {MAX_SALT} characters, got {len(salt)}")
+    return hashlib.sha256(b"specwire cache_salt\0" + salt.encode()).hexdigest()[:32]
 
 
 def draft(body: dict, defaults: DraftParams) -> DraftParams:
@@ -391,7 +407,9 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     sp = as_the_link_carries(sp)
     logprobs = structured.logprobs_spec(body, dialect)
     grammar = structured.grammar_spec(body, backend, tool_grammar)
-    dp = draft(body, settings.draft)
+    cache_prompt = f.bool("cache_prompt", default=True)
+    dp = replace(draft(body, settings.draft), cache_scope=cache_scope(f),
+                 cache_store=cache_prompt)
     stops = stop_strings(f)
     stops += [s for s in extra_stops if s not in stops]
     ignore_eos = f.bool("ignore_eos")
@@ -403,7 +421,7 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     include_usage = Fields(opts or {}, "stream_options.").bool("include_usage")
     try:
         req = Request(tokens, n, sp, dp, ignore_eos, grammar, logprobs,
-                      cache_prompt=f.bool("cache_prompt", default=True))
+                      cache_prompt=cache_prompt)
     except ConfigError as e:
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,

@@ -1,0 +1,124 @@
+"""The cross-tenant probe against a real draft node: two targets, two tokens of one
+--token-file, the bundled pair.
+
+A victim (token alice) has a private conversation on the node. An attacker who
+knows its opening sends [known prefix, recovered tokens, guess, filler] through
+its own target, for four guesses per position (the true next token and three
+others), and reads draft_cache_n: a guess that makes the node reuse one token
+more than the others is the victim's. With the attacker's own token (mallory)
+it distinguishes no position; the same probe in the victim's own scope (the
+control, which shows the probe works) distinguishes every one. The victim still
+reuses its own conversation, a cache_salt of its own is a scope apart, output
+equals plain decoding, and SIGHUP empties the node's memory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+from collections.abc import Iterator
+
+import pytest
+from wire_helpers import (
+    GREEDY,
+    NodeProcess,
+    node_process,
+    request,
+    run_to_end,
+    target_fixture,  # noqa: F401 - registers the "target" fixture
+    wait_for,
+)
+
+from specwire.engine import Engine
+from specwire.wire.link import LinkSettings
+
+pytestmark = pytest.mark.slow
+ALICE, MALLORY = "alice-token-0123456789", "mallory-token-0123456789"
+KNOWN = "<start_of_turn>user\nKeep this private.\n"
+PRIVATE = "My account password is tulip-4817 and my PIN is 2093, never share them."
+POSITIONS = 8
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory) -> Iterator[NodeProcess]:
+    d = tmp_path_factory.mktemp("tenants")
+    (d / "tokens").write_text(f"alice {ALICE}\nmallory {MALLORY}\n")
+    with node_process(d, ["--token-file", str(d / "tokens"), "--max-sessions", "4"]) as n:
+        yield n
+
+
+def _turn(target, url: str, token: str, prompt: list[int], n: int = 2, **draft):
+    """One request through a synchronous drafter with this token (a target of its own);
+    returns (tokens, stats, seconds)."""
+    rd = target.drafter(url, pipelined=False, settings=LinkSettings(token=token),
+                        sync_timeout_s=30.0)
+    try:
+        t0 = time.perf_counter()
+        g = Engine(target.backend, rd).generate(request(prompt, n, GREEDY, 4, **draft))
+        tokens = run_to_end(g)
+        return tokens, g.stats, time.perf_counter() - t0
+    finally:
+        rd.close()
+
+
+def _probe(target, url: str, token: str, known: list[int], secret: list[int],
+           filler: list[int]) -> tuple[int, list[dict]]:
+    """Positions where the true guess stood out by its draft_cache_n; what each saw."""
+    distinguished, seen = 0, []
+    for i in range(POSITIONS):
+        true = secret[i]
+        guesses = [true] + [(true + k * 7919) % target.n_vocab for k in (1, 2, 3)]
+        row = {}
+        for g in guesses:
+            _, st, s = _turn(target, url, token, known + secret[:i] + [g] + filler)
+            row[g] = (st.draft_cache_n, st.draft_prompt_n, s)
+        others = [row[g][0] for g in guesses[1:]]
+        distinguished += row[true][0] > max(others)
+        seen.append({"true": row[true], "others": [row[g] for g in guesses[1:]]})
+    return distinguished, seen
+
+
+def test_a_tenant_cannot_read_another_tenants_conversation(target, node) -> None:
+    known = target.tokens(KNOWN)
+    victim = target.tokens(KNOWN + PRIVATE)
+    assert victim[:len(known)] == known
+    secret = victim[len(known):len(known) + POSITIONS]
+    filler = target.tokens(" Unrelated filler words follow here.")[1:]
+
+    out, st, _ = _turn(target, node.url, ALICE, victim, n=8)
+    assert out == target.plain(victim, GREEDY, 8)
+
+    cross, seen_cross = _probe(target, node.url, MALLORY, known, secret, filler)
+    same, seen_same = _probe(target, node.url, ALICE, known, secret, filler)
+    for label, seen in (("cross-tenant", seen_cross), ("same tenant", seen_same)):
+        t_true = statistics.mean(r["true"][2] for r in seen)
+        t_other = statistics.mean(o[2] for r in seen for o in r["others"])
+        print(f"{label}: cache_n of the true guess {[r['true'][0] for r in seen]}, of the "
+              f"others {[[o[0] for o in r['others']] for r in seen]}; mean request "
+              f"{t_true * 1000:.0f} ms (true) vs {t_other * 1000:.0f} ms (others)")
+    assert cross == 0, seen_cross
+    # The node did the same work for every guess outside the victim's scope.
+    for r in seen_cross:
+        assert {o[:2] for o in r["others"]} == {r["true"][:2]}
+    assert seen_cross[0]["true"][0] == 0   # mallory's first probe found nothing of alice's
+    assert same == POSITIONS, seen_same    # the control: the probe works within a scope
+
+    # The victim still reuses its own conversation, on its next turn.
+    nxt = victim + out + target.tokens(" And then?")[1:]
+    out2, st2, _ = _turn(target, node.url, ALICE, nxt, n=4)
+    assert st2.draft_cache_n >= len(victim)
+    assert out2 == target.plain(nxt, GREEDY, 4)
+    # The victim's token with a cache_salt of its own is another scope; cache_prompt false
+    # reuses nothing either. Both give the same tokens.
+    _, st3, _ = _turn(target, node.url, ALICE, nxt, n=4, cache_scope="digest-of-salt")
+    assert st3.draft_cache_n == 0
+    o4, st4, _ = _turn(target, node.url, ALICE, nxt, n=4, cache_store=False)
+    assert st4.draft_cache_n == 0 and o4 == out2
+
+    # SIGHUP: every finished conversation dropped.
+    os.kill(node.proc.pid, signal.SIGHUP)
+    wait_for(lambda: "cached entries purged" in node.log(), 10, "the purge")
+    _, st5, _ = _turn(target, node.url, ALICE, nxt, n=4)
+    assert st5.draft_cache_n == 0
