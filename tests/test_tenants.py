@@ -211,7 +211,7 @@ def test_a_token_file_names_each_target(tmp_path) -> None:
 
 
 def test_identity_is_the_token_name_and_the_certificate_subject() -> None:
-    ctx = SimpleNamespace(auth_context=lambda: {"x509_subject_name": [b"CN=target-a"]})
+    ctx = SimpleNamespace(auth_context=lambda: {"x509_subject": [b"CN=target-a"]})
     assert certificate_subject(ctx) == "CN=target-a"
     assert certificate_subject(SimpleNamespace()) == ""
     assert identity("alpha", "CN=target-a") == "token:alpha cert:CN=target-a"
@@ -249,3 +249,48 @@ def test_cache_salt_becomes_a_digest_scope() -> None:
     for bad in ("", "x" * 2000, 5):
         with pytest.raises(ApiError, match="cache_salt"):
             cache_scope(Fields({"cache_salt": bad}))
+
+
+class Refused(Exception):
+    pass
+
+
+class FakeCall:
+    """A gRPC servicer context: metadata, a peer, abort raising."""
+
+    def __init__(self, token: str) -> None:
+        self._meta = ((protocol.AUTH_HEADER, f"Bearer {token}"),)
+
+    def invocation_metadata(self):
+        return self._meta
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5000"
+
+    def abort(self, code, details: str):
+        raise Refused(code, details)
+
+
+def test_admission_knows_each_token_and_holds_each_to_its_quota() -> None:
+    import grpc
+
+    from specwire.config import ModelParams
+    from specwire.node.server import DraftNodeService, NodeSettings
+
+    alice, bob, shared = "a" * 20, "b" * 20, "s" * 20
+    settings = NodeSettings(model=ModelParams("unused.gguf"), token=shared, max_sessions=4,
+                            tokens={alice: "alice", bob: "bob"}, sessions_per_identity=1)
+    service = DraftNodeService(settings, model=None)
+    assert service._admit(FakeCall(alice), "Session") == "token:alice"
+    with pytest.raises(Refused) as e:
+        service._admit(FakeCall(alice), "Session")
+    assert e.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--sessions-per-identity" in e.value.args[1]
+    assert service._admit(FakeCall(bob), "Session") == "token:bob"
+    assert service._admit(FakeCall(shared), "Session") == ""   # the single --token
+    service._release("token:alice")
+    assert service._admit(FakeCall(alice), "Session") == "token:alice"
+    with pytest.raises(Refused) as e:
+        service._admit(FakeCall("c" * 20), "Session")
+    assert e.value.args[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert service.metrics.refused == {"quota": 1, "token": 1}

@@ -6,8 +6,9 @@ knows its opening sends [known prefix, recovered tokens, guess, filler] through
 its own target, for four guesses per position (the true next token and three
 others), and reads draft_cache_n: a guess that makes the node reuse one token
 more than the others is the victim's. With the attacker's own token (mallory)
-it distinguishes no position; the same probe in the victim's own scope (the
-control, which shows the probe works) distinguishes every one. The victim still
+it distinguishes no position; the same probe afterwards in the victim's own scope
+(the control: the victim's entries were there all along, and the probe works)
+distinguishes every one. The victim still
 reuses its own conversation, a cache_salt of its own is a scope apart, output
 equals plain decoding, and SIGHUP empties the node's memory.
 """
@@ -23,7 +24,10 @@ from collections.abc import Iterator
 import pytest
 from wire_helpers import (
     GREEDY,
+    N_CTX,
     NodeProcess,
+    draft_model_path,
+    make_certs,
     node_process,
     request,
     run_to_end,
@@ -31,7 +35,11 @@ from wire_helpers import (
     wait_for,
 )
 
+from specwire.config import ModelParams
 from specwire.engine import Engine
+from specwire.node import server as node_mod
+from specwire.node.server import NodeSettings
+from specwire.wire import sync_mux
 from specwire.wire.link import LinkSettings
 
 pytestmark = pytest.mark.slow
@@ -45,11 +53,14 @@ POSITIONS = 8
 def node(tmp_path_factory) -> Iterator[NodeProcess]:
     d = tmp_path_factory.mktemp("tenants")
     (d / "tokens").write_text(f"alice {ALICE}\nmallory {MALLORY}\n")
-    with node_process(d, ["--token-file", str(d / "tokens"), "--max-sessions", "4"]) as n:
+    # Room for every probe's sequence: the victim's stays cached throughout (the budget is
+    # shared, and evicting the victim would close the oracle for the wrong reason).
+    args = ["--token-file", str(d / "tokens"), "--max-sessions", "4", "--cache-sessions", "512"]
+    with node_process(d, args) as n:
         yield n
 
 
-def _turn(target, url: str, token: str, prompt: list[int], n: int = 2, **draft):
+def _turn(target, url: str, token: str, prompt: list[int], n: int = 6, **draft):
     """One request through a synchronous drafter with this token (a target of its own);
     returns (tokens, stats, seconds)."""
     rd = target.drafter(url, pipelined=False, settings=LinkSettings(token=token),
@@ -65,7 +76,9 @@ def _turn(target, url: str, token: str, prompt: list[int], n: int = 2, **draft):
 
 def _probe(target, url: str, token: str, known: list[int], secret: list[int],
            filler: list[int]) -> tuple[int, list[dict]]:
-    """Positions where the true guess stood out by its draft_cache_n; what each saw."""
+    """Positions where the true guess stood out by its draft_cache_n; what each saw. A
+    first request of the known prefix alone puts it in the prober's own scope."""
+    _turn(target, url, token, known + filler)
     distinguished, seen = 0, []
     for i in range(POSITIONS):
         true = secret[i]
@@ -99,10 +112,11 @@ def test_a_tenant_cannot_read_another_tenants_conversation(target, node) -> None
               f"others {[[o[0] for o in r['others']] for r in seen]}; mean request "
               f"{t_true * 1000:.0f} ms (true) vs {t_other * 1000:.0f} ms (others)")
     assert cross == 0, seen_cross
-    # The node did the same work for every guess outside the victim's scope.
-    for r in seen_cross:
+    # The node did the same work for every guess outside the victim's scope: it reused
+    # what the prober's own earlier requests left, the known prefix and the tokens before.
+    for i, r in enumerate(seen_cross):
         assert {o[:2] for o in r["others"]} == {r["true"][:2]}
-    assert seen_cross[0]["true"][0] == 0   # mallory's first probe found nothing of alice's
+        assert r["true"][0] == len(known) + i
     assert same == POSITIONS, seen_same    # the control: the probe works within a scope
 
     # The victim still reuses its own conversation, on its next turn.
@@ -122,3 +136,35 @@ def test_a_tenant_cannot_read_another_tenants_conversation(target, node) -> None
     wait_for(lambda: "cached entries purged" in node.log(), 10, "the purge")
     _, st5, _ = _turn(target, node.url, ALICE, nxt, n=4)
     assert st5.draft_cache_n == 0
+
+
+def test_a_client_certificate_is_the_same_identity_on_both_ports(target, tmp_path) -> None:
+    """With mutual TLS the peer's identity is its certificate's subject, spelt alike by
+    grpcio (the main port) and by the synchronous port: one target, one scope."""
+    c = make_certs(tmp_path)
+    settings = NodeSettings(model=ModelParams(draft_model_path(), n_ctx=N_CTX), port=0,
+                            sync_port=0, tls_cert=c["server_cert"], tls_key=c["server_key"],
+                            tls_client_ca=c["ca"])
+    node = node_mod.start(settings)
+    seen: list[tuple[bool, str]] = []   # (on the sync port, the identity)
+    identity = node.service.identity
+
+    def recording(ctx) -> str:
+        seen.append((isinstance(ctx, sync_mux.Context), identity(ctx)))
+        return seen[-1][1]
+
+    node.service.identity = recording
+    try:
+        url = f"127.0.0.1:{node.port}"
+        good = LinkSettings(tls_ca=c["ca"], tls_cert=c["client_cert"], tls_key=c["client_key"])
+        prompt = target.tokens(KNOWN + PRIVATE)
+        for pipelined in (True, False):
+            rd = target.drafter(url, pipelined=pipelined, settings=good, sync_timeout_s=30.0)
+            try:
+                g = Engine(target.backend, rd).generate(request(prompt, 6, GREEDY, 4))
+                assert run_to_end(g) == target.plain(prompt, GREEDY, 6)
+            finally:
+                rd.close()
+    finally:
+        node.stop()
+    assert set(seen) == {(False, "cert:CN=target"), (True, "cert:CN=target")}, seen

@@ -74,7 +74,7 @@ def certificate_subject(context) -> str:
     auth = getattr(context, "auth_context", None)
     if auth is None:
         return ""
-    values = (auth() or {}).get("x509_subject_name") or ()
+    values = (auth() or {}).get("x509_subject") or ()
     return values[0].decode("utf-8", "replace")[:256] if values else ""
 
 

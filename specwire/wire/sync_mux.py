@@ -57,7 +57,7 @@ class Context:
 
     def auth_context(self) -> dict[str, list[bytes]]:
         """As grpcio's: the mutual-TLS client certificate's subject, when there is one."""
-        return {"x509_subject_name": [self._subject.encode()]} if self._subject else {}
+        return {"x509_subject": [self._subject.encode()]} if self._subject else {}
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
