@@ -294,3 +294,35 @@ def test_admission_knows_each_token_and_holds_each_to_its_quota() -> None:
         service._admit(FakeCall("c" * 20), "Session")
     assert e.value.args[0] == grpc.StatusCode.UNAUTHENTICATED
     assert service.metrics.refused == {"quota": 1, "token": 1}
+
+
+def test_a_completion_body_carries_its_salt_and_cache_prompt_to_the_drafter() -> None:
+    from specwire.server import schemas
+    from specwire.server.settings import ServerSettings
+
+    class Toy:
+        name, n_vocab, n_ctx = "toy.gguf", 128, 64
+
+        def tokenize(self, text, add_special=True, parse_special=True):
+            return [1] + [min(ord(c), 127) for c in text]
+
+    def draft(**body):
+        return schemas.completion({"prompt": "hi", **body}, Toy(), ServerSettings(),
+                                  ["toy"]).request.draft
+
+    assert draft().cache_scope == "" and draft().cache_store
+    assert draft(cache_salt="u1").cache_scope == cache_scope(Fields({"cache_salt": "u1"}))
+    assert not draft(cache_prompt=False).cache_store
+    with pytest.raises(ApiError, match="cache_salt"):
+        draft(cache_salt=["x"])
+
+
+def test_tenant_flags_are_refused_with_one_clear_line(specwire_cli, tmp_path) -> None:
+    bad = tmp_path / "tokens"
+    bad.write_text("alpha short\n")
+    for args, needle in ((["--sessions-per-identity", "-1"], "--sessions-per-identity"),
+                         (["--cache-ttl", "-5"], "--cache-ttl"),
+                         (["--token-file", str(tmp_path / "none")], "--token-file"),
+                         (["--token-file", str(bad)], "shorter than 16")):
+        r = specwire_cli("draft", *args)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
