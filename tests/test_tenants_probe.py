@@ -75,10 +75,11 @@ def _turn(target, url: str, token: str, prompt: list[int], n: int = 6, **draft):
 
 
 def _probe(target, url: str, token: str, known: list[int], secret: list[int],
-           filler: list[int]) -> tuple[int, list[dict]]:
-    """Positions where the true guess stood out by its draft_cache_n; what each saw. A
-    first request of the known prefix alone puts it in the prober's own scope."""
-    _turn(target, url, token, known + filler)
+           filler: list[int]) -> tuple[int, list[dict], int]:
+    """Positions where the true guess stood out by its draft_cache_n; what each saw; what
+    a first request of the known prefix alone found cached (it puts the prefix in the
+    prober's own scope)."""
+    _, first, _ = _turn(target, url, token, known + filler)
     distinguished, seen = 0, []
     for i in range(POSITIONS):
         true = secret[i]
@@ -90,7 +91,7 @@ def _probe(target, url: str, token: str, known: list[int], secret: list[int],
         others = [row[g][0] for g in guesses[1:]]
         distinguished += row[true][0] > max(others)
         seen.append({"true": row[true], "others": [row[g] for g in guesses[1:]]})
-    return distinguished, seen
+    return distinguished, seen, first.draft_cache_n
 
 
 def test_a_tenant_cannot_read_another_tenants_conversation(target, node) -> None:
@@ -103,8 +104,10 @@ def test_a_tenant_cannot_read_another_tenants_conversation(target, node) -> None
     out, st, _ = _turn(target, node.url, ALICE, victim, n=8)
     assert out == target.plain(victim, GREEDY, 8)
 
-    cross, seen_cross = _probe(target, node.url, MALLORY, known, secret, filler)
-    same, seen_same = _probe(target, node.url, ALICE, known, secret, filler)
+    cross, seen_cross, first_cross = _probe(target, node.url, MALLORY, known, secret, filler)
+    same, seen_same, first_same = _probe(target, node.url, ALICE, known, secret, filler)
+    print(f"the opening alone found cached: {first_cross} (mallory), {first_same} (alice)")
+    assert first_cross == 0 and first_same >= len(known) - 1   # alice's opening: hers only
     for label, seen in (("cross-tenant", seen_cross), ("same tenant", seen_same)):
         t_true = statistics.mean(r["true"][2] for r in seen)
         t_other = statistics.mean(o[2] for r in seen for o in r["others"])
@@ -126,8 +129,8 @@ def test_a_tenant_cannot_read_another_tenants_conversation(target, node) -> None
     assert out2 == target.plain(nxt, GREEDY, 4)
     # The victim's token with a cache_salt of its own is another scope; cache_prompt false
     # reuses nothing either. Both give the same tokens.
-    _, st3, _ = _turn(target, node.url, ALICE, nxt, n=4, cache_scope="digest-of-salt")
-    assert st3.draft_cache_n == 0
+    o3, st3, _ = _turn(target, node.url, ALICE, nxt, n=4, cache_scope="digest-of-salt")
+    assert st3.draft_cache_n == 0 and o3 == out2
     o4, st4, _ = _turn(target, node.url, ALICE, nxt, n=4, cache_store=False)
     assert st4.draft_cache_n == 0 and o4 == out2
 
