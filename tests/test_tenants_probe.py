@@ -21,7 +21,9 @@ import statistics
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
+from test_node_admission import Stream, _open
 from wire_helpers import (
     GREEDY,
     N_CTX,
@@ -39,7 +41,8 @@ from specwire.config import ModelParams
 from specwire.engine import Engine
 from specwire.node import server as node_mod
 from specwire.node.server import NodeSettings
-from specwire.wire import sync_mux
+from specwire.wire import protocol, sync_mux
+from specwire.wire import specwire_pb2_grpc as pbg
 from specwire.wire.link import LinkSettings
 
 pytestmark = pytest.mark.slow
@@ -171,3 +174,56 @@ def test_a_client_certificate_is_the_same_identity_on_both_ports(target, tmp_pat
     finally:
         node.stop()
     assert set(seen) == {(False, "cert:CN=target"), (True, "cert:CN=target")}, seen
+
+
+def test_the_time_to_the_first_draft_tells_nothing_across_tenants(target) -> None:
+    """The node's own timing, without a target in between: the time from an Open of
+    [opening, tokens before, guess, filler] to its first draft, for the true guess and
+    three others at each of the 8 positions, from mallory and then (the control) from
+    alice. Printed for docs/memory.md; the test asserts that at each position mallory's
+    cache_n is the same for every guess (the node's work is the same) and alice's is not."""
+    settings = NodeSettings(model=ModelParams(draft_model_path(), n_ctx=N_CTX), port=0,
+                            tokens={ALICE: "alice", MALLORY: "mallory"}, cache_sessions=512)
+    node = node_mod.start(settings)
+    known = target.tokens(KNOWN)
+    victim = target.tokens(KNOWN + PRIVATE)
+    secret = victim[len(known):len(known) + POSITIONS]
+    filler = target.tokens(" Unrelated filler words follow here.")[1:]
+
+    def first_draft(token: str, history: list[int]) -> tuple[int, float]:
+        s = Stream(pbg.DraftNodeStub(ch).Session,
+                   metadata=((protocol.AUTH_HEADER, f"Bearer {token}"),))
+        t0 = time.perf_counter()
+        s.send(_open(history, want=4))
+        chunk = s.next().chunk
+        dt = time.perf_counter() - t0
+        s.close()   # and its context back in the memory before the next Open:
+        wait_for(lambda: node.service._in_use == 0, 10, "the session's end")
+        return chunk.cache_n, dt
+
+    rows: dict[str, list[tuple[int, list[int], float, list[float]]]] = {}
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+            first_draft(ALICE, victim)
+            for who, token in (("cross-tenant", MALLORY), ("same tenant", ALICE)):
+                first_draft(token, known + filler)   # the opening in the prober's scope
+                rows[who] = []
+                for i in range(POSITIONS):
+                    true = secret[i]
+                    guesses = [true] + [(true + k * 7919) % target.n_vocab for k in (1, 2, 3)]
+                    got = {g: first_draft(token, known + secret[:i] + [g] + filler)
+                           for g in guesses[i % 4:] + guesses[:i % 4]}
+                    rows[who].append((got[true][0], [got[g][0] for g in guesses[1:]],
+                                      got[true][1], [got[g][1] for g in guesses[1:]]))
+    finally:
+        node.stop()
+    for who, r in rows.items():
+        t_true = statistics.median(x[2] for x in r) * 1000
+        t_other = statistics.median(t for x in r for t in x[3]) * 1000
+        print(f"{who}: cache_n of the true guess {[x[0] for x in r]}, of the others "
+              f"{[x[1] for x in r]}; median time to the first draft {t_true:.1f} ms (true), "
+              f"{t_other:.1f} ms (others)")
+    for i, (true_n, others, _, _) in enumerate(rows["cross-tenant"]):
+        assert true_n == len(known) + i and set(others) == {true_n}
+    for i, (true_n, others, _, _) in enumerate(rows["same tenant"]):
+        assert true_n == len(known) + i + 1 and set(others) == {len(known) + i}
