@@ -288,7 +288,8 @@ def test_admission_knows_each_token_and_holds_each_to_its_quota() -> None:
     assert "--sessions-per-identity" in e.value.args[1]
     assert service._admit(FakeCall(bob), "Session") == "token:bob"
     assert service._admit(FakeCall(shared), "Session") == ""   # the single --token
-    service._release("token:alice")
+    service._release()
+    service.quotas.leave("token:alice")
     assert service._admit(FakeCall(alice), "Session") == "token:alice"
     with pytest.raises(Refused) as e:
         service._admit(FakeCall("c" * 20), "Session")

@@ -102,11 +102,11 @@ def run(a: argparse.Namespace) -> int:
     params = draft_model_params(a, resolve_draft(a.model))
     settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
+                            tokens=tokens, sessions_per_identity=a.sessions_per_identity,
+                            cache_ttl_s=a.cache_ttl,
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
-                            cache_sessions=a.cache_sessions, idle_s=a.idle_timeout,
-                            tokens=tokens, sessions_per_identity=a.sessions_per_identity,
-                            cache_ttl_s=a.cache_ttl)
+                            cache_sessions=a.cache_sessions, idle_s=a.idle_timeout)
     try:
         serve(settings)
     except BackendError as e:

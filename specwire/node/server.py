@@ -56,11 +56,11 @@ class NodeSettings:
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
     cache_ram_mib: int = 8192  # finished sessions' KV caches kept in RAM (0: none kept)
     cache_sessions: int = 32  # and at most this many of them
-    metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
-    idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
     tokens: dict[str, str] | None = None  # --token-file: token -> its target's name
     sessions_per_identity: int = 0  # most sessions one identity holds at once (0: no limit)
     cache_ttl_s: float = 0.0  # finished conversations' entries dropped after this (0: kept)
+    metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
+    idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
 
 
 #: A call must send its first message (a Session's Open, a ping) this soon, and a Ping
@@ -188,36 +188,37 @@ class DraftNodeService(pbg.DraftNodeServicer):
         try:
             yield
         finally:
-            self._release(who)
+            self._release()
+            self.quotas.leave(who)
 
     def _admit(self, context, method: str, port: str = "main") -> str:
         """The token checked, and one of --max-sessions slots taken (context.abort if not),
         within the identity's quota; the identity."""
         self._authorize(context)
         self.metrics.peer(port, context.peer())
-        who = self.identity(context)
-        if not self.quotas.enter(who):
-            self.metrics.refuse("quota")
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"draft node: {self.quotas.per_identity} sessions open for this "
-                          "identity (--sessions-per-identity)")
         if not self._slots.acquire(blocking=False):
-            self.quotas.leave(who)
             self.metrics.refuse("busy")
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"draft node busy: {self.settings.max_sessions} sessions open",
             )
+        who = self.identity(context)
+        if not self.quotas.enter(who):
+            self._slots.release()
+            self.metrics.refuse("quota")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"draft node: {self.quotas.per_identity} sessions open for this "
+                          "identity (--sessions-per-identity)")
         with self._in_use_lock:
             self._in_use += 1
         self.metrics.call(method)
         return who
 
-    def _release(self, who: str) -> None:
+    def _release(self) -> None:
+        """A slot freed (the caller leaves the identity's quota, quotas.leave)."""
         with self._in_use_lock:
             self._in_use -= 1
         self._slots.release()
-        self.quotas.leave(who)
 
     def _serve(self, requests, context):
         """Open, then drafts out and verdicts in until Close; a broken peer gets a DraftError."""
@@ -345,7 +346,8 @@ class SyncCall:
         try:
             self.service._close(self.session)
         finally:
-            self.service._release(self._who)
+            self.service._release()
+            self.service.quotas.leave(self._who)
 
 
 def _first_open(requests) -> pb.Open | None:
