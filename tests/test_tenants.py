@@ -246,6 +246,7 @@ def test_cache_salt_becomes_a_digest_scope() -> None:
     one, two = cache_scope(Fields({"cache_salt": "u1"})), cache_scope(Fields({"cache_salt": "u2"}))
     assert one != two and len(one) == 32 and "u1" not in one
     assert cache_scope(Fields({"cache_salt": "u1"})) == one and cache_scope(Fields({})) == ""
+    assert len(cache_scope(Fields({"cache_salt": "\ud800"}))) == 32   # a lone surrogate
     for bad in ("", "x" * 2000, 5):
         with pytest.raises(ApiError, match="cache_salt"):
             cache_scope(Fields({"cache_salt": bad}))

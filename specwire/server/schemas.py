@@ -23,7 +23,6 @@ Conventions, as in llama-server:
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -38,9 +37,6 @@ from specwire.server.chat_output import ChatPlan
 from specwire.server.errors import ApiError, bad_request
 from specwire.server.settings import ServerSettings
 from specwire.wire import protocol
-
-#: Longest cache_salt accepted (vLLM sets none; the node sees a fixed-size digest).
-MAX_SALT = 1024
 
 
 @dataclass(slots=True)
@@ -153,6 +149,10 @@ def as_the_link_carries(params: SamplingParams) -> SamplingParams:
     return params
 
 
+#: Longest cache_salt accepted (vLLM sets none; the node sees a fixed-size digest).
+MAX_SALT = 1024
+
+
 def cache_scope(f: Fields) -> str:
     """The draft node's cache scope of a request (vLLM's cache_salt): requests share cached
     history on the node only with requests of the same salt. The node gets a digest of it,
@@ -162,7 +162,10 @@ def cache_scope(f: Fields) -> str:
         return ""
     if not salt or len(salt) > MAX_SALT:
         raise bad_request(f"cache_salt: must be 1 to {MAX_SALT} characters, got {len(salt)}")
-    return hashlib.sha256(b"specwire cache_salt\0" + salt.encode()).hexdigest()[:32]
+    import hashlib
+
+    data = salt.encode("utf-8", "surrogatepass")   # JSON may carry a lone surrogate
+    return hashlib.sha256(b"specwire cache_salt\0" + data).hexdigest()[:32]
 
 
 def draft(body: dict, defaults: DraftParams) -> DraftParams:
@@ -407,9 +410,7 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     sp = as_the_link_carries(sp)
     logprobs = structured.logprobs_spec(body, dialect)
     grammar = structured.grammar_spec(body, backend, tool_grammar)
-    cache_prompt = f.bool("cache_prompt", default=True)
-    dp = replace(draft(body, settings.draft), cache_scope=cache_scope(f),
-                 cache_store=cache_prompt)
+    dp = draft(body, settings.draft)
     stops = stop_strings(f)
     stops += [s for s in extra_stops if s not in stops]
     ignore_eos = f.bool("ignore_eos")
@@ -419,6 +420,8 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     if opts is not None and not isinstance(opts, dict):
         raise bad_request(f"stream_options: must be an object, got {_kind(opts)}")
     include_usage = Fields(opts or {}, "stream_options.").bool("include_usage")
+    cache_prompt = f.bool("cache_prompt", default=True)
+    dp = replace(dp, cache_scope=cache_scope(f), cache_store=cache_prompt)
     try:
         req = Request(tokens, n, sp, dp, ignore_eos, grammar, logprobs,
                       cache_prompt=cache_prompt)
