@@ -10,7 +10,9 @@ it distinguishes no position; the same probe afterwards in the victim's own scop
 (the control: the victim's entries were there all along, and the probe works)
 distinguishes every one. The victim still
 reuses its own conversation, a cache_salt of its own is a scope apart, output
-equals plain decoding, and SIGHUP empties the node's memory.
+equals plain decoding, and SIGHUP empties the node's memory. The node's own time to
+the first draft is measured for the same probe on a raw gRPC stream (printed; the
+equal work is asserted), and a client certificate is one identity on both ports.
 """
 
 from __future__ import annotations
