@@ -105,9 +105,13 @@ def memory(monkeypatch):
                       new_backend=FakeContext, clock=clock, **kw)
         mem.clock = clock
         mem._lock = CountingCondition(clock)
+        made.append(mem)
         return mem
 
-    return make
+    made: list[KvCache] = []
+    yield make
+    for mem in made:
+        mem.close()
 
 
 def _session(mem: KvCache, history: list[int], scope, store: bool = True) -> int:
@@ -187,8 +191,8 @@ def test_entries_expire_after_the_ttl_and_a_purge_drops_them(memory) -> None:
     assert mem.pooled() == 1 and mem.saved_bytes > 0
     mem.clock.now += 59.0
     assert mem.expire() == 0
+    assert mem.expire(mem.clock.now + 2.0) == 2 and mem.pooled() == 0 and mem.saved_bytes == 0
     mem.clock.now += 2.0
-    assert mem.expire() == 2 and mem.pooled() == 0 and mem.saved_bytes == 0
     _session(mem, SECRET, A)
     _session(mem, [1, 2, 3], B)
     assert mem.purge("token:bob") == 1 and mem.pooled() == 0

@@ -48,9 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sessions-per-identity", type=int, default=0, metavar="N",
                    help="most sessions one identity (a --token-file name, a client "
                    "certificate) holds at once (default 0: up to --max-sessions)")
-    p.add_argument("--cache-ttl", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--cache-ttl", type=float, default=900.0, metavar="SECONDS",
                    help="drop a finished conversation's cached entries after this long "
-                   "unused (default 0: kept until evicted); SIGHUP drops them all")
+                   "unused (0: keep them until evicted); SIGHUP drops them all")
     p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")

@@ -141,6 +141,8 @@ class KvCache:
         self._next_key = 0
         self._bytes = 0
         self._closed = threading.Event()
+        if self.enabled and self.ttl_s > 0:
+            threading.Thread(target=self._sweep, name="kv-cache-ttl", daemon=True).start()
 
     # -- sessions ---------------------------------------------------------------------
 
@@ -246,27 +248,23 @@ class KvCache:
             extra.backend.close()
         self.expire()
 
-    def expire(self) -> int:
-        """Drop the entries (pooled contexts, saved states) unused for ttl_s; how many.
-        Called on each acquire and release, and by the node's timer."""
+    def expire(self, now: float | None = None) -> int:
+        """Drop the entries (pooled contexts, saved states) unused for ttl_s before `now`
+        (the clock's time by default); how many. Called on each acquire and release, and
+        by a sweeper thread every ttl_s / 4 (at most 30 s), so an idle node forgets too."""
         if self.ttl_s <= 0:
             return 0
-        old = self._clock() - self.ttl_s
+        old = (self._clock() if now is None else now) - self.ttl_s
         return self._drop_where(lambda scope, used_at: used_at <= old)
 
-    def start_expiry(self) -> None:
-        """Run expire on a daemon thread every ttl_s / 4 (at most a minute) until close,
-        so that entries expire on an idle node too."""
-        if self.ttl_s <= 0:
-            return
-        period = min(self.ttl_s / 4, 60.0)
-
-        def loop() -> None:
-            while not self._closed.wait(period):
+    def _sweep(self) -> None:
+        while not self._closed.wait(max(0.05, min(self.ttl_s / 4, 30.0))):
+            try:
                 if n := self.expire():
-                    log.info("kv cache: %d entries unused for %g s dropped", n, self.ttl_s)
-
-        threading.Thread(target=loop, name="kv-cache-expiry", daemon=True).start()
+                    log.info("kv cache: %d entries unused for %g s dropped (--cache-ttl)",
+                             n, self.ttl_s)
+            except Exception:  # noqa: BLE001 - the sweeper must not die
+                log.exception("kv cache: expiring entries failed")
 
     def purge(self, identity: str | None = None) -> int:
         """Drop every finished conversation's entries (of one identity, when given); how

@@ -58,7 +58,7 @@ class NodeSettings:
     cache_sessions: int = 32  # and at most this many of them
     tokens: dict[str, str] | None = None  # --token-file: token -> its target's name
     sessions_per_identity: int = 0  # most sessions one identity holds at once (0: no limit)
-    cache_ttl_s: float = 0.0  # finished conversations' entries dropped after this (0: kept)
+    cache_ttl_s: float = 900.0  # cached sessions unused this long are forgotten (0: never)
     metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
     idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
 
@@ -458,7 +458,6 @@ def start(settings: NodeSettings) -> RunningNode:
         ],
     )
     service = DraftNodeService(settings, model)
-    service.memory.start_expiry()
     pbg.add_DraftNodeServicer_to_server(service, server)
     address = f"{settings.host}:{settings.port}"
     creds = _credentials(settings)
