@@ -39,18 +39,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-sessions", type=int, default=32, metavar="N",
                    help="most finished sessions kept in --cache-ram (least recently used "
                    "out first)")
+    p.add_argument("--cache-ttl", type=float, default=900.0, metavar="SECONDS",
+                   help="drop a finished conversation's cached entries after this long "
+                   "unused (0: keep them until evicted); SIGHUP drops them all")
     p.add_argument("--token", default=os.environ.get("SPECWIRE_TOKEN"),
                    help="shared secret required from targets (env SPECWIRE_TOKEN)")
     p.add_argument("--token-file", metavar="FILE",
                    help="one token per target, lines `NAME TOKEN`: each target's cached "
                    "conversations are its own (with --token too, holders of that one share "
-                   "one identity; see docs/hardening.md)")
+                   "one identity; see docs/memory.md)")
     p.add_argument("--sessions-per-identity", type=int, default=0, metavar="N",
                    help="most sessions one identity (a --token-file name, a client "
                    "certificate) holds at once (default 0: up to --max-sessions)")
-    p.add_argument("--cache-ttl", type=float, default=900.0, metavar="SECONDS",
-                   help="drop a finished conversation's cached entries after this long "
-                   "unused (0: keep them until evicted); SIGHUP drops them all")
     p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
@@ -77,14 +77,14 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--max-sessions: must be >= 1, got {a.max_sessions}")
     if not 1 <= a.idle_timeout <= 86400:
         raise CliError(f"--idle-timeout: must be in 1..86400 seconds, got {a.idle_timeout:g}")
+    if not 0 <= a.cache_ttl <= 10**7:
+        raise CliError(f"--cache-ttl: must be in 0..10000000 seconds, got {a.cache_ttl:g}")
     if a.cache_ram < 0:
         raise CliError(f"--cache-ram: must be >= 0 MiB, got {a.cache_ram}")
     if a.cache_sessions < 0:
         raise CliError(f"--cache-sessions: must be >= 0, got {a.cache_sessions}")
     if a.sessions_per_identity < 0:
         raise CliError(f"--sessions-per-identity: must be >= 0, got {a.sessions_per_identity}")
-    if not 0 <= a.cache_ttl <= 10**7:
-        raise CliError(f"--cache-ttl: must be in 0..10000000 seconds, got {a.cache_ttl:g}")
     tokens = None
     if a.token_file:
         from specwire.node.tenants import TokenFileError, load_token_file
@@ -103,10 +103,10 @@ def run(a: argparse.Namespace) -> int:
     settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                             tokens=tokens, sessions_per_identity=a.sessions_per_identity,
-                            cache_ttl_s=a.cache_ttl,
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
-                            cache_sessions=a.cache_sessions, idle_s=a.idle_timeout)
+                            cache_sessions=a.cache_sessions, idle_s=a.idle_timeout,
+                            cache_ttl_s=a.cache_ttl)
     try:
         serve(settings)
     except BackendError as e:

@@ -58,9 +58,9 @@ class NodeSettings:
     cache_sessions: int = 32  # and at most this many of them
     tokens: dict[str, str] | None = None  # --token-file: token -> its target's name
     sessions_per_identity: int = 0  # most sessions one identity holds at once (0: no limit)
-    cache_ttl_s: float = 900.0  # cached sessions unused this long are forgotten (0: never)
     metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
     idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
+    cache_ttl_s: float = 900.0  # cached sessions unused this long are forgotten (0: never)
 
 
 #: A call must send its first message (a Session's Open, a ping) this soon, and a Ping
