@@ -16,12 +16,12 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+from specwire.sample.sampling import SparseDraft
+from specwire.sample.verify import Verdict, Verifier
 
 from specwire.backend.base import BackendError
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, DrafterBase, declared
-from specwire.sampling import SparseDraft
-from specwire.verify import Verdict, Verifier
 
 #: How many of the highest token ids are "junk": logits so low that no filter
 #: (top-k 40, top-p, min-p 0.05) and no argmax ever keeps them.

@@ -1,4 +1,4 @@
-"""specwire/wire/http2.py against grpcio, both ways, and against broken peers.
+"""specwire/link/transport/h2/connection.py against grpcio, both ways, and against broken peers.
 
 The synchronous port's HTTP/2 is ours, so these check that it is gRPC as grpcio
 speaks it: messages larger than grpcio's flow-control window, status and
@@ -17,9 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import hpack
 import pytest
-
-from specwire.wire.grpcframe import MAX_QUEUED
-from specwire.wire.http2 import MAX_FRAME, Connection, CreditTimeout, GrpcStatus, H2Error
+from specwire.link.transport.h2.connection import (
+    MAX_FRAME,
+    Connection,
+    CreditTimeout,
+    GrpcStatus,
+    H2Error,
+)
+from specwire.link.transport.h2.grpcframe import MAX_QUEUED
 
 ECHO = "/test.Echo/Echo"
 CHAT = "/test.Echo/Chat"
@@ -378,7 +383,7 @@ def test_arrival_forecast_brackets_the_answers_it_learned() -> None:
     """ArrivalForecast learns a per-token wait and its deviation; its polling window holds
     the mean wait for the tokens asked, starts after the request was sent, and is absent
     before anything was learned or when nothing is asked."""
-    from specwire.wire.client import ArrivalForecast
+    from specwire.link.transport.grpc_client import ArrivalForecast
 
     f = ArrivalForecast()
     assert f.window(100.0, 2) is None

@@ -12,8 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-
-from specwire.netemu import LinkEmulator, _Wire, parse_bandwidth, parse_duration
+from specwire.bench.netemu import LinkEmulator, _Wire, parse_bandwidth, parse_duration
 
 SLACK_S = 0.08  # scheduling noise allowed on top of the emulated delay (best of n pings)
 # What a relay that serialized its latency (a sleep per chunk) would take beyond the right

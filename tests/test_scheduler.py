@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import pytest
 from fakes import FakeBackend, FakeBatch, FakeClock, FakeModel, SpyDrafter
+from specwire.drafters.ngram.drafter import NgramDrafter
+from specwire.engine.engine import Engine, Request
+from specwire.engine.scheduler import BatchFull
 
 from specwire.backend.base import BackendError
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters import lockstep
 from specwire.drafters.lockstep import draft_together
 from specwire.drafters.model import ModelDrafter
-from specwire.drafters.ngram import NgramDrafter
-from specwire.engine import Engine, Request
-from specwire.scheduler import BatchFull
 
 V = 40
 TARGET = FakeModel(n_vocab=V, seed=0)

@@ -1,7 +1,7 @@
-"""The synchronous port serving several calls on one connection (wire/sync_mux.py), and
+"""The synchronous port serving several calls on one connection (link/transport/h2/mux.py), and
 the link's failure accounting shared by them (Link.failed's epoch).
 
-A real SyncServer on a real socket, driven by wire/http2.py's client Connection; the
+A real SyncServer on a real socket, driven by link/transport/h2/connection.py's client Connection; the
 service is a fake whose calls answer each message with a chunk numbering it, so the
 tests see the multiplexing alone: calls served side by side, and one call's end (a
 cancel, bad bytes, silence past its deadline) leaving the others going.
@@ -15,15 +15,14 @@ import time
 
 import grpc
 import pytest
-
-from specwire.draftlink.messages import Chunk, Failure, Verdict
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire.http2 import Connection, H2Error
-from specwire.wire.link import Link, LinkSettings
-from specwire.wire.linkset import SyncLine
-from specwire.wire.protocol import ProtocolError
-from specwire.wire.sync_server import SyncServer
+from specwire.link.messages import Chunk, Failure, Verdict
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport.channel import Link, LinkSettings
+from specwire.link.transport.channels import SyncLine
+from specwire.link.transport.h2.connection import Connection, H2Error
+from specwire.link.transport.h2.server import SyncServer
+from specwire.link.transport.protocol import ProtocolError
 
 
 class EchoCall:

@@ -12,10 +12,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from specwire.link.messages import Open
+from specwire.link.session import reusable_prefix
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport.protocol import ProtocolError
 
 from specwire.config import SamplingParams, VerifyMode
-from specwire.drafters.session import reusable_prefix
-from specwire.draftlink.messages import Open
 from specwire.node import kv_cache
 from specwire.node.calibrations import target_key
 from specwire.node.kv_cache import KvCache
@@ -29,9 +32,6 @@ from specwire.node.tenants import (
 )
 from specwire.server.errors import ApiError
 from specwire.server.schemas import Fields, cache_scope
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire.protocol import ProtocolError
 
 A, B = ("token:alice", ""), ("token:bob", "")
 SECRET = list(range(100, 140))

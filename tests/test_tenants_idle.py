@@ -1,7 +1,7 @@
 """A started session's shorter idle deadline (node/server.py ACTIVE_IDLE_S): once its target
 has sent a verdict, a silence of ACTIVE_IDLE_S ends it; before that (the target still
 evaluating its prompt) it may wait SESSION_IDLE_S. On the main port (an in-process node on
-the bundled draft model, grpcio's client) and on the synchronous port (wire/sync_mux.py
+the bundled draft model, grpcio's client) and on the synchronous port (link/transport/h2/mux.py
 with test_sync_mux's fake service). Real waits: slow.
 """
 
@@ -12,6 +12,11 @@ import time
 
 import grpc
 import pytest
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport import specwire_pb2_grpc as pbg
+from specwire.link.transport.h2.connection import Connection
+from specwire.link.transport.h2.server import SyncServer
 from test_node_admission import Stream, _open
 from test_sync_mux import FakeService, _round
 from test_sync_mux import _open as _sync_open
@@ -20,11 +25,6 @@ from wire_helpers import N_CTX, draft_model_path, wait_for
 from specwire.config import ModelParams
 from specwire.node import server as node_mod
 from specwire.node.server import NodeSettings
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.http2 import Connection
-from specwire.wire.sync_server import SyncServer
 
 pytestmark = pytest.mark.slow
 ACTIVE_S = 2.0  # long enough for a round on a loaded machine, far below SESSION_IDLE_S

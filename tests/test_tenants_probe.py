@@ -25,6 +25,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from specwire.engine.engine import Engine
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2_grpc as pbg
+from specwire.link.transport.channel import LinkSettings
+from specwire.link.transport.h2 import mux as sync_mux
 from test_node_admission import Stream, _open
 from wire_helpers import (
     GREEDY,
@@ -40,12 +45,8 @@ from wire_helpers import (
 )
 
 from specwire.config import ModelParams
-from specwire.engine import Engine
 from specwire.node import server as node_mod
 from specwire.node.server import NodeSettings
-from specwire.wire import protocol, sync_mux
-from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.link import LinkSettings
 
 pytestmark = pytest.mark.slow
 ALICE, MALLORY = "alice-token-0123456789", "mallory-token-0123456789"

@@ -28,6 +28,17 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import pytest
+from specwire.bench.netemu import LinkEmulator
+from specwire.cli.args import CliError
+from specwire.engine.engine import Engine
+from specwire.link.messages import Chunk
+from specwire.link.remote import make_remote_drafter
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport import specwire_pb2_grpc as pbg
+from specwire.link.transport.channel import LinkError, LinkSettings
+from specwire.link.transport.h2.connection import Connection, H2Error
+from specwire.link.transport.protocol import ProtocolError
 from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     CODE,
     GREEDY,
@@ -50,20 +61,9 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
 )
 
 from specwire.backend.llama import LlamaBackend
-from specwire.cliargs import CliError
 from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.drafters.model import ModelDrafter
-from specwire.drafters.remote import make_remote_drafter
-from specwire.draftlink.messages import Chunk
-from specwire.engine import Engine
-from specwire.netemu import LinkEmulator
 from specwire.settings import RemoteSettings
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.http2 import Connection, H2Error
-from specwire.wire.link import LinkError, LinkSettings
-from specwire.wire.protocol import ProtocolError
 
 V = 262144          # the bundled Gemma vocabulary; only the pure checks below use it
 FAST_RETRY = LinkSettings(backoff_min_s=0.01, backoff_max_s=0.05)
@@ -82,7 +82,7 @@ def _dc(**kw) -> pb.DraftChunk:
 
 
 def check_chunk(m: pb.DraftChunk, n_vocab: int, max_position: int) -> Chunk:
-    """What a target does with a chunk off the wire: convert it (wire/protocol.py), then
+    """What a target does with a chunk off the wire: convert it (link/transport/protocol.py), then
     check it against its vocabulary and history (BranchDrafter._on_chunk)."""
     c = protocol.chunk_from_pb(m)
     c.check(n_vocab, max_position)
@@ -940,7 +940,7 @@ def test_two_targets_draft_from_one_node_at_once(target, node) -> None:
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 def test_bytes_per_drafted_token(target, node, pipelined, record_property) -> None:
     """Greedy over the link: bytes received from the node per token it drafted stay within
-    the planning model's 16 bytes (specwire.throughput.DEFAULT_DRAFT_BYTES).
+    the planning model's 16 bytes (specwire.policy.throughput.DEFAULT_DRAFT_BYTES).
 
     A pipelined node drafts past the verdicts, so some of its tokens are cut before they
     are verified; bytes per *verified* draft token (draft_n) is recorded beside it.

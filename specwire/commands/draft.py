@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from specwire.cliargs import CliError, add_draft_model_args, draft_model_params
+from specwire.cli.args import CliError, add_draft_model_args, draft_model_params
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(a: argparse.Namespace) -> int:
     from specwire.backend.base import BackendError
-    from specwire.loader import resolve_draft
+    from specwire.build import resolve_draft
     from specwire.node.server import NodeSettings, serve
 
     if not 0 <= a.port <= 65535:

@@ -1,6 +1,6 @@
 """The target's side of a drafter that works ahead: on another machine, or on a thread.
 
-A draft node (specwire/drafters/session.py) drafts a *branch* of tokens past the
+A draft node (specwire/link/session.py) drafts a *branch* of tokens past the
 last verdict and streams it in chunks tagged with a branch number `gen`. This
 class keeps the newest branch and, each round, hands the engine the part that
 extends the committed history; every buffered token is checked against the
@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.alternates import BranchParams
 from specwire.drafters.base import Draft, DrafterBase
 from specwire.drafters.bubble import BubbleWait
-from specwire.draftlink.messages import (
+from specwire.link.alternates import BranchParams
+from specwire.link.messages import (
     MAX_CHUNK_TOKENS,
     NOTICE_AFTER,
     Chunk,
@@ -33,7 +33,7 @@ from specwire.draftlink.messages import (
     Verdict,
     f32_sampling,
 )
-from specwire.draftlink.rule import LEFT, follow, take_alternate
+from specwire.link.rule import LEFT, follow, take_alternate
 
 log = logging.getLogger("specwire.branch")
 
@@ -59,7 +59,7 @@ class BranchDrafter(DrafterBase):
         # link_overhead needs to tell the link's cost from drafting. Off by default,
         # as it adds about 4 bytes to every chunk.
         self.timing = False
-        # Pipelined: ask the drafter for pre-drafted branches (drafters/alternates.py);
+        # Pipelined: ask the drafter for pre-drafted branches (link/alternates.py);
         # None asks for none. A drafter that predates them ignores the request.
         self.branches: BranchParams | None = BranchParams() if pipelined else None
         # Pipelined: after a rejection, wait a moment for the fresh branch when that pays
@@ -370,7 +370,7 @@ class BranchDrafter(DrafterBase):
     def _take_alternate(self, at: int, own: list[int]) -> bool:
         """After a round drafted from branch _gen was rejected at `at`: if the target's own
         tokens begin the alternate the drafter sent for `at`, its rest becomes the branch
-        (gen + 1, as the drafter makes it on this verdict: draftlink/rule.py) and the
+        (gen + 1, as the drafter makes it on this verdict: link/rule.py) and the
         next round verifies it at once. Under self._cv."""
         a = self._alts.get(at)
         if a is None or self._draft_gen != self._gen or self._gen <= self._dead_gen:

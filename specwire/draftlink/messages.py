@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from specwire.config import ConfigError, SamplingParams, VerifyMode
-from specwire.sampling import SparseDraft
+from specwire.sample.sampling import SparseDraft
 
 MAX_CHUNK_TOKENS = 256  # tokens in one draft chunk
 MAX_Q_K = 256  # sparse q entries per token
@@ -51,7 +51,7 @@ class Open:
     calibrated: bool = False  # synchronous: stop by keep_min, calibrated on verdicts
     keep_min: float = 0.0
     # Pipelined: pre-drafted branches, at most `alternates` per chunk of at most
-    # `alternate_len` tokens each (drafters/alternates.py); 0: none.
+    # `alternate_len` tokens each (link/alternates.py); 0: none.
     alternates: int = 0
     alternate_len: int = 0
     # Tenants (node/kv_cache.py): cached history is shared only within one cache_scope of

@@ -1,7 +1,7 @@
 """A draft node's calibrations, one per target.
 
 A synchronous session of an adaptive target stops its drafts by the draft's
-confidence, calibrated on the verdicts the node receives (specwire.policy).
+confidence, calibrated on the verdicts the node receives (specwire.policy.adaptive).
 Targets differ (their model, their sampling), so each keeps its own: one
 target's verdicts must not move another's stops, and a hostile peer must not
 be able to steer them. A target is known by its authenticated identity
@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from specwire.policy import Calibration
-from specwire.wire import protocol
+from specwire.link.transport import protocol
+from specwire.policy.adaptive import Calibration
 
 
 def target_key(context, identity: str = "") -> tuple[str, str]:

@@ -48,7 +48,7 @@ from specwire.backend import kv_state
 from specwire.backend.base import BackendError
 from specwire.backend.llama import LlamaBackend, Model
 from specwire.config import ModelParams
-from specwire.draftlink.messages import NOTICE_AFTER
+from specwire.link.messages import NOTICE_AFTER
 
 log = logging.getLogger("specwire.node")
 

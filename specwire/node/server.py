@@ -7,7 +7,7 @@ KV caches of finished sessions are kept (node/kv_cache.py, --cache-ram and
 grpcio's threaded server rather than grpc.aio: a session is compute, and on a
 thread per RPC a synchronous round (read verdict, draft, write chunk) happens
 on one thread. Handing each message between an event loop and a drafting
-thread cost about a millisecond per round here (bench/link_overhead.py).
+thread cost about a millisecond per round here (benchmarks/link_overhead.py).
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ import grpc
 
 from specwire.backend.llama import Model, load_model, open_contexts
 from specwire.config import ModelParams
-from specwire.drafters.session import DraftSession, error_message
-from specwire.draftlink.messages import Verdict
+from specwire.link.messages import Verdict
+from specwire.link.session import DraftSession, error_message
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport import specwire_pb2_grpc as pbg
+from specwire.link.transport.h2.server import SyncServer, tls_context
+from specwire.link.transport.protocol import ProtocolError
 from specwire.node.calibrations import Calibrations, target_key
 from specwire.node.kv_cache import KvCache
 from specwire.node.metrics import NodeMetrics
 from specwire.node.tenants import Quotas, certificate_subject, identity, token_name
 from specwire.node.watchdog import Lease, Watchdog
-from specwire.wire import protocol
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire import specwire_pb2_grpc as pbg
-from specwire.wire.protocol import ProtocolError
-from specwire.wire.sync_server import SyncServer, tls_context
 
 log = logging.getLogger("specwire.node")
 
@@ -173,10 +173,10 @@ class DraftNodeService(pbg.DraftNodeServicer):
 
     def sync_call(self, send, context) -> SyncCall:
         """A synchronous Session for a transport that writes from the calling thread (the
-        sync port, wire/sync_server.py), admitted now (context.abort if it may not be):
+        sync port, link/transport/h2/server.py), admitted now (context.abort if it may not be):
         the transport hands it each message as it arrives (a Verdict it decoded itself, or
         protobuf), and each message goes to `send` as it is drafted, as a domain message
-        (draftlink/messages.py; the transport encodes it), with no generator or thread
+        (link/messages.py; the transport encodes it), with no generator or thread
         between the session and the socket.
         Several such calls may share one connection, a stream each."""
         return SyncCall(self, send, context)
@@ -262,7 +262,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
 
     def _open(self, m: pb.Open, send, context) -> DraftSession:
         """Check everything the Open says, then take a llama.cpp context (from memory).
-        The session's messages (draftlink/messages.py) go to `send`."""
+        The session's messages (link/messages.py) go to `send`."""
         try:
             open_msg = protocol.open_from_pb(m)
             open_msg.check(self.model.n_vocab, self.settings.model.n_ctx)
@@ -308,7 +308,7 @@ class SyncCall:
 
     def take(self, msg: pb.TargetMessage | Verdict | ProtocolError) -> bool:
         """One message of the call (or why none could be read); False once it is over. A
-        verdict in its common encoding comes decoded by the transport (wire/roundcodec.py)."""
+        verdict in its common encoding comes decoded by the transport (link/transport/roundcodec.py)."""
         try:
             if isinstance(msg, ProtocolError):
                 raise msg
@@ -374,7 +374,7 @@ def _verdicts(requests, lease: Lease | None = None):
         if lease is not None:
             lease.timeout_s = min(lease.timeout_s, ACTIVE_IDLE_S)
             lease.feed()
-        if isinstance(m, Verdict):  # decoded by the sync port (wire/roundcodec.py)
+        if isinstance(m, Verdict):  # decoded by the sync port (link/transport/roundcodec.py)
             yield m
             continue
         kind = m.WhichOneof("kind")

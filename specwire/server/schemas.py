@@ -28,15 +28,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from specwire import chat, reasoning
 from specwire.config import ConfigError, DraftParams, SamplingParams
-from specwire.constraints import GrammarSpec
-from specwire.engine import Request
+from specwire.engine.engine import Request
+from specwire.link.transport import protocol
+from specwire.sample.constraints import GrammarSpec
 from specwire.server import limits, structured, tool_calls
 from specwire.server.chat_output import ChatPlan
 from specwire.server.errors import ApiError, bad_request
 from specwire.server.settings import ServerSettings
-from specwire.wire import protocol
+from specwire.text import chat, reasoning
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 version, limits and headers both ends agree on.
 
 This is the only module that converts: everything read from the wire becomes a
-checked message of specwire/draftlink/messages.py here (a violation raises
+checked message of specwire/link/messages.py here (a violation raises
 ProtocolError naming the field, and the reader drops the peer), and nothing
 past here sees protobuf. Verification makes a hostile drafter harmless to the
 output; these checks make it harmless to the process.
@@ -13,9 +13,7 @@ from __future__ import annotations
 import secrets
 
 import numpy as np
-
-from specwire.config import ConfigError, SamplingParams, VerifyMode
-from specwire.draftlink.messages import (
+from specwire.link.messages import (
     MAX_CHUNK_TOKENS,
     MAX_HISTORY,
     MAX_Q_K,
@@ -34,9 +32,11 @@ from specwire.draftlink.messages import (
     check_tokens,
     f32,
 )
-from specwire.draftlink.messages import f32_sampling as wire_sampling
-from specwire.sampling import SparseDraft
-from specwire.wire import specwire_pb2 as pb
+from specwire.link.messages import f32_sampling as wire_sampling
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.sample.sampling import SparseDraft
+
+from specwire.config import ConfigError, SamplingParams, VerifyMode
 
 __all__ = ["MAX_CHUNK_TOKENS", "MAX_HISTORY", "MAX_Q_K", "NOTICE_AFTER", "ProtocolError",
            "check_probability", "check_tokens", "wire_sampling"]

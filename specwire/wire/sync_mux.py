@@ -1,10 +1,10 @@
 """The synchronous port's calls of one connection, served together on its thread.
 
 A target with several slots (`serve -np N`) opens its synchronous sessions as
-streams of one connection (wire/linkset.py). The connection's thread reads
+streams of one connection (link/transport/channels.py). The connection's thread reads
 whatever arrives, for whichever stream, and hands each call its messages in
 turn: a verdict in, the session drafts, its chunk out, on this thread as for a
-single call (wire/sync_server.py says why). When verdicts of several calls are
+single call (link/transport/h2/server.py says why). When verdicts of several calls are
 waiting at once (a batch target sends all its slots' verdicts before it waits,
 DrafterBase.ask), their sessions draft side by side on worker threads, as they
 would on connections of their own, while this thread alone reads and writes the
@@ -30,12 +30,11 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
-
-from specwire.draftlink.messages import Chunk, DraftMessage, Verdict
-from specwire.wire import protocol, roundcodec
-from specwire.wire import specwire_pb2 as pb
-from specwire.wire.http2 import Connection, H2Error, Stream
-from specwire.wire.protocol import ProtocolError
+from specwire.link.messages import Chunk, DraftMessage, Verdict
+from specwire.link.transport import protocol, roundcodec
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport.h2.connection import Connection, H2Error, Stream
+from specwire.link.transport.protocol import ProtocolError
 
 log = logging.getLogger("specwire.node")
 

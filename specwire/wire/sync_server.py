@@ -3,11 +3,11 @@
 A synchronous round is one verdict in and one chunk out, and its cost is the
 target's wait. grpcio's server hands each message between its poller and a
 handler thread; here the thread that owns a connection reads the verdict,
-drafts and writes the chunk (wire/http2.py says why that matters). It speaks
+drafts and writes the chunk (link/transport/h2/connection.py says why that matters). It speaks
 the same gRPC as the main port, so any gRPC client can use it, and it serves
 only synchronous Session calls (DraftNodeService.sync_call): the sessions of
 one target's slots as streams of one connection, served in turn by its thread
-(wire/sync_mux.py), each with its own deadlines and admission slot. Pipelined
+(link/transport/h2/mux.py), each with its own deadlines and admission slot. Pipelined
 sessions, Hello and Ping stay on the main port.
 
 Its deadlines are the main port's: a connection must start a call within
@@ -25,9 +25,9 @@ import socket
 import ssl
 import threading
 
-from specwire.wire import protocol
-from specwire.wire.http2 import Connection, H2Error
-from specwire.wire.sync_mux import Calls
+from specwire.link.transport import protocol
+from specwire.link.transport.h2.connection import Connection, H2Error
+from specwire.link.transport.h2.mux import Calls
 
 log = logging.getLogger("specwire.node")
 
@@ -41,7 +41,7 @@ class SyncServer:
                  max_connections: int, idle_s: float, session_idle_s: float,
                  max_streams: int = 1, active_idle_s: float | None = None) -> None:
         """max_streams: calls one connection may have open at once (a target's slots share
-        one connection, wire/linkset.py); admission bounds the sessions, not this.
+        one connection, link/transport/channels.py); admission bounds the sessions, not this.
         active_idle_s: a started session's longest silence (session_idle_s by default)."""
         self.service, self.tls = service, tls
         self.max_streams = max_streams
