@@ -116,6 +116,9 @@ class DraftParams:
             request's seed, which couples it to the target (highest acceptance);
             another seed still gives the target's exact output, with fewer accepts.
     policy: "fixed" (always n_max) or "adaptive" (expected tokens/s, see policy.py).
+    cache_scope: which of a draft node's cached conversations this request may reuse and
+            join (node/kv_cache.py): those of its own scope, derived from its cache_salt.
+    cache_store: False keeps the request out of the draft node's cache (cache_prompt false).
     """
 
     n_max: int = 8
@@ -126,6 +129,8 @@ class DraftParams:
     policy: str = "fixed"
     enabled: bool = True
     seed: int | None = None  # the draft's own sampling seed; None: the request's (coupled)
+    cache_scope: str = ""
+    cache_store: bool = True
 
     def __post_init__(self) -> None:
         _check(0 <= self.n_max <= 64, "draft_max", f"must be in [0, 64], got {self.n_max}")

@@ -390,6 +390,8 @@ class BranchDrafter(DrafterBase):
             keep_min=self._open_keep_min(),
             alternates=self.branches.per_chunk if self.pipelined and self.branches else 0,
             alternate_len=self.branches.length if self.pipelined and self.branches else 0,
+            cache_scope=p.cache_scope,
+            no_store=not p.cache_store,
         )
 
     def _open_want(self) -> int:

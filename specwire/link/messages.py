@@ -24,6 +24,7 @@ MAX_HISTORY = 1 << 20  # tokens in an Open
 MAX_WANT = 256  # Open.lookahead, Open.want, Verdict.want
 MAX_ALTERNATES = 4  # Open.alternates: alternates in one chunk
 MAX_ALTERNATE_TOKENS = 8  # Open.alternate_len: tokens in one alternate
+MAX_SCOPE_BYTES = 128  # Open.cache_scope
 #: A session that must evaluate more history tokens than this before its first draft
 #: says so at once, in an empty first chunk with cache_n and prompt_n: a synchronous
 #: target then decodes plainly instead of waiting for drafts until the node catches up.
@@ -53,6 +54,10 @@ class Open:
     # `alternate_len` tokens each (link/alternates.py); 0: none.
     alternates: int = 0
     alternate_len: int = 0
+    # Tenants (node/kv_cache.py): cached history is shared only within one cache_scope of
+    # one peer; no_store keeps the session out of the node's cache.
+    cache_scope: str = ""
+    no_store: bool = False
 
     def __post_init__(self) -> None:
         if not self.history:
@@ -67,6 +72,8 @@ class Open:
         if self.alternates > MAX_ALTERNATES or self.alternate_len > MAX_ALTERNATE_TOKENS:
             raise ProtocolError(f"open: alternates above {MAX_ALTERNATES} or alternate_len "
                                 f"above {MAX_ALTERNATE_TOKENS}")
+        if len(self.cache_scope.encode()) > MAX_SCOPE_BYTES:
+            raise ProtocolError(f"open: cache_scope above {MAX_SCOPE_BYTES} bytes")
 
     def check(self, n_vocab: int, n_ctx: int) -> None:
         """What the node checks against its model."""

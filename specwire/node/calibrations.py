@@ -4,9 +4,11 @@ A synchronous session of an adaptive target stops its drafts by the draft's
 confidence, calibrated on the verdicts the node receives (specwire.policy.adaptive).
 Targets differ (their model, their sampling), so each keeps its own: one
 target's verdicts must not move another's stops, and a hostile peer must not
-be able to steer them. A target is known by its host and the id it sends in
-the call metadata (protocol.TARGET_HEADER, random per target process); the
-node keeps the most recently seen ones, a bounded number.
+be able to steer them. A target is known by its authenticated identity
+(node/tenants.py: its token's name, its certificate's subject) where it has
+one, which it cannot choose; otherwise by its host and the id it sends in the
+call metadata (protocol.TARGET_HEADER, random per target process). The node
+keeps the most recently seen ones, a bounded number.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from specwire.link.transport import protocol
 from specwire.policy.adaptive import Calibration
 
 
-def target_key(context) -> tuple[str, str]:
-    """Whose calibration a session uses: the peer's address without its port, and the
-    target's id (protocol.TARGET_HEADER, random per target process) when it sends one."""
+def target_key(context, identity: str = "") -> tuple[str, str]:
+    """Whose calibration a session uses: the peer's authenticated identity when it has
+    one; else the peer's address without its port, and the target's id
+    (protocol.TARGET_HEADER, random per target process) when it sends one."""
+    if identity:
+        return "identity", identity
     peer = context.peer()   # "ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"; the sync port: "1.2.3.4:5678"
     if peer.startswith(("ipv4:", "ipv6:")):
         peer = peer[5:]

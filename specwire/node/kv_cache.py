@@ -14,10 +14,6 @@ with its history, so it evaluates only what is new. Two stores:
   least recently used out first. A later session whose history matches a saved
   state better than any pooled context gets it copied back in.
 
-Nothing is kept longer than --cache-ttl seconds after its last use (`ttl_s`): a
-sweeper thread forgets older saved states and closes older pooled contexts, so a
-finished conversation does not stay in the node's RAM for ever.
-
 A chat's next turn usually opens its session while the node is still closing
 the previous one (the Close and the new Open travel on different streams), so
 a session whose history shares many more tokens (WORTH_WAITING) with a session
@@ -26,9 +22,15 @@ WAIT_FOR_CLOSE_S.
 
 Isolation: a cached sequence is reused only up to the first token where it and
 the new history differ, so a session computes on no token that is not in its
-own history, whichever target or conversation left the cache there. The node
-serves one draft model, and every entry is that model's: token ids from targets
-with the same vocabulary (the handshake checks it) mean the same thing.
+own history. Tenants: every entry belongs to a Scope (the peer's authenticated
+identity and the scope its target named for the request, node/tenants.py), and
+a session looks only at its own scope's contexts, saved states and open
+sessions: how much another scope's history shares with it changes neither what
+it reuses (its cache_n) nor how long it waits. A pooled context of another
+scope is emptied before it serves. A session opened with store False (the
+request's cache_prompt false) takes a fresh context, reuses nothing and leaves
+nothing behind. Entries unused for `ttl_s` are dropped (expire), and purge
+drops them all (a scope's only, when given).
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ from specwire.config import ModelParams
 from specwire.link.messages import NOTICE_AFTER
 
 log = logging.getLogger("specwire.node")
+
+#: Whose an entry is: (the peer's authenticated identity, the request's scope).
+Scope = tuple[str, str]
+SHARED: Scope = ("", "")
 
 MIB = 1 << 20
 #: How long a new session waits for an open one that holds more of its history.
@@ -85,7 +91,23 @@ class CacheCounters:
 class _Pooled:
     backend: LlamaBackend
     tokens: np.ndarray
+    scope: Scope = SHARED
     used_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class _Saved:
+    state: kv_state.SavedState
+    scope: Scope
+    used_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.state.tokens
+
+    @property
+    def size(self) -> int:
+        return self.state.size
 
 
 class KvCache:
@@ -97,11 +119,17 @@ class KvCache:
 
     def __init__(self, params: ModelParams, model: Model, ram_mib: int = 8192,
                  sessions: int = 32, max_contexts: int = 8, ttl_s: float = 0.0,
+                 new_backend: Callable[[], LlamaBackend] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
                  wrap: Callable[[LlamaBackend], LlamaBackend] | None = None) -> None:
-        """ttl_s: entries unused this long are forgotten (0: kept until evicted); wrap:
-        applied to every context made (the node's --emulate holds them)."""
+        """ttl_s > 0: entries unused that long are dropped (see expire). new_backend and
+        clock replace llama.cpp's contexts and the monotonic clock (tests); wrap is applied
+        to every context made (the node's --emulate holds them)."""
         self.params, self.model = params, model
-        self._wrap = wrap or (lambda backend: backend)
+        self.ttl_s = max(0.0, ttl_s)
+        hold = wrap or (lambda backend: backend)
+        self._new = new_backend or (lambda: hold(LlamaBackend(params, model)))
+        self._clock = clock
         self.budget = max(0, ram_mib) * MIB
         self.max_entries = max(0, sessions)
         self.max_contexts = max(1, max_contexts)
@@ -109,60 +137,71 @@ class KvCache:
         self.counters = CacheCounters()
         self._lock = threading.Condition()
         self._pool: list[_Pooled] = []
-        self._active: dict[int, np.ndarray] = {}  # id(backend) -> its session's Open history
-        self._saved: OrderedDict[int, kv_state.SavedState] = OrderedDict()  # LRU first
-        self._saved_at: dict[int, float] = {}  # key -> last use (time.monotonic)
+        # id(backend) -> its session's scope and Open history
+        self._active: dict[int, tuple[Scope, np.ndarray]] = {}
+        self._private: set[int] = set()  # id(backend) of sessions that store nothing
+        self._saved: OrderedDict[int, _Saved] = OrderedDict()  # LRU first
         self._next_key = 0
         self._bytes = 0
-        self.ttl_s = ttl_s
-        self._closing = threading.Event()
-        if self.enabled and ttl_s > 0:
+        self._closed = threading.Event()
+        if self.enabled and self.ttl_s > 0:
             threading.Thread(target=self._sweep, name="kv-cache-ttl", daemon=True).start()
 
     # -- sessions ---------------------------------------------------------------------
 
-    def acquire(self, history: Sequence[int]) -> LlamaBackend:
+    def acquire(self, history: Sequence[int], scope: Scope = SHARED,
+                store: bool = True) -> LlamaBackend:
         """A context for a session with this history, holding as much of it as the
-        memory had (the session's drafter truncates the rest and evaluates the gap)."""
-        if not self.enabled:
-            return self._wrap(LlamaBackend(self.params, self.model))
+        memory had in this scope (the session's drafter truncates the rest and
+        evaluates the gap). store False: a fresh context, kept out of the memory."""
+        if not self.enabled or not store:
+            backend = self._new()
+            if self.enabled:
+                with self._lock:
+                    self._private.add(id(backend))
+            return backend
+        self.expire()
         want = np.asarray(history, dtype=np.int32)
-        deadline = time.monotonic() + WAIT_FOR_CLOSE_S
+        deadline = self._clock() + WAIT_FOR_CLOSE_S
         with self._lock:
             while True:
-                warm, warm_n = self._best_pooled(want)
-                key, saved_n = self._best_saved(want)
-                busy_n = max((common_prefix(h, want) for h in self._active.values()),
-                             default=0)
-                left = deadline - time.monotonic()
+                warm, warm_n = self._best_pooled(want, scope)
+                key, saved_n = self._best_saved(want, scope)
+                busy_n = max((common_prefix(h, want) for s, h in self._active.values()
+                              if s == scope), default=0)
+                left = deadline - self._clock()
                 if busy_n <= max(warm_n, saved_n) + WORTH_WAITING or left <= 0:
                     break
                 self._lock.wait(left)
             if key is not None and saved_n > warm_n:
-                taken = self._oldest_pooled()
+                taken = self._oldest_pooled()  # None: a new context gets the saved state
                 entry = self._saved[key]
+                entry.used_at = self._clock()
                 self._saved.move_to_end(key)
-                self._saved_at[key] = time.monotonic()
             else:
                 taken, entry = warm, None
             if taken is not None:
                 self._pool.remove(taken)
-                self._active[id(taken.backend)] = want
+                self._active[id(taken.backend)] = (scope, want)
         if taken is None:
-            backend = self._wrap(LlamaBackend(self.params, self.model))
+            backend = self._new()
             with self._lock:
-                self._active[id(backend)] = want
+                self._active[id(backend)] = (scope, want)
+            foreign = False
         else:
             backend = taken.backend
-            if self._loses_cells(taken, want, entry is not None):
+            foreign = taken.scope != scope
+            if self._loses_cells(taken, want, entry is not None or foreign):
                 self._save(taken)
-            if entry is not None:
-                if kv_state.restore(backend, entry):
-                    self.counters.restores += 1
-                else:
-                    log.warning("kv cache: llama.cpp refused a saved state; evaluating afresh")
-            elif len(taken.tokens) and common_prefix(taken.tokens, want):
-                self.counters.warm_hits += 1
+        if entry is not None:
+            if kv_state.restore(backend, entry.state):
+                self.counters.restores += 1
+            else:
+                log.warning("kv cache: llama.cpp refused a saved state; evaluating afresh")
+        elif foreign:
+            backend.truncate(0)  # another scope's cells: none of them serve this session
+        elif taken is not None and len(taken.tokens) and common_prefix(taken.tokens, want):
+            self.counters.warm_hits += 1
         return backend
 
     def account(self, reused: int, evaluated: int) -> None:
@@ -180,6 +219,13 @@ class KvCache:
         if not self.enabled:
             backend.close()
             return
+        with self._lock:
+            private = id(backend) in self._private
+            self._private.discard(id(backend))
+            scope = self._active.get(id(backend), (SHARED, None))[0]
+        if private:
+            backend.close()
+            return
         if backend.ctx is None:
             with self._lock:
                 self._active.pop(id(backend), None)
@@ -190,7 +236,8 @@ class KvCache:
                                  np.asarray(committed, dtype=np.int32))
             if keep < backend.n_past:
                 backend.truncate(keep)
-        pooled = _Pooled(backend, np.asarray(backend.tokens, dtype=np.int32))
+        pooled = _Pooled(backend, np.asarray(backend.tokens, dtype=np.int32), scope,
+                         self._clock())
         with self._lock:
             self._active.pop(id(backend), None)
             self._lock.notify_all()
@@ -202,39 +249,48 @@ class KvCache:
             if len(extra.tokens):
                 self._save(extra)
             extra.backend.close()
+        self.expire()
 
     def expire(self, now: float | None = None) -> int:
-        """Forget what was last used more than ttl_s ago; how many entries went."""
+        """Drop the entries (pooled contexts, saved states) unused for ttl_s before `now`
+        (the clock's time by default); how many. Called on each acquire and release, and
+        by a sweeper thread every ttl_s / 4 (at most 30 s), so an idle node forgets too."""
         if self.ttl_s <= 0:
             return 0
-        cutoff = (time.monotonic() if now is None else now) - self.ttl_s
-        with self._lock:
-            old = [k for k, t in self._saved_at.items() if t < cutoff]
-            for key in old:
-                self._drop(key)
-            stale = [p for p in self._pool if p.used_at < cutoff]
-            for p in stale:
-                self._pool.remove(p)
-        for p in stale:
-            p.backend.close()
-        if old or stale:
-            log.info("kv cache: forgot %d saved sequences and %d warm contexts unused for "
-                     "%g s (--cache-ttl)", len(old), len(stale), self.ttl_s)
-        return len(old) + len(stale)
+        old = (self._clock() if now is None else now) - self.ttl_s
+        return self._drop_where(lambda scope, used_at: used_at <= old)
 
     def _sweep(self) -> None:
-        while not self._closing.wait(max(0.05, min(self.ttl_s / 4, 30.0))):
+        while not self._closed.wait(max(0.05, min(self.ttl_s / 4, 30.0))):
             try:
-                self.expire()
+                if n := self.expire():
+                    log.info("kv cache: %d entries unused for %g s dropped (--cache-ttl)",
+                             n, self.ttl_s)
             except Exception:  # noqa: BLE001 - the sweeper must not die
                 log.exception("kv cache: expiring entries failed")
 
+    def purge(self, identity: str | None = None) -> int:
+        """Drop every finished conversation's entries (of one identity, when given); how
+        many. Open sessions keep their contexts."""
+        return self._drop_where(lambda scope, used_at: identity is None or scope[0] == identity)
+
+    def _drop_where(self, doomed: Callable[[Scope, float], bool]) -> int:
+        with self._lock:
+            pool = [p for p in self._pool if doomed(p.scope, p.used_at)]
+            for p in pool:
+                self._pool.remove(p)
+            keys = [k for k, e in self._saved.items() if doomed(e.scope, e.used_at)]
+            for k in keys:
+                self._drop(k)
+        for p in pool:
+            p.backend.close()
+        return len(pool) + len(keys)
+
     def close(self) -> None:
-        self._closing.set()
+        self._closed.set()
         with self._lock:
             pool, self._pool = self._pool, []
             self._saved.clear()
-            self._saved_at.clear()
             self._bytes = 0
         for p in pool:
             p.backend.close()
@@ -259,21 +315,28 @@ class KvCache:
 
     # -- under the lock ---------------------------------------------------------------
 
-    def _best_pooled(self, want: np.ndarray) -> tuple[_Pooled | None, int]:
-        """The pooled context sharing most with `want`, or else the least recently used."""
+    def _best_pooled(self, want: np.ndarray, scope: Scope) -> tuple[_Pooled | None, int]:
+        """The pooled context of this scope sharing most with `want`, or else the least
+        recently used of any scope."""
         best, best_n = None, -1
         for p in self._pool:
+            if p.scope != scope:
+                continue
             n = common_prefix(p.tokens, want)
             if n > best_n or (n == best_n and best is not None and p.used_at < best.used_at):
                 best, best_n = p, n
-        return best, max(best_n, 0)
+        if best_n <= 0:
+            return self._oldest_pooled(), 0
+        return best, best_n
 
     def _oldest_pooled(self) -> _Pooled | None:
         return min(self._pool, key=lambda p: p.used_at, default=None)
 
-    def _best_saved(self, want: np.ndarray) -> tuple[int | None, int]:
+    def _best_saved(self, want: np.ndarray, scope: Scope) -> tuple[int | None, int]:
         best, best_n = None, 0
         for key, s in self._saved.items():
+            if s.scope != scope:
+                continue
             n = common_prefix(s.tokens, want)
             if n > best_n:
                 best, best_n = key, n
@@ -298,7 +361,8 @@ class KvCache:
                      "not kept", len(p.tokens), size / MIB, self.budget // MIB)
             return
         with self._lock:
-            if any(self._covers(s.tokens, p.tokens) for s in self._saved.values()):
+            if any(s.scope == p.scope and self._covers(s.tokens, p.tokens)
+                   for s in self._saved.values()):
                 return  # a saved sequence already starts with all of these tokens
         try:
             state = kv_state.save(p.backend)
@@ -306,14 +370,14 @@ class KvCache:
             log.warning("kv cache: %s", e)
             return
         with self._lock:
-            for key in [k for k, s in self._saved.items() if self._covers(p.tokens, s.tokens)]:
+            for key in [k for k, s in self._saved.items()
+                        if s.scope == p.scope and self._covers(p.tokens, s.tokens)]:
                 self._drop(key)  # this sequence extends them: turn N+1 replaces turn N
             while self._saved and (len(self._saved) >= self.max_entries
                                    or self._bytes + state.size > self.budget):
                 self._drop(next(iter(self._saved)))
                 self.counters.evictions += 1
-            self._saved[self._next_key] = state
-            self._saved_at[self._next_key] = time.monotonic()
+            self._saved[self._next_key] = _Saved(state, p.scope, p.used_at)
             self._next_key += 1
             self._bytes += state.size
             self.counters.saves += 1
@@ -324,4 +388,3 @@ class KvCache:
 
     def _drop(self, key: int) -> None:
         self._bytes -= self._saved.pop(key).size
-        self._saved_at.pop(key, None)

@@ -61,7 +61,8 @@ class NodeMetrics:
             self.connections[port] += 1
 
     def refuse(self, reason: str) -> None:
-        """'token', 'busy', 'silent' (no Open or ping in time), 'bad_open'."""
+        """'token', 'busy', 'quota' (--sessions-per-identity), 'silent' (no Open or ping in
+        time), 'bad_open'."""
         with self._lock:
             self.refused[reason] += 1
 

@@ -38,6 +38,7 @@ from specwire.link.transport.protocol import ProtocolError
 from specwire.node.calibrations import Calibrations, target_key
 from specwire.node.kv_cache import KvCache
 from specwire.node.metrics import NodeMetrics
+from specwire.node.tenants import Quotas, certificate_subject, identity, token_name
 from specwire.node.watchdog import Lease, Watchdog
 
 log = logging.getLogger("specwire.node")
@@ -57,6 +58,8 @@ class NodeSettings:
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
     cache_ram_mib: int = 8192  # finished sessions' KV caches kept in RAM (0: none kept)
     cache_sessions: int = 32  # and at most this many of them
+    tokens: dict[str, str] | None = None  # --token-file: token -> its target's name
+    sessions_per_identity: int = 0  # most sessions one identity holds at once (0: no limit)
     metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
     idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
     shutdown_s: float = 10.0  # on SIGTERM: open sessions get this long, then are closed
@@ -72,6 +75,9 @@ HANDSHAKE_S = 10.0
 #: without a word does not hold a slot. Generous: the target evaluates its prompt after the
 #: Open, before its first verdict, and a long prompt on a large CPU model takes minutes.
 SESSION_IDLE_S = 900.0
+#: ...and once it has sent its first verdict, for this long: a started session's target
+#: sends a verdict each round, so a longer silence means it is gone (or holds the slot).
+ACTIVE_IDLE_S = 120.0
 #: The longest one ping may hold a node thread busy (bench/link_overhead holds each as
 #: long as a drafting round took, which on a loaded machine can pass 100 ms). What bounds
 #: the spinning is admission: a Ping stream holds one of --max-sessions slots, as a
@@ -86,6 +92,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
         self.settings, self.model = settings, model
         # What verdicts taught about the draft's confidence, kept across sessions, per target.
         self.calibrations = Calibrations(MAX_CALIBRATIONS)
+        self.quotas = Quotas(settings.sessions_per_identity)
         self._slots = threading.BoundedSemaphore(settings.max_sessions)
         self._in_use = 0  # admitted calls open now (for /metrics)
         self.draining = False  # shutting down: no new sessions
@@ -96,19 +103,30 @@ class DraftNodeService(pbg.DraftNodeServicer):
         regime = settings.emulation
         self.memory = KvCache(settings.model, model, settings.cache_ram_mib,
                               settings.cache_sessions, settings.max_sessions,
-                              settings.cache_ttl_s,
+                              ttl_s=settings.cache_ttl_s,
                               wrap=None if regime is None
                               else lambda b: emulate(b, regime, self.holds))
         self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
                                    lambda: len(self.calibrations), self.memory.pooled)
 
+    def identity(self, context) -> str:
+        """The peer's authenticated identity (node/tenants.py): its token's name in the
+        --token-file, its client certificate's subject; "" for neither."""
+        name = None
+        if self.settings.tokens:
+            got = dict(context.invocation_metadata() or ()).get(protocol.AUTH_HEADER, "")
+            name = token_name(self.settings.tokens, got)
+        return identity(name, certificate_subject(context))
+
     def _authorize(self, context: grpc.ServicerContext) -> None:
-        want = self.settings.token
-        if not want:
+        want, tokens = self.settings.token, self.settings.tokens
+        if not want and not tokens:
             return
         meta = dict(context.invocation_metadata() or ())
         got = meta.get(protocol.AUTH_HEADER, "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {want}".encode()):
+        named = bool(tokens) and token_name(tokens, got) is not None
+        if not named and not (want and hmac.compare_digest(got.encode(),
+                                                           f"Bearer {want}".encode())):
             log.warning(
                 "refused connection from %s: %s",
                 context.peer(),
@@ -176,14 +194,16 @@ class DraftNodeService(pbg.DraftNodeServicer):
     @contextlib.contextmanager
     def _admitted(self, context, method: str):
         """The token checked, and one of --max-sessions slots held for the block."""
-        self._admit(context, method)
+        who = self._admit(context, method)
         try:
             yield
         finally:
             self._release()
+            self.quotas.leave(who)
 
-    def _admit(self, context, method: str, port: str = "main") -> None:
-        """The token checked, and one of --max-sessions slots taken (context.abort if not)."""
+    def _admit(self, context, method: str, port: str = "main") -> str:
+        """The token checked, and one of --max-sessions slots taken (context.abort if not),
+        within the identity's quota; the identity."""
         self._authorize(context)
         self.metrics.peer(port, context.peer())
         if self.draining:
@@ -195,15 +215,24 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"draft node busy: {self.settings.max_sessions} sessions open",
             )
+        who = self.identity(context)
+        if not self.quotas.enter(who):
+            self._slots.release()
+            self.metrics.refuse("quota")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"draft node: {self.quotas.per_identity} sessions open for this "
+                          "identity (--sessions-per-identity)")
         with self._in_use_lock:
             self._in_use += 1
         self.metrics.call(method)
+        return who
 
     def in_use(self) -> int:
         with self._in_use_lock:
             return self._in_use
 
     def _release(self) -> None:
+        """A slot freed (the caller leaves the identity's quota, quotas.leave)."""
         with self._in_use_lock:
             self._in_use -= 1
         self._slots.release()
@@ -257,9 +286,11 @@ class DraftNodeService(pbg.DraftNodeServicer):
         except ProtocolError:
             self.metrics.refuse("bad_open")
             raise
-        calibration = self.calibrations.get(target_key(context)) if open_msg.calibrated \
-            else None
-        backend = self.memory.acquire(open_msg.history)
+        who = self.identity(context)
+        calibration = self.calibrations.get(target_key(context, who)) \
+            if open_msg.calibrated else None
+        backend = self.memory.acquire(open_msg.history, (who, open_msg.cache_scope),
+                                      store=not open_msg.no_store)
         try:
             session = DraftSession(backend, open_msg, send, seed=self.settings.seed,
                                    calibration=calibration)
@@ -289,10 +320,10 @@ class SyncCall:
     verdicts until a Close. Holds an admission slot from its creation to end(). An error
     of this session is sent to its target as a DraftError and ends it alone."""
 
-    __slots__ = ("service", "send", "context", "session", "_ended")
+    __slots__ = ("service", "send", "context", "session", "_ended", "_who")
 
     def __init__(self, service: DraftNodeService, send, context) -> None:
-        service._admit(context, "Session", "sync")
+        self._who = service._admit(context, "Session", "sync")
         self.service, self.send, self.context = service, send, context
         self.session: DraftSession | None = None
         self._ended = False
@@ -339,6 +370,7 @@ class SyncCall:
             self.service._close(self.session)
         finally:
             self.service._release()
+            self.service.quotas.leave(self._who)
 
 
 def _first_open(requests) -> pb.Open | None:
@@ -360,9 +392,10 @@ def _drain(out: list[pb.DraftMessage]):
 
 def _verdicts(requests, lease: Lease | None = None):
     """The verdicts after the Open, until Close; anything else is a ProtocolError. Each
-    message moves the lease's deadline on."""
+    message moves the lease's deadline on, ACTIVE_IDLE_S once the first has come."""
     for m in requests:
         if lease is not None:
+            lease.timeout_s = min(lease.timeout_s, ACTIVE_IDLE_S)
             lease.feed()
         if isinstance(m, Verdict):  # decoded by the sync port (link/transport/roundcodec.py)
             yield m
@@ -503,6 +536,7 @@ def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
         print(f"specwire draft node: synchronous sessions on {host}:{node.sync.port}",
               flush=True)
     print(f"specwire draft node listening on {host}:{node.port}", flush=True)
+    _purge_on_sighup(node.service)
     if ready is not None:
         ready.set()
     stop = threading.Event()
@@ -516,6 +550,19 @@ def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
     node.drain(settings.shutdown_s)
 
 
+def _purge_on_sighup(service: DraftNodeService) -> None:
+    """SIGHUP drops every finished conversation the node keeps (contexts and saved states;
+    open sessions go on), e.g. when a tenant leaves. Only from the main thread."""
+    if threading.current_thread() is not threading.main_thread() or \
+            not hasattr(signal, "SIGHUP"):
+        return
+
+    def purge(signum, frame) -> None:
+        log.info("SIGHUP: %d cached entries purged", service.memory.purge())
+
+    signal.signal(signal.SIGHUP, purge)
+
+
 def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServer | None:
     if settings.sync_port is None:
         return None
@@ -524,7 +571,8 @@ def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServe
         tls = tls_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     sync = SyncServer(service, settings.host, settings.sync_port, tls,
                       max_connections=4 * settings.max_sessions, idle_s=settings.idle_s,
-                      session_idle_s=SESSION_IDLE_S, max_streams=settings.max_sessions + 4)
+                      session_idle_s=SESSION_IDLE_S, max_streams=settings.max_sessions + 4,
+                      active_idle_s=ACTIVE_IDLE_S)
     service.sync_port = sync.port
     sync.start()
     return sync

@@ -153,6 +153,25 @@ def as_the_link_carries(params: SamplingParams) -> SamplingParams:
     return params
 
 
+#: Longest cache_salt accepted (vLLM sets none; the node sees a fixed-size digest).
+MAX_SALT = 1024
+
+
+def cache_scope(f: Fields) -> str:
+    """The draft node's cache scope of a request (vLLM's cache_salt): requests share cached
+    history on the node only with requests of the same salt. The node gets a digest of it,
+    never the salt; no salt is the scope "", shared by every request without one."""
+    salt = f.str("cache_salt")
+    if salt is None:
+        return ""
+    if not salt or len(salt) > MAX_SALT:
+        raise bad_request(f"cache_salt: must be 1 to {MAX_SALT} characters, got {len(salt)}")
+    import hashlib
+
+    data = salt.encode("utf-8", "surrogatepass")   # JSON may carry a lone surrogate
+    return hashlib.sha256(b"specwire cache_salt\0" + data).hexdigest()[:32]
+
+
 def draft(body: dict, defaults: DraftParams) -> DraftParams:
     """Per-request speculative settings on top of the server's (see the module docstring)."""
     nested = body.get("speculative")
@@ -430,9 +449,11 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     if opts is not None and not isinstance(opts, dict):
         raise bad_request(f"stream_options: must be an object, got {_kind(opts)}")
     include_usage = Fields(opts or {}, "stream_options.").bool("include_usage")
+    cache_prompt = f.bool("cache_prompt", default=True)
+    dp = replace(dp, cache_scope=cache_scope(f), cache_store=cache_prompt)
     try:
         req = Request(tokens, n, sp, dp, ignore_eos, grammar, logprobs,
-                      cache_prompt=f.bool("cache_prompt", default=True))
+                      cache_prompt=cache_prompt)
     except ConfigError as e:
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,

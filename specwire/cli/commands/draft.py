@@ -50,11 +50,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "out first)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM: refuse new sessions, give open ones S seconds, then stop")
-    p.add_argument("--cache-ttl", type=float, default=900.0, metavar="S",
-                   help="forget cached sessions (--cache-ram, warm contexts) unused for S "
-                   "seconds (0: keep them until evicted)")
+    p.add_argument("--cache-ttl", type=float, default=900.0, metavar="SECONDS",
+                   help="drop a finished conversation's cached entries after this long "
+                   "unused (0: keep them until evicted); SIGHUP drops them all")
     p.add_argument("--token", default=os.environ.get("SPECWIRE_TOKEN"),
                    help="shared secret required from targets (env SPECWIRE_TOKEN)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="one token per target, lines `NAME TOKEN`: each target's cached "
+                   "conversations are its own (with --token too, holders of that one share "
+                   "one identity; see docs/memory.md)")
+    p.add_argument("--sessions-per-identity", type=int, default=0, metavar="N",
+                   help="most sessions one identity (a --token-file name, a client "
+                   "certificate) holds at once (default 0: up to --max-sessions)")
     p.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mTLS)")
@@ -88,12 +95,21 @@ def run(a: argparse.Namespace) -> int:
     if not 0 <= a.shutdown_timeout <= 3600:
         raise CliError(f"--shutdown-timeout: must be in [0, 3600] seconds, got "
                        f"{a.shutdown_timeout:g}")
-    if a.cache_ttl < 0:
-        raise CliError(f"--cache-ttl: must be >= 0 seconds, got {a.cache_ttl:g}")
+    if not 0 <= a.cache_ttl <= 10**7:
+        raise CliError(f"--cache-ttl: must be in 0..10000000 seconds, got {a.cache_ttl:g}")
     if a.cache_ram < 0:
         raise CliError(f"--cache-ram: must be >= 0 MiB, got {a.cache_ram}")
     if a.cache_sessions < 0:
         raise CliError(f"--cache-sessions: must be >= 0, got {a.cache_sessions}")
+    if a.sessions_per_identity < 0:
+        raise CliError(f"--sessions-per-identity: must be >= 0, got {a.sessions_per_identity}")
+    tokens = None
+    if a.token_file:
+        from specwire.node.tenants import TokenFileError, load_token_file
+        try:
+            tokens = load_token_file(a.token_file)
+        except TokenFileError as e:
+            raise CliError(str(e)) from None
     if bool(a.tls_key) and not a.tls_cert:
         raise CliError("--tls-key needs --tls-cert")
     for flag in ("tls_cert", "tls_key", "tls_client_ca"):
@@ -107,6 +123,7 @@ def run(a: argparse.Namespace) -> int:
     params = draft_model_params(a, resolve_draft(a.model))
     settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,
                             tls_cert=a.tls_cert, tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
+                            tokens=tokens, sessions_per_identity=a.sessions_per_identity,
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
                             cache_sessions=a.cache_sessions, idle_s=a.idle_timeout,

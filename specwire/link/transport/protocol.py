@@ -117,14 +117,16 @@ def open_to_pb(o: Open) -> pb.Open:
                    mode=mode_to_pb(o.mode), pipelined=o.pipelined, lookahead=o.lookahead,
                    want=o.want, p_min=o.p_min, top_k_q=o.top_k_q, timing=o.timing,
                    calibrated=o.calibrated, keep_min=o.keep_min, alternates=o.alternates,
-                   alternate_len=o.alternate_len)
+                   alternate_len=o.alternate_len, cache_scope=o.cache_scope,
+                   no_store=o.no_store)
 
 
 def open_from_pb(m: pb.Open) -> Open:
     return Open(list(m.history), sampling_from_pb(m.sampling), mode_from_pb(m.mode),
                 pipelined=m.pipelined, lookahead=m.lookahead, want=m.want, p_min=m.p_min,
                 top_k_q=m.top_k_q, timing=m.timing, calibrated=m.calibrated,
-                keep_min=m.keep_min, alternates=m.alternates, alternate_len=m.alternate_len)
+                keep_min=m.keep_min, alternates=m.alternates, alternate_len=m.alternate_len,
+                cache_scope=m.cache_scope, no_store=m.no_store)
 
 
 def verdict_from_pb(m: pb.Verdict) -> Verdict:

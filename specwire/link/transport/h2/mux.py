@@ -51,9 +51,13 @@ class Abort(Exception):
 class Context:
     """What DraftNodeService asks of grpcio's ServicerContext."""
 
-    def __init__(self, stream: Stream, peer: str) -> None:
+    def __init__(self, stream: Stream, peer: str, subject: str = "") -> None:
         self._metadata = tuple((k, v) for k, v in stream.headers if not k.startswith(":"))
-        self._peer = peer
+        self._peer, self._subject = peer, subject
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        """As grpcio's: the mutual-TLS client certificate's subject, when there is one."""
+        return {"x509_subject": [self._subject.encode()]} if self._subject else {}
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -75,16 +79,22 @@ class _Call:
     silent: str  # what its deadline's expiry means, for the error
     timeout_s: float
     sent: bool = False  # response headers out
+    heard: int = 0  # messages received
 
 
 class Calls:
     """The calls of one server connection, served until it closes or stays idle too long."""
 
     def __init__(self, conn: Connection, peer: str, start: Callable, handshake_s: float,
-                 idle_s: float, session_idle_s: float) -> None:
-        """start(send, context): the service's call for a new stream (it may abort)."""
+                 idle_s: float, session_idle_s: float, active_idle_s: float | None = None,
+                 subject: str = "") -> None:
+        """start(send, context): the service's call for a new stream (it may abort). A call
+        waits session_idle_s for its first verdict, active_idle_s for each next one;
+        subject: the peer's client certificate's (mutual TLS)."""
         self.conn, self.peer, self._start = conn, peer, start
         self.handshake_s, self.idle_s, self.session_idle_s = handshake_s, idle_s, session_idle_s
+        self.active_idle_s = session_idle_s if active_idle_s is None else active_idle_s
+        self.subject = subject
         self.calls: dict[int, _Call] = {}
         self.served = 0  # calls admitted so far
         self._owner = threading.get_ident()  # the thread that reads and writes conn
@@ -136,7 +146,7 @@ class Calls:
                      self.handshake_s)
         try:
             call.handler = self._start(lambda msg: self._send(call, msg),
-                                       Context(stream, self.peer))
+                                       Context(stream, self.peer, self.subject))
         except Abort as e:
             self._finish(call, e.code.value[0], e.details)
             return e.code
@@ -164,8 +174,10 @@ class Calls:
         """The call's next message (there is one), its deadline moved on. A verdict in its
         common encoding comes decoded (roundcodec.py), anything else as protobuf."""
         data = self.conn.recv_message(call.stream.sid, 0.0)
-        call.deadline = time.monotonic() + self.session_idle_s
-        call.silent, call.timeout_s = "the target sent nothing", self.session_idle_s
+        call.heard += 1
+        wait = self.session_idle_s if call.heard == 1 else self.active_idle_s
+        call.deadline = time.monotonic() + wait
+        call.silent, call.timeout_s = "the target sent nothing", wait
         verdict = roundcodec.verdict_from_bytes(data)
         if verdict is not None:
             return verdict

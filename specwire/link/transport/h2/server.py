@@ -46,12 +46,14 @@ class SyncServer:
 
     def __init__(self, service, host: str, port: int, tls: ssl.SSLContext | None,
                  max_connections: int, idle_s: float, session_idle_s: float,
-                 max_streams: int = 1) -> None:
+                 max_streams: int = 1, active_idle_s: float | None = None) -> None:
         """max_streams: calls one connection may have open at once (a target's slots share
-        one connection, link/transport/channels.py); admission bounds the sessions, not this."""
+        one connection, link/transport/channels.py); admission bounds the sessions, not this.
+        active_idle_s: a started session's longest silence (session_idle_s by default)."""
         self.service, self.tls = service, tls
         self.max_streams = max_streams
         self.idle_s, self.session_idle_s = idle_s, session_idle_s
+        self.active_idle_s = active_idle_s
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -92,7 +94,7 @@ class SyncServer:
                               max_streams=self.max_streams)
             conn.handshake(HANDSHAKE_TIMEOUT_S)
             calls = Calls(conn, peer, self.service.sync_call, HANDSHAKE_TIMEOUT_S, self.idle_s,
-                          self.session_idle_s)
+                          self.session_idle_s, self.active_idle_s, _subject(sock))
             calls.run()
         except TimeoutError:
             if calls is not None and calls.served:
@@ -108,6 +110,21 @@ class SyncServer:
             else:
                 sock.close()
             self._slots.release()
+
+
+def _subject(sock: socket.socket) -> str:
+    """A mutual-TLS peer's certificate subject, as grpcio writes it ("CN=a,O=b"); or ""."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return ""
+    cert = sock.getpeercert() or {}
+    rdns = [f"{_SHORT.get(k, k)}={v}" for rdn in reversed(cert.get("subject", ()))
+            for k, v in rdn]
+    return ",".join(rdns)
+
+
+#: OpenSSL's short names of the usual subject attributes (Python's ssl spells them out).
+_SHORT = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU",
+          "countryName": "C", "stateOrProvinceName": "ST", "localityName": "L"}
 
 
 def tls_context(cert: str, key: str | None, client_ca: str | None) -> ssl.SSLContext:
