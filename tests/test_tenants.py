@@ -332,3 +332,42 @@ def test_tenant_flags_are_refused_with_one_clear_line(specwire_cli, tmp_path) ->
                          (["--token-file", str(bad)], "shorter than 16")):
         r = specwire_cli("draft", *args)
         assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_each_api_key_is_a_scope_of_its_own_and_a_salt_narrows_it() -> None:
+    """serve with several API keys: requests of one key share a scope, requests of another
+    key (or with a salt) get another; without keys the salt alone decides."""
+    import httpx
+    from test_server import ToyBackend, serve_app
+
+    from specwire.drafters.base import NoDrafter
+    from specwire.engine.engine import Engine
+    from specwire.server import ServerSettings, create_app
+
+    class Scopes(NoDrafter):
+        name = "scopes"
+
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def begin(self, prompt, sampling, params) -> None:
+            self.seen.append(params.cache_scope)
+
+    def scopes(api_key: str | None, calls: list[tuple[str | None, dict]]) -> list[str]:
+        drafter = Scopes()
+        settings = ServerSettings(sampling=SamplingParams(temperature=0.0), api_key=api_key)
+        with serve_app(create_app(Engine(ToyBackend(), drafter), settings)) as url:
+            for key, extra in calls:
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                r = httpx.post(url + "/completion", json={"prompt": "z", "n_predict": 2, **extra},
+                               headers=headers, timeout=10)
+                assert r.status_code == 200, r.text
+        return drafter.seen
+
+    a1, a2, b, a_salted, b_salted = scopes("key-a,key-b", [
+        ("key-a", {}), ("key-a", {}), ("key-b", {}), ("key-a", {"cache_salt": "s"}),
+        ("key-b", {"cache_salt": "s"})])
+    assert a1 == a2 and a1 != b and len({a1, b, a_salted, b_salted}) == 4
+    assert "" not in {a1, b}
+    plain, salted = scopes(None, [(None, {}), (None, {"cache_salt": "s"})])
+    assert plain == "" and salted == cache_scope(Fields({"cache_salt": "s"}))

@@ -233,6 +233,7 @@ def create_app(engine: Engine | Sequence[Engine],
             scheduler.check_room()    # before the body is read, parsed and tokenized
             body = await read_json(request)
             spec = await run_in_threadpool(parse, body)
+            schemas.scope_by_key(spec.request, getattr(request.state, "key_scope", ""))
             job = Job(spec.request, spec.stops, spec.stream, special=settings.special)
             scheduler.submit(job)
         except Draining:
@@ -294,7 +295,8 @@ def create_app(engine: Engine | Sequence[Engine],
 
 def _auth(api_key: str | None) -> Callable:
     """llama-server's --api-key: `Authorization: Bearer KEY` (or `X-Api-Key: KEY`); a comma
-    list is several keys, any of which is let in."""
+    list is several keys, any of which is let in. Each key is a tenant of the draft node's
+    cache: the request's scope is derived from the key it came with (schemas.key_scope)."""
     keys = [k.encode() for k in (api_key or "").split(",") if k]
 
     async def check(request: Request) -> None:
@@ -303,9 +305,11 @@ def _auth(api_key: str | None) -> Callable:
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else \
             request.headers.get("x-api-key", "")
-        if not given or not any([hmac.compare_digest(given.encode(), k) for k in keys]):
+        matched = [hmac.compare_digest(given.encode(), k) for k in keys] if given else []
+        if not any(matched):
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                            "authentication_error")
+        request.state.key_scope = schemas.key_scope(keys[matched.index(True)])
 
     return check
 

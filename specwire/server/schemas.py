@@ -23,6 +23,7 @@ Conventions, as in llama-server:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -166,10 +167,22 @@ def cache_scope(f: Fields) -> str:
         return ""
     if not salt or len(salt) > MAX_SALT:
         raise bad_request(f"cache_salt: must be 1 to {MAX_SALT} characters, got {len(salt)}")
-    import hashlib
-
     data = salt.encode("utf-8", "surrogatepass")   # JSON may carry a lone surrogate
     return hashlib.sha256(b"specwire cache_salt\0" + data).hexdigest()[:32]
+
+
+def key_scope(key: bytes) -> str:
+    """The draft node's cache scope of an API key's requests: clients holding different keys
+    of one server share nothing cached on the node (the node sees a digest, never the key)."""
+    return hashlib.sha256(b"specwire api key\0" + key).hexdigest()[:32]
+
+
+def scope_by_key(request: Request, scope: str) -> None:
+    """Narrow a request's cache scope (its cache_salt's, or "") to its API key's."""
+    if scope:
+        own = request.draft.cache_scope
+        joined = hashlib.sha256(f"{scope}\0{own}".encode()).hexdigest()[:32]
+        request.draft = replace(request.draft, cache_scope=joined)
 
 
 def draft(body: dict, defaults: DraftParams) -> DraftParams:
