@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specwire.backend.base import Backend, BackendError
 from specwire.config import ConfigError
 from specwire.drafters.base import Drafter, NoDrafter, declared
 from specwire.engine.engine import Engine
 from specwire.settings import DraftSettings, EngineSettings
+
+if TYPE_CHECKING:
+    from specwire.drafters.ngram.cache import LookupCache
+    from specwire.drafters.ngram.persist import CacheFile
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         if s.draft.model is not None:
             check(s.draft.model.placement, dict(s.draft.flags))
         target = LlamaBackend(s.target, n_seq=n_seq)
+        lookup = lookup_file(s.draft, target)
         wrap = _identity
         if s.emulation is not None:
             target, wrap = emulated(s, target)
@@ -60,11 +65,14 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
             from specwire.link.remote import make_remote_drafters
             drafters = make_remote_drafters(list(s.draft.urls), s.draft.remote, target, n_seq)
         else:
-            drafters = [build_drafter(s.draft, target, wrap) for _ in range(n_seq)]
+            cache = lookup.cache if lookup is not None else None
+            drafters = [build_drafter(s.draft, target, wrap, cache) for _ in range(n_seq)]
     except BackendError as e:
         raise ConfigError(str(e)) from None
     try:
-        return Engine(target, drafters, verify=s.verify)
+        engine = Engine(target, drafters, verify=s.verify)
+        engine.lookup_file = lookup
+        return engine
     except ConfigError:
         for drafter in drafters:
             declared(drafter).close()
@@ -106,17 +114,31 @@ def emulated(s: EngineSettings, target: Any) -> tuple[Any, Callable[[Any], Any]]
     return held, wrap
 
 
+def lookup_file(s: DraftSettings, target: Backend) -> CacheFile | None:
+    """--lookup-cache-dynamic: the n-gram drafters' shared cache, loaded from its file
+    for the target's vocabulary (its fingerprint is the one the link's handshake
+    compares); None without the flag."""
+    if s.lookup_cache is None:
+        return None
+    from specwire.drafters.ngram.persist import CacheFile
+    return CacheFile(s.lookup_cache, target.n_vocab, target.vocab_fingerprint())
+
+
 def build_drafter(s: DraftSettings, target: Backend,
-                  wrap: Callable[[Any], Any] = _identity) -> Drafter:
+                  wrap: Callable[[Any], Any] = _identity,
+                  cache: LookupCache | None = None) -> Drafter:
+    """cache: the n-gram lookup's cache of earlier requests, shared by the drafters that
+    are given it (None: one of its own, in memory)."""
     if s.hybrid:
         from specwire.drafters.hybrid import HybridDrafter
         from specwire.drafters.ngram.drafter import NgramDrafter
-        return HybridDrafter(NgramDrafter(), build_model_drafter(s, target, wrap))
+        return HybridDrafter(NgramDrafter(cache=True if cache is None else cache),
+                             build_model_drafter(s, target, wrap))
     if s.kind == "none":
         return NoDrafter()
     if s.kind == "ngram":
         from specwire.drafters.ngram.drafter import NgramDrafter
-        return NgramDrafter()
+        return NgramDrafter(cache=True if cache is None else cache)
     return build_model_drafter(s, target, wrap)
 
 

@@ -49,6 +49,14 @@ class DraftSettings:
     lockstep: bool = False
     #: how the command line spells the draft model's flags (-otd, -devd...), for errors
     flags: Mapping[str, str] = field(default_factory=dict)
+    #: --lookup-cache-dynamic: the file of the cache the n-gram drafters share, loaded at
+    #: build and saved by the command (None: each drafter's cache in memory only)
+    lookup_cache: str | None = None
+
+    @property
+    def ngram(self) -> bool:
+        """An n-gram lookup drafts (alone, or in the hybrid)."""
+        return self.kind == "ngram" or self.hybrid
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:
@@ -57,6 +65,8 @@ class DraftSettings:
             raise ValueError("drafter kind model: needs the draft model's parameters")
         if self.kind == "remote" and not self.urls:
             raise ValueError("drafter kind remote: needs at least one --draft-url")
+        if self.lookup_cache is not None and not self.ngram:
+            raise ValueError("lookup cache: only an n-gram drafter (or the hybrid) has one")
 
 
 @dataclass(frozen=True, slots=True)

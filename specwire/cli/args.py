@@ -176,6 +176,14 @@ def rope_params(a: argparse.Namespace) -> Rope:
                   yarn_beta_fast=getattr(a, "yarn_beta_fast", -1.0))
 
 
+def add_lookup_cache_arg(p: argparse.ArgumentParser) -> None:
+    """--lookup-cache-dynamic (generate, serve): the n-gram drafter's cache as a file."""
+    p.add_argument("-lcd", "--lookup-cache-dynamic", metavar="FNAME", default=None,
+                   help="the n-gram drafter's cache of earlier requests (--draft-ngram, "
+                   "--draft-hybrid), kept in FNAME across restarts: loaded at start (none "
+                   "yet: an empty cache), saved at the end (serve: also every few requests)")
+
+
 def add_draft_args(d: argparse._ActionsContainer) -> None:
     d.add_argument(
         "--draft-max",

@@ -5,6 +5,7 @@ a CliError naming it."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from specwire.backend.base import BackendError
@@ -13,15 +14,18 @@ from specwire.cli.placement import draft_flag_names
 from specwire.config import VerifyMode
 from specwire.settings import DraftSettings, EngineSettings, MeasureSettings, RemoteSettings
 
+flags_log = logging.getLogger("specwire.flags")
+
 
 def engine_settings(a: argparse.Namespace) -> EngineSettings:
     """generate's and serve's flags -> the target, the drafter and the verification mode
     (bundled pair by default)."""
     from specwire.build import resolve_draft, resolve_target
 
+    kind = drafter_kind(a)
+    lookup = lookup_cache(a, kind)
     try:
         target = target_params(a, resolve_target(a.model))
-        kind = drafter_kind(a)
         model = draft_model_params(a, resolve_draft(a.model_draft)) if kind == "model" else None
     except BackendError as e:
         raise CliError(str(e)) from None
@@ -34,9 +38,28 @@ def engine_settings(a: argparse.Namespace) -> EngineSettings:
                           branches=getattr(a, "draft_branches", None),
                           lockstep=(kind == "model" and not getattr(a, "draft_hybrid", False)
                                     and getattr(a, "draft_mode", "auto") != "pipelined"),
-                          flags=draft_flag_names())
+                          flags=draft_flag_names(), lookup_cache=lookup)
     emu, scale = emulation_args(a)
     return EngineSettings(target, draft, verify, emu, scale is None)
+
+
+def lookup_cache(a: argparse.Namespace, kind: str) -> str | None:
+    """--lookup-cache-dynamic FILE where an n-gram lookup drafts, checked before any model
+    loads (a whole cache file, or none yet in a directory that exists); elsewhere it
+    warns that it does nothing, and why."""
+    path = getattr(a, "lookup_cache_dynamic", None)
+    if path is None:
+        return None
+    if kind == "ngram" or getattr(a, "draft_hybrid", False):
+        from specwire.drafters.ngram.persist import check_file
+        check_file(path)
+        return path
+    why = ("there is no drafter (--no-draft)" if kind == "none" else
+           "the draft model drafts alone, without an n-gram lookup (add --draft-hybrid "
+           "to put one beside it, or use --draft-ngram)")
+    flags_log.warning("--lookup-cache-dynamic: ignored: it is the n-gram drafter's cache of "
+                      "earlier requests, and %s", why)
+    return None
 
 
 def drafter_kind(a: argparse.Namespace) -> str:

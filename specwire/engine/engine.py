@@ -14,6 +14,7 @@ import copy
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy, Policy, Policy
 from specwire.sample.constraints.grammar import Grammar, GrammarSpec
 from specwire.sample.logprobs import LogprobsSpec, TokenProb
 from specwire.sample.verify import Verifier
+
+if TYPE_CHECKING:
+    from specwire.drafters.ngram.persist import CacheFile
 
 
 @dataclass(slots=True)
@@ -358,6 +362,9 @@ class Engine:
         #: each sequence's policies: a policy holds the state of its round in progress
         self.memories = [self.policies, *(PolicyMemory() for _ in drafters[1:])]
         self.scheduler = BatchScheduler(self.batch)
+        #: --lookup-cache-dynamic: the n-gram drafters' cache file (build.py sets it), which
+        #: the command saves when it ends
+        self.lookup_file: CacheFile | None = None
 
     @property
     def n_seq(self) -> int:

@@ -153,10 +153,8 @@ IGNORED: tuple[Flag, ...] = (
     _f("--prompt-cache", 1, "llama-cli's file of one run's prompt state (llama-server "
        "ignores it too); serve keeps each slot's prompt cache in memory"),
     _f("--prompt-cache-all --prompt-cache-ro", 0, "goes with --prompt-cache"),
-    _f("-lcd --lookup-cache-dynamic", 1, "lookup decoding's n-gram file; specwire's n-gram "
-       "drafter (--draft-ngram) keeps its table in memory"),
-    _f("-lcs --lookup-cache-static", 1, "lookup decoding's n-gram file; specwire's n-gram "
-       "drafter keeps its table in memory"),
+    _f("-lcs --lookup-cache-static", 1, "lookup decoding's n-gram file built from a corpus; "
+       "specwire's n-gram drafter learns from requests (-lcd keeps that in a file)"),
     _f("--keep", 1, "the tokens a context shift keeps; specwire does not shift the "
        "context (llama-server's default, --no-context-shift), so it stops at the end"),
     _f("--no-context-shift", 0, "already so: generation stops at the context's end"),

@@ -9,6 +9,7 @@ import sys
 from specwire.cli.args import (
     CliError,
     add_emulation_args,
+    add_lookup_cache_arg,
     add_model_args,
     add_sampling_args,
     draft_params,
@@ -32,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_model_args(p)
+    add_lookup_cache_arg(p)
     add_sampling_args(p)
     compat.add_rpc_arg(p)
     add_emulation_args(p)
@@ -70,8 +72,6 @@ def read_prompt(a: argparse.Namespace) -> str | list[dict]:
 def run(a: argparse.Namespace) -> int:
     from specwire.build import build_engine
     from specwire.cli.settings import engine_settings
-    from specwire.engine.engine import Request
-    from specwire.text.stream import TextStream
 
     compat.check_rpc(a)
     if a.n_predict < 0:
@@ -79,6 +79,18 @@ def run(a: argparse.Namespace) -> int:
     prompt = read_prompt(a)
     sp, dp = sampling_params(a), draft_params(a)
     engine = build_engine(engine_settings(a))
+    try:
+        return complete(a, engine, prompt, sp, dp)
+    finally:
+        if engine.lookup_file is not None:
+            engine.lookup_file.close()
+
+
+def complete(a: argparse.Namespace, engine, prompt: str | list[dict], sp, dp) -> int:  # noqa: ANN001
+    """Generate and print the completion and its statistics."""
+    from specwire.engine.engine import Request
+    from specwire.text.stream import TextStream
+
     target = engine.target
     if isinstance(prompt, list):
         from specwire.text.chat import render_for

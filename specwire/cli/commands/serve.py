@@ -19,6 +19,7 @@ import time
 from specwire.cli.args import (
     CliError,
     add_emulation_args,
+    add_lookup_cache_arg,
     add_model_args,
     add_sampling_args,
     draft_params,
@@ -144,6 +145,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "by shifting them in the KV cache (0: off; see docs/memory.md)")
     add_log_args(p)
     add_model_args(p)
+    add_lookup_cache_arg(p)
     add_sampling_args(p)
     add_emulation_args(p)
     compat.add_rpc_arg(p)
@@ -395,6 +397,7 @@ def run(a: argparse.Namespace) -> int:
     sock = _listen(a.host, a.port)
     app = create_app(engines, settings)
     _log_emulation_at_shutdown(app, engines[0].target)
+    _save_lookup_cache_at_shutdown(app, engines)
     verbose = getattr(a, "verbose", False)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning",
                             access_log=verbose, timeout_keep_alive=a.timeout, **tls,
@@ -414,6 +417,9 @@ def run(a: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        for e in engines:
+            if e.lookup_file is not None:    # saved as the lifespan ended, unless it never ran
+                e.lookup_file.close()
         for e in engines:
             for d in e.drafters:
                 declared(d).close()
@@ -443,6 +449,24 @@ def _log_emulation_at_shutdown(app, target) -> None:
             yield state
         for line in emulation_lines(target):
             log.info("%s", line)
+
+    app.router.lifespan_context = lifespan
+
+
+def _save_lookup_cache_at_shutdown(app, engines) -> None:
+    """--lookup-cache-dynamic: save the n-gram drafters' cache when the app's lifespan ends
+    (uvicorn re-raises SIGTERM after it, so code after server.run may never run)."""
+    files = [e.lookup_file for e in engines if e.lookup_file is not None]
+    if not files:
+        return
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            yield state
+        for f in files:
+            f.close()
 
     app.router.lifespan_context = lifespan
 

@@ -6,17 +6,171 @@ file finds the first one's answer here. The cache is bounded by total tokens
 occurrence), and a match grows backwards against the current history like an
 in-history one, so its length means the same to the drafter's calibration.
 A sequence already held (the same request again) is stored once, refreshed.
+
+A cache may outlive the process (--lookup-cache-dynamic FILE, persist.py): save()
+writes its sequences, oldest first, under a header naming the target's vocabulary
+(its size and the fingerprint the link's handshake compares), and load() refuses a
+file of another format, version or vocabulary, or one cut short, in one line.
+
+File format, little-endian throughout (version 1):
+
+    magic     8 bytes  b"SWLOOKUP"
+    version   u32      1
+    n_vocab   u32      the target's vocabulary size
+    fp_len    u32      then fp_len bytes: the vocabulary fingerprint (ASCII)
+    n_seqs    u32      sequences that follow, oldest first
+    n_tokens  u64      their tokens in all
+    n_seqs x (u32 length, then length u32 token ids)
+    crc32     u32      of every byte before it
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import struct
+import tempfile
+import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from specwire.config import ConfigError
 
 #: Length of the n-grams the cache is keyed by: shorter keys match noise across requests.
 KEY = 4
 DEFAULT_TOKENS = 1 << 17
+
+MAGIC = b"SWLOOKUP"
+VERSION = 1
+_HEAD = struct.Struct("<8sIII")      # magic, version, n_vocab, fp_len
+_COUNTS = struct.Struct("<IQ")       # n_seqs, n_tokens
+_CRC = struct.Struct("<I")
+_MAX_FP = 256                        # a fingerprint longer than this is not one
+
+
+class LookupCacheError(ConfigError):
+    """A cache file that cannot be used (cut short, another format, version or vocabulary)
+    or written: one line naming the file and the problem."""
+
+
+@dataclass(slots=True, frozen=True)
+class CacheFileContents:
+    """What a cache file holds, checked for structure but not yet against a vocabulary."""
+
+    n_vocab: int
+    fingerprint: str
+    sequences: list[np.ndarray]     # oldest first, each of dtype uint32
+
+
+def read_file(path: str | os.PathLike) -> CacheFileContents | None:
+    """The file's contents, its structure checked (None: there is no such file)."""
+    name = os.fspath(path)
+    try:
+        with open(name, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise LookupCacheError(f"lookup cache {name}: is a directory, not a file") from None
+    except OSError as e:
+        raise LookupCacheError(f"lookup cache {name}: cannot read it: {e.strerror or e}") from None
+
+    def bad(problem: str) -> LookupCacheError:
+        return LookupCacheError(f"lookup cache {name}: {problem}")
+
+    if not data:
+        raise bad("truncated: the file is empty")
+    if len(data) < len(MAGIC) or data[:len(MAGIC)] != MAGIC:
+        if MAGIC.startswith(data):
+            raise bad(f"truncated: {len(data)} bytes, not even a header")
+        raise bad("not a specwire lookup cache (no SWLOOKUP header; llama.cpp's own "
+                  "lookup-cache files are not read: move it away or name another file)")
+    if len(data) < _HEAD.size:
+        raise bad(f"truncated: {len(data)} bytes, not even a header")
+    _, version, n_vocab, fp_len = _HEAD.unpack_from(data)
+    if version != VERSION:
+        raise bad(f"format version {version}, this specwire reads version {VERSION} only "
+                  "(move it away or name another file)")
+    if fp_len > _MAX_FP:
+        raise bad(f"corrupt header (a {fp_len}-byte vocabulary fingerprint)")
+    head = _HEAD.size + fp_len + _COUNTS.size
+    if len(data) < head:
+        raise bad(f"truncated: {len(data)} bytes, not even a header")
+    try:
+        fingerprint = data[_HEAD.size:_HEAD.size + fp_len].decode("ascii")
+    except UnicodeDecodeError:
+        raise bad("corrupt header (the vocabulary fingerprint is not text)") from None
+    n_seqs, n_tokens = _COUNTS.unpack_from(data, _HEAD.size + fp_len)
+    want = head + 4 * (n_seqs + n_tokens) + _CRC.size
+    if len(data) < want:
+        raise bad(f"truncated: {len(data)} bytes, its header promises {want} "
+                  f"({n_seqs} sequences, {n_tokens} tokens)")
+    if len(data) > want:
+        raise bad(f"corrupt: {len(data) - want} bytes past its end")
+    (crc,) = _CRC.unpack_from(data, want - _CRC.size)
+    if zlib.crc32(memoryview(data)[:want - _CRC.size]) != crc:
+        raise bad("corrupt: its checksum does not match its contents")
+    words = np.frombuffer(data, dtype="<u4", count=n_seqs + n_tokens, offset=head)
+    sequences, i = [], 0
+    for _ in range(n_seqs):
+        if i >= len(words):
+            raise bad("corrupt: its sequences overrun their count")
+        length = int(words[i])
+        if i + 1 + length > len(words):
+            raise bad("corrupt: its sequences overrun their count")
+        sequences.append(words[i + 1:i + 1 + length])
+        i += 1 + length
+    if i != len(words):
+        raise bad("corrupt: its sequences do not add up to its token count")
+    return CacheFileContents(n_vocab, fingerprint, sequences)
+
+
+def encode(sequences: Sequence[Sequence[int]], n_vocab: int, fingerprint: str) -> bytes:
+    """The file's bytes for these sequences (oldest first)."""
+    fp = fingerprint.encode("ascii")
+    if len(fp) > _MAX_FP:
+        raise ValueError(f"lookup cache: a vocabulary fingerprint of {len(fp)} bytes")
+    n_tokens = sum(len(s) for s in sequences)
+    parts = [_HEAD.pack(MAGIC, VERSION, n_vocab, len(fp)), fp,
+             _COUNTS.pack(len(sequences), n_tokens)]
+    for seq in sequences:
+        parts.append(struct.pack("<I", len(seq)))
+        parts.append(np.asarray(seq, dtype="<u4").tobytes())
+    body = b"".join(parts)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """data as the file at path, all or nothing: a temporary file beside it, fsynced, then
+    renamed over it (and the directory fsynced, where the system allows)."""
+    name = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(name))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(name) + ".",
+                                   suffix=".tmp")
+    except OSError as e:
+        raise LookupCacheError(f"lookup cache {name}: cannot write it: "
+                               f"{e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, name)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise LookupCacheError(f"lookup cache {name}: cannot write it: "
+                               f"{e.strerror or e}") from None
+    with contextlib.suppress(OSError):
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,10 +185,14 @@ class CachedMatch:
 class LookupCache:
     """Finished sequences (prompt and output), at most max_tokens of them in all."""
 
-    def __init__(self, max_tokens: int = DEFAULT_TOKENS, n_max: int = 64) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_TOKENS, n_max: int = 64,
+                 vocab: tuple[int, str] | None = None) -> None:
+        """vocab: (size, fingerprint) of the target's vocabulary, which save() records."""
         if max_tokens < 0:
             raise ValueError(f"lookup cache: max_tokens must be >= 0, got {max_tokens}")
-        self.max_tokens, self.n_max = max_tokens, n_max
+        self.max_tokens, self.n_max, self.vocab = max_tokens, n_max, vocab
+        #: called after each sequence kept (persist.py counts them to save now and then)
+        self.on_add: Callable[[], None] | None = None
         self._seqs: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # id -> tokens, oldest first
         self._by_tokens: dict[tuple[int, ...], int] = {}
         self._index: dict[tuple[int, ...], tuple[int, int]] = {}  # KEY-gram -> (id, end)
@@ -60,6 +218,44 @@ class LookupCache:
             self._index[seq[end - KEY:end]] = (sid, end)
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self._seqs)))
+        if self.on_add is not None:
+            self.on_add()
+
+    def sequences(self) -> list[tuple[int, ...]]:
+        """The sequences held, oldest first (a snapshot: adding later does not change it)."""
+        return list(self._seqs.values())
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the sequences, oldest first, to path atomically (LookupCacheError if it
+        cannot be written). Needs the vocabulary (the constructor's or load()'s)."""
+        if self.vocab is None:
+            raise ValueError("lookup cache: save() needs the target's vocabulary (vocab=)")
+        write_atomic(path, encode(self.sequences(), *self.vocab))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, n_vocab: int, fingerprint: str,
+             max_tokens: int = DEFAULT_TOKENS, n_max: int = 64) -> LookupCache:
+        """The cache saved at path for this vocabulary (empty if there is no such file);
+        LookupCacheError, naming the file, if it is cut short, of another format or
+        version, or of another vocabulary. Beyond max_tokens, the oldest are left out."""
+        cache = cls(max_tokens, n_max, (n_vocab, fingerprint))
+        got = read_file(path)
+        if got is None:
+            return cache
+        name = os.fspath(path)
+        if (got.n_vocab, got.fingerprint) != (n_vocab, fingerprint):
+            raise LookupCacheError(
+                f"lookup cache {name}: written for another vocabulary ({got.n_vocab} tokens, "
+                f"fingerprint {got.fingerprint}; the target has {n_vocab} tokens, fingerprint "
+                f"{fingerprint}): move it away or name another file")
+        for seq in got.sequences:
+            if len(seq) and int(seq.max()) >= n_vocab:
+                raise LookupCacheError(f"lookup cache {name}: corrupt: token id "
+                                       f"{int(seq.max())} is outside the vocabulary "
+                                       f"({n_vocab} tokens)")
+        for seq in got.sequences:             # oldest first: add() drops the oldest
+            cache.add(seq.tolist())            # beyond max_tokens
+        return cache
 
     def _drop(self, sid: int) -> None:
         seq = self._seqs.pop(sid)
