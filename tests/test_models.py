@@ -241,7 +241,7 @@ def test_lost_manifest_adopts_a_good_base(tmp_home):
 
 @pytest.mark.slow
 def test_parallel_preparation(tmp_home):
-    code = "from specwire import models; print(models.ensure_model('base', progress=False))"
+    code = "from specwire.assets import models; print(models.ensure_model('base', progress=False))"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
