@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from specwire.backend.timing import batch_tries
 from specwire.policy.throughput import VerifyCurve
 from specwire.settings import MeasureSettings
 
@@ -65,26 +66,8 @@ def verify_curve(backend: Any, prompt: Sequence[int], sizes: Sequence[int] = VER
 
 def batch_times(backend: Any, prompt: Sequence[int], sizes: Sequence[int],
                 reps: int) -> dict[int, float]:
-    """Median seconds to evaluate a batch of n tokens (all logits) at the prompt's end.
-
-    The sizes take turns, rep after rep, so that a shared machine's drift in speed
-    lands on every size alike and the ratios between them stay honest.
-    """
-    sizes = sorted({n for n in sizes if 0 < n <= backend.n_ctx - len(prompt)})
-    backend.truncate(0)
-    backend.eval(list(prompt), logits="last")
-    base = backend.n_past
-    filler = list(prompt) or [0]
-    tries: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in range(reps + 1):             # the first pass warms up
-        for n in sizes:
-            batch = [filler[i % len(filler)] for i in range(n)]
-            t0 = time.perf_counter()
-            backend.eval(batch, logits="all")
-            if rep:
-                tries[n].append(time.perf_counter() - t0)
-            backend.truncate(base)
-    backend.truncate(0)
+    """Median seconds to evaluate a batch of n tokens (all logits) at the prompt's end."""
+    tries = batch_tries(backend, prompt, sizes, reps)
     return {n: statistics.median(t) for n, t in tries.items()}
 
 

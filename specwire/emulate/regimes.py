@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from specwire.backend.timing import batch_tries
 from specwire.emulate.hold import Regime
 from specwire.policy.throughput import VerifyCurve
 
@@ -152,22 +153,8 @@ def batch_seconds(backend: Any, prompt: Sequence[int], sizes: Sequence[int],
                   reps: int = REPS, clock: Any = time, logits: str = "all") -> dict[int, float]:
     """A high estimate (the second largest of reps) of the real seconds a batch of n
     tokens takes after the prompt (logits: the rows asked for, as the engine's
-    verification or a draft's catch-up asks), the cache truncated back each time."""
-    sizes = sorted({n for n in sizes if 0 < n <= backend.n_ctx - len(prompt) - 1})
-    backend.truncate(0)
-    backend.eval(list(prompt), logits="last")
-    base = backend.n_past
-    filler = list(prompt) or [0]
-    tries: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in range(reps + 1):            # the first pass warms up
-        for n in sizes:
-            batch = [filler[i % len(filler)] for i in range(n)]
-            t0 = clock.perf_counter()
-            backend.eval(batch, logits=logits)
-            if rep:
-                tries[n].append(clock.perf_counter() - t0)
-            backend.truncate(base)
-    backend.truncate(0)
+    verification or a draft's catch-up asks)."""
+    tries = batch_tries(backend, prompt, sizes, reps, clock, logits)
     return {n: sorted(t)[-2] if len(t) > 1 else t[0] for n, t in tries.items()}
 
 
