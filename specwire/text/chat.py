@@ -192,12 +192,17 @@ def render(template: str, messages: list[dict], bos_token: str = "", eos_token: 
         raise ConfigError(f"chat template: {type(e).__name__}: {e}") from None
 
 
+def is_jinja(text: str) -> bool:
+    """Whether a --chat-template value is Jinja source rather than a template's name."""
+    return "{{" in text or "{%" in text
+
+
 def template_for(backend: Any, template_name: str | None) -> tuple[str, str]:
     """(label, Jinja source) of the template render_for would use for this backend."""
     if template_name:
         if template_name in TEMPLATES:
             return template_name, TEMPLATES[template_name]
-        if "{{" in template_name or "{%" in template_name:
+        if is_jinja(template_name):
             return "custom", template_name
         raise ConfigError(f"chat template: unknown name {template_name!r}; "
                           f"known: {', '.join(sorted(TEMPLATES))}")

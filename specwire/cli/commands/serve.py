@@ -356,7 +356,7 @@ def run(a: argparse.Namespace) -> int:
         except OSError as e:
             raise CliError(f"--chat-template-file: cannot read {a.chat_template_file}: "
                            f"{e.strerror or e}") from None
-        if not ("{{" in a.chat_template or "{%" in a.chat_template):
+        if not chat.is_jinja(a.chat_template):
             raise CliError(f"--chat-template-file: {a.chat_template_file} is not a Jinja "
                            "template")
     if a.reasoning_budget not in (-1, 0):
@@ -367,8 +367,8 @@ def run(a: argparse.Namespace) -> int:
                        f"{a.slot_prompt_similarity}")
     if a.cache_reuse < 0:
         raise CliError(f"--cache-reuse: must be >= 0, got {a.cache_reuse}")
-    if a.chat_template and a.chat_template not in chat.TEMPLATES and not (
-            "{{" in a.chat_template or "{%" in a.chat_template):
+    if (a.chat_template and a.chat_template not in chat.TEMPLATES
+            and not chat.is_jinja(a.chat_template)):
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
                        f"{', '.join(sorted(chat.TEMPLATES))} (or a Jinja template)")
     settings = ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
