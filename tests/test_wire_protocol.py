@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,3 +162,18 @@ def test_sampling_and_mode_from_the_wire_are_checked() -> None:
     s = protocol.wire_sampling(SEEDED)
     assert s == protocol.sampling_from_pb(protocol.sampling_to_pb(s))   # float32 fixed point
 
+
+def test_the_generated_code_names_its_proto_and_the_wire_names_stay() -> None:
+    """specwire_pb2 comes from the .proto beside it (its descriptor names that file), and the
+    names a gRPC peer sees are protocol version 1's: any node or target still interoperates."""
+    d = pb.DESCRIPTOR
+    assert d.name == "specwire/link/transport/specwire.proto"
+    assert (Path(__file__).resolve().parents[1] / d.name).is_file()
+    assert d.package == "specwire.v1"
+    assert [m.full_name for m in d.services_by_name["DraftNode"].methods] == [
+        "specwire.v1.DraftNode.Hello", "specwire.v1.DraftNode.Session",
+        "specwire.v1.DraftNode.Ping"]
+    assert protocol.SESSION_PATH == "/specwire.v1.DraftNode/Session"
+    assert sorted(d.message_types_by_name) == [
+        "Alternate", "Close", "DraftChunk", "DraftError", "DraftMessage", "HelloReply",
+        "HelloRequest", "Open", "PingMessage", "Pong", "Sampling", "TargetMessage", "Verdict"]
