@@ -3,8 +3,9 @@
 Two questions of issue 24, answered on this machine:
 * sync: a synchronous round's link cost (benchmarks/link_overhead.py, the same
   node and model, the bundled pair) with the session on the node's sync port
-  (h2, link/transport/h2/) and on its main port (grpcio, `--no-sync-port`),
-  alternating `--repeat` times so that both see the same load;
+  (h2, link/transport/h2/), on its main port (grpcio, `--no-sync-port`), and on
+  the sync port with roundcodec off on both ends (h2-pb), alternating `--repeat`
+  times so that all see the same load;
 * codec: link/transport/roundcodec.py's hand encoding of a round's two messages
   (a Verdict out, a DraftChunk of k tokens back) against the protobuf path it
   replaces (domain message -> protobuf object -> SerializeToString, and
@@ -19,11 +20,14 @@ synchronous Session calls. The load average is printed with the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -89,15 +93,47 @@ def codec(k: int = 4, warm_calls: int = 20000, cold_calls: int = 500,
     return out
 
 
+_CODEC = ("verdict_bytes", "chunk_bytes", "verdict_from_bytes", "chunk_from_bytes")
+
+
+@contextlib.contextmanager
+def protobuf_only() -> Iterator[None]:
+    """roundcodec off in this process and in the processes it starts meanwhile (through a
+    sitecustomize.py on their PYTHONPATH): every message goes through protobuf."""
+    saved = {n: getattr(roundcodec, n) for n in _CODEC}
+    env = os.environ.get("PYTHONPATH")
+    with tempfile.TemporaryDirectory(prefix="specwire-stacks-") as site:
+        Path(site, "sitecustomize.py").write_text(
+            "from specwire.link.transport import roundcodec\n"
+            f"for _n in {_CODEC!r}:\n"
+            "    setattr(roundcodec, _n, lambda *a: None)\n")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, env) if p)
+        for n in _CODEC:
+            setattr(roundcodec, n, lambda *a: None)
+        try:
+            yield
+        finally:
+            for n, fn in saved.items():
+                setattr(roundcodec, n, fn)
+            if env is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = env
+
+
 def sync(k: int, rounds: int, repeat: int) -> list[dict]:
-    """link_overhead's figures per run, h2 (sync port) and grpcio (main port) alternating."""
+    """link_overhead's figures per run, alternating: h2 (the sync port), grpcio (the main
+    port), and h2 with roundcodec off (protobuf for every message)."""
     from benchmarks import link_overhead  # loads the models: only for this part
 
     runs = []
     for _ in range(repeat):
-        for args in ((), ("--no-sync-port",)):
-            r = link_overhead.measure(k, rounds, node_args=args)
-            runs.append({**r, "load": os.getloadavg()[0]})
+        for name, args, codec_on in (("h2", (), True), ("grpcio", ("--no-sync-port",), True),
+                                     ("h2-pb", (), False)):
+            with contextlib.nullcontext() if codec_on else protobuf_only():
+                r = link_overhead.measure(k, rounds, node_args=args)
+            assert r["stack"] == name.split("-")[0], (name, r["stack"])
+            runs.append({**r, "stack": name, "load": os.getloadavg()[0]})
     return runs
 
 
