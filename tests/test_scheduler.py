@@ -326,7 +326,7 @@ def test_the_verification_line_is_the_batch_s_fed_once_per_decode_of_rounds() ->
     which each decode of rounds feeds once at the decode's size; a step that reads a prompt
     chunk is off the curve and feeds nothing. A one-sequence engine keeps its policy's own."""
     engine, batch = batch_engine(2, ["model", "model"])
-    line = engine.scheduler.verify
+    line = engine.costs.verify
     params = DraftParams(n_max=2, p_min=0.0, policy="adaptive")
     gens = [engine.generate(Request(list(PROMPTS[0]), 6, GREEDY, params))]
     engine.step()                                       # sequence 0's prompt
@@ -342,4 +342,4 @@ def test_the_verification_line_is_the_batch_s_fed_once_per_decode_of_rounds() ->
     alone = Engine(FakeBackend(TARGET), drafter("model"))
     alone.generate(Request(list(PROMPTS[0]), 6, GREEDY, params)).run()
     own = alone.memories[0].policies[("adaptive", 2)]
-    assert own.fits_verify and own.verify is not alone.scheduler.verify and own.verify.w > 0
+    assert own.fits_verify and own.verify is not alone.costs.verify and own.verify.w > 0
