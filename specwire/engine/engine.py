@@ -24,7 +24,6 @@ from specwire.config import ConfigError, VerifyMode
 from specwire.drafters.base import Drafter, NoDrafter
 from specwire.drafters.bubble import never_wait
 from specwire.drafters.guard import DraftGuard, check_verify_mode
-from specwire.engine.costs import TargetCosts
 from specwire.engine.request import Request
 from specwire.engine.scheduler import Batch, BatchScheduler
 from specwire.engine.sequence import SequenceState
@@ -172,8 +171,12 @@ class Engine:
         self.policies = policies if policies is not None else PolicyMemory()
         #: each sequence's policies: a policy holds the state of its round in progress
         self.memories = [self.policies, *(PolicyMemory() for _ in drafters[1:])]
-        #: what the target's decodes cost, timed on every step (costs.py)
-        self.costs = TargetCosts()
+        #: the target's verification cost, fed by every decode of rounds and read by the
+        #: policies, the drafters and the bubble rule (policy/costs.py); it goes with what
+        #: the policies learned, as the machine's
+        self.costs = self.policies.costs
+        for guard in self.guards:
+            guard.use_costs(self.costs)
         self.scheduler = BatchScheduler(self.batch, self.start)
         #: --lookup-cache-dynamic: the n-gram drafters' cache file (build.py sets it), which
         #: the command saves when it ends
@@ -217,7 +220,11 @@ class Engine:
                 self.scheduler.fail(s, e)
             return None
         batch.decode_s = time.perf_counter() - t0
-        self.costs.observe_decode(parts, batch.decode_s)
+        # A step that reads a prompt chunk is off the curve: its chunk's tokens cost far
+        # less each than rounds' (one logits row, not one per token), and a long one would
+        # set the line's slope alone.
+        if all(p.logits == "all" for p in parts):
+            self.costs.observe(sum(len(p.tokens) for p in parts), batch.decode_s)
         return rows
 
     def start(self, s: SequenceState) -> None:
@@ -241,10 +248,12 @@ class Engine:
         if req.n_predict == 0:
             s.stop_type, s.done = "limit", True
             return
-        # A draft model stops where the adaptive policy finds the next token not worth it.
+        # A draft model stops where the adaptive policy finds the next token not worth it;
+        # a drafter that prices its own tokens is asked for the most.
         if isinstance(s.policy, AdaptivePolicy):
             s.steer = drafter.steer
             s.steer(s.policy)
+            s.policy.drafter_stops = drafter.self_stopping
         # A drafter that can follow the grammar drafts only what it allows: more accepted.
         if req.grammar is not None:
             s.constrain = drafter.constrain
@@ -265,19 +274,18 @@ class Engine:
     def policy(self, seq: int, name: str, n_max: int) -> Policy:
         """Sequence seq's policy for (name, n_max). A sequence's first one starts from what
         the most experienced other sequence learned (the costs are the machine's, the
-        acceptance the drafter's), not from the priors. In a batch its verification line
-        is the scheduler's, which every decode feeds."""
+        acceptance the drafter's), not from the priors. Its verification cost
+        is the target's (self.costs), which every decode feeds."""
         memory = self.memories[seq]
         key = (name, n_max)
         if key not in memory.policies:
             donors = [m.policies[key] for m in self.memories if key in m.policies]
             if donors:
                 best = max(donors, key=_experience)
-                memory.policies[key] = copy.deepcopy(best)
+                memory.policies[key] = copy.deepcopy(best, {id(self.costs): self.costs})
         policy = memory.policy(name, n_max)
-        if self.n_seq > 1 and isinstance(policy, AdaptivePolicy):
-            # One verification curve for every sequence: the target's (costs.py).
-            policy.verify, policy.fits_verify = self.costs.verify, False
+        if isinstance(policy, AdaptivePolicy):
+            policy.costs, policy.own_costs = self.costs, False
         return policy
 
     def reuse_cache(self, target: Backend, prompt: Sequence[int]) -> int:

@@ -126,6 +126,7 @@ class SequenceState:
         finally:
             if self.steer is not None:
                 self.steer(None)
+                self.policy.drafter_stops = False
             if self.constrain is not None:
                 self.constrain(None)
             if self.grammar is not None:

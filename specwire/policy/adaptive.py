@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specwire.policy import throughput
-from specwire.policy.throughput import LineFit, VerifyCurve, draft_line, verify_line
+from specwire.policy.costs import VerifyCost
+from specwire.policy.throughput import LineFit, VerifyCurve, draft_line
 
 #: Bins of a draft model's top probability, for calibrating it against acceptance.
 CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -173,11 +174,11 @@ class AdaptivePolicy:
     stopped: float = 0.5
     #: seconds vs tokens drafted; a prior of one evaluation per round and one per token
     draft: LineFit = field(default_factory=draft_line)
-    #: seconds vs batch size - 1; the throughput model's prior slope per extra token
-    verify: LineFit = field(default_factory=verify_line)
-    #: observe fits `verify` from this sequence's rounds; False where the line is the
-    #: batch's, fed once per decode by the scheduler (Engine.policy)
-    fits_verify: bool = True
+    #: the target's verification cost, read to price rounds (policy/costs.py)
+    costs: VerifyCost = field(default_factory=VerifyCost)
+    #: no engine handed `costs`: observe feeds it from this policy's rounds (Engine.policy
+    #: hands the engine's, which every decode feeds)
+    own_costs: bool = True
     #: what a stretch of plain steps made the drafter redo: seconds, over skipped tokens
     catch_up_s: float = 0.0
     catch_up_tokens: float = 0.0
@@ -247,9 +248,8 @@ class AdaptivePolicy:
         round at a batch size the policy then avoids cannot stick. Before any, the
         throughput model's assumed curve with a step as the unit (its slope is also the
         line's prior until a second size is seen)."""
-        if self.verify.w == 0.0:
-            return _ASSUMED.cost(n)
-        return max(self.verify(n - 1), 1e-6)
+        got = self.costs.seconds(n)
+        return _ASSUMED.cost(n) if got is None else got
 
     def catch_up_cost(self) -> float:
         """Seconds per plain step that the drafter spends catching up once asked again: a
@@ -428,9 +428,9 @@ class AdaptivePolicy:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
         self.warm = self.asked > 0
-        if self.fits_verify:
-            self.verify.add(drafted + (self.batch_tokens if batch_tokens is None
-                                       else batch_tokens), verify_s)
+        if self.own_costs:
+            b = self.batch_tokens if batch_tokens is None else batch_tokens
+            self.costs.observe(1 + drafted + b, verify_s)
 
 
 Policy = FixedPolicy | AdaptivePolicy
@@ -451,6 +451,8 @@ class PolicyMemory:
     """
 
     policies: dict[tuple[str, int], Policy] = field(default_factory=dict)
+    #: the target's verification cost, which they read (an engine's, fed by its decodes)
+    costs: VerifyCost = field(default_factory=VerifyCost)
 
     def policy(self, name: str, n_max: int) -> Policy:
         key = (name, n_max)
