@@ -110,8 +110,8 @@ def test_batch_tokens_zero_is_todays_choice() -> None:
         limit = 1 + i % 8
         assert a.choose(limit) == b.choose(limit, batch_tokens=0)
         assert a.round_rate == b.round_rate
-        a.observe(a.asked, a.asked // 2, 0.002, 0.013)
-        b.observe(b.asked, b.asked // 2, 0.002, 0.013)
+        a.observe(a.k, a.k // 2, 0.002, 0.013)
+        b.observe(b.k, b.k // 2, 0.002, 0.013)
 
 
 def test_a_big_batch_makes_drafting_stop_where_it_stops_paying() -> None:

@@ -20,18 +20,19 @@ from specwire.drafters.lockstep import Drafting
 from specwire.engine.sequence import Round, SequenceState
 
 
-def plan(s: SequenceState, budget: int, batch_tokens: int) -> Part | None:
-    """This step's part, at most `budget` tokens; None to sit this step out. Ends the
-    sequence (done) when it has nothing more to do. batch_tokens: what the other
-    sequences put into the same decode (the adaptive policy's concern)."""
+def plan(s: SequenceState, space: int, batch_tokens: int) -> Part | None:
+    """This step's part, at most `space` tokens (what the decode has left of -b); None
+    to sit this step out. Ends the sequence (done) when it has nothing more to do.
+    batch_tokens: what the other sequences put into the same decode (the adaptive
+    policy's concern)."""
     if s.stopped:
         s.done = True
         return None
-    if budget <= 0:
+    if space <= 0:
         return None
     prompt = s.req.prompt
     if s.prefilled < len(prompt):
-        chunk = prompt[s.prefilled:s.prefilled + budget]
+        chunk = prompt[s.prefilled:s.prefilled + space]
         last = s.prefilled + len(chunk) == len(prompt)
         return Part(s.seq, chunk, "last" if last else "none")
     remaining = s.req.n_predict - len(s.tokens)
@@ -41,15 +42,10 @@ def plan(s: SequenceState, budget: int, batch_tokens: int) -> Part | None:
         s.done = True
         return None
     # A round appends up to k + 1 tokens; plain decoding stops at a full context.
-    k = min(s.policy.choose(min(remaining, room) - 1, batch_tokens=batch_tokens), budget - 1)
+    k = min(s.policy.choose(min(remaining, room) - 1, batch_tokens=batch_tokens), space - 1)
     now = time.perf_counter()
     s.round = Round(Draft(), max(k, 0), now, now)
     return Part(s.seq, [s.history[-1]], "all")
-
-
-def asked(s: SequenceState) -> int:
-    """The draft length this step's round asks for (0: none, or not a round)."""
-    return s.round.k if s.round is not None else 0
 
 
 def ask(s: SequenceState) -> None:

@@ -2,7 +2,7 @@
 
 `schedule` asks each running sequence for its part, decoding sequences first
 (their last token, and the draft length their policy picks), then those still
-reading their prompt, which get what is left of the budget (-b tokens) in
+reading their prompt, which get what is left of the decode's -b tokens in
 chunks: a long prompt does not stall the others. `draft` fills the rounds: those
 of one draft model's sequences in lockstep, one draft decode per draft position
 for all of them. After the one target decode for all the parts, `postprocess`
@@ -101,13 +101,13 @@ class BatchScheduler:
                 s.error = e
 
     def schedule(self) -> Batch:
-        """The step's parts, within the budget: decoding sequences first, in turns."""
+        """The step's parts, within -b tokens: decoding sequences first, in turns."""
         with self._lock:
             n = len(self.running)
             self._turn += 1
             turn = [self.running[(self._turn + i) % n] for i in range(n)] if n else []
         seqs = sorted(turn, key=lambda s: not s.decoding)
-        budget = self.batch.n_batch
+        space = self.batch.n_batch
         batch = Batch()
         used = 0
         for i, s in enumerate(seqs):
@@ -116,24 +116,24 @@ class BatchScheduler:
             # round beside them is priced as in the batch it is in, not as alone (a first
             # request's draft would otherwise hold up every prompt that arrived with it).
             others = used + max(0, len(seqs) - i - 1)
-            part = self.guarded(s, self._plan, s, budget - used, others)
+            part = self.guarded(s, self._plan, s, space - used, others)
             if part is not None:
                 batch.planned.append((s, part))
-                used += len(part.tokens) + rounds.asked(s)
+                used += len(part.tokens) + s.k
         return batch
 
-    def _plan(self, s: SequenceState, budget: int, others: int) -> Part | None:
+    def _plan(self, s: SequenceState, space: int, others: int) -> Part | None:
         if not s.started:
             self.start(s)
             if s.done:
                 return None
-        return rounds.plan(s, budget, others)
+        return rounds.plan(s, space, others)
 
     def draft(self, batch: Batch) -> None:
         """Every round's draft: those of one draft model's sequences in lockstep, a draft
         position of all of them per draft decode (drafters/lockstep.py). Sequences that
         failed meanwhile leave the step."""
-        asking = [(s, part) for s, part in batch.planned if rounds.asked(s) > 0]
+        asking = [(s, part) for s, part in batch.planned if s.k > 0]
         for s, _ in asking:  # remote sessions: every request in flight before any wait
             self.guarded(s, rounds.ask, s)
         runs = [self.guarded(s, rounds.drafting, s) for s, _ in asking]

@@ -86,6 +86,11 @@ class SequenceState:
         """Past its prompt: its parts are a round (last token and draft), not a chunk."""
         return self.started and self.prefilled == len(self.req.prompt)
 
+    @property
+    def k(self) -> int:
+        """The draft length this step's round asks for (0: none, or not a round)."""
+        return self.round.k if self.round is not None else 0
+
     def stop(self, stop_type: str) -> None:
         self.stop_type, self.stopped = stop_type, True
 

@@ -193,7 +193,7 @@ class AdaptivePolicy:
     asked_rounds: int = 0
     kept_any: bool = False  # a drafted token was ever kept (else no benefit of the doubt)
     idle_rounds: int = 0
-    asked: int = 0  # k of the round in progress
+    k: int = 0  # the draft length asked in the round in progress
     warm: bool = False  # the previous round asked for a draft
     #: tokens the drafter lacks: since it was last asked in this sequence, or since the
     #: request began (its prompt's tokens missing from the drafter's cache included)
@@ -220,7 +220,7 @@ class AdaptivePolicy:
         since the last probe carry over, so that probes go on at their (backed-off)
         interval across requests shorter than it. behind: the prompt's tokens that the
         drafter will have to catch up with when first asked."""
-        self.asked, self.warm = 0, False
+        self.k, self.warm = 0, False
         self.skipped, self.begun = behind, False
 
     def behind(self, tokens: int) -> None:
@@ -301,11 +301,11 @@ class AdaptivePolicy:
         self.batch_tokens, self.limit = batch_tokens, limit + 1
         self.probing = False
         if self.drafter_stops and limit > 0:
-            self.asked = min(self.n_max, limit)     # the drafter cuts its own draft
+            self.k = min(self.n_max, limit)     # the drafter cuts its own draft
         else:
-            self.asked = self._best(min(self.n_max, limit))
-        self.round_rate = self.rate(self.asked) if self.asked else 0.0
-        return self.asked
+            self.k = self._best(min(self.n_max, limit))
+        self.round_rate = self.rate(self.k) if self.k else 0.0
+        return self.k
 
     def stop_threshold(self) -> float:
         """The least P(every token so far is kept) for which one more draft token pays:
@@ -393,11 +393,11 @@ class AdaptivePolicy:
         w = 1.0 - self.params.alpha
         if confidence:
             self.calibration.learn(confidence, accepted)
-        if self.asked:
+        if self.k:
             self.asked_rounds += 1
             self.trial = max(0, self.trial - 1)
             self.continued = w * self.continued + drafted
-            self.stopped = w * self.stopped + (1 if drafted < self.asked else 0)
+            self.stopped = w * self.stopped + (1 if drafted < self.k else 0)
             if self.warm:
                 self.draft.add(drafted, draft_s)
             elif steady_s is not None:
@@ -427,7 +427,7 @@ class AdaptivePolicy:
         if drafted:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
-        self.warm = self.asked > 0
+        self.warm = self.k > 0
         if self.own_costs:
             b = self.batch_tokens if batch_tokens is None else batch_tokens
             self.costs.observe(1 + drafted + b, verify_s)
