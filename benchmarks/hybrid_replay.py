@@ -148,8 +148,9 @@ def replay(records: Sequence[Record], make_drafter, policy, costs: Costs) -> Rep
         for rec in records:
             model.record = rec
             adaptive = isinstance(policy, AdaptivePolicy)
-            if adaptive:
+            if adaptive:     # as the engine does: a self-stopping drafter is asked for the most
                 drafter.steer(policy)
+                policy.drafter_stops = drafter.self_stopping
             policy.start()
             drafter.begin(rec.prompt, greedy, DraftParams(n_max=policy.n_max))
             history, pos, output = [*rec.prompt, rec.output[0]], 1, rec.output
@@ -170,6 +171,7 @@ def replay(records: Sequence[Record], make_drafter, policy, costs: Costs) -> Rep
             drafter.end()
             if adaptive:
                 drafter.steer(None)
+                policy.drafter_stops = False
             out.tokens += len(output) - 1
     out.steps, out.model_steps = clock.now, model.spent
     out.counters = {k: v for k, v in drafter.stats().items() if k.endswith("rounds")}

@@ -96,6 +96,7 @@ def replay(records: Sequence[tuple[list[int], list[int]]], drafter, policy,
         steer = getattr(drafter, "steer", None) if isinstance(policy, AdaptivePolicy) else None
         if steer is not None:
             steer(policy)
+            policy.drafter_stops = getattr(drafter, "self_stopping", False)
         policy.start()
         drafter.begin(prompt, greedy, DraftParams(n_max=getattr(policy, "n_max", 16)))
         history, pos = [*prompt, output[0]], 1
@@ -117,6 +118,7 @@ def replay(records: Sequence[tuple[list[int], list[int]]], drafter, policy,
         drafter.end()
         if steer is not None:
             steer(None)
+            policy.drafter_stops = False
         out.tokens += len(output) - 1
     return out
 

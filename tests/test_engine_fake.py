@@ -32,7 +32,8 @@ from specwire.drafters.base import Draft
 from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram.drafter import KEEP, NgramDrafter
 from specwire.engine import engine as engine_mod
-from specwire.engine import scheduler as scheduler_mod
+from specwire.engine import round as round_mod
+from specwire.engine import sequence as sequence_mod
 from specwire.engine.engine import Engine, Generation, Request
 from specwire.sample import sampling
 
@@ -187,7 +188,7 @@ def test_the_adaptive_policy_outlives_a_request_and_plain_ones_leave_it_alone(
     """A second request reuses what the first learned; a plain request does not touch it.
     The policy's choices follow measured round times: a FakeClock makes them fixed costs,
     the same on a busy machine."""
-    clock = FakeClock().install(monkeypatch, engine_mod, scheduler_mod)
+    clock = FakeClock().install(monkeypatch, engine_mod, round_mod, sequence_mod)
     target = FakeBackend(TARGET, clock=clock)     # 10 ms a step, 1 ms a token
     drafter = SpyDrafter(make_drafter("random"), on_propose=lambda _: clock.charge(0.5e-3))
     engine = Engine(target, drafter)

@@ -35,7 +35,8 @@ from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram import drafter as ngram_mod
 from specwire.drafters.ngram.drafter import KEEP, NgramDrafter
 from specwire.engine import engine as engine_mod
-from specwire.engine import scheduler as scheduler_mod
+from specwire.engine import round as round_mod
+from specwire.engine import sequence as sequence_mod
 from specwire.engine.engine import Engine, Request
 from specwire.sample import sampling
 
@@ -65,7 +66,7 @@ def reference(params: SamplingParams, n: int, prompt=PROMPT) -> list[int]:
 def clocked(monkeypatch) -> FakeClock:
     """The hybrid judges its candidates by the time they take: on a FakeClock those are
     the costs a test gives, the same on a busy machine."""
-    return FakeClock().install(monkeypatch, engine_mod, scheduler_mod, hybrid_mod,
+    return FakeClock().install(monkeypatch, engine_mod, round_mod, sequence_mod, hybrid_mod,
                                lockstep_mod, ngram_mod)
 
 

@@ -70,7 +70,7 @@ FORBIDDEN: tuple[tuple[str, tuple[str, ...]], ...] = (
 #: Only the transport, the node and the known exception handle protobuf.
 PB_USERS = ("link/transport", "node", "server/schemas.py")
 #: Module cycles known today (each pair imports the other, one side lazily); no new ones.
-MODULE_CYCLES = {frozenset({"specwire.engine.engine", "specwire.engine.scheduler"})}
+MODULE_CYCLES: set[frozenset[str]] = set()
 
 
 def imports(path: Path) -> set[str]:

@@ -99,7 +99,7 @@ def test_unsteered_the_threshold_is_measured_rate_times_marginal_verification() 
         drafted = (0, 2, 4, 6, 8)[i % 5]
         cost.add(drafted, 0.1 + 0.02 * drafted, 3)
     rate = 3 / (0.1 + 0.02 * 4)
-    assert cost.verify.coefficients()[1] == pytest.approx(0.02, rel=0.02)
+    assert cost.costs.per_token() == pytest.approx(0.02, rel=0.02)
     assert cost.threshold() == pytest.approx(rate * 0.02, rel=0.05)
     assert NgramDrafter(cache=None, cost=cost).threshold() == cost.threshold()
 

@@ -250,10 +250,10 @@ def test_memory_keeps_what_a_policy_learned_for_the_next_request() -> None:
     _drive(p, lambda k, r: 0, 0.002, lambda n: 0.01 * (1 + 0.3 * (n - 1)), rounds=60)
     learned = p.acceptance
     assert learned < AdaptivePolicy(8).acceptance / 2   # well below the prior: it learned
-    p.asked, p.idle_rounds = 3, 5
+    p.k, p.idle_rounds = 3, 5
     again = mem.policy("adaptive", 8)
     assert again is p
-    assert (again.asked, again.warm, again.idle_rounds) == (0, False, 5)   # probes go on
+    assert (again.k, again.warm, again.idle_rounds) == (0, False, 5)   # probes go on
     assert again.acceptance == learned
     assert again.choose(8) == 0                     # no fresh optimism on the next request
     assert mem.policy("adaptive", 4) is not p
@@ -268,14 +268,14 @@ def test_plain_steps_are_charged_what_the_drafter_redoes_when_drafting_resumes()
     def run(per_token: float) -> AdaptivePolicy:
         p = AdaptivePolicy(8)
         p.start()
-        p.asked = 4
+        p.k = 4
         p.observe(4, 4, 5.0, 0.1)                  # the prompt: seconds, not learnt
         assert p.catch_up_cost() == 0.0
         for _ in range(20):
-            p.asked = 0
+            p.k = 0
             for _ in range(3):                     # three plain steps
                 p.observe(0, 0, 0.0, 0.08)
-            p.asked = 2
+            p.k = 2
             p.observe(2, 2, p.draft(2) + 3 * per_token, 0.1)
         return p
 
@@ -288,7 +288,7 @@ def test_plain_steps_are_charged_what_the_drafter_redoes_when_drafting_resumes()
     fresh = AdaptivePolicy(8)
     fresh.start()
     fresh.observe(0, 0, 0.0, 0.08)                 # plain steps before any draft: no catch-up
-    fresh.asked = 2
+    fresh.k = 2
     fresh.observe(2, 2, 3.0, 0.1)
     assert fresh.catch_up_cost() == 0.0
 

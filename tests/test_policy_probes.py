@@ -173,15 +173,15 @@ def test_a_probe_that_measured_the_drafter_without_its_catch_up_corrects_its_cos
     is priced as the rest, and later probes ask for 2 tokens, enough to measure again."""
     p = AdaptivePolicy(8)
     p.choose(16)
-    p.observe(p.asked, 0, 0.5, _verify(1))            # a cold first round: nothing learnt
+    p.observe(p.k, 0, 0.5, _verify(1))            # a cold first round: nothing learnt
     p.choose(16)
-    p.observe(p.asked, p.asked, 2.0, _verify(p.asked + 1))   # one slow warm sample
+    p.observe(p.k, p.k, 2.0, _verify(p.k + 1))   # one slow warm sample
     dear = p.draft_cost(2)
     p.choose(16)
     p.observe(0, 0, 0.0, _verify(1))
     for _ in range(5):
         p.observe(0, 0, 0.0, _verify(1))
-    p.asked, p.warm, p.skipped = 2, False, 6           # a probe of 2 after 6 plain steps
+    p.k, p.warm, p.skipped = 2, False, 6           # a probe of 2 after 6 plain steps
     p.observe(2, 2, 0.3, _verify(3), steady_s=0.002)
     assert p.draft_cost(2) < dear and p.probing_measures
     assert p.catch_up_cost() == pytest.approx((0.3 - 0.002) / 6, rel=0.05)

@@ -321,12 +321,13 @@ def test_a_draft_after_a_catch_up_also_says_what_it_would_cost_caught_up(monkeyp
     assert 0 < long_.steady_s < long_.spent / 3
 
 
-def test_the_verification_line_is_the_batch_s_fed_once_per_decode_of_rounds() -> None:
-    """Every adaptive policy of a batch engine prices rounds on one line, the scheduler's,
+def test_the_verification_line_is_the_target_s_fed_once_per_decode_of_rounds() -> None:
+    """Every adaptive policy of a batch engine prices rounds on one line, the engine's,
     which each decode of rounds feeds once at the decode's size; a step that reads a prompt
-    chunk is off the curve and feeds nothing. A one-sequence engine keeps its policy's own."""
+    chunk is off the curve and feeds nothing. A one-sequence engine's policy reads its
+    engine's too, and fits none of its own."""
     engine, batch = batch_engine(2, ["model", "model"])
-    line = engine.scheduler.verify
+    line = engine.costs.line
     params = DraftParams(n_max=2, p_min=0.0, policy="adaptive")
     gens = [engine.generate(Request(list(PROMPTS[0]), 6, GREEDY, params))]
     engine.step()                                       # sequence 0's prompt
@@ -336,10 +337,10 @@ def test_the_verification_line_is_the_batch_s_fed_once_per_decode_of_rounds() ->
     assert line.w == 1.0
     run_all(engine, gens)
     policies = [engine.memories[i].policies[("adaptive", 2)] for i in range(2)]
-    assert all(p.verify is line and not p.fits_verify for p in policies)
+    assert all(p.costs is engine.costs and not p.own_costs for p in policies)
     rounds = sum(all(len(t) <= 3 for _, _, t in d) for d in batch.decodes)  # prompts: 5, 10
     assert line.w == pytest.approx(sum((1 - line.alpha) ** i for i in range(rounds)))
     alone = Engine(FakeBackend(TARGET), drafter("model"))
     alone.generate(Request(list(PROMPTS[0]), 6, GREEDY, params)).run()
     own = alone.memories[0].policies[("adaptive", 2)]
-    assert own.fits_verify and own.verify is not alone.scheduler.verify and own.verify.w > 0
+    assert own.costs is alone.costs and not own.own_costs and alone.costs.line.w > 0

@@ -39,7 +39,7 @@ def _policy(a: float, n_max: int = 8) -> AdaptivePolicy:
     p = AdaptivePolicy(n_max, accepted=1000.0 * a, rejected=1000.0 * (1 - a),
                        continued=1.0, stopped=0.0)
     p.draft = _exact_line([(x, (x + STOP) * T_D) for x in range(1, 9)])
-    p.verify = _exact_line([(x, T_S * CURVE.cost(x + 1)) for x in range(0, 9)])
+    p.costs.line = _exact_line([(x, T_S * CURVE.cost(x + 1)) for x in range(0, 9)])
     return p
 
 
@@ -72,7 +72,7 @@ def test_one_set_of_priors() -> None:
     assumed = VerifyCurve()
     assert assumed.cost(5) == pytest.approx(1 + 4 * VERIFY_SLOPE)
     assert AdaptivePolicy(8).verify_cost(5) == pytest.approx(assumed.cost(5))
-    assert AdaptivePolicy(8).verify.guess == verify_line().guess == VERIFY_SLOPE
+    assert AdaptivePolicy(8).costs.line.guess == verify_line().guess == VERIFY_SLOPE
     line = verify_line()
     for _ in range(5):
         line.add(3, 2.0)          # one size seen: the prior's slope splits it
@@ -97,7 +97,7 @@ def _batch_policy() -> AdaptivePolicy:
     at 0.5 ms a round and 0.5 ms a token, kept at a = 0.6; past the early rounds."""
     p = AdaptivePolicy(8, accepted=600.0, rejected=400.0, continued=1.0, stopped=0.0)
     p.draft = _exact_line([(x, 0.0005 + 0.0005 * x) for x in range(1, 9)])
-    p.verify = _exact_line([(x, 0.010 + 0.001 * (x + 1)) for x in range(0, 40, 3)])
+    p.costs.line = _exact_line([(x, 0.010 + 0.001 * (x + 1)) for x in range(0, 40, 3)])
     p.asked_rounds = p.params.settle
     return p
 
@@ -110,8 +110,8 @@ def test_batch_tokens_zero_is_todays_choice() -> None:
         limit = 1 + i % 8
         assert a.choose(limit) == b.choose(limit, batch_tokens=0)
         assert a.round_rate == b.round_rate
-        a.observe(a.asked, a.asked // 2, 0.002, 0.013)
-        b.observe(b.asked, b.asked // 2, 0.002, 0.013)
+        a.observe(a.k, a.k // 2, 0.002, 0.013)
+        b.observe(b.k, b.k // 2, 0.002, 0.013)
 
 
 def test_a_big_batch_makes_drafting_stop_where_it_stops_paying() -> None:

@@ -8,6 +8,10 @@ it; DrafterBase gives every capability a do-nothing default:
 
 * `steer(policy | None)`: stop drafts by the adaptive policy's rule (the engine
   calls it around an adaptive request);
+* `self_stopping`: steered, it prices each of its tokens and stops where they stop
+  paying, so the policy asks it for the most (the engine tells the policy);
+* `use_costs(costs)`: the target's verification cost (policy/costs.py), handed by
+  the engine, for a drafter that weighs its own rounds to read;
 * `constrain(grammar | None)`: draft only what a request's grammar allows;
 * `cache_use()`: (tokens reused from its cache, prompt tokens evaluated), or None;
 * `close()`: release what outlives requests (threads, connections);
@@ -33,6 +37,7 @@ from specwire.sample.sampling import SparseDraft
 
 if TYPE_CHECKING:
     from specwire.backend.base import Backend
+    from specwire.policy.costs import VerifyCost
     from specwire.sample.constraints.grammar import GrammarSpec
 
 
@@ -66,6 +71,7 @@ class Drafter(Protocol):
     deterministic: bool
     remote: bool
     pipelined: bool
+    self_stopping: bool
     backend: Backend | None  # the local draft model's backend, if any
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
@@ -85,6 +91,9 @@ class Drafter(Protocol):
 
     def steer(self, policy: Any) -> None:
         """Stop drafts by this adaptive policy's rule (None: by its own)."""
+
+    def use_costs(self, costs: VerifyCost) -> None:
+        """Price rounds on the target's verification cost, which the engine feeds."""
 
     def constrain(self, spec: GrammarSpec | None) -> None:
         """Draft only what this grammar allows (None: anything)."""
@@ -106,9 +115,13 @@ class DrafterBase:
     remote = False
     pipelined = False
     lockstep = False  # drafts beside other sequences of a shared draft context (lockstep.py)
+    self_stopping = False
     backend: Backend | None = None
 
     def steer(self, policy: Any) -> None:
+        pass
+
+    def use_costs(self, costs: VerifyCost) -> None:
         pass
 
     def ask(self, history: Sequence[int], max_n: int) -> None:
@@ -127,8 +140,8 @@ class DrafterBase:
 
 
 #: The capabilities `declared` fills in, with DrafterBase's defaults.
-CAPABILITIES = ("provides_q", "deterministic", "remote", "pipelined", "steer", "ask",
-                "constrain", "cache_use", "close", "backend")
+CAPABILITIES = ("provides_q", "deterministic", "remote", "pipelined", "self_stopping",
+                "steer", "use_costs", "ask", "constrain", "cache_use", "close", "backend")
 
 
 class _Declared(DrafterBase):
@@ -138,11 +151,11 @@ class _Declared(DrafterBase):
     def __init__(self, inner: object) -> None:
         self.inner = inner
         self.name = str(getattr(inner, "name", "?"))
-        for attr in ("provides_q", "deterministic", "remote", "pipelined"):
+        for attr in ("provides_q", "deterministic", "remote", "pipelined", "self_stopping"):
             setattr(self, attr, bool(getattr(inner, attr, False)))
         for method in ("begin", "propose", "learn", "end", "stats"):
             setattr(self, method, getattr(inner, method))
-        for method in ("steer", "ask", "constrain", "cache_use", "close"):
+        for method in ("steer", "use_costs", "ask", "constrain", "cache_use", "close"):
             own = getattr(inner, method, None)
             if callable(own):
                 setattr(self, method, own)

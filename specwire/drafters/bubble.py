@@ -11,8 +11,9 @@ draft again. So the round may wait for m tokens and verify them:
     wait for m tokens:  E(m) tokens    in w(m) + t_v(m + 1)
 
 with E(m) = 1 + a + ... + a^m (a: the per-token acceptance), t_v(n) the
-target's verification of n tokens and w(m) the time until the m-th token of the
-fresh branch arrives, all measured online by the drafter's target side. Either
+target's verification of n tokens (the engine's, policy/costs.py: its means per
+batch size) and w(m) the time until the m-th token of the fresh branch arrives,
+measured online by the drafter's target side. Either
 way the drafter goes on drafting while the target verifies, so the rounds after
 are alike, and the option that loses least against the run's own rate r (tokens
 per second over recent rounds) is the best: the most E - r T. The round waits
@@ -32,7 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specwire.policy.throughput import LineFit, VerifyTimes, expected_tokens
+from specwire.policy.costs import VerifyCost
+from specwire.policy.throughput import LineFit, expected_tokens
 
 #: Rounds and arrivals seen before waiting is considered: the first estimates are guesses.
 MIN_ROUNDS = 4
@@ -47,7 +49,10 @@ class BubbleWait:
     margin: float = 0.1  # tokens by which waiting must beat verifying what is there
     accepted: float = 3.0  # pseudo-counts: a = 0.75 before any verdict
     rejected: float = 1.0
-    verify: VerifyTimes = field(default_factory=VerifyTimes)
+    #: the target's verification cost, read per batch size (`costs.times`)
+    costs: VerifyCost = field(default_factory=VerifyCost)
+    #: no engine handed `costs`: the rounds' own times feed it
+    own_costs: bool = True
     #: seconds from a verdict to the n-th token of the branch it started, against n
     arrival: LineFit = field(default_factory=lambda: LineFit(0.1, guess=1.0))
     arrivals: int = 0
@@ -65,7 +70,8 @@ class BubbleWait:
                       waited_s: float = 0.0) -> None:
         """A round waited waited_s for its draft, verified `drafted` tokens (0: a plain
         step) in verify_s and kept `accepted` of them."""
-        self.verify.add(drafted + 1, verify_s)
+        if self.own_costs:
+            self.costs.observe(drafted + 1, verify_s)
         w = 1.0 - self.alpha
         self.tokens = w * self.tokens + accepted + 1
         self.seconds = w * self.seconds + waited_s + verify_s
@@ -90,7 +96,7 @@ class BubbleWait:
 
     def ready(self) -> bool:
         return (not self.vain and self.arrivals >= MIN_ARRIVALS
-                and self.verify.rounds() >= MIN_ROUNDS)
+                and self.costs.times.rounds() >= MIN_ROUNDS)
 
     def aim(self, have: int, max_n: int, since_s: float, fresh: bool) -> tuple[int, float]:
         """(tokens to wait for, seconds to wait at most) for a round that has `have` draft
@@ -99,18 +105,19 @@ class BubbleWait:
         (have, 0.0) means verify what is there."""
         if have >= max_n or not self.ready():
             return have, 0.0
-        plain, r = self.verify(1), self.rate
+        verify = self.costs.times
+        plain, r = verify(1), self.rate
         c, d = self.arrival.coefficients()
         a = self.acceptance
-        now = expected_tokens(a, have) - r * self.verify(have + 1)
+        now = expected_tokens(a, have) - r * verify(have + 1)
         best_m, best_wait, best = have, 0.0, now
         # Only batches priced by rounds seen: beyond them the curve is VERIFY_SLOPE's guess,
         # a GPU's, which on a CPU target prices a batch of 5 at 1.4 steps, not 1.9.
-        for m in range(have + 1, min(max_n, self.verify.largest() - 1) + 1):
+        for m in range(have + 1, min(max_n, verify.largest() - 1) + 1):
             wait = max(0.0, c + d * m - since_s) if fresh else d * (m - have)
             if wait > plain:  # longer than a plain step would take: never worth the risk
                 break
-            gain = expected_tokens(a, m) - r * (wait + self.verify(m + 1))
+            gain = expected_tokens(a, m) - r * (wait + verify(m + 1))
             if gain > best:
                 best_m, best_wait, best = m, wait, gain
         if best < now + self.margin:

@@ -55,6 +55,7 @@ class DraftGuard:
         self.deterministic = self.drafter.deterministic
         self.remote = self.drafter.remote
         self.pipelined = self.drafter.pipelined
+        self.self_stopping = self.drafter.self_stopping
         self.backend = self.drafter.backend
         self.failures = 0  # in a row
         self.total_failures = 0
@@ -149,6 +150,12 @@ class DraftGuard:
             self.drafter.steer(policy)
         except Exception as e:  # noqa: BLE001
             self._failed("steer", e)
+
+    def use_costs(self, costs) -> None:
+        try:
+            self.drafter.use_costs(costs)
+        except Exception as e:  # noqa: BLE001
+            self._failed("use_costs", e)
 
     def cache_use(self) -> tuple[int, int] | None:
         """(draft_cache_n, draft_prompt_n) from a drafter that keeps a cache, else None."""

@@ -8,14 +8,15 @@ verifies the better one:
     n-gram:  (1 + E_ng) / t_v(n)            E_ng from its calibrated per-token keeps
     model:   (1 + E_m) / (t_d(k) + t_v(k))  E_m = a + ... + a^k, a learnt online
 
-t_v (verification) and t_d (the model's drafting) are lines fitted online, a the
-model's acceptance. A model in this process is asked only when its candidate is
-worth more (or, to keep its estimates fresh, as a short probe now and then), its
-cost including the tokens it must catch up on; a drafter that works ahead (a node,
-a thread) costs nothing to ask and is always asked. Under the adaptive policy the
-hybrid makes each round's call itself and both drafts stop at the policy's
-per-token threshold. docs/drafting.md has the reasoning and the measurements
-(including why verifying both candidates in one decode was not built).
+t_v is the target's verification cost (policy/costs.py, handed by the engine), t_d
+the model's drafting, a line fitted online, a the model's acceptance. A model in
+this process is asked only when its candidate is worth more (or, to keep its
+estimates fresh, as a short probe now and then), its cost including the tokens it
+must catch up on; a drafter that works ahead (a node, a thread) costs nothing to
+ask and is always asked. Under the adaptive policy the hybrid makes each round's
+call itself and both drafts stop at the policy's per-token threshold.
+docs/drafting.md has the reasoning and the measurements (including why verifying
+both candidates in one decode was not built).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Draft, Drafter, DrafterBase, declared
 from specwire.drafters.bubble import never_wait
 from specwire.drafters.ngram.drafter import NgramDrafter, Offer
-from specwire.policy.throughput import LineFit, draft_line, expected_tokens, verify_line
+from specwire.policy.costs import VerifyCost
+from specwire.policy.throughput import LineFit, draft_line, expected_tokens
 
 #: Plain steps in a row without asking a model that did not look worth it, at first...
 PROBE_EVERY = 16
@@ -58,7 +60,6 @@ class HybridEstimates:
     a server keeps its drafter, and bench, which builds a drafter per prompt, keeps
     these per configuration (as the n-gram's calibration and the policy's estimates)."""
 
-    verify: LineFit = field(default_factory=verify_line)    # seconds vs tokens drafted
     drafting: LineFit = field(default_factory=draft_line)   # model seconds vs tokens drafted
     accepted: float = 1.5       # the model's a, pseudo-counts
     rejected: float = 0.5
@@ -94,6 +95,9 @@ class LookupStop:
 class HybridDrafter(DrafterBase):
     """Composes an NgramDrafter and a model drafter (local, threaded or remote)."""
 
+    #: both drafts stop at the policy's threshold, and the policy asks for the most
+    self_stopping = True
+
     def __init__(self, ngram: NgramDrafter, model: Drafter, alpha: float = 0.1,
                  estimates: HybridEstimates | None = None) -> None:
         # Its model never waits for a fresh branch: the lookup's draft may be ready.
@@ -102,12 +106,14 @@ class HybridDrafter(DrafterBase):
         # asking costs the target nothing when the model drafts on its own (node, thread)
         self.ahead = self.model.pipelined
         self.est = estimates if estimates is not None else HybridEstimates()
+        #: the target's verification cost; without an engine's (use_costs), the rounds'
+        #: own times feed it (own_costs)
+        self.costs, self.own_costs = VerifyCost(), True
         self._model_at = -1       # len(history) when the model was last asked (-1: never)
         self._asked_last = False  # the model was asked in the previous round
         self._probing = False     # the model was last asked only to probe
         # the round in progress: len(history), model draft, tokens handed out, when
         self._round: tuple[int, list[int] | None, int, float] | None = None
-        self._steered = None   # the policy steering this drafter
         self._idle = 0  # plain steps in a row where the model was not worth asking
         self._drafting_s = 0.0  # the round in progress: the model's drafting time
         self.counters = {"ngram_rounds": 0.0, "model_rounds": 0.0, "drafted": 0.0}
@@ -123,12 +129,12 @@ class HybridDrafter(DrafterBase):
         # policy's one chain of equal chances, fitted over both kinds of rounds, would
         # skip matches worth taking and cut them short).
         self.ngram.policy = None if policy is None else LookupStop(policy)
-        if hasattr(policy, "drafter_stops"):
-            policy.drafter_stops = True
-        elif hasattr(self._steered, "drafter_stops"):
-            self._steered.drafter_stops = False
-        self._steered = policy
         self.model.steer(policy)
+
+    def use_costs(self, costs: VerifyCost) -> None:
+        self.costs, self.own_costs = costs, False
+        self.ngram.use_costs(costs)
+        self.model.use_costs(costs)
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
         self.ngram.begin(prompt, sampling, params)
@@ -143,7 +149,8 @@ class HybridDrafter(DrafterBase):
         return self.est.accepted / (self.est.accepted + self.est.rejected)
 
     def _verify_s(self, n: int) -> float | None:
-        return max(self.est.verify(n), 1e-6) if self.est.verify.w else None
+        """Seconds to verify a draft of n tokens; None before any verification."""
+        return self.costs.seconds(n + 1)
 
     def ngram_rate(self, offer: Offer) -> float | None:
         v = self._verify_s(len(offer.tokens))
@@ -270,7 +277,8 @@ class HybridDrafter(DrafterBase):
         base, model_tokens, handed, t = self._round
         self._round = None
         verify_s = time.perf_counter() - t
-        self.est.verify.add(handed, verify_s)
+        if self.own_costs:
+            self.costs.observe(handed + 1, verify_s)
         if self._drafting_s >= 0.0 and handed:     # the model's draft was verified
             w = 1.0 - self.alpha
             self.est.model_tokens = w * self.est.model_tokens + accepted + 1

@@ -48,10 +48,11 @@ class Stats:
     plain_steps: int = 0
     plain_ms: float = 0.0
 
-    def record_round(self, drafted: int, accepted: int, asked: int) -> None:
+    def record_round(self, drafted: int, accepted: int, k: int) -> None:
+        """A round asked for k draft tokens, got `drafted` and kept `accepted` of them."""
         self.rounds += 1
-        self.short_rounds += 0 < drafted < asked
-        self.asked_rounds += asked > 0
+        self.short_rounds += 0 < drafted < k
+        self.asked_rounds += k > 0
         self.draft_n += drafted
         self.draft_n_accepted += accepted
         self.rejected_rounds += accepted < drafted

@@ -34,6 +34,7 @@ from specwire.link.messages import (
 )
 from specwire.link.rule import LEFT, follow, take_alternate
 from specwire.link.transport.base import LinkCounters, Transport
+from specwire.policy.costs import VerifyCost
 
 log = logging.getLogger("specwire.branch")
 
@@ -153,6 +154,11 @@ class BranchDrafter(DrafterBase):
         drafter is told the policy's threshold and judges its confidence itself. (A
         pipelined drafter drafts on its own core and is never stopped early.)"""
         self._policy = policy
+
+    def use_costs(self, costs: VerifyCost) -> None:
+        """The bubble rule reads the target's verification cost (the engine's)."""
+        if self.bubble is not None:
+            self.bubble.costs, self.bubble.own_costs = costs, False
 
     def ask(self, history: Sequence[int], max_n: int) -> None:
         """Synchronous: send this round's verdict and k now; the propose that follows finds

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specwire.policy import throughput
-from specwire.policy.throughput import LineFit, VerifyCurve, draft_line, verify_line
+from specwire.policy.costs import VerifyCost
+from specwire.policy.throughput import LineFit, VerifyCurve, draft_line
 
 #: Bins of a draft model's top probability, for calibrating it against acceptance.
 CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -173,11 +174,11 @@ class AdaptivePolicy:
     stopped: float = 0.5
     #: seconds vs tokens drafted; a prior of one evaluation per round and one per token
     draft: LineFit = field(default_factory=draft_line)
-    #: seconds vs batch size - 1; the throughput model's prior slope per extra token
-    verify: LineFit = field(default_factory=verify_line)
-    #: observe fits `verify` from this sequence's rounds; False where the line is the
-    #: batch's, fed once per decode by the scheduler (Engine.policy)
-    fits_verify: bool = True
+    #: the target's verification cost, read to price rounds (policy/costs.py)
+    costs: VerifyCost = field(default_factory=VerifyCost)
+    #: no engine handed `costs`: observe feeds it from this policy's rounds (Engine.policy
+    #: hands the engine's, which every decode feeds)
+    own_costs: bool = True
     #: what a stretch of plain steps made the drafter redo: seconds, over skipped tokens
     catch_up_s: float = 0.0
     catch_up_tokens: float = 0.0
@@ -192,7 +193,7 @@ class AdaptivePolicy:
     asked_rounds: int = 0
     kept_any: bool = False  # a drafted token was ever kept (else no benefit of the doubt)
     idle_rounds: int = 0
-    asked: int = 0  # k of the round in progress
+    k: int = 0  # the draft length asked in the round in progress
     warm: bool = False  # the previous round asked for a draft
     #: tokens the drafter lacks: since it was last asked in this sequence, or since the
     #: request began (its prompt's tokens missing from the drafter's cache included)
@@ -219,7 +220,7 @@ class AdaptivePolicy:
         since the last probe carry over, so that probes go on at their (backed-off)
         interval across requests shorter than it. behind: the prompt's tokens that the
         drafter will have to catch up with when first asked."""
-        self.asked, self.warm = 0, False
+        self.k, self.warm = 0, False
         self.skipped, self.begun = behind, False
 
     def behind(self, tokens: int) -> None:
@@ -247,9 +248,8 @@ class AdaptivePolicy:
         round at a batch size the policy then avoids cannot stick. Before any, the
         throughput model's assumed curve with a step as the unit (its slope is also the
         line's prior until a second size is seen)."""
-        if self.verify.w == 0.0:
-            return _ASSUMED.cost(n)
-        return max(self.verify(n - 1), 1e-6)
+        got = self.costs.seconds(n)
+        return _ASSUMED.cost(n) if got is None else got
 
     def catch_up_cost(self) -> float:
         """Seconds per plain step that the drafter spends catching up once asked again: a
@@ -301,11 +301,11 @@ class AdaptivePolicy:
         self.batch_tokens, self.limit = batch_tokens, limit + 1
         self.probing = False
         if self.drafter_stops and limit > 0:
-            self.asked = min(self.n_max, limit)     # the drafter cuts its own draft
+            self.k = min(self.n_max, limit)     # the drafter cuts its own draft
         else:
-            self.asked = self._best(min(self.n_max, limit))
-        self.round_rate = self.rate(self.asked) if self.asked else 0.0
-        return self.asked
+            self.k = self._best(min(self.n_max, limit))
+        self.round_rate = self.rate(self.k) if self.k else 0.0
+        return self.k
 
     def stop_threshold(self) -> float:
         """The least P(every token so far is kept) for which one more draft token pays:
@@ -393,11 +393,11 @@ class AdaptivePolicy:
         w = 1.0 - self.params.alpha
         if confidence:
             self.calibration.learn(confidence, accepted)
-        if self.asked:
+        if self.k:
             self.asked_rounds += 1
             self.trial = max(0, self.trial - 1)
             self.continued = w * self.continued + drafted
-            self.stopped = w * self.stopped + (1 if drafted < self.asked else 0)
+            self.stopped = w * self.stopped + (1 if drafted < self.k else 0)
             if self.warm:
                 self.draft.add(drafted, draft_s)
             elif steady_s is not None:
@@ -427,10 +427,10 @@ class AdaptivePolicy:
         if drafted:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
-        self.warm = self.asked > 0
-        if self.fits_verify:
-            self.verify.add(drafted + (self.batch_tokens if batch_tokens is None
-                                       else batch_tokens), verify_s)
+        self.warm = self.k > 0
+        if self.own_costs:
+            b = self.batch_tokens if batch_tokens is None else batch_tokens
+            self.costs.observe(1 + drafted + b, verify_s)
 
 
 Policy = FixedPolicy | AdaptivePolicy
@@ -451,6 +451,8 @@ class PolicyMemory:
     """
 
     policies: dict[tuple[str, int], Policy] = field(default_factory=dict)
+    #: the target's verification cost, which they read (an engine's, fed by its decodes)
+    costs: VerifyCost = field(default_factory=VerifyCost)
 
     def policy(self, name: str, n_max: int) -> Policy:
         key = (name, n_max)

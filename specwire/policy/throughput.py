@@ -15,9 +15,9 @@ and the same priors; this module holds both:
             reads its weights once per batch, so a small batch costs little
             more than a step. On a CPU with a huge vocabulary, or an MoE target
             whose batch touches more experts, it costs much more: measure it.
-            Online estimators start from the same line (`verify_line`); the
-            pipelined drafter's bubble rule keeps the times per batch size it
-            saw (`VerifyTimes`).
+            The target's online cost model (policy/costs.py) starts its line
+            from the same prior (`verify_line`) and keeps the times per batch
+            size (`VerifyTimes`) that the bubble rule reads.
     RTT     network round trip; bandwidth with 16 bytes per drafted token and
             32 bytes per verdict (both adjustable).
 

@@ -15,10 +15,11 @@ n-gram types fix in advance (key length 12 for ngram-simple, 24 for ngram-mod,
   threshold: the value of one more token against its verification cost on this
   machine, i.e. tokens/s x the seconds one more drafted token adds to a
   verification. The adaptive policy's stop_threshold() when the engine steers the
-  drafter; else the drafter's own measurement (RoundCost: the time from its
-  proposal to the next one, fitted against the tokens it drafted), or a fixed
-  `keep`. A first token below it means no draft at all: a plain step, which is
-  how a useless match stops costing verification;
+  drafter; else the rate it measures (RoundCost: tokens appended over the time
+  from its proposal to the next one) times the slope of the target's verification
+  cost (policy/costs.py, which the engine hands it), or a fixed `keep`. A first
+  token below it means no draft at all: a plain step, which is how a useless match
+  stops costing verification;
 * it learns from the history itself (how far its offer agrees with the tokens
   that were appended), so it learns also from rounds where its draft was cut,
   discarded (--draft-min) or not used (the hybrid drafter).
@@ -37,7 +38,7 @@ from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, DrafterBase
 from specwire.drafters.ngram.cache import LookupCache
 from specwire.drafters.ngram.index import HistoryIndex, continuation
-from specwire.policy.throughput import LineFit, verify_line
+from specwire.policy.costs import VerifyCost
 from specwire.sample.sampling import SparseDraft
 
 #: Bins of a copied token's effective match length (match length + tokens copied before it).
@@ -82,20 +83,24 @@ class MatchCalibration:
 
 @dataclass(slots=True)
 class RoundCost:
-    """A round's cost and yield, measured by the drafter itself: seconds from a proposal
-    to the round's end (the target's verification, nearly all of it) against the tokens
-    drafted, as a line; and tokens per second over recent rounds. Their product is
-    the least P(kept) for which one more drafted token pays (KEEP until a few rounds
-    are seen)."""
+    """A round's yield, measured by the drafter itself: tokens per second over recent
+    rounds, from a proposal to the round's end; times the seconds one more drafted
+    token adds to the target's verification (`costs`), the least P(kept) for which one
+    more drafted token pays (KEEP until a few rounds are seen)."""
 
-    verify: LineFit = field(default_factory=verify_line)
+    #: the target's verification cost (an engine's, handed by use_costs)
+    costs: VerifyCost = field(default_factory=VerifyCost)
+    #: no engine handed `costs`: each round's seconds feed it (the round's verification,
+    #: nearly all of it)
+    own_costs: bool = True
     alpha: float = 0.05
     tokens: float = 0.0
     seconds: float = 0.0
     rounds: int = 0
 
     def add(self, drafted: int, seconds: float, appended: int) -> None:
-        self.verify.add(drafted, seconds)
+        if self.own_costs:
+            self.costs.observe(drafted + 1, seconds)
         w = 1.0 - self.alpha
         self.tokens, self.seconds = w * self.tokens + appended, w * self.seconds + seconds
         self.rounds += 1
@@ -103,8 +108,7 @@ class RoundCost:
     def threshold(self) -> float:
         if self.rounds < 8 or self.seconds <= 0.0:
             return KEEP
-        per_token = self.verify.coefficients()[1]
-        return min(1.0, self.tokens / self.seconds * per_token)
+        return min(1.0, self.tokens / self.seconds * self.costs.per_token())
 
 
 @dataclass(slots=True)
@@ -138,6 +142,10 @@ class NgramDrafter(DrafterBase):
     name = "ngram"
     deterministic = True
     provides_q = True  # the point mass, in begin's rejection mode
+    #: steered, it stops at the policy's threshold and is asked for the most tokens: a
+    #: lookup costs nothing, and its own stop, per match and token, decides better where
+    #: a draft ends (or whether there is one) than the policy's chain of equal chances
+    self_stopping = True
 
     def __init__(self, n_max: int = DEFAULT_N_MAX, n_min: int = 1, *, keep: float | None = None,
                  cache: LookupCache | None | bool = True,
@@ -160,15 +168,11 @@ class NgramDrafter(DrafterBase):
         self.counters = {"drafted": 0.0, "cache_drafts": 0.0, "stopped_early": 0.0}
 
     def steer(self, policy) -> None:
-        """Stop drafts at the adaptive policy's threshold (None: at `keep` again), and have
-        it ask for the most tokens: a lookup costs nothing, and its own stop, per match
-        and token, decides better where a draft ends (or whether there is one) than the
-        policy's chain of equal per-token chances."""
-        if self.policy is not None and hasattr(self.policy, "drafter_stops"):
-            self.policy.drafter_stops = False
+        """Stop drafts at the adaptive policy's threshold (None: at `keep` again)."""
         self.policy = policy
-        if policy is not None and hasattr(policy, "drafter_stops"):
-            policy.drafter_stops = True
+
+    def use_costs(self, costs: VerifyCost) -> None:
+        self.cost.costs, self.cost.own_costs = costs, False
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
         self.index.clear()
