@@ -38,7 +38,6 @@ from specwire.bench import cpus
 from specwire.bench.netemu import LinkEmulator
 from specwire.bench.runner import Config
 from specwire.config import ConfigError
-from specwire.drafters.base import declared
 from specwire.settings import BenchSettings
 
 MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
@@ -231,7 +230,7 @@ class Drafters:
             try:
                 yield drafter, emu
             finally:
-                declared(drafter).close()
+                drafter.close()
                 emu.cut()   # the closed drafter's channel may linger; the next one starts clean
 
     def _in_process(self, cfg: Config) -> Any:

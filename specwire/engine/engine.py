@@ -22,7 +22,6 @@ from specwire.backend.base import Backend, reusable_prefix
 from specwire.backend.batch import BatchBackend, Part, as_batch
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, Drafter, NoDrafter
-from specwire.drafters.bubble import never_wait
 from specwire.drafters.guard import DraftGuard, check_verify_mode
 from specwire.drafters.lockstep import Drafting
 from specwire.engine.round import Round
@@ -94,7 +93,6 @@ class Generation:
         self._grammar: Grammar | None = None
         self._verifier: Verifier | None = None
         self._policy: Policy = FixedPolicy(0)
-        self._steer = self._constrain = None
 
     def __iter__(self) -> Iterator[list[int]]:
         return self
@@ -257,17 +255,15 @@ class Generation:
         if req.n_predict == 0:
             self.stop_type, self.done = "limit", True
             return
-        # A draft model stops where the adaptive policy finds the next token not worth it.
-        if isinstance(self._policy, AdaptivePolicy):
-            self._steer = drafter.steer
-            self._steer(self._policy)
-        # A drafter that can follow the grammar drafts only what it allows: more accepted.
-        if req.grammar is not None:
-            self._constrain = drafter.constrain
-            self._constrain(req.grammar)
+        # A draft model stops where the adaptive policy finds the next token not worth it;
+        # one that ends its own drafts (declared: stops) is asked for the most.
+        adaptive = self._policy if isinstance(self._policy, AdaptivePolicy) else None
+        if adaptive is not None:
+            adaptive.drafter_stops = drafter.capabilities.stops
         self._begun = True
         self._drafter0 = drafter.stats()
-        drafter.begin(prompt, req.sampling, req.draft)
+        # A drafter that can follow the grammar drafts only what it allows: more accepted.
+        drafter.begin(prompt, req.sampling, req.draft, policy=adaptive, grammar=req.grammar)
         if isinstance(self._policy, AdaptivePolicy):
             # What its first draft must catch up with: the prompt, less the drafter's cache.
             got = drafter.cache_use()
@@ -292,10 +288,6 @@ class Generation:
                     st.draft_cache_n, st.draft_prompt_n = got
                 self.drafter.end()
         finally:
-            if self._steer is not None:
-                self._steer(None)
-            if self._constrain is not None:
-                self._constrain(None)
             if self._grammar is not None:
                 self._grammar.close()
 
@@ -346,8 +338,6 @@ class Engine:
         if len(drafters) != self.batch.n_seq:
             raise ConfigError(f"{len(drafters)} drafters for {self.batch.n_seq} sequences: "
                               "each sequence needs a drafter of its own")
-        if self.batch.n_seq > 1:  # a round waiting for its drafter would hold every step
-            drafters = [never_wait(d) for d in drafters]
         self.drafters = drafters
         self.drafter = drafters[0]
         if verify is not None:
@@ -356,7 +346,9 @@ class Engine:
                     check_verify_mode(d, verify)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        self.guards = [DraftGuard(d, self.target.n_vocab) for d in drafters]
+        # A round waiting for its drafter would hold every step of a batch.
+        self.guards = [DraftGuard(d, self.target.n_vocab, hold=self.batch.n_seq == 1)
+                       for d in drafters]
         self.guard = self.guards[0]
         self.policies = policies if policies is not None else PolicyMemory()
         #: each sequence's policies: a policy holds the state of its round in progress
