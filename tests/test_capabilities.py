@@ -16,6 +16,7 @@ from fakes import FakeBackend, FakeModel, FixedDrafter, RandomDrafter, SpyDrafte
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Capabilities, Draft, DrafterBase, LinkStatus, NoDrafter
 from specwire.drafters.guard import DraftGuard, check_verify_mode
+from specwire.drafters.llama_server import LlamaServerDrafter
 from specwire.drafters.ngram.drafter import NgramDrafter
 from specwire.engine.engine import Engine, Request
 
@@ -207,3 +208,15 @@ def test_backends_declare_their_decode_time_and_chunk_reuse() -> None:
     target.eval([1, 2, 3], logits="all")
     assert target.decode_s > 0.0
     assert target.reuse_chunks([1, 2, 3, 4], 2, 1) == 2
+
+
+def test_a_llama_server_declares_its_link_and_reports_it_down_while_resting() -> None:
+    """Link status is declared (Capabilities.links, status()), not read off attributes:
+    a llama-server's is up, then down while it rests after a failure, with no node
+    details to give."""
+    d = LlamaServerDrafter("http://127.0.0.1:9")
+    assert d.capabilities.links and d.capabilities.remote
+    assert d.status() == (LinkStatus("http://127.0.0.1:9", True),)
+    d._fail("connection refused")
+    (st,) = DraftGuard(d, n_vocab=32).status()
+    assert not st.up and st.model is None

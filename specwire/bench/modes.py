@@ -274,11 +274,11 @@ class Drafters:
         from specwire.link.remote import make_remote_drafter
         opts = dataclasses.replace(self.bench.remote, pipelined=pipelined)
         drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
-        link = drafter.links[0]
+        link = drafter.status()[0]
         if not link.up:
             drafter.close()
             raise ConfigError("draft node unreachable through the link emulator: "
-                              f"{link.last_error}")
+                              f"{link.error}")
         return drafter
 
     def _llama_server(self, emu: LinkEmulator) -> Any:
