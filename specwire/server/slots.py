@@ -357,8 +357,15 @@ class Slot:
             log.debug("speculation watch failed", exc_info=True)
 
     def links(self) -> tuple[LinkStatus, ...] | None:
-        """Its drafter's links to draft nodes, where it declares them (else None)."""
-        return self.drafter.status() if self.drafter.capabilities.links else None
+        """Its drafter's links to draft nodes, where it declares them (else None). Never
+        raises: a report must not fail a page, a scrape or a slot."""
+        if not self.drafter.capabilities.links:
+            return None
+        try:
+            return tuple(self.drafter.status())
+        except Exception:  # noqa: BLE001
+            log.debug("slot %d: the drafter's status failed", self.index, exc_info=True)
+            return ()
 
     def link_state(self) -> dict[str, float] | None:
         """Up (1) or not, per link URL, where its drafter declares links (else None)."""
@@ -587,11 +594,6 @@ class Scheduler:
     def link_states(self) -> list[tuple[int, dict]]:
         out = []
         for s in self.slots:
-            try:
-                state = s.link_state()
-            except Exception:  # noqa: BLE001 - a scrape must not fail on a drafter
-                log.debug("link_state failed", exc_info=True)
-                continue
-            if state is not None:
+            if (state := s.link_state()) is not None:
                 out.append((s.index, state))
         return out
