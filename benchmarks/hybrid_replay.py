@@ -84,10 +84,8 @@ class ReplayedModel(DrafterBase):
         self.stop_rule = None
         self.spent = 0.0
 
-    def steer(self, policy) -> None:
+    def begin(self, prompt, sampling, params, *, policy=None, grammar=None) -> None:
         self.stop_rule = policy.keep_drafting if policy is not None else None
-
-    def begin(self, prompt, sampling, params) -> None:
         self.cached = []
 
     def cost(self, history: Sequence[int], n: int) -> float:
@@ -148,11 +146,11 @@ def replay(records: Sequence[Record], make_drafter, policy, costs: Costs) -> Rep
         for rec in records:
             model.record = rec
             adaptive = isinstance(policy, AdaptivePolicy)
-            if adaptive:     # as the engine does: a self-stopping drafter is asked for the most
-                drafter.steer(policy)
-                policy.drafter_stops = drafter.self_stopping
+            if adaptive:        # as the engine does: a drafter that stops is asked the most
+                policy.drafter_stops = drafter.capabilities.stops
             policy.start()
-            drafter.begin(rec.prompt, greedy, DraftParams(n_max=policy.n_max))
+            drafter.begin(rec.prompt, greedy, DraftParams(n_max=policy.n_max),
+                          policy=policy if adaptive else None)
             history, pos, output = [*rec.prompt, rec.output[0]], 1, rec.output
             while pos < len(output):
                 k = policy.choose(len(output) - pos - 1)
@@ -169,9 +167,6 @@ def replay(records: Sequence[Record], make_drafter, policy, costs: Costs) -> Rep
                 drafter.learn(history, kept, len(new))
                 out.rounds += 1
             drafter.end()
-            if adaptive:
-                drafter.steer(None)
-                policy.drafter_stops = False
             out.tokens += len(output) - 1
     out.steps, out.model_steps = clock.now, model.spent
     out.counters = {k: v for k, v in drafter.stats().items() if k.endswith("rounds")}

@@ -93,12 +93,12 @@ def replay(records: Sequence[tuple[list[int], list[int]]], drafter, policy,
     out = Replayed()
     greedy = SamplingParams(temperature=0.0)
     for prompt, output in records:
-        steer = getattr(drafter, "steer", None) if isinstance(policy, AdaptivePolicy) else None
-        if steer is not None:
-            steer(policy)
-            policy.drafter_stops = getattr(drafter, "self_stopping", False)
+        adaptive = policy if isinstance(policy, AdaptivePolicy) else None
+        if adaptive is not None:    # as the engine does: a drafter that stops is asked the most
+            adaptive.drafter_stops = drafter.capabilities.stops
         policy.start()
-        drafter.begin(prompt, greedy, DraftParams(n_max=getattr(policy, "n_max", 16)))
+        drafter.begin(prompt, greedy, DraftParams(n_max=getattr(policy, "n_max", 16)),
+                      policy=adaptive)
         history, pos = [*prompt, output[0]], 1
         while pos < len(output):
             k = policy.choose(len(output) - pos - 1)
@@ -116,9 +116,8 @@ def replay(records: Sequence[tuple[list[int], list[int]]], drafter, policy,
                 out.kept + kept
             out.steps += steps
         drafter.end()
-        if steer is not None:
-            steer(None)
-            policy.drafter_stops = False
+        if adaptive is not None:
+            adaptive.drafter_stops = False
         out.tokens += len(output) - 1
     return out
 

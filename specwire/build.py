@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from specwire.backend.base import Backend, BackendError
 from specwire.config import ConfigError
-from specwire.drafters.base import Drafter, NoDrafter, declared
+from specwire.drafters.base import Drafter, NoDrafter
 from specwire.engine.engine import Engine
 from specwire.settings import DraftSettings, EngineSettings
 
@@ -75,7 +75,7 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         return engine
     except ConfigError:
         for drafter in drafters:
-            declared(drafter).close()
+            drafter.close()
         raise
 
 

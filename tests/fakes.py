@@ -19,7 +19,7 @@ import numpy as np
 
 from specwire.backend.base import BackendError
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.base import Draft, DrafterBase, declared
+from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.link.transport.base import Transport
 from specwire.sample.sampling import SparseDraft
 from specwire.sample.verify import Outcome, Verifier
@@ -230,14 +230,15 @@ class RandomDrafter(DrafterBase):
     """
 
     name = "random"
-    provides_q = True
+    capabilities = Capabilities(provides_q=True)
 
     def __init__(self, n_vocab: int, seed: int = 0) -> None:
         self.ids = np.arange(n_vocab - JUNK, n_vocab, dtype=np.int64)
         self.gen = np.random.default_rng(seed)
         self.rejection = False
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams,
+              **guide) -> None:
         self.rejection = params.mode is VerifyMode.REJECTION and not sampling.greedy
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
@@ -265,7 +266,8 @@ class FixedDrafter(DrafterBase):
     def __init__(self, fn) -> None:
         self.fn = fn
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams,
+              **guide) -> None:
         pass
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
@@ -288,13 +290,15 @@ class SpyDrafter(DrafterBase):
     def __init__(self, inner, extra: int = 0, on_propose=None) -> None:
         self.inner, self.extra, self.on_propose = inner, extra, on_propose
         self.name = f"spy:{inner.name}"
-        caps = declared(inner)
-        self.provides_q, self.deterministic = caps.provides_q, caps.deterministic
+        caps = inner.capabilities
+        self.capabilities = Capabilities(provides_q=caps.provides_q,
+                                         deterministic=caps.deterministic)
         self.calls: list[str] = []
         self.proposals: list[tuple[tuple[int, ...], int, tuple[int, ...]]] = []
         self.learned: list[tuple[int, int, int]] = []
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams,
+              **guide) -> None:
         self.calls.append("begin")
         self.inner.begin(prompt, sampling, params)
 

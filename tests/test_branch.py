@@ -90,8 +90,8 @@ def test_a_synchronous_verdict_waits_for_the_next_request_and_carries_its_k() ->
     verdicts carry its threshold, a verdict only when it moved by more than 15%."""
     d = ScriptedDrafter()
     policy = Steering(0.3)
-    d.steer(policy)
-    d.begin(PROMPT, SamplingParams(temperature=0.0), DraftParams(n_max=8, p_min=0.75))
+    d.begin(PROMPT, SamplingParams(temperature=0.0), DraftParams(n_max=8, p_min=0.75),
+            policy=policy)
     opened = d.open_message(list(PROMPT))
     assert opened.calibrated and opened.keep_min == pytest.approx(0.3) and opened.want == 8
     d.script = [_chunk(0, 4, [7, 8, 9])]
@@ -121,5 +121,5 @@ def test_a_synchronous_verdict_waits_for_the_next_request_and_carries_its_k() ->
     assert v.keep_min == 0.0         # on the wire: position 2 bytes, tokens 3
     assert protocol.target_to_pb(v).verdict.ByteSize() == 5
     assert (v.gen, v.want) == (0, 0)
-    d.steer(None)
+    d.end()                          # the policy goes with the sequence
     assert not d.open_message(list(PROMPT)).calibrated

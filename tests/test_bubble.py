@@ -11,7 +11,7 @@ from fakes import FakeBackend, FakeBatch, FakeModel, Forward
 from test_branch import ScriptedDrafter
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.bubble import BubbleWait, never_wait
+from specwire.drafters.bubble import BubbleWait
 from specwire.drafters.hybrid import HybridDrafter
 from specwire.drafters.ngram.drafter import NgramDrafter
 from specwire.engine.engine import Engine
@@ -127,12 +127,15 @@ def test_a_pipelined_round_decodes_plainly_where_waiting_does_not_pay() -> None:
 
 
 def test_never_wait() -> None:
+    """A pipelined branch declares that it may hold a round (waits) until told never to;
+    a synchronous one never declares it."""
     d = ScriptedDrafter(pipelined=True)
-    assert d.bubble is not None
-    assert never_wait(d) is d and d.bubble is None
-    assert BranchDrafter(Forward(), V, pipelined=False).bubble is None
-    plain = object()
-    assert never_wait(plain) is plain
+    assert d.bubble is not None and d.capabilities.waits
+    d.never_wait()
+    assert d.bubble is None and not d.capabilities.waits
+    sync = BranchDrafter(Forward(), V, pipelined=False)
+    assert sync.bubble is None and not sync.capabilities.waits
+    assert sync.capabilities.asks_ahead and not d.capabilities.asks_ahead
 
 
 def test_who_never_waits() -> None:

@@ -74,15 +74,16 @@ def test_only_the_engine_feeds_a_handed_cost_model() -> None:
 
 
 def test_a_drafter_that_stops_itself_writes_nothing_into_the_policy() -> None:
-    """steer hands the policy over and leaves its fields alone; the engine tells the
-    policy, from the drafter's declaration, to ask for the most, and undoes it after."""
+    """begin hands the policy over and neither it nor end writes its fields; the engine
+    tells the policy, from the drafter's declaration, to ask for the most, and undoes it
+    after."""
     policy = AdaptivePolicy(8)
     before = dataclasses.asdict(policy)
     for drafter in (NgramDrafter(4, 1), HybridDrafter(
             NgramDrafter(4, 1), ModelDrafter(FakeBackend(TARGET, name="d.gguf")))):
-        assert drafter.self_stopping
-        drafter.steer(policy)
-        drafter.steer(None)
+        assert drafter.capabilities.stops
+        drafter.begin(list(PROMPT), GREEDY, ADAPTIVE, policy=policy)
+        drafter.end()
         assert dataclasses.asdict(policy) == before
     seen: list[bool] = []
     ngram = NgramDrafter(4, 1)

@@ -35,7 +35,7 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
 )
 
 from specwire.config import ConfigError, VerifyMode
-from specwire.drafters.base import Draft, StatelessDrafter
+from specwire.drafters.base import Capabilities, Draft, StatelessDrafter
 from specwire.engine.engine import Engine
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport.channel import LinkSettings
@@ -295,12 +295,12 @@ class _Raising(StatelessDrafter):
     """A drafter that raises `error` from `where` (after a first good round)."""
 
     name = "raising"
-    deterministic = True
+    capabilities = Capabilities(deterministic=True)
 
     def __init__(self, where: str, error: Exception) -> None:
         self.where, self.error, self.calls = where, error, 0
 
-    def begin(self, prompt, sampling, params) -> None:
+    def begin(self, prompt, sampling, params, **guide) -> None:
         if self.where == "begin":
             raise self.error
 

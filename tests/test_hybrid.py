@@ -29,7 +29,7 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters import hybrid as hybrid_mod
 from specwire.drafters import lockstep as lockstep_mod
-from specwire.drafters.base import Draft
+from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.hybrid import HybridDrafter
 from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram import drafter as ngram_mod
@@ -130,16 +130,16 @@ def test_without_matches_the_model_drafts(monkeypatch) -> None:
     assert st["model_rounds"] > st["ngram_rounds"] and gen.stats.draft_n_accepted > 0
 
 
-class AheadSpy:
+class AheadSpy(DrafterBase):
     """A model that drafts ahead (as a node or a thread does): records what learn() hears."""
 
     name = "ahead"
-    pipelined = True
+    capabilities = Capabilities(pipelined=True)
 
     def __init__(self, fn) -> None:
         self.fn, self.learned, self.drafts = fn, [], []
 
-    def begin(self, prompt, sampling_, params) -> None:
+    def begin(self, prompt, sampling_, params, **guide) -> None:
         self.learned, self.drafts = [], []
 
     def propose(self, history, max_n) -> Draft:

@@ -70,13 +70,13 @@ def test_matches_that_verification_rejects_stop_being_drafted() -> None:
 
 
 def test_the_adaptive_policy_sets_the_stop_threshold() -> None:
-    """Steered, the drafter stops where the policy's threshold says; unsteered at keep."""
+    """Begun with a policy, the drafter stops where its threshold says; else at keep."""
     h = [1, 2, 3, 9, 1, 2, 3]
     d = NgramDrafter(cache=None, keep=0.4)
     d.begin(h, SP, DP)
     assert d.threshold() == 0.4
     policy = AdaptivePolicy(8)
-    d.steer(policy)
+    d.begin(h, SP, DP, policy=policy)
     assert d.threshold() == pytest.approx(policy.stop_threshold())
     offer = d.offer(h, 4)
     run, expected = 1.0, 0
@@ -86,8 +86,9 @@ def test_the_adaptive_policy_sets_the_stop_threshold() -> None:
             break
         expected += 1
     assert len(d.propose(h, 4)) == expected
-    d.steer(None)
+    d.end()
     assert d.threshold() == 0.4
+    assert not policy.drafter_stops        # the drafter writes nothing into the policy
 
 
 def test_unsteered_the_threshold_is_measured_rate_times_marginal_verification() -> None:

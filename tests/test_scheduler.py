@@ -9,6 +9,8 @@ the others alone.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from fakes import FakeBackend, FakeBatch, FakeClock, FakeModel, SpyDrafter
 
@@ -202,6 +204,8 @@ def test_a_failing_draft_decode_is_plain_decoding_for_its_sequences() -> None:
 
 class AskingDrafter(NgramDrafter):
     """An n-gram drafter that logs, in one shared list, when it is asked and proposes."""
+
+    capabilities = replace(NgramDrafter.capabilities, asks_ahead=True)
 
     def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
         super().__init__()

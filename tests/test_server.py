@@ -199,7 +199,7 @@ class SpyDrafter(NoDrafter):
     def __init__(self) -> None:
         self.begun, self.ended = 0, threading.Event()
 
-    def begin(self, prompt, sampling, params) -> None:
+    def begin(self, prompt, sampling, params, **guide) -> None:
         self.begun += 1
         self.ended.clear()
 

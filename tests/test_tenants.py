@@ -350,7 +350,7 @@ def test_each_api_key_is_a_scope_of_its_own_and_a_salt_narrows_it() -> None:
         def __init__(self) -> None:
             self.seen: list[str] = []
 
-        def begin(self, prompt, sampling, params) -> None:
+        def begin(self, prompt, sampling, params, **guide) -> None:
             self.seen.append(params.cache_scope)
 
     def scopes(api_key: str | None, calls: list[tuple[str | None, dict]]) -> list[str]:

@@ -36,7 +36,8 @@ class ClassicNgramDrafter(StatelessDrafter):
         self._seen: list[int] = []
         self._point_q = False
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
+              policy=None, grammar=None) -> None:
         self._index.clear()
         self._seen = []
         # Rejection mode needs q for every token: a lookup is deterministic, so q is a

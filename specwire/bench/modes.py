@@ -38,7 +38,6 @@ from specwire.bench import cpus
 from specwire.bench.netemu import LinkEmulator
 from specwire.bench.runner import Config
 from specwire.config import ConfigError
-from specwire.drafters.base import declared
 from specwire.settings import BenchSettings
 
 MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
@@ -231,7 +230,7 @@ class Drafters:
             try:
                 yield drafter, emu
             finally:
-                declared(drafter).close()
+                drafter.close()
                 emu.cut()   # the closed drafter's channel may linger; the next one starts clean
 
     def _in_process(self, cfg: Config) -> Any:
@@ -275,11 +274,11 @@ class Drafters:
         from specwire.link.remote import make_remote_drafter
         opts = dataclasses.replace(self.bench.remote, pipelined=pipelined)
         drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
-        link = drafter.links[0]
+        link = drafter.status()[0]
         if not link.up:
             drafter.close()
             raise ConfigError("draft node unreachable through the link emulator: "
-                              f"{link.last_error}")
+                              f"{link.error}")
         return drafter
 
     def _llama_server(self, emu: LinkEmulator) -> Any:

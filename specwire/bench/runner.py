@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 from specwire.bench.netemu import LinkEmulator
 from specwire.bench.prompts import Prompt
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.base import declared
 from specwire.emulate.hold import HoldCounters
 from specwire.engine.engine import Engine, Request
 
@@ -117,7 +116,7 @@ def tokens_digest(tokens: Sequence[int]) -> str:
 def reset_state(engine: Engine) -> None:
     """Empty the target's and the local draft model's KV caches (no prefix reuse)."""
     engine.target.truncate(0)
-    backend = declared(engine.drafter).backend
+    backend = engine.drafter.backend
     if backend is not None:
         backend.truncate(0)
 

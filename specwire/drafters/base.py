@@ -1,29 +1,18 @@
-"""The drafter protocol: two methods, propose and learn, inside a begin/end pair.
+"""The drafter protocol: begin / propose / learn / end, and a declaration of capabilities.
 
-Local model, n-gram and remote drafters all implement it, so the engine loop is
-the same in one process and across the network.
+    begin(prompt, sampling, params, policy=, grammar=)  a sequence starts: its settings,
+        the adaptive policy whose stop rule drafts follow, the grammar drafts may follow
+    propose(history, k) -> Draft        up to k tokens after history
+    learn(history, accepted, appended)  the round's verdict
+    end()                               the sequence is over: drop its state, policy, grammar
 
-Beyond that, a drafter declares what it can do instead of callers probing for
-it; DrafterBase gives every capability a do-nothing default:
-
-* `steer(policy | None)`: stop drafts by the adaptive policy's rule (the engine
-  calls it around an adaptive request);
-* `self_stopping`: steered, it prices each of its tokens and stops where they stop
-  paying, so the policy asks it for the most (the engine tells the policy);
-* `use_costs(costs)`: the target's verification cost (policy/costs.py), handed by
-  the engine, for a drafter that weighs its own rounds to read;
-* `constrain(grammar | None)`: draft only what a request's grammar allows;
-* `cache_use()`: (tokens reused from its cache, prompt tokens evaluated), or None;
-* `close()`: release what outlives requests (threads, connections);
-* `backend`: the local draft model's backend, if any (bench empties its cache);
-* `pipelined`: it drafts on its own while the target verifies, so asking is free;
-* for rejection mode, checked when the engine is built (drafters/guard.py):
-  `provides_q` (its drafts carry their sparse q), `deterministic` (its drafts
-  never depend on the target's random draws, so a point mass is their exact q),
-  and `remote` (its q comes over the network and is trusted, logged once).
-
-A drafter written before these were declared is given the defaults for what it
-lacks by `declared`, once, where the engine is built.
+A drafter also reports (`stats`, `cache_use`), reads the target's verification
+cost the engine hands it once (`use_costs`), is closed once (`close`), and
+declares in `capabilities` (a frozen Capabilities) what else it does: the
+engine and server branch on that declaration, never on probing for attributes,
+and call an optional member (`ask`, `draft_in_steps`, `never_wait`, `status`)
+only where it is declared. DrafterBase declares nothing and gives the reports
+their empty defaults. Callers go through one wrapper, DraftGuard (guard.py).
 """
 
 from __future__ import annotations
@@ -65,17 +54,63 @@ class Draft:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a drafter does beyond the protocol's four calls, declared once.
+
+    provides_q: its drafts carry their sparse q (rejection mode).
+    deterministic: its drafts never depend on the target's random draws, so a point
+      mass at each drafted token is their exact q (DraftGuard supplies it).
+    remote: its q comes over the network; rejection mode trusts it (logged once).
+    pipelined: it drafts on its own while the target verifies, so asking is free.
+    asks_ahead: `ask(history, k)` sends a round's request before `propose`, so that a
+      batch's requests are all in flight before the first answer is awaited.
+    lockstep: `draft_in_steps(history, k)` drafts beside the other sequences of one
+      shared draft context, a draft decode per position for all (lockstep.py).
+    stops: it ends its own drafts (per match, per token): the adaptive policy asks it
+      for the most tokens rather than choosing k itself.
+    waits: it may hold a round for a fresh branch after a rejection (bubble.py);
+      `never_wait()` turns that off where a round must not hold.
+    links: `status()` reports its links to draft nodes (the web page, /metrics).
+    """
+
+    provides_q: bool = False
+    deterministic: bool = False
+    remote: bool = False
+    pipelined: bool = False
+    asks_ahead: bool = False
+    lockstep: bool = False
+    stops: bool = False
+    waits: bool = False
+    links: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LinkStatus:
+    """One link of a drafter to a draft node, as the web page and /metrics show it.
+
+    The node's details are None where the drafter has none to give (a llama-server).
+    """
+
+    url: str
+    up: bool
+    model: str | None = None        # the draft model the node announced ("" before Hello)
+    rtt_s: float | None = None      # the handshake's round trip (inf before one)
+    failures: int | None = None     # failures in a row
+    error: str | None = None        # the last failure's reason
+    retry_in_s: float | None = None  # seconds until the next connection attempt
+
+
 class Drafter(Protocol):
     name: str
-    provides_q: bool
-    deterministic: bool
-    remote: bool
-    pipelined: bool
-    self_stopping: bool
-    backend: Backend | None  # the local draft model's backend, if any
+    capabilities: Capabilities
+    backend: Backend | None  # the local draft model's backend, if any (bench empties it)
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
-        """A new sequence starts; a remote drafter may start prefilling now."""
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
+              policy: Any = None, grammar: GrammarSpec | None = None) -> None:
+        """A new sequence starts; a remote drafter may start prefilling now. policy: the
+        adaptive policy whose stop rule drafts follow (None: the drafter's own rule);
+        grammar: the request's, which drafts may follow (more of them accepted)."""
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         """Up to max_n tokens that would follow history (history[-1] is the newest token)."""
@@ -84,19 +119,10 @@ class Drafter(Protocol):
         """The round ended: `appended` tokens were added to history, `accepted` of them drafted."""
 
     def end(self) -> None:
-        """The sequence is over; free its state."""
+        """The sequence is over; free its state (its policy and grammar too)."""
 
     def stats(self) -> dict[str, float]:
         """Cumulative figures the drafter measured (ms of network wait, bytes...)."""
-
-    def steer(self, policy: Any) -> None:
-        """Stop drafts by this adaptive policy's rule (None: by its own)."""
-
-    def use_costs(self, costs: VerifyCost) -> None:
-        """Price rounds on the target's verification cost, which the engine feeds."""
-
-    def constrain(self, spec: GrammarSpec | None) -> None:
-        """Draft only what this grammar allows (None: anything)."""
 
     def cache_use(self) -> tuple[int, int] | None:
         """(draft_cache_n, draft_prompt_n) of the sequence, if it keeps a cache."""
@@ -104,33 +130,18 @@ class Drafter(Protocol):
     def close(self) -> None:
         """Release what outlives requests."""
 
+    def use_costs(self, costs: VerifyCost) -> None:
+        """The target's verification cost (policy/costs.py), handed once by the engine, for
+        a drafter that weighs its own rounds (the n-gram, the hybrid, the bubble rule)."""
+
 
 class DrafterBase:
-    """Every optional capability of the Drafter protocol, declared absent: subclasses
-    override what they can do."""
+    """A drafter that declares no capability: the reports' defaults, and the optional
+    members as no-ops (called only where a subclass declares them)."""
 
     name = "drafter"
-    provides_q = False
-    deterministic = False
-    remote = False
-    pipelined = False
-    lockstep = False  # drafts beside other sequences of a shared draft context (lockstep.py)
-    self_stopping = False
+    capabilities = Capabilities()
     backend: Backend | None = None
-
-    def steer(self, policy: Any) -> None:
-        pass
-
-    def use_costs(self, costs: VerifyCost) -> None:
-        pass
-
-    def ask(self, history: Sequence[int], max_n: int) -> None:
-        """A round is coming (propose follows in the same step): a drafter that waits on
-        another machine sends its request now, so that the requests of a batch's sequences
-        are all in flight before the first answer is awaited."""
-
-    def constrain(self, spec: GrammarSpec | None) -> None:
-        pass
 
     def cache_use(self) -> tuple[int, int] | None:
         return None
@@ -138,37 +149,19 @@ class DrafterBase:
     def close(self) -> None:
         pass
 
+    def use_costs(self, costs: VerifyCost) -> None:
+        pass
 
-#: The capabilities `declared` fills in, with DrafterBase's defaults.
-CAPABILITIES = ("provides_q", "deterministic", "remote", "pipelined", "self_stopping",
-                "steer", "use_costs", "ask", "constrain", "cache_use", "close", "backend")
+    def ask(self, history: Sequence[int], max_n: int) -> None:
+        """Capabilities.asks_ahead: a round is coming (propose follows in the same step);
+        send its request now."""
 
+    def never_wait(self) -> None:
+        """Capabilities.waits: never hold a round for a fresh branch from now on."""
 
-class _Declared(DrafterBase):
-    """A drafter that does not derive from DrafterBase, with the defaults for what it
-    lacks: the protocol's calls forward to it, absent capabilities do nothing."""
-
-    def __init__(self, inner: object) -> None:
-        self.inner = inner
-        self.name = str(getattr(inner, "name", "?"))
-        for attr in ("provides_q", "deterministic", "remote", "pipelined", "self_stopping"):
-            setattr(self, attr, bool(getattr(inner, attr, False)))
-        for method in ("begin", "propose", "learn", "end", "stats"):
-            setattr(self, method, getattr(inner, method))
-        for method in ("steer", "use_costs", "ask", "constrain", "cache_use", "close"):
-            own = getattr(inner, method, None)
-            if callable(own):
-                setattr(self, method, own)
-        self.backend = getattr(inner, "backend", None)
-
-
-def declared(drafter: object) -> Drafter:
-    """The drafter itself when it derives from DrafterBase, else a view of it that
-    declares every capability (absent ones as DrafterBase's no-ops). Called once,
-    where an engine is built, so that nothing later probes a drafter for a method."""
-    if isinstance(drafter, DrafterBase):
-        return drafter  # type: ignore[return-value]
-    return _Declared(drafter)  # type: ignore[return-value]
+    def status(self) -> tuple[LinkStatus, ...]:
+        """Capabilities.links: each link's state now."""
+        return ()
 
 
 class StatelessDrafter(DrafterBase):
@@ -180,7 +173,8 @@ class StatelessDrafter(DrafterBase):
     name = "stateless"
     drafted = 0
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
+              policy: Any = None, grammar: GrammarSpec | None = None) -> None:
         pass
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
@@ -197,7 +191,7 @@ class NoDrafter(StatelessDrafter):
     """Plain decoding: proposes nothing."""
 
     name = "none"
-    deterministic = True
+    capabilities = Capabilities(deterministic=True)
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         return Draft()

@@ -124,11 +124,3 @@ class BubbleWait:
             return have, 0.0
         return best_m, best_wait
 
-
-def never_wait(drafter: object) -> object:
-    """The drafter, told never to wait for a fresh branch: for a round that must not hold
-    (a hybrid's n-gram draft may be ready; an engine's step carries other sequences).
-    A drafter that does not work ahead is returned as it is."""
-    if getattr(drafter, "bubble", None) is not None:
-        drafter.bubble = None
-    return drafter

@@ -9,6 +9,10 @@ and rounds decode plainly while the drafter rests for a pause that doubles
 with each failure in a row (BACKOFF_MIN_S up to BACKOFF_MAX_S); then it is
 begun again on the current history. A round with a usable draft resets the pause.
 
+It is also the one wrapper: it reads the drafter's declared Capabilities once and
+calls an optional member only where it is declared (`ask`, the lockstep draft, and
+`never_wait` for an engine whose rounds must not hold).
+
 Rejection mode also passes through here: a drafter that declares itself
 `deterministic` (its draft never depends on the target's random draws: a
 lookup, a greedy draft, a remote greedy server, a generator of its own) gets
@@ -25,8 +29,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.base import Draft, Drafter, declared
+from specwire.drafters.base import Capabilities, Draft, Drafter, LinkStatus
 from specwire.drafters.lockstep import Drafting
+from specwire.sample.constraints.grammar import GrammarSpec
 from specwire.sample.sampling import SparseDraft
 
 log = logging.getLogger("specwire.engine")
@@ -48,27 +53,31 @@ class DraftGuard:
     """Forwards the drafter protocol to `drafter`, turning every failure into an empty
     draft and a pause. Lives as long as its engine, so the pause spans requests."""
 
-    def __init__(self, drafter: Drafter, n_vocab: int) -> None:
-        self.drafter, self.n_vocab = declared(drafter), n_vocab
-        self.name = self.drafter.name
-        self.provides_q = self.drafter.provides_q
-        self.deterministic = self.drafter.deterministic
-        self.remote = self.drafter.remote
-        self.pipelined = self.drafter.pipelined
-        self.self_stopping = self.drafter.self_stopping
-        self.backend = self.drafter.backend
+    def __init__(self, drafter: Drafter, n_vocab: int, hold: bool = True) -> None:
+        """hold: the drafter may hold a round for a fresh branch (False where the step
+        carries other sequences: a declared `waits` drafter is told never_wait)."""
+        if not hold and drafter.capabilities.waits:
+            drafter.never_wait()
+        self.drafter, self.n_vocab = drafter, n_vocab
+        self.name = drafter.name
+        self.capabilities: Capabilities = drafter.capabilities
+        self.backend = drafter.backend
         self.failures = 0  # in a row
         self.total_failures = 0
         self.retry_at = 0.0
         self._live = False  # begun, and not failed since
         self._sampling = SamplingParams()
         self._params = DraftParams()
+        self._policy = None
+        self._grammar: GrammarSpec | None = None
         self._one_hot = False
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
+              policy=None, grammar: GrammarSpec | None = None) -> None:
         self._sampling, self._params = sampling, params
+        self._policy, self._grammar = policy, grammar
         rejection = params.mode is VerifyMode.REJECTION and not sampling.greedy
-        self._one_hot = rejection and not self.provides_q
+        self._one_hot = rejection and not self.capabilities.provides_q
         self._live = False
         self._start(prompt)
 
@@ -85,8 +94,8 @@ class DraftGuard:
         return draft
 
     def ask(self, history: Sequence[int], max_n: int) -> None:
-        """Let a live drafter send this round's request ahead of propose (DrafterBase.ask)."""
-        if not self._live:
+        """Let a live drafter that declares asks_ahead send this round's request now."""
+        if not self._live or not self.capabilities.asks_ahead:
             return
         try:
             self.drafter.ask(history, max_n)
@@ -95,9 +104,9 @@ class DraftGuard:
 
     def drafting(self, history: Sequence[int], max_n: int) -> Drafting | Draft:
         """A draft to be stepped in lockstep with other sequences' (`draft_together`) from
-        a drafter that can (`drafting`), then handed to `drafted`; any other drafter's
+        a drafter that declares lockstep, then handed to `drafted`; any other drafter's
         draft now, as propose gives it."""
-        if not self.drafter.lockstep:
+        if not self.capabilities.lockstep:
             return self.propose(history, max_n)
         if not self._live and not self._start(history):
             return Draft()
@@ -145,12 +154,6 @@ class DraftGuard:
             out["guard_failures"] = float(self.total_failures)
         return out
 
-    def steer(self, policy) -> None:
-        try:
-            self.drafter.steer(policy)
-        except Exception as e:  # noqa: BLE001
-            self._failed("steer", e)
-
     def use_costs(self, costs) -> None:
         try:
             self.drafter.use_costs(costs)
@@ -165,12 +168,15 @@ class DraftGuard:
             self._failed("cache_use", e)
             return None
 
-    def constrain(self, spec) -> None:
-        """Pass a request's grammar to a drafter that can follow it (more accepted tokens)."""
+    def status(self) -> tuple[LinkStatus, ...]:
+        """Each link's state, from a drafter that declares links (else none)."""
+        if not self.capabilities.links:
+            return ()
         try:
-            self.drafter.constrain(spec)
-        except Exception as e:  # noqa: BLE001
-            self._failed("constrain", e)
+            return tuple(self.drafter.status())
+        except Exception as e:  # noqa: BLE001 - a report: logged, not a failure
+            log.warning("drafter %s: status failed: %s", self.name, _describe(e))
+            return ()
 
     def close(self) -> None:
         try:
@@ -185,7 +191,8 @@ class DraftGuard:
         if time.monotonic() < self.retry_at:
             return False
         try:
-            self.drafter.begin(history, self._sampling, self._params)
+            self.drafter.begin(history, self._sampling, self._params, policy=self._policy,
+                               grammar=self._grammar)
         except Exception as e:  # noqa: BLE001
             self._failed("begin", e)
             return False
@@ -234,19 +241,19 @@ def _describe(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"[:300]
 
 
-def check_verify_mode(drafter: object, mode: VerifyMode) -> None:
+def check_verify_mode(drafter: Drafter, mode: VerifyMode) -> None:
     """Refuse a drafter that cannot take part in `mode` (raises ValueError naming it);
     log once that rejection mode trusts a remote drafter's q. A deterministic drafter
     without q passes: DraftGuard gives its drafts a one-hot q."""
     if mode is not VerifyMode.REJECTION:
         return
-    d = declared(drafter)
-    if not d.provides_q and not d.deterministic:
+    caps = drafter.capabilities
+    if not caps.provides_q and not caps.deterministic:
         raise ValueError(
-            f"--verify rejection: the drafter {d.name} gives no draft "
+            f"--verify rejection: the drafter {drafter.name} gives no draft "
             f"distribution q and its drafts are not deterministic; use --verify coupled")
-    if d.remote:
-        _log_trust_once(d)
+    if caps.remote:
+        _log_trust_once(drafter)
 
 
 _trust_logged = False

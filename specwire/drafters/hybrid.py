@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.base import Draft, Drafter, DrafterBase, declared
-from specwire.drafters.bubble import never_wait
+from specwire.drafters.base import Capabilities, Draft, Drafter, DrafterBase
 from specwire.drafters.ngram.drafter import NgramDrafter, Offer
 from specwire.policy.costs import VerifyCost
 from specwire.policy.throughput import LineFit, draft_line, expected_tokens
@@ -93,18 +92,25 @@ class LookupStop:
 
 
 class HybridDrafter(DrafterBase):
-    """Composes an NgramDrafter and a model drafter (local, threaded or remote)."""
+    """Composes an NgramDrafter and a model drafter (local, threaded or remote).
 
-    #: both drafts stop at the policy's threshold, and the policy asks for the most
-    self_stopping = True
+    It ends its own drafts (`stops`): whether a round drafts at all, and which candidate,
+    is its call each round, both candidates stopping at the policy's threshold (the
+    policy's one chain of equal chances, fitted over both kinds of rounds, would skip
+    matches worth taking and cut them short).
+    """
+
+    capabilities = Capabilities(stops=True)
 
     def __init__(self, ngram: NgramDrafter, model: Drafter, alpha: float = 0.1,
                  estimates: HybridEstimates | None = None) -> None:
         # Its model never waits for a fresh branch: the lookup's draft may be ready.
-        self.ngram, self.model, self.alpha = ngram, declared(never_wait(model)), alpha
+        if model.capabilities.waits:
+            model.never_wait()
+        self.ngram, self.model, self.alpha = ngram, model, alpha
         self.name = f"hybrid:{self.model.name}"
         # asking costs the target nothing when the model drafts on its own (node, thread)
-        self.ahead = self.model.pipelined
+        self.ahead = self.model.capabilities.pipelined
         self.est = estimates if estimates is not None else HybridEstimates()
         #: the target's verification cost; without an engine's (use_costs), the rounds'
         #: own times feed it (own_costs)
@@ -123,22 +129,18 @@ class HybridDrafter(DrafterBase):
         """The local draft model's backend, if any (bench empties its cache per prompt)."""
         return self.model.backend
 
-    def steer(self, policy) -> None:
-        # Both stop at the policy's threshold, and the policy asks for the most: whether a
-        # round drafts at all, and which candidate, is this drafter's call each round (the
-        # policy's one chain of equal chances, fitted over both kinds of rounds, would
-        # skip matches worth taking and cut them short).
-        self.ngram.policy = None if policy is None else LookupStop(policy)
-        self.model.steer(policy)
-
     def use_costs(self, costs: VerifyCost) -> None:
         self.costs, self.own_costs = costs, False
         self.ngram.use_costs(costs)
         self.model.use_costs(costs)
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
-        self.ngram.begin(prompt, sampling, params)
-        self.model.begin(prompt, sampling, params)
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
+              policy=None, grammar=None) -> None:
+        """Both stop at the policy's threshold (the lookup's as LookupStop prices it); the
+        grammar is not passed on (the model drafts free, the target applies it)."""
+        self.ngram.begin(prompt, sampling, params,
+                         policy=None if policy is None else LookupStop(policy))
+        self.model.begin(prompt, sampling, params, policy=policy)
         self._round = None
         self._model_at, self._asked_last = 0, False    # the prompt is its first catch-up
 

@@ -17,14 +17,14 @@ import urllib.parse
 from collections.abc import Sequence
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.base import Draft, DrafterBase
+from specwire.drafters.base import Capabilities, Draft, DrafterBase, LinkStatus
 
 log = logging.getLogger("specwire.remote")
 
 
 class LlamaServerDrafter(DrafterBase):
-    deterministic = True  # greedy (top_k 1): a point mass is its q in rejection mode
-    remote = True
+    # greedy (top_k 1): a point mass is its q in rejection mode; status: up or resting
+    capabilities = Capabilities(deterministic=True, remote=True, links=True)
 
     def __init__(self, url: str, timeout_s: float = 5.0, n_vocab: int | None = None) -> None:
         u = urllib.parse.urlsplit(url)
@@ -40,7 +40,8 @@ class LlamaServerDrafter(DrafterBase):
         self.name = f"llama-server:{url}"
         self.counters = {"bytes_up": 0, "bytes_down": 0, "requests": 0, "errors": 0, "wait_ms": 0.0}
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
+              policy=None, grammar=None) -> None:
         self._p_min = params.p_min
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
@@ -107,5 +108,6 @@ class LlamaServerDrafter(DrafterBase):
     def stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.counters.items()}
 
-    def link_state(self) -> dict[str, float]:
-        return {self.url: float(time.monotonic() >= self._retry_at)}
+    def status(self) -> tuple[LinkStatus, ...]:
+        """Up unless resting after a failure; a llama-server has no node details to give."""
+        return (LinkStatus(self.url, time.monotonic() >= self._retry_at),)

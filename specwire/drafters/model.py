@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from specwire.backend.base import Backend, reusable_prefix, sync_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.base import Draft, DrafterBase
+from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.lockstep import Drafting, DraftSteps
 from specwire.sample import sampling
 from specwire.sample.constraints.grammar import Grammar, GrammarSpec
@@ -28,16 +28,14 @@ class ModelDrafter(DrafterBase):
     would sample where the two agree), its own stream and sparse q for rejection.
 
     Where a draft stops: at --draft-p-min (llama.cpp's rule: the next token's top
-    probability below it), or, when the engine sets `stop_rule` (the adaptive
-    policy does, through `steer`), wherever stop_rule(i, top probability) says no to
-    token i.
+    probability below it), or, when `stop_rule` is set (by the adaptive policy begin
+    is given, or by a draft node's session), wherever stop_rule(i, top probability)
+    says no to token i.
 
-    With a grammar (`constrain`, called by the engine for a constrained request)
-    the draft samples from its row masked by the grammar, as the target will; the
-    grammar's states are kept per position (GrammarTrail) and a draft works on a copy.
+    With a grammar (begin's, for a constrained request) the draft samples from its
+    row masked by the grammar, as the target will; the grammar's states are kept
+    per position (GrammarTrail) and a draft works on a copy.
     """
-
-    provides_q = True  # its sparse top-K q in rejection mode
 
     @classmethod
     def per_sequence(cls, shared) -> list[ModelDrafter]:
@@ -50,21 +48,16 @@ class ModelDrafter(DrafterBase):
         drafts are then stepped in lockstep with the other sequences'); None: alone."""
         self.backend, self.shared, self.seq = backend, shared, seq
         self.name = f"model:{backend.name}"
+        # its sparse top-K q in rejection mode; in lockstep with the other sequences of a
+        # shared draft backend (alone, propose drafts as it always did)
+        self.capabilities = Capabilities(provides_q=True, lockstep=shared is not None)
         self.sampling = SamplingParams(temperature=0.0)
         self.params = DraftParams()
         self._drafted = 0
         self.stop_rule: Callable[[int, float], bool] | None = None
-        self._grammar_spec: GrammarSpec | None = None
+        self._steered = False  # stop_rule is a begin's policy's (end drops it)
         self._grammar: GrammarTrail | None = None
         self._cache_use: tuple[int, int] | None = None  # this request's, see cache_use
-
-    def steer(self, policy) -> None:
-        """Stop drafts where the adaptive policy says (None: at --draft-p-min again)."""
-        self.stop_rule = policy.keep_drafting if policy is not None else None
-
-    def constrain(self, spec: GrammarSpec | None) -> None:
-        """Follow this grammar in the next sequence (None: none)."""
-        self._grammar_spec = spec
 
     def follow(self, spec: GrammarSpec | None, start: int) -> None:
         """Follow this grammar from position `start` (the prompt's length) on, now."""
@@ -75,8 +68,13 @@ class ModelDrafter(DrafterBase):
             except ConfigError:       # only the target must apply it; drafting goes on free
                 self._grammar = None
 
-    def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams) -> None:
-        self.follow(self._grammar_spec, len(prompt))
+    def begin(self, prompt: Sequence[int], sampling_: SamplingParams, params: DraftParams, *,
+              policy=None, grammar: GrammarSpec | None = None) -> None:
+        """policy: stop drafts where this adaptive policy says (None: at --draft-p-min, or
+        at a stop_rule set from outside); grammar: follow it from the prompt's end."""
+        if policy is not None:
+            self.stop_rule, self._steered = policy.keep_drafting, True
+        self.follow(grammar, len(prompt))
         if params.seed is not None:
             sampling_ = replace(sampling_, seed=params.seed)
         self.sampling, self.params = sampling_, params
@@ -85,12 +83,6 @@ class ModelDrafter(DrafterBase):
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         return self.draft_from(history, max_n)
-
-    @property
-    def lockstep(self) -> bool:
-        """Its drafts go in lockstep with other sequences' of a shared draft backend (alone,
-        propose drafts as it always did)."""
-        return self.shared is not None
 
     def draft_in_steps(self, history: Sequence[int], max_n: int) -> Drafting:
         """This sequence's draft in progress, for draft_together (drafters/lockstep.py) to
@@ -182,6 +174,8 @@ class ModelDrafter(DrafterBase):
 
     def end(self) -> None:
         self._drop_grammar()
+        if self._steered:
+            self.stop_rule, self._steered = None, False
 
     def cache_use(self) -> tuple[int, int] | None:
         """(draft_cache_n, draft_prompt_n): the request's prompt tokens this model's cache

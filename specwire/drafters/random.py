@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specwire.drafters.base import Draft, StatelessDrafter
+from specwire.drafters.base import Capabilities, Draft, StatelessDrafter
 
 
 class RandomDrafter(StatelessDrafter):
     name = "random"
     # Its tokens come from a generator of its own, never from the target's draws: a point
     # mass at each is its q given that generator's state, which keeps rejection exact.
-    deterministic = True
+    capabilities = Capabilities(deterministic=True)
 
     def __init__(self, n_vocab: int, seed: int = 0) -> None:
         self.n_vocab = n_vocab

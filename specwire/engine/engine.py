@@ -22,7 +22,6 @@ from specwire.backend.base import Backend, reusable_prefix
 from specwire.backend.batch import BatchBackend, as_batch
 from specwire.config import ConfigError, VerifyMode
 from specwire.drafters.base import Drafter, NoDrafter
-from specwire.drafters.bubble import never_wait
 from specwire.drafters.guard import DraftGuard, check_verify_mode
 from specwire.engine.request import Request
 from specwire.engine.scheduler import Batch, BatchScheduler
@@ -156,8 +155,6 @@ class Engine:
         if len(drafters) != self.batch.n_seq:
             raise ConfigError(f"{len(drafters)} drafters for {self.batch.n_seq} sequences: "
                               "each sequence needs a drafter of its own")
-        if self.batch.n_seq > 1:  # a round waiting for its drafter would hold every step
-            drafters = [never_wait(d) for d in drafters]
         self.drafters = drafters
         self.drafter = drafters[0]
         if verify is not None:
@@ -166,7 +163,9 @@ class Engine:
                     check_verify_mode(d, verify)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        self.guards = [DraftGuard(d, self.target.n_vocab) for d in drafters]
+        # A round waiting for its drafter would hold every step of a batch.
+        self.guards = [DraftGuard(d, self.target.n_vocab, hold=self.batch.n_seq == 1)
+                       for d in drafters]
         self.guard = self.guards[0]
         self.policies = policies if policies is not None else PolicyMemory()
         #: each sequence's policies: a policy holds the state of its round in progress
@@ -229,7 +228,7 @@ class Engine:
 
     def start(self, s: SequenceState) -> None:
         """A sequence joins the batch: its verifier, its policy, the drafter's sequence
-        (steered by the policy, constrained by the grammar), the target's cache."""
+        (given the policy and the grammar), the target's cache."""
         req, target, drafter = s.req, s.target, s.drafter
         s.started = True
         s.t0 = time.perf_counter()
@@ -249,18 +248,14 @@ class Engine:
             s.stop_type, s.done = "limit", True
             return
         # A draft model stops where the adaptive policy finds the next token not worth it;
-        # a drafter that prices its own tokens is asked for the most.
-        if isinstance(s.policy, AdaptivePolicy):
-            s.steer = drafter.steer
-            s.steer(s.policy)
-            s.policy.drafter_stops = drafter.self_stopping
-        # A drafter that can follow the grammar drafts only what it allows: more accepted.
-        if req.grammar is not None:
-            s.constrain = drafter.constrain
-            s.constrain(req.grammar)
+        # one that ends its own drafts (declared: stops) is asked for the most.
+        adaptive = s.policy if isinstance(s.policy, AdaptivePolicy) else None
+        if adaptive is not None:
+            adaptive.drafter_stops = drafter.capabilities.stops
         s.begun = True
         s.drafter0 = drafter.stats()
-        drafter.begin(prompt, req.sampling, req.draft)
+        # A drafter that can follow the grammar drafts only what it allows: more accepted.
+        drafter.begin(prompt, req.sampling, req.draft, policy=adaptive, grammar=req.grammar)
         if isinstance(s.policy, AdaptivePolicy):
             # What its first draft must catch up with: the prompt, less the drafter's cache.
             got = drafter.cache_use()

@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from specwire.drafters.base import Draft
 from specwire.engine.stats import Stats, counter_delta
-from specwire.policy.adaptive import FixedPolicy, Policy
+from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy, Policy
 from specwire.sample.logprobs import TokenProb
 
 if TYPE_CHECKING:
@@ -77,9 +77,6 @@ class SequenceState:
         self.grammar: Grammar | None = None
         self.verifier: Verifier | None = None
         self.policy: Policy = FixedPolicy(0)
-        #: the drafter's steer / constrain, where they were set: undone by finish
-        self.steer: Any = None
-        self.constrain: Any = None
 
     @property
     def decoding(self) -> bool:
@@ -129,10 +126,7 @@ class SequenceState:
                     st.draft_cache_n, st.draft_prompt_n = got
                 self.drafter.end()
         finally:
-            if self.steer is not None:
-                self.steer(None)
-                self.policy.drafter_stops = False
-            if self.constrain is not None:
-                self.constrain(None)
+            if isinstance(self.policy, AdaptivePolicy):
+                self.policy.drafter_stops = False  # set from the drafter's declaration by start
             if self.grammar is not None:
                 self.grammar.close()

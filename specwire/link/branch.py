@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.base import Draft, DrafterBase
+from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.bubble import BubbleWait
 from specwire.link.alternates import BranchParams
 from specwire.link.messages import (
@@ -51,7 +51,7 @@ class BranchDrafter(DrafterBase):
     """Pipelined (never waits) or synchronous (waits for `want` tokens, with a deadline)."""
 
     name = "branch"
-    provides_q = True  # the draft session sends its sparse q in rejection mode
+    remote = False  # its q comes over the network (RemoteDrafter)
 
     def __init__(self, transport: Transport, n_vocab: int, pipelined: bool = True,
                  lookahead: int = 0, sync_timeout_s: float = 1.0) -> None:
@@ -82,7 +82,7 @@ class BranchDrafter(DrafterBase):
         # Synchronous: branch tokens kept in the first round since the last verdict, None
         # while no round has ended since it.
         self._accepted: int | None = None
-        self._policy = None  # an adaptive policy steering synchronous drafts (see steer)
+        self._policy = None  # an adaptive policy steering synchronous drafts (see begin)
         self._ahead = 0  # chunks received that start at or past the history's end
         self._useless_rounds = 0  # synchronous rounds in a row answered with nothing usable
         self._keep_min = 0.0  # the stop threshold the drafter was last told
@@ -101,6 +101,19 @@ class BranchDrafter(DrafterBase):
         self._fresh_gen = -1  # a branch begun after the last verdict: its arrivals are timed
         self._fresh_n = 0  # tokens of it received
         transport.bind(self)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The draft session sends its sparse q in rejection mode. Pipelined: it drafts
+        ahead, and may hold a round for the fresh branch (bubble); synchronous: it sends
+        a round's verdict and k ahead of propose (ask)."""
+        return Capabilities(provides_q=True, remote=self.remote, pipelined=self.pipelined,
+                            asks_ahead=not self.pipelined, waits=self.bubble is not None)
+
+    def never_wait(self) -> None:
+        """Never hold a round for a fresh branch: the step carries other sequences, or
+        another drafter's draft may be ready."""
+        self.bubble = None
 
     # -- what the transport calls back ---------------------------------------------
 
@@ -139,7 +152,12 @@ class BranchDrafter(DrafterBase):
 
     # -- Drafter protocol (engine thread) -----------------------------------------
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
+              policy=None, grammar=None) -> None:
+        """policy: under an adaptive policy, synchronous drafts stop by its calibrated rule:
+        the drafter is told the policy's threshold and judges its confidence itself. (A
+        pipelined drafter drafts on its own core and is never stopped early.)"""
+        self._policy = policy
         self._sampling, self._params = f32_sampling(sampling), params
         self._history = list(prompt)
         self._active, self._late, self._want = True, False, params.n_max
@@ -148,12 +166,6 @@ class BranchDrafter(DrafterBase):
         self._fresh_gen = -1
         self._cache_use = None
         self._start(list(prompt))
-
-    def steer(self, policy) -> None:
-        """Under an adaptive policy, synchronous drafts stop by its calibrated rule: the
-        drafter is told the policy's threshold and judges its confidence itself. (A
-        pipelined drafter drafts on its own core and is never stopped early.)"""
-        self._policy = policy
 
     def use_costs(self, costs: VerifyCost) -> None:
         """The bubble rule reads the target's verification cost (the engine's)."""
@@ -298,7 +310,7 @@ class BranchDrafter(DrafterBase):
             self._accepted = accepted
 
     def end(self) -> None:
-        self._active = False
+        self._active, self._policy = False, None
         with self._cv:
             self._session += 1
         if self.transport.live():

@@ -8,7 +8,10 @@ module joins the two and builds the drafter the --draft-url flags name.
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import replace
 
+from specwire.drafters.base import Capabilities, LinkStatus
 from specwire.link.alternates import branch_params
 from specwire.link.branch import BranchDrafter
 from specwire.link.transport.channel import Link, LinkSettings
@@ -21,7 +24,7 @@ log = logging.getLogger("specwire.remote")
 
 class RemoteDrafter(BranchDrafter):
     """Drafts from a draft node over gRPC; pipelined or synchronous. Its transport also
-    connects the links ahead of the first request (handshake) and reports them (link_state)."""
+    connects the links ahead of the first request (handshake); status reports them."""
 
     remote = True
     transport: GrpcTransport
@@ -32,8 +35,22 @@ class RemoteDrafter(BranchDrafter):
         super().__init__(GrpcTransport(links), n_vocab, pipelined, lookahead, sync_timeout_s)
         t = self.transport
         self.shared, self.links = t.shared, t.links
-        self.handshake, self.link_state = t.handshake, t.link_state
+        self.handshake = t.handshake
         self.name = ("remote-pipelined:" if pipelined else "remote-sync:") + self.links[0].url
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return replace(super().capabilities, links=True)
+
+    def status(self) -> tuple[LinkStatus, ...]:
+        """Each link: up or not, the model its node announced, the handshake's round trip,
+        failures in a row, the last error and when it is tried again."""
+        now = time.monotonic()
+        return tuple(LinkStatus(
+            url=str(link.url), up=bool(link.up),
+            model=link.hello.draft_model if link.hello is not None else "",
+            rtt_s=link.rtt_s, failures=int(link.failures), error=str(link.last_error),
+            retry_in_s=max(0.0, link.retry_at - now)) for link in self.links)
 
     def close(self) -> None:
         """End the session; the last drafter of the LinkSet closes the connections."""

@@ -87,10 +87,8 @@ class ThreadedDrafter(BranchDrafter):
     def calibration(self) -> Calibration:
         return self.transport.calibration
 
-    def constrain(self, spec: GrammarSpec | None) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
+              policy=None, grammar: GrammarSpec | None = None) -> None:
         """Draft under the request's grammar too (in process: no wire message needed)."""
-        self.transport.grammar = spec
-
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
-        self.transport.grammar_start = len(prompt)
-        super().begin(prompt, sampling, params)
+        self.transport.grammar, self.transport.grammar_start = grammar, len(prompt)
+        super().begin(prompt, sampling, params, policy=policy)

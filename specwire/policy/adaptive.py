@@ -207,9 +207,10 @@ class AdaptivePolicy:
     stop: CalibratedStop = field(init=False)
     round_rate: float = 0.0  # expected tokens/s of the round in progress
     batch_tokens: int = 0  # tokens the other sequences put into the round's decode
-    #: the steered drafter prices each of its tokens and stops where they stop paying, at
-    #: no cost to ask (the n-gram lookup): ask it for the most, as its drafts are not the
-    #: geometric chain this model assumes (a long match is right all the way or not)
+    #: the drafter prices each of its tokens and stops where they stop paying, at no cost
+    #: to ask (the n-gram lookup): ask it for the most, as its drafts are not the geometric
+    #: chain this model assumes (a long match is right all the way or not). The engine
+    #: sets it from the drafter's declared Capabilities.stops.
     drafter_stops: bool = False
 
     def __post_init__(self) -> None:

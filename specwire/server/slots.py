@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from specwire.backend.base import BackendError
 from specwire.config import ConfigError
+from specwire.drafters.base import LinkStatus
 from specwire.engine.engine import Engine, Generation, Request
 from specwire.engine.stats import Stats
 from specwire.server.errors import ApiError
@@ -348,13 +349,28 @@ class Slot:
     def _watch(self, gen: Generation, job: Job) -> None:
         """Tell the speculation watch how this generation drafted (never raises)."""
         try:
-            fn = getattr(self.drafter, "link_state", None)
-            links = dict(fn()) if callable(fn) else None
+            links = self.link_state()
             req = job.request
             self.watch.after(self.index, self.drafter.name, gen.stats, gen.policy,
                              req.draft.enabled and req.draft.n_max > 0, links)
         except Exception:  # noqa: BLE001 - a report must not break the slot
             log.debug("speculation watch failed", exc_info=True)
+
+    def links(self) -> tuple[LinkStatus, ...] | None:
+        """Its drafter's links to draft nodes, where it declares them (else None). Never
+        raises: a report must not fail a page, a scrape or a slot."""
+        if not self.drafter.capabilities.links:
+            return None
+        try:
+            return tuple(self.drafter.status())
+        except Exception:  # noqa: BLE001
+            log.debug("slot %d: the drafter's status failed", self.index, exc_info=True)
+            return ()
+
+    def link_state(self) -> dict[str, float] | None:
+        """Up (1) or not, per link URL, where its drafter declares links (else None)."""
+        links = self.links()
+        return None if links is None else {st.url: float(st.up) for st in links}
 
     def _end(self) -> None:
         """The job is over: its sequence leaves the batch, the slot is free."""
@@ -578,10 +594,6 @@ class Scheduler:
     def link_states(self) -> list[tuple[int, dict]]:
         out = []
         for s in self.slots:
-            fn = getattr(s.drafter, "link_state", None)
-            if callable(fn):
-                try:
-                    out.append((s.index, dict(fn())))
-                except Exception:  # noqa: BLE001 - a scrape must not fail on a drafter
-                    log.debug("link_state failed", exc_info=True)
+            if (state := s.link_state()) is not None:
+                out.append((s.index, state))
         return out

@@ -308,7 +308,6 @@ def run(a: argparse.Namespace) -> int:
 
     from specwire.build import build_engine
     from specwire.cli.settings import engine_settings
-    from specwire.drafters.base import declared
     from specwire.server import ServerSettings, create_app, deadlines
     from specwire.server.drain import DrainingServer
     from specwire.text import chat
@@ -422,7 +421,7 @@ def run(a: argparse.Namespace) -> int:
                 e.lookup_file.close()
         for e in engines:
             for d in e.drafters:
-                declared(d).close()
+                d.close()
     return 0
 
 

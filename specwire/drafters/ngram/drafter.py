@@ -14,8 +14,8 @@ n-gram types fix in advance (key length 12 for ngram-simple, 24 for ngram-mod,
   kept it, and a draft goes on while P(every token so far is kept) stays above a
   threshold: the value of one more token against its verification cost on this
   machine, i.e. tokens/s x the seconds one more drafted token adds to a
-  verification. The adaptive policy's stop_threshold() when the engine steers the
-  drafter; else the rate it measures (RoundCost: tokens appended over the time
+  verification. The adaptive policy's stop_threshold() when begin is given the
+  policy; else the rate it measures (RoundCost: tokens appended over the time
   from its proposal to the next one) times the slope of the target's verification
   cost (policy/costs.py, which the engine hands it), or a fixed `keep`. A first
   token below it means no draft at all: a plain step, which is how a useless match
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.base import Draft, DrafterBase
+from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.ngram.cache import LookupCache
 from specwire.drafters.ngram.index import HistoryIndex, continuation
 from specwire.policy.costs import VerifyCost
@@ -140,12 +140,11 @@ class NgramDrafter(DrafterBase):
     """
 
     name = "ngram"
-    deterministic = True
-    provides_q = True  # the point mass, in begin's rejection mode
-    #: steered, it stops at the policy's threshold and is asked for the most tokens: a
-    #: lookup costs nothing, and its own stop, per match and token, decides better where
-    #: a draft ends (or whether there is one) than the policy's chain of equal chances
-    self_stopping = True
+    # deterministic, with the point mass as its q in begin's rejection mode; it ends its
+    # own drafts: a lookup costs nothing, and its own stop, per match and token, decides
+    # better where a draft ends (or whether there is one) than the policy's chain of
+    # equal per-token chances, so the adaptive policy asks it for the most
+    capabilities = Capabilities(provides_q=True, deterministic=True, stops=True)
 
     def __init__(self, n_max: int = DEFAULT_N_MAX, n_min: int = 1, *, keep: float | None = None,
                  cache: LookupCache | None | bool = True,
@@ -167,14 +166,13 @@ class NgramDrafter(DrafterBase):
         self._history: Sequence[int] = ()
         self.counters = {"drafted": 0.0, "cache_drafts": 0.0, "stopped_early": 0.0}
 
-    def steer(self, policy) -> None:
-        """Stop drafts at the adaptive policy's threshold (None: at `keep` again)."""
-        self.policy = policy
-
     def use_costs(self, costs: VerifyCost) -> None:
         self.cost.costs, self.cost.own_costs = costs, False
 
-    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
+              policy=None, grammar=None) -> None:
+        """policy: stop drafts at its stop_threshold() (None: at `keep`, or measured)."""
+        self.policy = policy
         self.index.clear()
         self._offer, self._history = None, prompt
         # Rejection mode needs q for every token: a lookup is deterministic, so q is a
@@ -269,6 +267,7 @@ class NgramDrafter(DrafterBase):
         if self.cache is not None and self._history:
             self.cache.add(self._history)
         self._offer, self._history, self._asked = None, (), None
+        self.policy = None
 
     def stats(self) -> dict[str, float]:
         return {k: v for k, v in self.counters.items() if v}

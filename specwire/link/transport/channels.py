@@ -162,10 +162,6 @@ class LinkSet:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=2)
 
-    def link_state(self) -> dict[str, float]:
-        """For /metrics: 1 if a link is up, per URL."""
-        return {link.url: float(link.up) for link in self.links}
-
 
 async def _close_all(links: list[Link]) -> None:
     for link in links:

@@ -140,10 +140,6 @@ class GrpcTransport(Transport):
         """
         return self.shared.handshake(not self.branch.pipelined, timeout_s)
 
-    def link_state(self) -> dict[str, float]:
-        """For /metrics: 1 if a link is up, per URL."""
-        return self.shared.link_state()
-
     def close(self) -> None:
         """The drafter is done: the last one of the LinkSet closes the connections."""
         if not self._closed:

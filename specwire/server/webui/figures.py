@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 
+from specwire.drafters.base import LinkStatus
 from specwire.server.slots import Scheduler
 from specwire.server.webui.exposition import Exposition
 from specwire.server.webui.recent import RecentRequests
@@ -72,11 +73,13 @@ def snapshot(metrics_text: str, scheduler: Scheduler, recent: RecentRequests,
 
 
 def draft_nodes(e: Exposition, scheduler: Scheduler) -> list[dict]:
-    """Each slot's draft links: up or not (the scrape's figure), and what the Link knows."""
+    """Each slot's draft links: up or not (the scrape's figure), and what its drafter
+    declares of them (LinkStatus)."""
     details: dict[tuple[str, str], dict] = {}
     for s in scheduler.slots:
-        for link in getattr(s.engine.drafter, "links", ()):
-            details[(str(s.index), str(link.url))] = _link(link)
+        for link in s.links() or ():
+            if link.model is not None:      # a node's details (a llama-server has none)
+                details[(str(s.index), link.url)] = _link(link)
     out = []
     for labels, up in e.rows("draft_link_up"):
         key = (labels.get("slot", ""), labels.get("link", ""))
@@ -85,14 +88,12 @@ def draft_nodes(e: Exposition, scheduler: Scheduler) -> list[dict]:
     return out
 
 
-def _link(link: object) -> dict:
-    hello = getattr(link, "hello", None)
-    rtt = getattr(link, "rtt_s", math.inf)
-    retry = getattr(link, "retry_at", 0.0) - time.monotonic()
-    return {"model": getattr(hello, "draft_model", "") if hello is not None else "",
-            "rtt_ms": _r(1000 * rtt) if math.isfinite(rtt) else None,
-            "failures": int(getattr(link, "failures", 0)),
-            "error": str(getattr(link, "last_error", "")),
+def _link(link: LinkStatus) -> dict:
+    rtt, retry = link.rtt_s, link.retry_in_s or 0.0
+    return {"model": link.model,
+            "rtt_ms": _r(1000 * rtt) if rtt is not None and math.isfinite(rtt) else None,
+            "failures": link.failures or 0,
+            "error": link.error or "",
             "retry_in_s": _r(retry) if retry > 0 else 0}
 
 

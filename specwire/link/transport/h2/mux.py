@@ -6,7 +6,7 @@ whatever arrives, for whichever stream, and hands each call its messages in
 turn: a verdict in, the session drafts, its chunk out, on this thread as for a
 single call (link/transport/h2/server.py says why). When verdicts of several calls are
 waiting at once (a batch target sends all its slots' verdicts before it waits,
-DrafterBase.ask), their sessions draft side by side on worker threads, as they
+Capabilities.asks_ahead), their sessions draft side by side on worker threads, as they
 would on connections of their own, while this thread alone reads and writes the
 connection, sending each chunk as it is ready. Each call keeps its own deadlines
 (its Open within the handshake deadline, each next message within the session's
