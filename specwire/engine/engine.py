@@ -265,6 +265,7 @@ class Generation:
         if req.grammar is not None:
             self._constrain = drafter.constrain
             self._constrain(req.grammar)
+        eng.enter_scope(self.seq, req.draft.cache_scope)
         self._begun = True
         self._drafter0 = drafter.stats()
         drafter.begin(prompt, req.sampling, req.draft)
@@ -362,6 +363,10 @@ class Engine:
         #: each sequence's policies: a policy holds the state of its round in progress
         self.memories = [self.policies, *(PolicyMemory() for _ in drafters[1:])]
         self.scheduler = BatchScheduler(self.batch)
+        #: each sequence's cache scope: that of the request whose tokens its KV caches (the
+        #: target's and a local draft model's) hold; "" for every request of a server
+        #: without API keys or cache_salt
+        self.scopes = [""] * self.batch.n_seq
         #: --lookup-cache-dynamic: the n-gram drafters' cache file (build.py sets it), which
         #: the command saves when it ends
         self.lookup_file: CacheFile | None = None
@@ -397,6 +402,19 @@ class Engine:
     def step(self) -> None:
         """One decode for every running sequence (see BatchScheduler.step)."""
         self.scheduler.step()
+
+    def enter_scope(self, seq: int, scope: str) -> None:
+        """A request of cache scope `scope` starts in sequence seq: if the sequence's caches
+        hold another scope's tokens, empty them (the target's and a local draft model's),
+        so that no request reuses, or learns through cache_n, draft_cache_n or the time
+        its prompt took, what a request of another scope left there."""
+        if self.scopes[seq] == scope:
+            return
+        self.scopes[seq] = scope
+        self.batch.seq(seq).truncate(0)
+        backend = self.guards[seq].backend
+        if backend is not None:
+            backend.truncate(0)
 
     def reuse_cache(self, target: Backend, prompt: Sequence[int]) -> int:
         """How many prompt tokens a sequence's cache can keep: the common prefix, and with
