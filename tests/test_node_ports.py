@@ -1,9 +1,11 @@
 """The node's metrics port (node/exporter.py) and the sync port's accept loop, without a
 model: a token when the node has one, a cap on connections (threads stay bounded), a
-deadline per connection, and an accept loop that outlives EMFILE."""
+deadline per connection, and an accept loop that outlives EMFILE; on the sync port, a cap
+per peer address and one deadline from connect to an admitted call."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 import threading
@@ -11,8 +13,9 @@ import time
 
 import httpx
 
+from specwire.link.transport import protocol
 from specwire.link.transport.h2 import server as sync_server
-from specwire.link.transport.h2.connection import Connection
+from specwire.link.transport.h2.connection import Connection, H2Error
 from specwire.node import exporter
 from specwire.node.metrics import NodeMetrics
 
@@ -109,3 +112,108 @@ def test_sync_accept_loop_outlives_emfile(monkeypatch) -> None:
         srv.close()
     srv._thread.join(5)
     assert not srv._thread.is_alive()    # closing still ends it
+
+
+class _Recording:
+    """A sync-port service that admits every call and records it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def sync_call(self, send, context):
+        self.calls.append(context.peer())
+        return _Held()
+
+
+class _Held:
+    def take(self, msg) -> bool:
+        return True
+
+    def end(self) -> None:
+        pass
+
+
+def _closed(sock: socket.socket, within_s: float = 5.0) -> bool:
+    """Whether the server closed this connection (EOF or reset) within the wait."""
+    sock.settimeout(within_s)
+    try:
+        while data := sock.recv(65536):
+            del data                     # the server's SETTINGS: read past them
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def _until(conn: Connection, done, within_s: float = 5.0) -> None:
+    """Read the connection until done() (or the wait is over)."""
+    deadline = time.monotonic() + within_s
+    while not done() and time.monotonic() < deadline:
+        with contextlib.suppress(TimeoutError):
+            conn.wait(0.05)
+
+
+def test_connections_per_address_are_capped() -> None:
+    """Peers of one address hold at most per_address connections: the next is closed at
+    once, whatever it sends; one closing lets the next in."""
+    srv = sync_server.SyncServer(_Recording(), "127.0.0.1", 0, None, max_connections=16,
+                                 idle_s=30, session_idle_s=30, per_address=2)
+    srv.start()
+    try:
+        held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
+        deadline = time.monotonic() + 5
+        while srv.connections("127.0.0.1") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.connections("127.0.0.1") == 2
+        third = socket.create_connection(("127.0.0.1", srv.port))
+        assert _closed(third)
+        assert srv.connections("127.0.0.1") == 2
+        held.pop().close()
+        deadline = time.monotonic() + 5
+        while srv.connections("127.0.0.1") > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fourth = socket.create_connection(("127.0.0.1", srv.port))
+        client = Connection(fourth, client=True, max_message=1 << 20)
+        client.handshake(5)
+        sid = client.request(protocol.SESSION_PATH, "node", (), "http")
+        _until(client, lambda: srv.service.calls)
+        assert sid and len(srv.service.calls) == 1     # served: the slot was freed
+        client.close()
+        for s in (*held, third):
+            s.close()
+    finally:
+        srv.close()
+
+
+def test_one_deadline_from_connect_to_an_admitted_call(monkeypatch) -> None:
+    """A peer that spends most of the deadline on its HTTP/2 preface, then opens a call
+    after the deadline, is closed at the deadline and its call never reaches the service
+    (before: the preface and the first call had a deadline each, one after the other).
+    A peer that opens its call in time is admitted."""
+    monkeypatch.setattr(sync_server, "HANDSHAKE_TIMEOUT_S", 1.0)
+    service = _Recording()
+    srv = sync_server.SyncServer(service, "127.0.0.1", 0, None, max_connections=8,
+                                 idle_s=30, session_idle_s=30)
+    srv.start()
+    try:
+        slow = socket.create_connection(("127.0.0.1", srv.port))
+        time.sleep(0.6)
+        late = Connection(slow, client=True, max_message=1 << 20)
+        late.handshake(5)                     # the preface, within the deadline
+        time.sleep(0.7)                       # past it: 1.3 s after connecting
+        with contextlib.suppress(H2Error, OSError, TimeoutError):
+            late.request(protocol.SESSION_PATH, "node", (), "http")
+            late.wait(3.0)
+        assert late.closed or _closed(slow)
+        assert service.calls == []
+
+        quick = Connection(socket.create_connection(("127.0.0.1", srv.port)), client=True,
+                           max_message=1 << 20)
+        quick.handshake(5)
+        quick.request(protocol.SESSION_PATH, "node", (), "http")
+        _until(quick, lambda: service.calls)
+        assert len(service.calls) == 1
+        quick.close()
+    finally:
+        srv.close()

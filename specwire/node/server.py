@@ -62,6 +62,7 @@ class NodeSettings:
     sessions_per_identity: int = 0  # most sessions one identity holds at once (0: no limit)
     metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
     idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
+    sync_per_address: int = 8  # sync-port connections one peer address holds (0: no cap)
     shutdown_s: float = 10.0  # on SIGTERM: open sessions get this long, then are closed
     cache_ttl_s: float = 900.0  # cached sessions unused this long are forgotten (0: never)
     #: --emulate: every draft context is held to this regime (emulate/hold.py)
@@ -572,7 +573,7 @@ def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServe
     sync = SyncServer(service, settings.host, settings.sync_port, tls,
                       max_connections=4 * settings.max_sessions, idle_s=settings.idle_s,
                       session_idle_s=SESSION_IDLE_S, max_streams=settings.max_sessions + 4,
-                      active_idle_s=ACTIVE_IDLE_S)
+                      active_idle_s=ACTIVE_IDLE_S, per_address=settings.sync_per_address)
     service.sync_port = sync.port
     sync.start()
     return sync

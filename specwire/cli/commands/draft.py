@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="close a target's connection (either port) after this long without "
                    "a call; the target reconnects for its next request without noticing")
+    p.add_argument("--sync-conn-per-address", type=int, default=8, metavar="N",
+                   help="most connections to the sync port from one peer address at once "
+                   "(default 8; 0: no cap but the total, 4 x --max-sessions)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context per sequence")
     p.add_argument("-s", "--seed", type=int, default=None,
                    help="this node's sampling seed for every session (default: each target's "
@@ -101,6 +104,8 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--cache-ram: must be >= 0 MiB, got {a.cache_ram}")
     if a.cache_sessions < 0:
         raise CliError(f"--cache-sessions: must be >= 0, got {a.cache_sessions}")
+    if a.sync_conn_per_address < 0:
+        raise CliError(f"--sync-conn-per-address: must be >= 0, got {a.sync_conn_per_address}")
     if a.sessions_per_identity < 0:
         raise CliError(f"--sessions-per-identity: must be >= 0, got {a.sessions_per_identity}")
     tokens = None
@@ -127,6 +132,7 @@ def run(a: argparse.Namespace) -> int:
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
                             cache_sessions=a.cache_sessions, idle_s=a.idle_timeout,
+                            sync_per_address=a.sync_conn_per_address,
                             shutdown_s=a.shutdown_timeout, cache_ttl_s=a.cache_ttl,
                             emulation=node_emulation(a))
     if settings.emulation is not None:
