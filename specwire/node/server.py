@@ -58,6 +58,8 @@ class NodeSettings:
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
     cache_ram_mib: int = 8192  # finished sessions' KV caches kept in RAM (0: none kept)
     cache_sessions: int = 32  # and at most this many of them
+    cache_ram_per_identity_mib: int = 0  # of which one identity holds at most (0: all)
+    cache_sessions_per_identity: int = 0  # ... and at most this many (0: all)
     tokens: dict[str, str] | None = None  # --token-file: token -> its target's name
     sessions_per_identity: int = 0  # most sessions one identity holds at once (0: no limit)
     metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
@@ -105,6 +107,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
         self.memory = KvCache(settings.model, model, settings.cache_ram_mib,
                               settings.cache_sessions, settings.max_sessions,
                               ttl_s=settings.cache_ttl_s,
+                              identity_mib=settings.cache_ram_per_identity_mib,
+                              identity_sessions=settings.cache_sessions_per_identity,
                               wrap=None if regime is None
                               else lambda b: emulate(b, regime, self.holds))
         self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
