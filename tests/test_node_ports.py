@@ -10,6 +10,7 @@ import errno
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 
@@ -217,3 +218,53 @@ def test_one_deadline_from_connect_to_an_admitted_call(monkeypatch) -> None:
         quick.close()
     finally:
         srv.close()
+
+
+class _Memory:
+    def __init__(self) -> None:
+        self.purged: list[str | None] = []
+
+    def purge(self, identity: str | None = None) -> int:
+        self.purged.append(identity)
+        return 3
+
+
+def _purger(token: str | None, tokens: dict[str, str] | None):
+    from specwire.node.server import DraftNodeService
+    node = SimpleNamespace(settings=SimpleNamespace(token=token, tokens=tokens),
+                           memory=_Memory())
+    return node, lambda header: DraftNodeService.purge_for(node, header)
+
+
+def test_purge_on_the_metrics_port_wants_a_token_and_purges_its_identity() -> None:
+    """POST /purge: the node's --token purges every conversation, a --token-file token its
+    own identity's only, anything else 401; a node without tokens refuses (403)."""
+    alice = "alice-token-0123456789"
+    node, purge = _purger("admin-token-0123456789", {alice: "alice"})
+    m = _metrics()
+    port = m.serve("127.0.0.1", 0, "admin-token-0123456789", purge=purge)
+    try:
+        url = f"http://127.0.0.1:{port}/purge"
+        assert httpx.post(url).status_code == 401
+        assert httpx.post(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        r = httpx.post(url, headers={"Authorization": f"Bearer {alice}"})
+        assert r.status_code == 200 and r.json() == {"purged": 3, "identity": "token:alice"}
+        r = httpx.post(url, headers={"Authorization": "Bearer admin-token-0123456789"})
+        assert r.status_code == 200 and r.json()["identity"] == "all"
+        assert node.memory.purged == ["token:alice", None]
+    finally:
+        m.close()
+    open_node, purge = _purger(None, None)
+    assert purge("")[0] == 403 and open_node.memory.purged == []
+
+
+def test_a_purge_by_identity_matches_its_token_beside_a_certificate() -> None:
+    """An identity of a token and a client certificate is purged by its token's name."""
+    from specwire.node.kv_cache import KvCache
+    mem = KvCache.__new__(KvCache)
+    dropped: list[bool] = []
+    mem._drop_where = lambda doomed: dropped.extend(
+        doomed(scope, 0.0) for scope in [("token:alice cert:CN=a", ""), ("token:bob", ""),
+                                         ("token:alicex", "")]) or 0
+    mem.purge("token:alice")
+    assert dropped == [True, False, False]

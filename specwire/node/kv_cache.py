@@ -279,9 +279,11 @@ class KvCache:
                 log.exception("kv cache: expiring entries failed")
 
     def purge(self, identity: str | None = None) -> int:
-        """Drop every finished conversation's entries (of one identity, when given); how
-        many. Open sessions keep their contexts."""
-        return self._drop_where(lambda scope, used_at: identity is None or scope[0] == identity)
+        """Drop every finished conversation's entries (of one identity, when given: an
+        identity of that token or certificate, node/tenants.identity); how many. Open
+        sessions keep their contexts."""
+        return self._drop_where(lambda scope, used_at: identity is None or
+                                identity in scope[0].split(" "))
 
     def _drop_where(self, doomed: Callable[[Scope, float], bool]) -> int:
         with self._lock:

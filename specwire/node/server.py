@@ -123,6 +123,25 @@ class DraftNodeService(pbg.DraftNodeServicer):
             name = token_name(self.settings.tokens, got)
         return identity(name, certificate_subject(context))
 
+    def purge_for(self, header: str) -> tuple[int, dict] | None:
+        """POST /purge on the metrics port (node/exporter.py) with this Authorization
+        header: the node's --token purges every finished conversation, a --token-file
+        token its identity's; (status, answer), or None for a token neither."""
+        want, tokens = self.settings.token, self.settings.tokens
+        if not want and not tokens:
+            return 403, {"error": "this node has no token: anyone could purge its memory; "
+                         "send it SIGHUP instead"}
+        if want and hmac.compare_digest(header.encode(), f"Bearer {want}".encode()):
+            n = self.memory.purge()
+            log.info("POST /purge: %d cached entries purged", n)
+            return 200, {"purged": n, "identity": "all"}
+        name = token_name(tokens, header) if tokens else None
+        if name is None:
+            return None
+        n = self.memory.purge(f"token:{name}")
+        log.info("POST /purge: %d cached entries of token:%s purged", n, name)
+        return 200, {"purged": n, "identity": f"token:{name}"}
+
     def _authorize(self, context: grpc.ServicerContext) -> None:
         want, tokens = self.settings.token, self.settings.tokens
         if not want and not tokens:
@@ -517,7 +536,7 @@ def start(settings: NodeSettings) -> RunningNode:
     metrics_port = None
     if settings.metrics_port is not None:
         metrics_port = service.metrics.serve(settings.host, settings.metrics_port,
-                                             settings.token)
+                                             settings.token, purge=service.purge_for)
     server.start()
     log.info(
         "draft node serving %s on %s:%d (%s, token %s)",
