@@ -47,7 +47,7 @@ class Attacker(threading.Thread):
     def __init__(self, name: str, n: int) -> None:
         super().__init__(name=f"soak-attack-{name}", daemon=True)
         self.n, self.counts = n, Counter()
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self._lock = threading.Lock()
 
     def count(self, what: str) -> None:
@@ -55,7 +55,7 @@ class Attacker(threading.Thread):
             self.counts[what] += 1
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def report(self) -> dict[str, int]:
         with self._lock:
@@ -98,7 +98,7 @@ class Slowloris(Attacker):
 
     def run(self) -> None:
         socks = [self._open(i) for i in range(self.n)]
-        while not self._stop.wait(self.drip_s):
+        while not self._halt.wait(self.drip_s):
             for i, s in enumerate(socks):
                 if s is not None and _closed(s):
                     self.count("closed_by_server")
@@ -159,7 +159,7 @@ class SilentPeers(Attacker):
     def run(self) -> None:
         socks = [self._sync() for _ in range(self.n)]
         calls_due = 0.0
-        while not self._stop.wait(2.0):
+        while not self._halt.wait(2.0):
             for i, s in enumerate(socks):
                 if s is not None and _closed(s):
                     self.count("sync_closed_by_node")

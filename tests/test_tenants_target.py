@@ -179,3 +179,26 @@ def test_scopes_change_no_output(kind: str, n_max: int, seed: int | None) -> Non
             assert scoped[j][1:3] == shared[j][1:3] and scoped[j][1] > 0, j
         else:
             assert scoped[j][1:3] == (0, 0), (j, scoped[j])
+
+
+def test_the_slot_choice_compares_prompts_within_the_scope_only() -> None:
+    """pick_slot (--slot-prompt-similarity): the victim's slot draws its own scope's next
+    request by prefix, never another scope's (that one goes to the least recently used
+    slot, as a prompt sharing nothing would)."""
+    from types import SimpleNamespace
+
+    from specwire.server.slots import pick_slot
+    victim = [5, 6, 7, 8, 9, 10]
+    slots = [SimpleNamespace(index=0, scope="A", last_used=2.0,
+                             target=SimpleNamespace(tokens=victim)),
+             SimpleNamespace(index=1, scope="B", last_used=1.0,
+                             target=SimpleNamespace(tokens=[1, 2, 3]))]
+
+    def pick(scope: str, prompt: list[int]) -> int:
+        req = Request(prompt, 4, draft=DraftParams(cache_scope=scope))
+        return pick_slot(req, slots, 0.1).index
+
+    assert pick("A", victim + [11]) == 0
+    assert pick("B", victim + [11]) == 1 == pick("C", victim + [11])
+    slots[1].last_used = 3.0
+    assert pick("C", victim + [11]) == 0     # the least recently used, emptied on entry
