@@ -360,6 +360,10 @@ def test_tenant_flags_are_refused_with_one_clear_line(specwire_cli, tmp_path) ->
     bad.write_text("alpha short\n")
     for args, needle in ((["--sessions-per-identity", "-1"], "--sessions-per-identity"),
                          (["--cache-ttl", "-5"], "--cache-ttl"),
+                         (["--cache-ram-per-identity", "-1"], "--cache-ram-per-identity"),
+                         (["--cache-sessions-per-identity", "-2"],
+                          "--cache-sessions-per-identity"),
+                         (["--sync-conn-per-address", "-1"], "--sync-conn-per-address"),
                          (["--token-file", str(tmp_path / "none")], "--token-file"),
                          (["--token-file", str(bad)], "shorter than 16")):
         r = specwire_cli("draft", *args)
