@@ -202,3 +202,54 @@ def test_the_slot_choice_compares_prompts_within_the_scope_only() -> None:
     assert pick("B", victim + [11]) == 1 == pick("C", victim + [11])
     slots[1].last_used = 3.0
     assert pick("C", victim + [11]) == 0     # the least recently used, emptied on entry
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafting", [["-t", "1", "-td", "1"], ["-t", "1", "--draft-ngram"]],
+                         ids=["draft-model", "ngram"])
+def test_two_api_keys_on_the_bundled_pair(drafting: list[str]) -> None:
+    """`specwire serve -np 1 --api-key A,B` on the bundled pair (the in-process draft
+    model, then the n-gram drafter): B's probe of A's prompt, right after A's request,
+    reuses nothing of the slot's caches (cache_n, draft_cache_n) and sees the same
+    whether A wrote the secret or another text; A's own next turn reuses its prompt;
+    every answer equals plain decoding (speculative false)."""
+    from test_server import run_serve
+
+    keys = ("victim-key-0123", "attacker-key-0123")
+    auth = [{"Authorization": f"Bearer {k}"} for k in keys]
+    with run_serve(*drafting, "-c", "512", "-np", "1", "--api-key", ",".join(keys),
+                   no_traceback=True) as (url, _), \
+            httpx.Client(base_url=url, timeout=300) as c:
+        def tokens(text: str) -> list[int]:
+            return c.post("/tokenize", json={"content": text}, headers=auth[0]).json()["tokens"]
+
+        def ask(who: int, prompt: list[int], **extra) -> dict:
+            r = c.post("/completion", headers=auth[who], json={
+                "prompt": prompt, "n_predict": 6, "temperature": 0, "return_tokens": True,
+                **extra})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        opening = tokens("Keep this private. My account password is")
+        secret, other = tokens(" tulip-4817, never share it."), tokens(" daisy-1234, fine.")
+        filler = tokens(" Unrelated filler words follow here.")
+        seen = {}
+        for name, text in (("secret", secret), ("other", other)):
+            rows = []
+            for i in range(3):
+                ask(0, opening + text)
+                probe = ask(1, opening + secret[:i + 1] + filler)
+                t = probe["timings"]
+                rows.append((probe["tokens"], t["cache_n"], t["prompt_n"],
+                             t.get("draft_cache_n", 0), probe.get("id_slot")))
+            seen[name] = rows
+        assert seen["secret"] == seen["other"]
+        assert all(r[1] == 0 and r[3] == 0 for r in seen["secret"])
+        ask(0, opening + secret)
+        own = ask(0, opening + secret + filler)
+        assert own["timings"]["cache_n"] >= len(opening + secret) - 1
+        plain = ask(1, opening + secret + filler, speculative=False)
+        assert own["tokens"] == plain["tokens"]
+        assert [r[0] for r in seen["secret"]] == [
+            ask(1, opening + secret[:i + 1] + filler, speculative=False)["tokens"]
+            for i in range(3)]
