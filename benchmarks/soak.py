@@ -11,6 +11,14 @@ process) that is SIGKILLed and restarted every --restart-every seconds, while
   bad       a hostile body (invalid JSON, lone surrogates, deep nesting, huge numbers,
             wrong types, too many stops): a 4xx is expected
 
+With --attackers, issue 23's attackers run beside them for the whole soak
+(benchmarks/soak_attacks.py): slowloris connections to serve, silent peers of the
+node's two ports, and a client kind `constraint` (schemas and grammars past
+llama.cpp's limits: a 400 is expected). Every greedy /completion answer's tokens
+are then checked against plain decoding (the same prompt with speculative false, at
+the end), and the serving process's and the node's threads, descriptors and memory
+are read from /proc every 30 s.
+
 What it reports is read from the target's and the node's /metrics
 (prometheus_client): resident memory and open files cold (before any request),
 at the start (after a warm-up: each kind of request once on every slot, so
@@ -24,7 +32,8 @@ answers by status and times each successful request end to end. Goals: no
 from the first interval are reported beside it.
 
     python -m benchmarks.soak --minutes 10 --clients 8 [--restart-every 60]
-        [--ctx 1024] [-np 2] [--draft-mode auto|sync|pipelined] [--out soak.json]
+        [--ctx 1024] [-np 2] [--draft-mode auto|sync|pipelined] [--attackers]
+        [--out soak.json]
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import soak_attacks as attacks
 from specwire.assets import models
 from specwire.server.metrics import parse_figures
 
@@ -114,6 +124,7 @@ class Tally:
     errors: Counter = field(default_factory=Counter)         # "kind:ExceptionName" -> count
     latency: dict = field(default_factory=dict)              # kind -> [seconds]
     five_xx: list = field(default_factory=list)              # the first few, for the report
+    greedy: dict = field(default_factory=dict)               # prompt -> [tokens answered]
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, kind: str, status: int, seconds: float, text: str = "") -> None:
@@ -130,14 +141,16 @@ class Tally:
 
 
 class Client(threading.Thread):
-    def __init__(self, index: int, url: str, until: float, tally: Tally, ctx: int) -> None:
+    def __init__(self, index: int, url: str, until: float, tally: Tally, ctx: int,
+                 kinds: dict[str, int] | None = None) -> None:
         super().__init__(name=f"soak-client-{index}", daemon=True)
         self.rng = random.Random(index)
         self.url, self.until, self.tally, self.ctx = url, until, tally, ctx
+        self.kinds = kinds or KINDS
         self.http = httpx.Client(base_url=url, timeout=300)
 
     def run(self) -> None:
-        kinds, weights = zip(*KINDS.items(), strict=True)
+        kinds, weights = zip(*self.kinds.items(), strict=True)
         while time.monotonic() < self.until:
             kind = self.rng.choices(kinds, weights)[0]
             t0 = time.perf_counter()
@@ -157,9 +170,21 @@ class Client(threading.Thread):
 
     def complete(self) -> tuple[int, str]:
         path = self.rng.choice(["/completion", "/v1/completions"])
-        body = {"prompt": self.rng.choice(PROMPTS), "max_tokens": self.rng.randint(8, 40),
-                **self._sampling()}
+        prompt, sampling = self.rng.choice(PROMPTS), self._sampling()
+        body = {"prompt": prompt, "max_tokens": self.rng.randint(8, 40), **sampling}
+        greedy = path == "/completion" and sampling["temperature"] == 0
+        if greedy:
+            body["return_tokens"] = True
         r = self.http.post(path, json=body)
+        if greedy and r.status_code == 200:
+            with self.tally.lock:
+                self.tally.greedy.setdefault(prompt, []).append(r.json()["tokens"])
+        return r.status_code, r.text
+
+    def constraint(self) -> tuple[int, str]:
+        body = self.rng.choice(attacks.CONSTRAINT_BODIES)
+        path = "/v1/chat/completions" if b'"messages"' in body else "/completion"
+        r = self.http.post(path, content=body, headers={"Content-Type": "application/json"})
         return r.status_code, r.text
 
     def chat(self) -> tuple[int, str]:
@@ -197,10 +222,10 @@ class Client(threading.Thread):
 def _warm_up(url: str, a: argparse.Namespace) -> None:
     """Each kind of request once per slot, the slots busy at once (answers not counted)."""
     tally = Tally()
-    clients = [Client(1000 + i, url, 0.0, tally, a.ctx) for i in range(a.parallel)]
+    clients = [Client(1000 + i, url, 0.0, tally, a.ctx, _kinds(a)) for i in range(a.parallel)]
 
     def every_kind(c: Client) -> None:
-        for kind in [*KINDS, "long"]:  # a long prompt may be the one in five past the context
+        for kind in [*c.kinds, "long"]:  # a long prompt may be the one in five past the context
             with contextlib.suppress(httpx.HTTPError):
                 getattr(c, kind)()
         c.http.close()
@@ -210,6 +235,26 @@ def _warm_up(url: str, a: argparse.Namespace) -> None:
         t.start()
     for t in threads:
         t.join(600)
+
+
+def _kinds(a: argparse.Namespace) -> dict[str, int]:
+    return {**KINDS, "constraint": 10} if a.attackers else KINDS
+
+
+def _plain_check(url: str, greedy: dict[str, list[list[int]]]) -> dict:
+    """Each greedy answer against plain decoding: the prompt once more, speculative false,
+    as long as the longest answer; an answer must be a prefix of it."""
+    checked = differ = 0
+    with httpx.Client(base_url=url, timeout=600) as c:
+        for prompt, answers in greedy.items():
+            n = max(len(t) for t in answers)
+            r = c.post("/completion", json={"prompt": prompt, "n_predict": n, "temperature": 0,
+                                             "return_tokens": True, "speculative": False})
+            plain = r.json()["tokens"]
+            for t in answers:
+                checked += 1
+                differ += plain[:len(t)] != t
+    return {"greedy_answers_checked": checked, "greedy_answers_unlike_plain": differ}
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -266,14 +311,31 @@ def run(a: argparse.Namespace) -> dict:
         _warm_up(url, a)
         report["start"] = _resources(_scrape(url), _scrape(node_url))
         tally = Tally()
-        until = time.monotonic() + 60 * a.minutes
-        clients = [Client(i, url, until, tally, a.ctx) for i in range(a.clients)]
-        for c in clients:
+        t0 = time.monotonic()
+        until = t0 + 60 * a.minutes
+        clients = [Client(i, url, until, tally, a.ctx, _kinds(a)) for i in range(a.clients)]
+        hostile: list[attacks.Attacker] = []
+        if a.attackers:
+            hostile = [attacks.Slowloris("127.0.0.1", http_port),
+                       attacks.SilentPeers("127.0.0.1", node_port, sync_port)]
+        over_time: list[dict] = []
+
+        def sample() -> None:
+            over_time.append({"t_s": round(time.monotonic() - t0),
+                              "serve": attacks.proc_figures(serve.proc.pid),
+                              "node": attacks.proc_figures(node.proc.pid)})
+
+        sample()
+        for c in [*clients, *hostile]:
             c.start()
         restarts, warm, by_interval = 0, None, []
         next_kill = time.monotonic() + a.restart_every
+        next_sample = time.monotonic() + 30.0
         while time.monotonic() < until:
             time.sleep(min(1.0, max(0.0, until - time.monotonic())))
+            if time.monotonic() >= next_sample:
+                sample()
+                next_sample += 30.0
             if time.monotonic() >= next_kill and time.monotonic() < until - 5:
                 figures = _resources(_scrape(url), _scrape(node_url))
                 warm = warm or figures   # the end of the first interval
@@ -287,7 +349,17 @@ def run(a: argparse.Namespace) -> dict:
                       f"answers so far: {sum(tally.statuses.values())}", flush=True)
         for c in clients:
             c.join(600)
+        for h in hostile:
+            h.stop()
+        for h in hostile:
+            h.join(30)
         time.sleep(2.0)       # let cancelled streams and closing sessions settle
+        if a.attackers:
+            time.sleep(12.0)  # the node's 10 s deadline for the last silent call
+            report["attackers"] = {h.name: h.report() for h in hostile}
+            report |= _plain_check(url, tally.greedy)
+        sample()
+        report["over_time"] = over_time
         end = _resources(_scrape(url), _scrape(node_url))
         report |= {"warm": warm, "end": end, "node_restarts": restarts,
                    "target_rss_mb_before_each_restart": by_interval}
@@ -296,6 +368,7 @@ def run(a: argparse.Namespace) -> dict:
         serve.stop()
         node.stop()
     report["target_tracebacks"] = serve.log().count("Traceback")
+    report["node_tracebacks"] = node.log().count("Traceback")
     return report
 
 
@@ -335,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=1024, help="context size of target and node")
     p.add_argument("-np", "--parallel", type=int, default=2, help="the server's slots")
     p.add_argument("--draft-mode", choices=["auto", "sync", "pipelined"], default="auto")
+    p.add_argument("--attackers", action="store_true",
+                   help="issue 23's attackers beside the clients (soak_attacks.py)")
     p.add_argument("--log-dir", help="where the server's and the node's logs go")
     p.add_argument("--out", help="write the report as JSON here too")
     a = p.parse_args(argv)
@@ -344,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         Path(a.out).write_text(text + "\n")
     ok = report["count_5xx"] == 0 and report["target_rss_growth_pct"] < 5 and \
-        not any(report["open_at_end"].values())
+        not any(report["open_at_end"].values()) and \
+        not report.get("greedy_answers_unlike_plain", 0)
     print(f"[soak] {'PASS' if ok else 'FAIL'}: {report['served_2xx']} served, "
           f"{report['count_5xx']} 5xx, p99 {report['latency_s']['p99']:.2f} s, target RSS "
           f"{report['target_rss_growth_pct']:+.1f}% from the start after warm-up "

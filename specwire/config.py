@@ -116,9 +116,12 @@ class DraftParams:
             request's seed, which couples it to the target (highest acceptance);
             another seed still gives the target's exact output, with fewer accepts.
     policy: "fixed" (always n_max) or "adaptive" (expected tokens/s, see policy.py).
-    cache_scope: which of a draft node's cached conversations this request may reuse and
-            join (node/kv_cache.py): those of its own scope, derived from its cache_salt.
-    cache_store: False keeps the request out of the draft node's cache (cache_prompt false).
+    cache_scope: which cached text this request may reuse: the target's KV cache of its
+            slot, the n-gram lookup cache, and the draft node's cached conversations
+            (node/kv_cache.py) hold text per scope; derived from its API key and
+            cache_salt ("" without either: one scope for the whole server).
+    cache_store: False keeps the request out of the n-gram lookup cache and the draft
+            node's cache (cache_prompt false).
     """
 
     n_max: int = 8

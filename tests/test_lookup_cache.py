@@ -79,11 +79,59 @@ def test_the_header_says_format_version_and_vocabulary(tmp_path: Path) -> None:
     filled(*SEQS).save(path)
     data = path.read_bytes()
     assert data[:8] == MAGIC
-    assert struct.unpack_from("<III", data, 8) == (1, V, len(FP))
+    assert struct.unpack_from("<III", data, 8) == (2, V, len(FP))
     assert data[20:20 + len(FP)] == FP.encode()
+    assert struct.unpack_from("<I", data, 20 + len(FP)) == (0,)     # no scope but ""
     got = read_file(path)
     assert got is not None and (got.n_vocab, got.fingerprint) == (V, FP)
     assert [s.tolist() for s in got.sequences] == SEQS
+    assert got.scopes == [""] * len(SEQS)
+
+
+def _version_1(seqs: list[list[int]]) -> bytes:
+    """A file as version 1 wrote it: no scope table, no scope index."""
+    body = (MAGIC + struct.pack("<III", 1, V, len(FP)) + FP.encode()
+            + struct.pack("<IQ", len(seqs), sum(map(len, seqs))))
+    for seq in seqs:
+        body += struct.pack("<I", len(seq)) + struct.pack(f"<{len(seq)}I", *seq)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def test_a_version_1_file_is_read_as_scope_empty(tmp_path: Path) -> None:
+    path = tmp_path / "v1.bin"
+    path.write_bytes(_version_1(SEQS))
+    back = LookupCache.load(path, V, FP)
+    assert back.scoped() == [("", tuple(s)) for s in SEQS]
+    assert back.match([0, 5, 6, 7, 8]) is not None
+
+
+def test_each_sequence_keeps_its_scope_across_a_save(tmp_path: Path) -> None:
+    c = LookupCache(vocab=(V, FP))
+    c.add(SEQS[0], "a" * 32)
+    c.add(SEQS[1], "")
+    c.add(SEQS[2], "b" * 5)          # a length that needs padding to a word
+    path = tmp_path / "scoped.bin"
+    c.save(path)
+    back = LookupCache.load(path, V, FP)
+    assert back.scoped() == c.scoped()
+    assert back.match([3, 4, 5, 6], "a" * 32) is not None
+    assert back.match([3, 4, 5, 6]) is None and back.match([3, 4, 5, 6], "b" * 5) is None
+
+
+def test_a_lookup_sees_its_own_scope_only() -> None:
+    """The cross-tenant oracle: a sequence of scope A is never a match for scope B, and
+    the same tokens kept in two scopes are two sequences, dropped one at a time."""
+    c = LookupCache(max_tokens=100)
+    secret = [7, 7, 1, 2, 3, 4, 9, 9, 9]
+    c.add(secret, "A")
+    assert c.match([1, 2, 3, 4], "A") is not None
+    assert c.match([1, 2, 3, 4], "B") is None and c.match([1, 2, 3, 4]) is None
+    c.add(secret, "B")
+    assert len(c) == 2
+    c.add(secret, "A")                # held already in A: refreshed, B's stays
+    assert [sc for sc, _ in c.scoped()] == ["B", "A"]
+    c._drop(next(iter(c._seqs)))
+    assert c.match([1, 2, 3, 4], "B") is None and c.match([1, 2, 3, 4], "A") is not None
 
 
 def test_loading_keeps_the_newest_within_max_tokens(tmp_path: Path) -> None:
@@ -191,25 +239,26 @@ def _with_crc(body: bytes) -> bytes:
 @pytest.mark.parametrize("case, needle", [
     ("random", "not a specwire lookup cache"),
     ("llama.cpp", "not a specwire lookup cache"),
-    ("version", "format version 2, this specwire reads version 1 only"),
+    ("version", "format version 3, this specwire reads versions 1 and 2 only"),
     ("trailing", "bytes past its end"),
     ("flipped", "checksum does not match"),
     ("miscounted", "do not add up"),
     ("overrun", "overrun"),
     ("fingerprint", "vocabulary fingerprint"),
+    ("scope", "names scope 5 of 1"),
 ])
 def test_a_file_of_another_format_or_version_or_corrupt_is_refused(
         tmp_path: Path, case: str, needle: str) -> None:
     good = _good(tmp_path)
     body = good[:-4]
-    fp_end = 20 + len(FP)
+    fp_end = 20 + len(FP) + 4         # the fingerprint, then an empty scope table
     if case == "random":
         data = bytes(range(256)) * 4
     elif case == "llama.cpp":
         # llama.cpp's common_ngram_cache file: ngrams and counts, no header
         data = struct.pack("<4i", 1, 2, 3, 4) + struct.pack("<i", 1) + struct.pack("<2i", 7, 3)
     elif case == "version":
-        data = _with_crc(body[:8] + struct.pack("<I", 2) + body[12:])
+        data = _with_crc(body[:8] + struct.pack("<I", 3) + body[12:])
     elif case == "trailing":
         data = good + b"\0\0\0\0"
     elif case == "flipped":
@@ -217,13 +266,15 @@ def test_a_file_of_another_format_or_version_or_corrupt_is_refused(
         data = good[:at] + bytes([good[at] ^ 1]) + good[at + 1:]
     elif case == "miscounted":     # one sequence fewer announced, the tokens recounted
         n_seqs, n_tokens = struct.unpack_from("<IQ", body, fp_end)
-        data = _with_crc(body[:fp_end] + struct.pack("<IQ", n_seqs - 1, n_tokens + 1)
+        data = _with_crc(body[:fp_end] + struct.pack("<IQ", n_seqs - 1, n_tokens + 2)
                          + body[fp_end + 12:])
     elif case == "overrun":        # a sequence longer than what follows
-        head = fp_end + 12
+        head = fp_end + 12 + 4     # past its scope index, its length
         data = _with_crc(body[:head] + struct.pack("<I", 1000) + body[head + 4:])
-    else:                          # a fingerprint length no fingerprint has
+    elif case == "fingerprint":    # a fingerprint length no fingerprint has
         data = _with_crc(body[:16] + struct.pack("<I", 1 << 20) + body[20:])
+    else:                          # a sequence naming a scope the table lacks
+        data = _with_crc(body[:fp_end + 12] + struct.pack("<I", 5) + body[fp_end + 16:])
     path = tmp_path / "bad.bin"
     path.write_bytes(data)
     with pytest.raises(LookupCacheError) as e:

@@ -832,8 +832,9 @@ class _Target:
 
 
 class _Slot:
-    def __init__(self, n: int = 5, busy: bool = False) -> None:
+    def __init__(self, n: int = 5, busy: bool = False, scope: str = "") -> None:
         self.index, self.target, self.job = 0, _Target(n), object() if busy else None
+        self.scope = scope      # whose request filled its cache (Engine.scopes)
 
 
 def test_slot_actions_answer_as_llama_server(tmp_path: Path) -> None:
@@ -847,7 +848,9 @@ def test_slot_actions_answer_as_llama_server(tmp_path: Path) -> None:
                          ((_Slot(), "fly", str(tmp_path), {}), 400),
                          ((_Slot(), "save", str(tmp_path), {"filename": "../etc/x"}), 400),
                          ((_Slot(), "save", str(tmp_path), {}), 400),
-                         ((_Slot(), "restore", str(tmp_path), {"filename": "none.bin"}), 404)):
+                         ((_Slot(), "restore", str(tmp_path), {"filename": "none.bin"}), 404),
+                         # another API key's cache: not saved for this key
+                         ((_Slot(scope="k2"), "save", str(tmp_path), {"filename": "a"}), 403)):
         with pytest.raises(ApiError) as e:
             slot_files.run(*args)
         assert e.value.status == status, args

@@ -137,6 +137,25 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408() -> None:
                           ).status_code == 200
 
 
+def test_a_client_that_leaves_mid_body_logs_no_traceback(caplog) -> None:
+    """A stalled upload whose client closes the connection (the soak's slowloris at its
+    end): no "unexpected error", no traceback; its bytes are given back and the server
+    answers the next request."""
+    caplog.set_level(logging.INFO)
+    with serving(body_timeout_s=30, max_reading=6000, max_body=5000) as (url, _):
+        for _ in range(3):
+            c = _slow_body(url, b" " * 4000, 5000)
+            time.sleep(0.3)
+            c.close()
+        time.sleep(0.5)
+        assert httpx.post(url + "/completion", json={"prompt": "z", "n_predict": 1}
+                          ).status_code == 200
+        second = _slow_body(url, b" " * 4000, 5000)   # the budget was given back
+        time.sleep(0.3)
+        second.close()
+    assert "Traceback" not in caplog.text and "unexpected error" not in caplog.text, caplog.text
+
+
 def test_bodies_in_reading_are_capped_together() -> None:
     """Two uploads that stall: the first holds its bytes, the second would pass the total
     and gets a 503 with Retry-After; the first's bytes are given back when it ends."""

@@ -200,6 +200,38 @@ def test_entries_expire_after_the_ttl_and_a_purge_drops_them(memory) -> None:
     assert mem.purge() >= 1 and _session(mem, SECRET + [1], A) == 0
 
 
+def _flood(mem: KvCache) -> tuple[int, int]:
+    """Alice keeps two conversations; bob then has twelve of his own (each session saves
+    the one before it: one pooled context). What alice's next turns of both find cached."""
+    alice = [SECRET, [200 + i for i in range(30)]]
+    for h in alice:
+        _session(mem, h, A)
+    for i in range(12):
+        _session(mem, [1000 + 50 * i + j for j in range(20)], B)
+    return _session(mem, alice[0] + [1], A), _session(mem, alice[1] + [1], A)
+
+
+def test_one_identity_cannot_evict_every_other_identitys_conversations(memory) -> None:
+    """With a share per identity (--cache-sessions-per-identity 3 of 8), bob's flood evicts
+    his own states only and alice's both survive; without one (the control), bob's flood
+    evicts both of alice's."""
+    assert _flood(memory(contexts=1)) == (0, 0)
+    shared = memory(contexts=1, identity_sessions=3)
+    assert _flood(shared) == (len(SECRET), 30)
+    bobs = [e for e in shared._saved.values() if e.scope == B]
+    assert len(bobs) <= 3
+
+
+def test_an_identitys_share_of_bytes_is_its_own(memory, monkeypatch) -> None:
+    """By bytes (--cache-ram-per-identity): with a "MiB" of 2500 bytes here, a share of one
+    holds two of these ~1.1 kB states, and bob's flood stays within it."""
+    monkeypatch.setattr(kv_cache, "MIB", 2500)
+    mem = memory(contexts=1, identity_mib=1)
+    assert _flood(mem) == (len(SECRET), 30)
+    assert sum(e.size for e in mem._saved.values() if e.scope == B) <= 2500
+    assert memory(contexts=1).identity_budget == mem.budget     # 0: the whole
+
+
 def test_a_token_file_names_each_target(tmp_path) -> None:
     f = tmp_path / "tokens"
     f.write_text("# targets\nalpha  aaaaaaaaaaaaaaaaaaaa\n\nbeta bbbbbbbbbbbbbbbbbbbb\n")
@@ -328,6 +360,10 @@ def test_tenant_flags_are_refused_with_one_clear_line(specwire_cli, tmp_path) ->
     bad.write_text("alpha short\n")
     for args, needle in ((["--sessions-per-identity", "-1"], "--sessions-per-identity"),
                          (["--cache-ttl", "-5"], "--cache-ttl"),
+                         (["--cache-ram-per-identity", "-1"], "--cache-ram-per-identity"),
+                         (["--cache-sessions-per-identity", "-2"],
+                          "--cache-sessions-per-identity"),
+                         (["--sync-conn-per-address", "-1"], "--sync-conn-per-address"),
                          (["--token-file", str(tmp_path / "none")], "--token-file"),
                          (["--token-file", str(bad)], "shorter than 16")):
         r = specwire_cli("draft", *args)

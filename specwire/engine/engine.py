@@ -177,6 +177,10 @@ class Engine:
         for guard in self.guards:
             guard.use_costs(self.costs)
         self.scheduler = BatchScheduler(self.batch, self.start)
+        #: each sequence's cache scope: that of the request whose tokens its KV caches (the
+        #: target's and a local draft model's) hold; "" for every request of a server
+        #: without API keys or cache_salt
+        self.scopes = [""] * self.batch.n_seq
         #: --lookup-cache-dynamic: the n-gram drafters' cache file (build.py sets it), which
         #: the command saves when it ends
         self.lookup_file: CacheFile | None = None
@@ -252,6 +256,7 @@ class Engine:
         adaptive = s.policy if isinstance(s.policy, AdaptivePolicy) else None
         if adaptive is not None:
             adaptive.drafter_stops = drafter.capabilities.stops
+        self.enter_scope(s.seq, req.draft.cache_scope)
         s.begun = True
         s.drafter0 = drafter.stats()
         # A drafter that can follow the grammar drafts only what it allows: more accepted.
@@ -282,6 +287,19 @@ class Engine:
         if isinstance(policy, AdaptivePolicy):
             policy.costs, policy.own_costs = self.costs, False
         return policy
+
+    def enter_scope(self, seq: int, scope: str) -> None:
+        """A request of cache scope `scope` starts in sequence seq: if the sequence's caches
+        hold another scope's tokens, empty them (the target's and a local draft model's),
+        so that no request reuses, or learns through cache_n, draft_cache_n or the time
+        its prompt took, what a request of another scope left there."""
+        if self.scopes[seq] == scope:
+            return
+        self.scopes[seq] = scope
+        self.batch.seq(seq).truncate(0)
+        backend = self.guards[seq].backend
+        if backend is not None:
+            backend.truncate(0)
 
     def reuse_cache(self, target: Backend, prompt: Sequence[int]) -> int:
         """How many prompt tokens a sequence's cache can keep: the common prefix, and with

@@ -6,6 +6,11 @@ MAX_CONNECTIONS at once (one more is closed at once), each with a socket timeout
 total deadline of DEADLINE_S, the node's token (`Authorization: Bearer TOKEN`) when it
 has one, and an accept loop that waits out transient errors (EMFILE) instead of
 spinning or ending.
+
+`POST /purge` drops finished conversations from the node's memory, as SIGHUP does but
+from another machine: with the node's --token, every one; with a --token-file token,
+that token's identity's only. A node without tokens refuses it (403): anyone could
+empty its memory.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import hmac
+import json
 import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -46,6 +53,18 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         self._answer(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
 
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        server: Exporter = self.server  # type: ignore[assignment]
+        if self.path.split("?", 1)[0] != "/purge" or server.purge is None:
+            self._answer(404, b"not found\n", "text/plain")
+            return
+        got = server.purge(self.headers.get("Authorization", ""))
+        if got is None:
+            self._answer(401, b"bad or missing token\n", "text/plain")
+            return
+        status, answer = got
+        self._answer(status, json.dumps(answer).encode() + b"\n", "application/json")
+
     def _answer(self, status: int, body: bytes, ctype: str) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
@@ -64,8 +83,11 @@ class Exporter(ThreadingHTTPServer):
     request_queue_size = 128
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry,
-                 token: str | None = None, max_connections: int = MAX_CONNECTIONS) -> None:
-        self.registry, self.token = registry, token
+                 token: str | None = None, max_connections: int = MAX_CONNECTIONS,
+                 purge: Callable[[str], tuple[int, dict] | None] | None = None) -> None:
+        """purge(authorization header): POST /purge's (status, JSON answer), None for a
+        token it does not know (401); None: no /purge."""
+        self.registry, self.token, self.purge = registry, token, purge
         self._slots = threading.BoundedSemaphore(max_connections)
         self._deadlines: dict[socket.socket, float] = {}
         self._lock = threading.Lock()

@@ -30,7 +30,11 @@ it reuses (its cache_n) nor how long it waits. A pooled context of another
 scope is emptied before it serves. A session opened with store False (the
 request's cache_prompt false) takes a fresh context, reuses nothing and leaves
 nothing behind. Entries unused for `ttl_s` are dropped (expire), and purge
-drops them all (a scope's only, when given).
+drops them all (an identity's only, when given). Budgets per identity
+(identity_mib, identity_sessions: --cache-ram-per-identity,
+--cache-sessions-per-identity): an identity over its share makes room by evicting its
+own least recently used states, never another's, so that one tenant's traffic cannot
+evict every other tenant's conversations (it can hold at most its share of the whole).
 """
 
 from __future__ import annotations
@@ -121,10 +125,12 @@ class KvCache:
                  sessions: int = 32, max_contexts: int = 8, ttl_s: float = 0.0,
                  new_backend: Callable[[], LlamaBackend] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wrap: Callable[[LlamaBackend], LlamaBackend] | None = None) -> None:
+                 wrap: Callable[[LlamaBackend], LlamaBackend] | None = None,
+                 identity_mib: int = 0, identity_sessions: int = 0) -> None:
         """ttl_s > 0: entries unused that long are dropped (see expire). new_backend and
         clock replace llama.cpp's contexts and the monotonic clock (tests); wrap is applied
-        to every context made (the node's --emulate holds them)."""
+        to every context made (the node's --emulate holds them). identity_mib,
+        identity_sessions: the most saved states one identity holds (0: the whole)."""
         self.params, self.model = params, model
         self.ttl_s = max(0.0, ttl_s)
         hold = wrap or (lambda backend: backend)
@@ -133,6 +139,9 @@ class KvCache:
         self.budget = max(0, ram_mib) * MIB
         self.max_entries = max(0, sessions)
         self.max_contexts = max(1, max_contexts)
+        self.identity_budget = min(self.budget, max(0, identity_mib) * MIB) or self.budget
+        self.identity_entries = (min(self.max_entries, max(0, identity_sessions))
+                                 or self.max_entries)
         self.enabled = self.budget > 0 and self.max_entries > 0
         self.counters = CacheCounters()
         self._lock = threading.Condition()
@@ -270,9 +279,11 @@ class KvCache:
                 log.exception("kv cache: expiring entries failed")
 
     def purge(self, identity: str | None = None) -> int:
-        """Drop every finished conversation's entries (of one identity, when given); how
-        many. Open sessions keep their contexts."""
-        return self._drop_where(lambda scope, used_at: identity is None or scope[0] == identity)
+        """Drop every finished conversation's entries (of one identity, when given: an
+        identity of that token or certificate, node/tenants.identity); how many. Open
+        sessions keep their contexts."""
+        return self._drop_where(lambda scope, used_at: identity is None or
+                                identity in scope[0].split(" "))
 
     def _drop_where(self, doomed: Callable[[Scope, float], bool]) -> int:
         with self._lock:
@@ -355,10 +366,12 @@ class KvCache:
             size = llama.state_size(p.backend) + p.tokens.nbytes
         except Exception:  # noqa: BLE001 - a cache that cannot save only forgets
             return
-        if size > self.budget:
+        if size > self.identity_budget:
             self.counters.too_big += 1
-            log.info("kv cache: a %d-token sequence (%.1f MiB) exceeds --cache-ram %d MiB; "
-                     "not kept", len(p.tokens), size / MIB, self.budget // MIB)
+            log.info("kv cache: a %d-token sequence (%.1f MiB) exceeds --cache-ram%s %d MiB; "
+                     "not kept", len(p.tokens), size / MIB,
+                     "-per-identity" if self.identity_budget < self.budget else "",
+                     self.identity_budget // MIB)
             return
         with self._lock:
             if any(s.scope == p.scope and self._covers(s.tokens, p.tokens)
@@ -373,6 +386,15 @@ class KvCache:
             for key in [k for k, s in self._saved.items()
                         if s.scope == p.scope and self._covers(p.tokens, s.tokens)]:
                 self._drop(key)  # this sequence extends them: turn N+1 replaces turn N
+            who = p.scope[0]
+            while True:     # the identity's share first: it evicts its own entries only
+                own = [k for k, e in self._saved.items() if e.scope[0] == who]
+                used = sum(self._saved[k].size for k in own)
+                if not own or (len(own) < self.identity_entries and
+                               used + state.size <= self.identity_budget):
+                    break
+                self._drop(own[0])
+                self.counters.evictions += 1
             while self._saved and (len(self._saved) >= self.max_entries
                                    or self._bytes + state.size > self.budget):
                 self._drop(next(iter(self._saved)))

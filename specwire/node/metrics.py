@@ -95,11 +95,12 @@ class NodeMetrics:
         yield GaugeMetricFamily(PREFIX + "calibrations", "Targets whose draft calibration this "
                                 "node keeps (bounded).", value=self._calibrations())
 
-    def serve(self, host: str, port: int, token: str | None = None) -> int:
-        """Start the HTTP exporter on a daemon thread; the port it listens on."""
+    def serve(self, host: str, port: int, token: str | None = None, purge=None) -> int:
+        """Start the HTTP exporter on a daemon thread (with POST /purge when `purge` is
+        given: exporter.py); the port it listens on."""
         from specwire.node.exporter import Exporter
 
-        self._http = Exporter(host, port, self.registry, token)
+        self._http = Exporter(host, port, self.registry, token, purge=purge)
         return self._http.port
 
     def close(self) -> None:

@@ -58,10 +58,13 @@ class NodeSettings:
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
     cache_ram_mib: int = 8192  # finished sessions' KV caches kept in RAM (0: none kept)
     cache_sessions: int = 32  # and at most this many of them
+    cache_ram_per_identity_mib: int = 0  # of which one identity holds at most (0: all)
+    cache_sessions_per_identity: int = 0  # ... and at most this many (0: all)
     tokens: dict[str, str] | None = None  # --token-file: token -> its target's name
     sessions_per_identity: int = 0  # most sessions one identity holds at once (0: no limit)
     metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
     idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
+    sync_per_address: int = 8  # sync-port connections one peer address holds (0: no cap)
     shutdown_s: float = 10.0  # on SIGTERM: open sessions get this long, then are closed
     cache_ttl_s: float = 900.0  # cached sessions unused this long are forgotten (0: never)
     #: --emulate: every draft context is held to this regime (emulate/hold.py)
@@ -104,6 +107,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
         self.memory = KvCache(settings.model, model, settings.cache_ram_mib,
                               settings.cache_sessions, settings.max_sessions,
                               ttl_s=settings.cache_ttl_s,
+                              identity_mib=settings.cache_ram_per_identity_mib,
+                              identity_sessions=settings.cache_sessions_per_identity,
                               wrap=None if regime is None
                               else lambda b: emulate(b, regime, self.holds))
         self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
@@ -117,6 +122,25 @@ class DraftNodeService(pbg.DraftNodeServicer):
             got = dict(context.invocation_metadata() or ()).get(protocol.AUTH_HEADER, "")
             name = token_name(self.settings.tokens, got)
         return identity(name, certificate_subject(context))
+
+    def purge_for(self, header: str) -> tuple[int, dict] | None:
+        """POST /purge on the metrics port (node/exporter.py) with this Authorization
+        header: the node's --token purges every finished conversation, a --token-file
+        token its identity's; (status, answer), or None for a token neither."""
+        want, tokens = self.settings.token, self.settings.tokens
+        if not want and not tokens:
+            return 403, {"error": "this node has no token: anyone could purge its memory; "
+                         "send it SIGHUP instead"}
+        if want and hmac.compare_digest(header.encode(), f"Bearer {want}".encode()):
+            n = self.memory.purge()
+            log.info("POST /purge: %d cached entries purged", n)
+            return 200, {"purged": n, "identity": "all"}
+        name = token_name(tokens, header) if tokens else None
+        if name is None:
+            return None
+        n = self.memory.purge(f"token:{name}")
+        log.info("POST /purge: %d cached entries of token:%s purged", n, name)
+        return 200, {"purged": n, "identity": f"token:{name}"}
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         want, tokens = self.settings.token, self.settings.tokens
@@ -512,7 +536,7 @@ def start(settings: NodeSettings) -> RunningNode:
     metrics_port = None
     if settings.metrics_port is not None:
         metrics_port = service.metrics.serve(settings.host, settings.metrics_port,
-                                             settings.token)
+                                             settings.token, purge=service.purge_for)
     server.start()
     log.info(
         "draft node serving %s on %s:%d (%s, token %s)",
@@ -572,7 +596,7 @@ def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServe
     sync = SyncServer(service, settings.host, settings.sync_port, tls,
                       max_connections=4 * settings.max_sessions, idle_s=settings.idle_s,
                       session_idle_s=SESSION_IDLE_S, max_streams=settings.max_sessions + 4,
-                      active_idle_s=ACTIVE_IDLE_S)
+                      active_idle_s=ACTIVE_IDLE_S, per_address=settings.sync_per_address)
     service.sync_port = sync.port
     sync.start()
     return sync

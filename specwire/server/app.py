@@ -185,8 +185,9 @@ def create_app(engine: Engine | Sequence[Engine],
     @api.post("/slots/{slot_id}")
     async def slot_action(slot_id: int, request: Request, action: str = "") -> dict:
         body = await read_json(request) if action != "erase" else {}
+        scope = schemas.joined_scope(getattr(request.state, "key_scope", ""))
         return await run_in_threadpool(scheduler.slot_action, slot_id, action,
-                                       settings.slot_save_path, body)
+                                       settings.slot_save_path, body, scope)
 
     if settings.metrics:
         @api.get("/metrics")

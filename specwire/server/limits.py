@@ -27,6 +27,7 @@ import math
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from specwire.config import INT32_MAX
 from specwire.server.deadlines import BodyBudget
@@ -81,6 +82,8 @@ async def read_body(request: Request, cap: int, budget: BodyBudget | None = None
                 chunks.append(chunk)
     except TimeoutError:
         raise budget.late() from None
+    except ClientDisconnect:   # nobody reads the answer: a 400 ends it without a traceback
+        raise bad_request(f"request body: the client left after {size} bytes") from None
     finally:
         budget.give(size)
     return b"".join(chunks)

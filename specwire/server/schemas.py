@@ -177,11 +177,18 @@ def key_scope(key: bytes) -> str:
     return hashlib.sha256(b"specwire api key\0" + key).hexdigest()[:32]
 
 
+def joined_scope(key: str, salt: str = "") -> str:
+    """The cache scope of a request of API key scope `key` (key_scope's; "" without keys)
+    and cache_salt scope `salt` (cache_scope's)."""
+    if not key:
+        return salt
+    return hashlib.sha256(f"{key}\0{salt}".encode()).hexdigest()[:32]
+
+
 def scope_by_key(request: Request, scope: str) -> None:
     """Narrow a request's cache scope (its cache_salt's, or "") to its API key's."""
     if scope:
-        own = request.draft.cache_scope
-        joined = hashlib.sha256(f"{scope}\0{own}".encode()).hexdigest()[:32]
+        joined = joined_scope(scope, request.draft.cache_scope)
         request.draft = replace(request.draft, cache_scope=joined)
 
 

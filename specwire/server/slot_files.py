@@ -5,6 +5,11 @@ save writes the slot's KV cache and the tokens it holds to a file in the
 request sharing its prefix starts from there (cache_n); erase empties the slot's
 cache. Each runs between the batch's steps, on an idle slot only (409 otherwise).
 A restored cache is a cache: the output is what it would be without it.
+
+With API keys, a slot's cache belongs to the cache scope of the request that filled it
+(Engine.enter_scope): save refuses (403) a slot holding another key's text, and a
+restored cache belongs to the key that restored it. The files of --slot-save-path are
+one folder for every key, as in llama-server.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ def filename(body: Any) -> str:
     return name
 
 
-def run(slot: Any, action: str, folder: str | None, body: Any) -> dict:
+def run(slot: Any, action: str, folder: str | None, body: Any, scope: str = "") -> dict:
     """One action on an idle slot (its engine is not stepping: the caller holds the
-    scheduler's lock)."""
+    scheduler's lock) for a client of cache scope `scope`."""
     if action not in ACTIONS:
         raise bad_request(f"action: must be save, restore or erase, got {action!r}")
     if slot.job is not None:
@@ -43,6 +48,9 @@ def run(slot: Any, action: str, folder: str | None, body: Any) -> dict:
         n = target.n_past
         target.truncate(0)
         return {"id_slot": slot.index, "n_erased": n}
+    if action == "save" and slot.scope != scope and target.n_past:
+        raise ApiError(403, f"slot {slot.index} holds the cache of another API key's "
+                       "request; it can be saved with that key only", "permission_error")
     if not folder:
         raise ApiError(501, "slot files need serve --slot-save-path DIR", "not_supported_error")
     name = filename(body)
@@ -58,6 +66,7 @@ def run(slot: Any, action: str, folder: str | None, body: Any) -> dict:
                     "timings": {"save_ms": round(1000 * (time.perf_counter() - t0), 3)}}
         if not os.path.isfile(path):
             raise ApiError(404, f"no slot file {name!r} in --slot-save-path", "not_found_error")
+        slot.engine.enter_scope(slot.seq, scope)   # its caches emptied if another's
         n = llama.load_file(target, path)
         return {"id_slot": slot.index, "filename": name, "n_restored": n,
                 "n_read": os.path.getsize(path),

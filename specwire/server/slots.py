@@ -9,7 +9,9 @@ first served, and a request that finds the queue full is refused at once (429)
 instead of piling up behind a long generation. A request goes to the idle slot
 whose KV cache already holds most of its prompt (llama-server's
 --slot-prompt-similarity), so a chat's next turn finds its history where it
-left it; it joins the batch at the next step.
+left it; it joins the batch at the next step. Only a slot whose cache holds its own
+cache scope's text (its API key's and cache_salt's: Engine.enter_scope) counts for
+that choice, so the slot a request lands on says nothing of another tenant's prompts.
 
 The HTTP side never blocks on generation: a Job carries an asyncio queue, and
 the worker hands it events (text pieces, then the result) through
@@ -162,7 +164,7 @@ class JobQueue:
             try:
                 while not self._closed:
                     if self._jobs and (slot is None or pick_slot(
-                            self._jobs[0].request.prompt, self._idle_slots,
+                            self._jobs[0].request, self._idle_slots,
                             self.similarity) is slot):
                         return self._jobs.popleft()
                     self._cv.wait()
@@ -180,7 +182,7 @@ class JobQueue:
             self._free = len(idle)
             if not self._jobs or not idle or self._closed:
                 return None
-            slot = pick_slot(self._jobs[0].request.prompt, idle, self.similarity)
+            slot = pick_slot(self._jobs[0].request, idle, self.similarity)
             self._free -= 1
             return self._jobs.popleft(), slot
 
@@ -230,13 +232,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def pick_slot(prompt: Sequence[int], idle: Sequence[Slot], similarity: float) -> Slot | None:
-    """llama-server's choice of a slot for a prompt (--slot-prompt-similarity): the idle
-    slot whose cached tokens share the longest prefix with it, if that prefix is more than
-    `similarity` of the prompt; otherwise (or with similarity 0) the least recently used."""
+def pick_slot(request: Request, idle: Sequence[Slot], similarity: float) -> Slot | None:
+    """llama-server's choice of a slot for a request (--slot-prompt-similarity): the idle
+    slot whose cached tokens share the longest prefix with its prompt, if that prefix is
+    more than `similarity` of the prompt; otherwise (or with similarity 0) the least
+    recently used. Only slots whose cache holds the request's own cache scope count."""
     best, best_n = None, 0
+    prompt, scope = request.prompt, request.draft.cache_scope
     if similarity > 0 and prompt:
         for s in idle:
+            if s.scope != scope:
+                continue
             n = common_prefix(s.target.tokens, prompt)
             if n > best_n and n / len(prompt) > similarity:
                 best, best_n = s, n
@@ -261,6 +267,11 @@ class Slot:
         self._stops = StopMatcher(())
         self._clock: _Clock | None = None
         self._done = 0        # tokens whose probabilities were sent
+
+    @property
+    def scope(self) -> str:
+        """The cache scope of the tokens this slot's caches hold."""
+        return self.engine.scopes[self.seq]
 
     def start(self, job: Job) -> None:
         """The job joins the engine's batch in this slot's sequence (at the next step)."""
@@ -535,14 +546,16 @@ class Scheduler:
                 "deferred": len(self.queue), "capacity": self.queue.capacity,
                 "slots": len(self.slots)}
 
-    def slot_action(self, index: int, action: str, folder: str | None, body: object) -> dict:
-        """POST /slots/{id}?action=...: run it on the idle slot between steps."""
+    def slot_action(self, index: int, action: str, folder: str | None, body: object,
+                    scope: str = "") -> dict:
+        """POST /slots/{id}?action=...: run it on the idle slot between steps, for a client
+        of cache scope `scope` (its API key's)."""
         from specwire.server import slot_files
         if not 0 <= index < len(self.slots):
             raise ApiError(404, f"no slot {index}; this server has {len(self.slots)}",
                            "not_found_error")
         with self.lock:
-            return slot_files.run(self.slots[index], action, folder, body)
+            return slot_files.run(self.slots[index], action, folder, body, scope)
 
     def lora_adapters(self) -> list[dict]:
         """GET /lora-adapters: the target's adapters (llama-server's id, path, scale)."""

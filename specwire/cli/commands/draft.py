@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="close a target's connection (either port) after this long without "
                    "a call; the target reconnects for its next request without noticing")
+    p.add_argument("--sync-conn-per-address", type=int, default=8, metavar="N",
+                   help="most connections to the sync port from one peer address at once "
+                   "(default 8; 0: no cap but the total, 4 x --max-sessions)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context per sequence")
     p.add_argument("-s", "--seed", type=int, default=None,
                    help="this node's sampling seed for every session (default: each target's "
@@ -48,6 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-sessions", type=int, default=32, metavar="N",
                    help="most finished sessions kept in --cache-ram (least recently used "
                    "out first)")
+    p.add_argument("--cache-ram-per-identity", type=int, default=0, metavar="MiB",
+                   help="most of --cache-ram one identity's conversations hold: an identity "
+                   "over it evicts its own, never another's (default 0: all of it)")
+    p.add_argument("--cache-sessions-per-identity", type=int, default=0, metavar="N",
+                   help="most of --cache-sessions one identity holds (default 0: all)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
                    help="on SIGTERM: refuse new sessions, give open ones S seconds, then stop")
     p.add_argument("--cache-ttl", type=float, default=900.0, metavar="SECONDS",
@@ -101,6 +109,11 @@ def run(a: argparse.Namespace) -> int:
         raise CliError(f"--cache-ram: must be >= 0 MiB, got {a.cache_ram}")
     if a.cache_sessions < 0:
         raise CliError(f"--cache-sessions: must be >= 0, got {a.cache_sessions}")
+    for flag in ("cache_ram_per_identity", "cache_sessions_per_identity"):
+        if getattr(a, flag) < 0:
+            raise CliError(f"--{flag.replace('_', '-')}: must be >= 0, got {getattr(a, flag)}")
+    if a.sync_conn_per_address < 0:
+        raise CliError(f"--sync-conn-per-address: must be >= 0, got {a.sync_conn_per_address}")
     if a.sessions_per_identity < 0:
         raise CliError(f"--sessions-per-identity: must be >= 0, got {a.sessions_per_identity}")
     tokens = None
@@ -127,6 +140,9 @@ def run(a: argparse.Namespace) -> int:
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
                             cache_sessions=a.cache_sessions, idle_s=a.idle_timeout,
+                            sync_per_address=a.sync_conn_per_address,
+                            cache_ram_per_identity_mib=a.cache_ram_per_identity,
+                            cache_sessions_per_identity=a.cache_sessions_per_identity,
                             shutdown_s=a.shutdown_timeout, cache_ttl_s=a.cache_ttl,
                             emulation=node_emulation(a))
     if settings.emulation is not None:

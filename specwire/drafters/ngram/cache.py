@@ -7,20 +7,28 @@ occurrence), and a match grows backwards against the current history like an
 in-history one, so its length means the same to the drafter's calibration.
 A sequence already held (the same request again) is stored once, refreshed.
 
+Tenants: every sequence belongs to a cache scope (the request's, DraftParams.cache_scope:
+a digest of its API key and cache_salt; "" without either), and a lookup finds only its
+own scope's sequences, so one client's drafts never copy, nor reveal through
+draft_n_accepted, another client's text. A single-tenant server has one scope, "".
+
 A cache may outlive the process (--lookup-cache-dynamic FILE, persist.py): save()
 writes its sequences, oldest first, under a header naming the target's vocabulary
 (its size and the fingerprint the link's handshake compares), and load() refuses a
 file of another format, version or vocabulary, or one cut short, in one line.
 
-File format, little-endian throughout (version 1):
+File format, little-endian throughout (version 2; version 1, read still, had no scope
+table and no scope index, every sequence of scope ""):
 
     magic     8 bytes  b"SWLOOKUP"
-    version   u32      1
+    version   u32      2
     n_vocab   u32      the target's vocabulary size
     fp_len    u32      then fp_len bytes: the vocabulary fingerprint (ASCII)
+    n_scopes  u32      then n_scopes x (u32 length, the scope's ASCII bytes, NULs to a
+                       multiple of 4); scope index 0 is "", index i the table's i-th entry
     n_seqs    u32      sequences that follow, oldest first
     n_tokens  u64      their tokens in all
-    n_seqs x (u32 length, then length u32 token ids)
+    n_seqs x (u32 scope index, u32 length, then length u32 token ids)
     crc32     u32      of every byte before it
 """
 
@@ -44,11 +52,13 @@ KEY = 4
 DEFAULT_TOKENS = 1 << 17
 
 MAGIC = b"SWLOOKUP"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
 _HEAD = struct.Struct("<8sIII")      # magic, version, n_vocab, fp_len
 _COUNTS = struct.Struct("<IQ")       # n_seqs, n_tokens
 _CRC = struct.Struct("<I")
 _MAX_FP = 256                        # a fingerprint longer than this is not one
+_MAX_SCOPE = 128                     # the draft link's bound on a cache scope
 
 
 class LookupCacheError(ConfigError):
@@ -63,6 +73,7 @@ class CacheFileContents:
     n_vocab: int
     fingerprint: str
     sequences: list[np.ndarray]     # oldest first, each of dtype uint32
+    scopes: list[str] | None = None  # each sequence's cache scope (None: all "")
 
 
 def read_file(path: str | os.PathLike) -> CacheFileContents | None:
@@ -91,20 +102,42 @@ def read_file(path: str | os.PathLike) -> CacheFileContents | None:
     if len(data) < _HEAD.size:
         raise bad(f"truncated: {len(data)} bytes, not even a header")
     _, version, n_vocab, fp_len = _HEAD.unpack_from(data)
-    if version != VERSION:
-        raise bad(f"format version {version}, this specwire reads version {VERSION} only "
+    if version not in READS:
+        raise bad(f"format version {version}, this specwire reads versions 1 and 2 only "
                   "(move it away or name another file)")
     if fp_len > _MAX_FP:
         raise bad(f"corrupt header (a {fp_len}-byte vocabulary fingerprint)")
-    head = _HEAD.size + fp_len + _COUNTS.size
-    if len(data) < head:
+    at = _HEAD.size + fp_len
+    if len(data) < at + _COUNTS.size:
         raise bad(f"truncated: {len(data)} bytes, not even a header")
     try:
-        fingerprint = data[_HEAD.size:_HEAD.size + fp_len].decode("ascii")
+        fingerprint = data[_HEAD.size:at].decode("ascii")
     except UnicodeDecodeError:
         raise bad("corrupt header (the vocabulary fingerprint is not text)") from None
-    n_seqs, n_tokens = _COUNTS.unpack_from(data, _HEAD.size + fp_len)
-    want = head + 4 * (n_seqs + n_tokens) + _CRC.size
+    table = [""]
+    if version >= 2:
+        (n_scopes,) = struct.unpack_from("<I", data, at)
+        at += 4
+        for _ in range(n_scopes):
+            if len(data) < at + 4:
+                raise bad(f"truncated: {len(data)} bytes, not even a header")
+            (size,) = struct.unpack_from("<I", data, at)
+            if size > _MAX_SCOPE:
+                raise bad(f"corrupt header (a {size}-byte cache scope)")
+            padded = 4 + (size + 3) // 4 * 4
+            if len(data) < at + padded:
+                raise bad(f"truncated: {len(data)} bytes, not even a header")
+            try:
+                table.append(data[at + 4:at + 4 + size].decode("ascii"))
+            except UnicodeDecodeError:
+                raise bad("corrupt header (a cache scope is not text)") from None
+            at += padded
+    head = at + _COUNTS.size
+    if len(data) < head:
+        raise bad(f"truncated: {len(data)} bytes, not even a header")
+    n_seqs, n_tokens = _COUNTS.unpack_from(data, at)
+    per_seq = 2 if version >= 2 else 1
+    want = head + 4 * (per_seq * n_seqs + n_tokens) + _CRC.size
     if len(data) < want:
         raise bad(f"truncated: {len(data)} bytes, its header promises {want} "
                   f"({n_seqs} sequences, {n_tokens} tokens)")
@@ -113,31 +146,45 @@ def read_file(path: str | os.PathLike) -> CacheFileContents | None:
     (crc,) = _CRC.unpack_from(data, want - _CRC.size)
     if zlib.crc32(memoryview(data)[:want - _CRC.size]) != crc:
         raise bad("corrupt: its checksum does not match its contents")
-    words = np.frombuffer(data, dtype="<u4", count=n_seqs + n_tokens, offset=head)
-    sequences, i = [], 0
+    words = np.frombuffer(data, dtype="<u4", count=per_seq * n_seqs + n_tokens, offset=head)
+    sequences, scopes, i = [], [], 0
     for _ in range(n_seqs):
-        if i >= len(words):
+        if i + per_seq > len(words):
             raise bad("corrupt: its sequences overrun their count")
-        length = int(words[i])
-        if i + 1 + length > len(words):
+        scope = int(words[i]) if per_seq == 2 else 0
+        length = int(words[i + per_seq - 1])
+        if scope >= len(table):
+            raise bad(f"corrupt: a sequence names scope {scope} of {len(table)}")
+        i += per_seq
+        if i + length > len(words):
             raise bad("corrupt: its sequences overrun their count")
-        sequences.append(words[i + 1:i + 1 + length])
-        i += 1 + length
+        sequences.append(words[i:i + length])
+        scopes.append(table[scope])
+        i += length
     if i != len(words):
         raise bad("corrupt: its sequences do not add up to its token count")
-    return CacheFileContents(n_vocab, fingerprint, sequences)
+    return CacheFileContents(n_vocab, fingerprint, sequences, scopes)
 
 
-def encode(sequences: Sequence[Sequence[int]], n_vocab: int, fingerprint: str) -> bytes:
-    """The file's bytes for these sequences (oldest first)."""
+def encode(sequences: Sequence[Sequence[int]], n_vocab: int, fingerprint: str,
+           scopes: Sequence[str] | None = None) -> bytes:
+    """The file's bytes for these sequences (oldest first) and their scopes (None: all "")."""
     fp = fingerprint.encode("ascii")
     if len(fp) > _MAX_FP:
         raise ValueError(f"lookup cache: a vocabulary fingerprint of {len(fp)} bytes")
+    scopes = list(scopes) if scopes is not None else [""] * len(sequences)
+    table = sorted(set(scopes) - {""})
+    index = {"": 0, **{sc: i + 1 for i, sc in enumerate(table)}}
+    parts = [_HEAD.pack(MAGIC, VERSION, n_vocab, len(fp)), fp, struct.pack("<I", len(table))]
+    for sc in table:
+        raw = sc.encode("ascii")
+        if len(raw) > _MAX_SCOPE:
+            raise ValueError(f"lookup cache: a cache scope of {len(raw)} bytes")
+        parts.append(struct.pack("<I", len(raw)) + raw + b"\0" * (-len(raw) % 4))
     n_tokens = sum(len(s) for s in sequences)
-    parts = [_HEAD.pack(MAGIC, VERSION, n_vocab, len(fp)), fp,
-             _COUNTS.pack(len(sequences), n_tokens)]
-    for seq in sequences:
-        parts.append(struct.pack("<I", len(seq)))
+    parts.append(_COUNTS.pack(len(sequences), n_tokens))
+    for seq, sc in zip(sequences, scopes, strict=True):
+        parts.append(struct.pack("<II", index[sc], len(seq)))
         parts.append(np.asarray(seq, dtype="<u4").tobytes())
     body = b"".join(parts)
     return body + _CRC.pack(zlib.crc32(body))
@@ -183,7 +230,8 @@ class CachedMatch:
 
 
 class LookupCache:
-    """Finished sequences (prompt and output), at most max_tokens of them in all."""
+    """Finished sequences (prompt and output), at most max_tokens of them in all, each in
+    the cache scope of the request it came from."""
 
     def __init__(self, max_tokens: int = DEFAULT_TOKENS, n_max: int = 64,
                  vocab: tuple[int, str] | None = None) -> None:
@@ -193,29 +241,32 @@ class LookupCache:
         self.max_tokens, self.n_max, self.vocab = max_tokens, n_max, vocab
         #: called after each sequence kept (persist.py counts them to save now and then)
         self.on_add: Callable[[], None] | None = None
-        self._seqs: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # id -> tokens, oldest first
-        self._by_tokens: dict[tuple[int, ...], int] = {}
-        self._index: dict[tuple[int, ...], tuple[int, int]] = {}  # KEY-gram -> (id, end)
+        # id -> (scope, tokens), oldest first
+        self._seqs: OrderedDict[int, tuple[str, tuple[int, ...]]] = OrderedDict()
+        self._by_tokens: dict[tuple[str, tuple[int, ...]], int] = {}
+        # scope -> KEY-gram -> (id, end): a lookup sees its own scope's grams only
+        self._index: dict[str, dict[tuple[int, ...], tuple[int, int]]] = {}
         self._next_id = 0
         self.tokens = 0
 
     def __len__(self) -> int:
         return len(self._seqs)
 
-    def add(self, sequence: Sequence[int]) -> None:
-        """Keep a finished sequence; evict the oldest ones beyond the bound."""
+    def add(self, sequence: Sequence[int], scope: str = "") -> None:
+        """Keep a finished sequence in `scope`; evict the oldest ones beyond the bound."""
         seq = tuple(sequence)
         if len(seq) <= KEY or len(seq) > self.max_tokens:
             return
-        old = self._by_tokens.pop(seq, None)
+        old = self._by_tokens.pop((scope, seq), None)
         if old is not None:
             self._drop(old)
         sid, self._next_id = self._next_id, self._next_id + 1
-        self._seqs[sid] = seq
-        self._by_tokens[seq] = sid
+        self._seqs[sid] = (scope, seq)
+        self._by_tokens[(scope, seq)] = sid
         self.tokens += len(seq)
+        index = self._index.setdefault(scope, {})
         for end in range(KEY, len(seq)):
-            self._index[seq[end - KEY:end]] = (sid, end)
+            index[seq[end - KEY:end]] = (sid, end)
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self._seqs)))
         if self.on_add is not None:
@@ -223,6 +274,10 @@ class LookupCache:
 
     def sequences(self) -> list[tuple[int, ...]]:
         """The sequences held, oldest first (a snapshot: adding later does not change it)."""
+        return [seq for _, seq in self._seqs.values()]
+
+    def scoped(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(scope, sequence) of each sequence held, oldest first (a snapshot)."""
         return list(self._seqs.values())
 
     def save(self, path: str | os.PathLike) -> None:
@@ -230,7 +285,13 @@ class LookupCache:
         cannot be written). Needs the vocabulary (the constructor's or load()'s)."""
         if self.vocab is None:
             raise ValueError("lookup cache: save() needs the target's vocabulary (vocab=)")
-        write_atomic(path, encode(self.sequences(), *self.vocab))
+        write_atomic(path, self.encode())
+
+    def encode(self) -> bytes:
+        """The file's bytes for what is held now (save() writes them)."""
+        assert self.vocab is not None
+        held = self.scoped()
+        return encode([seq for _, seq in held], *self.vocab, [sc for sc, _ in held])
 
     @classmethod
     def load(cls, path: str | os.PathLike, n_vocab: int, fingerprint: str,
@@ -253,28 +314,34 @@ class LookupCache:
                 raise LookupCacheError(f"lookup cache {name}: corrupt: token id "
                                        f"{int(seq.max())} is outside the vocabulary "
                                        f"({n_vocab} tokens)")
-        for seq in got.sequences:             # oldest first: add() drops the oldest
-            cache.add(seq.tolist())            # beyond max_tokens
+        scopes = got.scopes if got.scopes is not None else [""] * len(got.sequences)
+        for seq, scope in zip(got.sequences, scopes, strict=True):  # oldest first: add()
+            cache.add(seq.tolist(), scope)                          # drops the oldest
         return cache
 
     def _drop(self, sid: int) -> None:
-        seq = self._seqs.pop(sid)
-        self._by_tokens.pop(seq, None)
+        scope, seq = self._seqs.pop(sid)
+        self._by_tokens.pop((scope, seq), None)
         self.tokens -= len(seq)
+        index = self._index[scope]
         for end in range(KEY, len(seq)):
             key = seq[end - KEY:end]
-            if self._index.get(key, (None,))[0] == sid:
-                del self._index[key]
+            if index.get(key, (None,))[0] == sid:
+                del index[key]
+        if not index:
+            del self._index[scope]
 
-    def match(self, history: Sequence[int]) -> CachedMatch | None:
-        """The latest cached occurrence of history's last KEY tokens, with its length."""
+    def match(self, history: Sequence[int], scope: str = "") -> CachedMatch | None:
+        """The latest occurrence, among `scope`'s sequences, of history's last KEY tokens,
+        with its length."""
         if len(history) < KEY:
             return None
-        hit = self._index.get(tuple(history[len(history) - KEY:]))
+        index = self._index.get(scope)
+        hit = index.get(tuple(history[len(history) - KEY:])) if index is not None else None
         if hit is None:
             return None
         sid, end = hit
-        seq = self._seqs[sid]
+        seq = self._seqs[sid][1]
         n, size = KEY, len(history)
         limit = min(self.n_max, end, size)
         while n < limit and seq[end - n - 1] == history[size - n - 1]:

@@ -23,6 +23,10 @@ n-gram types fix in advance (key length 12 for ngram-simple, 24 for ngram-mod,
 * it learns from the history itself (how far its offer agrees with the tokens
   that were appended), so it learns also from rounds where its draft was cut,
   discarded (--draft-min) or not used (the hybrid drafter).
+
+The cross-request cache is looked up and fed within the request's cache scope only
+(DraftParams.cache_scope: its API key's and cache_salt's), and a request with
+cache_prompt false is not kept in it (DraftParams.cache_store), as on the draft node.
 """
 
 from __future__ import annotations
@@ -164,6 +168,7 @@ class NgramDrafter(DrafterBase):
         self._point_q = False
         self._offer: tuple[int, Offer] | None = None  # (len(history) at the offer, offer)
         self._history: Sequence[int] = ()
+        self._scope, self._store = "", True   # the request's cache scope; keep it after?
         self.counters = {"drafted": 0.0, "cache_drafts": 0.0, "stopped_early": 0.0}
 
     def use_costs(self, costs: VerifyCost) -> None:
@@ -175,6 +180,7 @@ class NgramDrafter(DrafterBase):
         self.policy = policy
         self.index.clear()
         self._offer, self._history = None, prompt
+        self._scope, self._store = params.cache_scope, params.cache_store
         # Rejection mode needs q for every token: a lookup is deterministic, so q is a
         # point mass on it (accepted with probability p(x), else norm(max(0, p - q))).
         self._point_q = params.mode is VerifyMode.REJECTION and not sampling.greedy
@@ -201,7 +207,7 @@ class NgramDrafter(DrafterBase):
         if max_n <= 0:
             return None
         here = self.index.match(history)
-        there = self.cache.match(history) if self.cache is not None else None
+        there = self.cache.match(history, self._scope) if self.cache is not None else None
         if there is not None and (here is None or there.length > here.length):
             tokens = list(there.tokens[there.end:there.end + max_n])
             return (tokens, there.length, True) if tokens else None
@@ -264,8 +270,8 @@ class NgramDrafter(DrafterBase):
 
     def end(self) -> None:
         """The sequence is over: keep it for later requests."""
-        if self.cache is not None and self._history:
-            self.cache.add(self._history)
+        if self.cache is not None and self._history and self._store:
+            self.cache.add(self._history, self._scope)
         self._offer, self._history, self._asked = None, (), None
         self.policy = None
 

@@ -19,7 +19,6 @@ from specwire.drafters.ngram.cache import (
     DEFAULT_TOKENS,
     LookupCache,
     LookupCacheError,
-    encode,
     read_file,
     write_atomic,
 )
@@ -80,10 +79,9 @@ class CacheFile:
     def _snapshot(self) -> tuple[int, bytes]:
         # list() of the dict's values runs in C, under the GIL: a consistent copy even
         # while another thread adds (a sequence added meanwhile waits for the next save)
-        n, seqs = self._added_n, self.cache.sequences()
+        n, data = self._added_n, self.cache.encode()
         self._queued_n = n
-        assert self.cache.vocab is not None
-        return n, encode(seqs, *self.cache.vocab)
+        return n, data
 
     def _write(self, n: int, data: bytes) -> bool:
         with self._lock:

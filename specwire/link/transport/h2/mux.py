@@ -87,14 +87,16 @@ class Calls:
 
     def __init__(self, conn: Connection, peer: str, start: Callable, handshake_s: float,
                  idle_s: float, session_idle_s: float, active_idle_s: float | None = None,
-                 subject: str = "") -> None:
+                 subject: str = "", first_call_by: float | None = None) -> None:
         """start(send, context): the service's call for a new stream (it may abort). A call
         waits session_idle_s for its first verdict, active_idle_s for each next one;
-        subject: the peer's client certificate's (mutual TLS)."""
+        subject: the peer's client certificate's (mutual TLS). first_call_by: the monotonic
+        time by which a call must be admitted (default: handshake_s from now)."""
         self.conn, self.peer, self._start = conn, peer, start
         self.handshake_s, self.idle_s, self.session_idle_s = handshake_s, idle_s, session_idle_s
         self.active_idle_s = session_idle_s if active_idle_s is None else active_idle_s
         self.subject = subject
+        self.first_call_by = first_call_by
         self.calls: dict[int, _Call] = {}
         self.served = 0  # calls admitted so far
         self._owner = threading.get_ident()  # the thread that reads and writes conn
@@ -105,11 +107,16 @@ class Calls:
         """Until the target goes (returns) or stays idle (TimeoutError); H2Error for a
         connection that failed. Every admitted call is ended on the way out."""
         conn = self.conn
-        # The first call comes soon or the connection closes; later, one without calls for
-        # idle_s closes.
-        idle_until: float | None = time.monotonic() + self.handshake_s
+        # The first admitted call comes by the connection's deadline or the connection
+        # closes (a refused call does not move it); later, one without calls for idle_s
+        # closes.
+        idle_until: float | None = (self.first_call_by if self.first_call_by is not None
+                                    else time.monotonic() + self.handshake_s)
         try:
             while not conn.closed and conn.goaway is None:
+                if not self.calls and idle_until is not None and \
+                        time.monotonic() >= idle_until:
+                    raise TimeoutError("no call before the deadline")  # what came late waits
                 while (stream := conn.take_request()) is not None:
                     if self._open(stream) == grpc.StatusCode.UNAUTHENTICATED and \
                             not self.calls:

@@ -10,12 +10,19 @@ one target's slots as streams of one connection, served in turn by its thread
 (link/transport/h2/mux.py), each with its own deadlines and admission slot. Pipelined
 sessions, Hello and Ping stay on the main port.
 
-Its deadlines are the main port's: a connection must start a call within
-HANDSHAKE_TIMEOUT_S, a call must send its Open as soon, a connection with no
+Its deadlines are the main port's: one deadline, HANDSHAKE_TIMEOUT_S from the
+connection's accept, covers its TLS handshake, its HTTP/2 preface and the headers of a
+call the service admits (its token checked), so that a peer that sends nothing, sends
+slowly or never authenticates is closed by it however it spreads its bytes; a call
+must then send its Open as soon, a connection with no
 call open for `idle_s` is closed with a GOAWAY (the main port's
 grpc.max_connection_idle_ms; `specwire draft --idle-timeout`), and a session
 whose target sends nothing for `session_idle_s` ends. A target that finds its
 connection closed opens a new one for its next session without failing it.
+
+Connections are bounded in all (`max_connections`) and per peer address
+(`per_address`, `specwire draft --sync-conn-per-address`): peers of one address cannot
+hold every connection slot, whatever they send.
 """
 
 from __future__ import annotations
@@ -46,10 +53,12 @@ class SyncServer:
 
     def __init__(self, service, host: str, port: int, tls: ssl.SSLContext | None,
                  max_connections: int, idle_s: float, session_idle_s: float,
-                 max_streams: int = 1, active_idle_s: float | None = None) -> None:
+                 max_streams: int = 1, active_idle_s: float | None = None,
+                 per_address: int = 0) -> None:
         """max_streams: calls one connection may have open at once (a target's slots share
         one connection, link/transport/channels.py); admission bounds the sessions, not this.
-        active_idle_s: a started session's longest silence (session_idle_s by default)."""
+        active_idle_s: a started session's longest silence (session_idle_s by default).
+        per_address: connections one peer address may hold at once (0: up to the total)."""
         self.service, self.tls = service, tls
         self.max_streams = max_streams
         self.idle_s, self.session_idle_s = idle_s, session_idle_s
@@ -57,6 +66,9 @@ class SyncServer:
         self._sock = socket.create_server((host, port), reuse_port=False)
         self.port = self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(max_connections)
+        self.per_address = per_address
+        self._by_address: dict[str, int] = {}   # open connections per peer address
+        self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="sync-accept", daemon=True)
 
@@ -77,24 +89,56 @@ class SyncServer:
                 log.warning("sync port: accept failed (%s); retrying", e.strerror or e)
                 time.sleep(ACCEPT_PAUSE_S)   # out of descriptors: some close meanwhile
                 continue
+            if not self._enter(addr[0]):
+                sock.close()
+                continue
             if not self._slots.acquire(blocking=False):
+                self._leave(addr[0])
                 log.warning("refused connection from %s:%d on the sync port: too many", *addr[:2])
                 sock.close()
                 continue
-            threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"),
+            threading.Thread(target=self._serve, args=(sock, addr[0], addr[1]),
                              name="sync-conn", daemon=True).start()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
-        conn, calls = None, None
+    def _enter(self, address: str) -> bool:
+        """One more connection from this address, unless it holds per_address already."""
+        with self._lock:
+            n = self._by_address.get(address, 0)
+            if self.per_address and n >= self.per_address:
+                full = True
+            else:
+                self._by_address[address] = n + 1
+                full = False
+        if full:
+            log.warning("refused connection from %s on the sync port: %d open from that "
+                        "address (--sync-conn-per-address)", address, n)
+        return not full
+
+    def _leave(self, address: str) -> None:
+        with self._lock:
+            n = self._by_address.pop(address, 1) - 1
+            if n > 0:
+                self._by_address[address] = n
+
+    def connections(self, address: str) -> int:
+        """Connections open now from this peer address."""
+        with self._lock:
+            return self._by_address.get(address, 0)
+
+    def _serve(self, sock: socket.socket, address: str, port: int) -> None:
+        conn, calls, peer = None, None, f"{address}:{port}"
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S   # for TLS, preface and a call
         try:
             if self.tls is not None:
+                # CPython bounds a whole blocking handshake by the socket's timeout
                 sock.settimeout(HANDSHAKE_TIMEOUT_S)
                 sock = self.tls.wrap_socket(sock, server_side=True)
             conn = Connection(sock, client=False, max_message=protocol.MAX_MESSAGE_BYTES,
                               max_streams=self.max_streams)
-            conn.handshake(HANDSHAKE_TIMEOUT_S)
+            conn.handshake(max(0.0, deadline - time.monotonic()))
             calls = Calls(conn, peer, self.service.sync_call, HANDSHAKE_TIMEOUT_S, self.idle_s,
-                          self.session_idle_s, self.active_idle_s, _subject(sock))
+                          self.session_idle_s, self.active_idle_s, _subject(sock),
+                          first_call_by=deadline)
             calls.run()
         except TimeoutError:
             if calls is not None and calls.served:
@@ -110,6 +154,7 @@ class SyncServer:
             else:
                 sock.close()
             self._slots.release()
+            self._leave(address)
 
 
 def _subject(sock: socket.socket) -> str:

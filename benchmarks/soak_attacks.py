@@ -1,0 +1,189 @@
+"""The soak's attackers (benchmarks/soak.py --attackers): what issue 23's review sent,
+running beside the honest clients for the whole soak.
+
+  slowloris     connections to `serve` that send half a request line and headers, one
+                byte every few seconds, or a body of a promised megabyte that never
+                comes; each one the server closes is opened again
+  silent peers  connections to the draft node's sync port that send nothing, and
+                Session calls on its main port that never send their Open; each one
+                the node ends is opened again
+  constraints   (a client kind in soak.py) json_schema and GBNF bodies past
+                llama.cpp's limits: a 400 is expected
+
+Each attacker counts what it opened and what the other side closed, so the report
+shows the deadlines at work (a count of closes that stays 0 is a deadline missing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import socket
+import threading
+import time
+from collections import Counter
+
+#: Bodies whose constraint llama.cpp could not take (the segfaults of issue 23).
+CONSTRAINT_BODIES = [
+    json.dumps({"prompt": "Name:", "n_predict": 8,
+                "json_schema": {"type": "string", "maxLength": 30000}}).encode(),
+    json.dumps({"prompt": "Name:", "n_predict": 8,
+                "json_schema": {"type": "string", "maxLength": 10**7}}).encode(),
+    json.dumps({"prompt": "x", "n_predict": 4,
+                "json_schema": {"type": "string", "pattern": "^a{0,30000}$"}}).encode(),
+    json.dumps({"prompt": "x", "n_predict": 4,
+                "grammar": "root ::= " + "(" * 60000 + '"a"' + ")" * 60000}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "x", "schema": {"type": "array", "maxItems": 100000}}}}).encode(),
+]
+
+
+class Attacker(threading.Thread):
+    """A thread that keeps `n` hostile connections open until stopped."""
+
+    def __init__(self, name: str, n: int) -> None:
+        super().__init__(name=f"soak-attack-{name}", daemon=True)
+        self.n, self.counts = n, Counter()
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+
+    def count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def report(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Without waiting: whether the peer closed (or reset) this connection."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(4096) == b""   # an answer (a 408) without EOF: not yet closed
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.setblocking(True)
+
+
+class Slowloris(Attacker):
+    """Half-sent headers and stalled bodies against serve, a byte every `drip_s`."""
+
+    def __init__(self, host: str, port: int, n: int = 6, drip_s: float = 3.0) -> None:
+        super().__init__("slowloris", n)
+        self.addr, self.drip_s = (host, port), drip_s
+
+    def _open(self, i: int) -> socket.socket | None:
+        try:
+            s = socket.create_connection(self.addr, timeout=5)
+        except OSError:
+            self.count("refused")
+            return None
+        if i % 2:   # a body promised and stalled after a few bytes
+            s.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: 1000000\r\n\r\n{\"prompt\": \"")
+        else:       # headers that never end
+            s.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        self.count("opened")
+        return s
+
+    def run(self) -> None:
+        socks = [self._open(i) for i in range(self.n)]
+        while not self._halt.wait(self.drip_s):
+            for i, s in enumerate(socks):
+                if s is not None and _closed(s):
+                    self.count("closed_by_server")
+                    s.close()
+                    s = None
+                if s is None:
+                    socks[i] = self._open(i)
+                    continue
+                with contextlib.suppress(OSError):
+                    s.sendall(b"x" if i % 2 else b"X")
+        for s in socks:
+            if s is not None:
+                s.close()
+
+
+class SilentPeers(Attacker):
+    """Idle connections to the node's sync port and Session calls without an Open on its
+    main port; each that the node ends is opened again."""
+
+    def __init__(self, host: str, main_port: int, sync_port: int, n: int = 4) -> None:
+        super().__init__("silent-peers", n)
+        self.host, self.main_port, self.sync_port = host, main_port, sync_port
+
+    def _sync(self) -> socket.socket | None:
+        try:
+            s = socket.create_connection((self.host, self.sync_port), timeout=5)
+        except OSError:
+            self.count("sync_refused")   # the node is down (restarting) or full
+            return None
+        self.count("sync_opened")
+        return s
+
+    def _silent_call(self) -> None:
+        """One Session without an Open, on its own thread until the node ends it."""
+        import grpc
+
+        from specwire.link.transport import specwire_pb2_grpc as pbg
+
+        def hold() -> None:
+            q: queue.Queue = queue.Queue()
+            with grpc.insecure_channel(f"{self.host}:{self.main_port}") as ch:
+                call = pbg.DraftNodeStub(ch).Session(iter(q.get, None), timeout=120)
+                self.count("main_opened")
+                try:
+                    for _ in call:
+                        pass
+                    self.count("main_ended_by_node")
+                except grpc.RpcError as e:
+                    self.count("main_ended_by_node" if e.code() in (
+                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                        grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
+                        grpc.StatusCode.INVALID_ARGUMENT) else f"main_{e.code().name}")
+                finally:
+                    q.put(None)
+
+        threading.Thread(target=hold, name="soak-silent-call", daemon=True).start()
+
+    def run(self) -> None:
+        socks = [self._sync() for _ in range(self.n)]
+        calls_due = 0.0
+        while not self._halt.wait(2.0):
+            for i, s in enumerate(socks):
+                if s is not None and _closed(s):
+                    self.count("sync_closed_by_node")
+                    s.close()
+                    s = None
+                if s is None:
+                    socks[i] = self._sync()
+            if time.monotonic() >= calls_due:   # one silent call at a time, every 15 s
+                calls_due = time.monotonic() + 15.0
+                self._silent_call()
+        for s in socks:
+            if s is not None:
+                s.close()
+
+
+def proc_figures(pid: int) -> dict[str, float]:
+    """Threads, open descriptors and resident MB of a process, from /proc."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("Threads:"):
+                out["threads"] = float(line.split()[1])
+            elif line.startswith("VmRSS:"):
+                out["rss_mb"] = round(float(line.split()[1]) / 1024, 1)
+    with contextlib.suppress(OSError):
+        out["fds"] = float(len(os.listdir(f"/proc/{pid}/fd")))
+    return out
