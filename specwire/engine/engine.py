@@ -25,10 +25,12 @@ from specwire.drafters.base import Draft, Drafter, NoDrafter
 from specwire.drafters.bubble import never_wait
 from specwire.drafters.guard import DraftGuard, check_verify_mode
 from specwire.drafters.lockstep import Drafting
+from specwire.engine import tree_round
 from specwire.engine.round import Round
 from specwire.engine.scheduler import BatchScheduler
 from specwire.engine.stats import Stats, counter_delta
 from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy, Policy, PolicyMemory
+from specwire.policy.tree import TreeYield
 from specwire.sample.constraints.grammar import Grammar, GrammarSpec
 from specwire.sample.logprobs import LogprobsSpec, TokenProb
 from specwire.sample.verify import Verifier
@@ -198,7 +200,8 @@ class Generation:
         rnd.draft, rnd.drafted = draft, time.perf_counter()
         if isinstance(run, Drafting):
             rnd.own_s, rnd.steady_s = run.spent, run.steady_s
-        part.tokens.extend(draft.tokens)
+        rnd.tree = tree_round.plan(self.engine.batch, part, draft, self._verifier.mode,
+                                   self._policy, self.engine.tree_yield)
 
     def take(self, rows: np.ndarray, decode_s: float) -> None:
         """The step's rows for this sequence's part: verify, roll back, emit."""
@@ -217,8 +220,14 @@ class Generation:
         tv = time.perf_counter()
         self._decode_s += decode_s
         draft, history = rnd.draft, self._history
-        verdict = self._verifier.verify(rows, history, draft.tokens, draft.sparse)
-        self.target.truncate(len(history) + verdict.accepted)
+        if rnd.tree is None:
+            verdict = self._verifier.verify(rows, history, draft.tokens, draft.sparse)
+            self.target.truncate(len(history) + verdict.accepted)
+            kept = tree_round.Kept([*draft.tokens[: verdict.accepted], verdict.token],
+                                   verdict.accepted, verdict.accepted)
+        else:
+            kept = tree_round.verify(self.engine.batch, self.seq, self._verifier, rows, history,
+                                     rnd.tree, self.engine.tree_yield)
         # Verification: the step's decode and this sequence's own check, not the time the
         # other sequences of the step spent drafting or verifying.
         verify_s = decode_s + time.perf_counter() - tv
@@ -227,15 +236,17 @@ class Generation:
         if not draft.tokens:
             st.plain_steps += 1
             st.plain_ms += 1000 * verify_s
-        st.record_round(len(draft), verdict.accepted, rnd.k)
-        self._policy.observe(len(draft), verdict.accepted, rnd.draft_s, verify_s,
-                             draft.confidence, steady_s=rnd.steady_s)
-        appended = [*draft.tokens[: verdict.accepted], verdict.token]
+        st.record_round(len(draft), kept.accepted, rnd.k)
+        # A tree's decode was longer than the chain's: the verification line learns its size.
+        extra = {} if rnd.tree is None else {"batch_tokens": len(rnd.tree) - 1 - len(draft)}
+        self._policy.observe(len(draft), kept.accepted, rnd.draft_s, verify_s,
+                             draft.confidence, steady_s=rnd.steady_s, **extra)
+        appended = kept.tokens
         new = self._emit(appended)
         history.extend(new)
         self._out.extend(new)
         if self.stop_type == "none" and not self._stopped:
-            self.drafter.learn(history, verdict.accepted, len(appended))
+            self.drafter.learn(history, kept.chain, len(appended))
 
     def _start(self) -> None:
         """Joining the batch: the verifier, the policy, the drafter's sequence, the cache."""
@@ -362,6 +373,8 @@ class Engine:
         #: each sequence's policies: a policy holds the state of its round in progress
         self.memories = [self.policies, *(PolicyMemory() for _ in drafters[1:])]
         self.scheduler = BatchScheduler(self.batch)
+        #: what side branches of verified trees added (policy/tree.py)
+        self.tree_yield = TreeYield()
         #: --lookup-cache-dynamic: the n-gram drafters' cache file (build.py sets it), which
         #: the command saves when it ends
         self.lookup_file: CacheFile | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specwire.drafters.base import Draft
+from specwire.sample.tree import Tree
 
 
 @dataclass(slots=True)
@@ -20,6 +21,8 @@ class Round:
     own_s: float | None = None
     #: ... and had the drafter been caught up (Drafting.steady_s); None: not measured
     steady_s: float | None = None
+    #: the round's part is this tree of the draft (engine/tree_round.py); None: the chain
+    tree: Tree | None = None
 
     @property
     def draft_s(self) -> float:
