@@ -44,6 +44,8 @@ class DraftSettings:
     model: ModelParams | None = None
     threaded: bool = False   # a local draft model drafts ahead on its own thread
     branches: int | None = None  # --draft-branches for the threaded drafter (None: default)
+    #: --draft-tree: side branches the target verifies beside a pipelined draft (0: chains)
+    tree: int = 0
     #: with serve -np N, the local draft model's N sequences share one draft context and
     #: draft in lockstep (not with --draft-mode pipelined or --draft-hybrid)
     lockstep: bool = False

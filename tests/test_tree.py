@@ -19,6 +19,9 @@ from specwire.backend.batch import Part
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, DrafterBase, cut_branches
 from specwire.engine.engine import Engine, Request
+from specwire.link.alternates import BranchParams
+from specwire.link.rule import take_tree_alternate
+from specwire.link.transport import specwire_pb2 as pb
 from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy
 from specwire.policy.tree import TreeYield, tree_pays
 from specwire.sample import sampling
@@ -242,3 +245,78 @@ def test_the_adaptive_engine_sends_chains_on_a_steep_curve() -> None:
     gen = eng.generate(Request(list(PROMPT), 30, GREEDY, DraftParams(n_max=4, policy="adaptive")))
     assert gen.run() == _plain(PROMPT, GREEDY, 30)
     assert not fb.trees
+
+
+# -- a pipelined drafter's alternates as branches (both ends of the link) -----------------
+
+
+def _tree_link(trees_on: bool):
+    from fakes import FakeBackend
+    from test_alternates import Branching
+
+    d = Branching(FakeBackend(DRAFT, n_ctx=1024))
+    d.branches = BranchParams(per_chunk=4, length=4, value_min=0.0, top_below=1.0)
+    d.transport.trees = lambda: trees_on
+    return d
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_a_pipelined_drafters_alternates_verified_as_trees_are_lossless(sp, k) -> None:
+    """Both ends of a real branch session (DraftSession and BranchDrafter, by function
+    call): the alternates the node sends are verified beside the branch, the verdict
+    names the one taken under the tree rule, both ends go on from it, and the output is
+    plain decoding's."""
+    drafter = _tree_link(True)
+    eng, fb = _engine(leaves=5, drafter=drafter)
+    gen = eng.generate(Request(list(PROMPT), 80, sp, DraftParams(n_max=k, policy="fixed",
+                                                                  p_min=0.0)))
+    assert gen.run() == _plain(PROMPT, sp, 80)
+    st = drafter.stats()
+    assert fb.trees and st["alternate_trees"] > 0, st
+    assert st["stale_chunks"] == 0, st
+    drafter.end()
+
+
+def test_a_node_without_the_tree_rule_gets_chains() -> None:
+    drafter = _tree_link(False)
+    eng, fb = _engine(leaves=5, drafter=drafter)
+    gen = eng.generate(Request(list(PROMPT), 60, GREEDY, DraftParams(n_max=4, policy="fixed",
+                                                                      p_min=0.0)))
+    assert gen.run() == _plain(PROMPT, GREEDY, 60)
+    assert not fb.trees and drafter.stats()["alternate_trees"] == 0
+    drafter.end()
+
+
+@pytest.mark.parametrize(("alternate", "tokens", "rest"), [
+    ([5, 6, 7], [5], [6, 7]),         # as take_alternate: the rest is verified next
+    ([5, 6, 7], [5, 6], [7]),
+    ([5, 6, 7], [5, 9], []),          # the tree kept 5, the target's own 9 leaves it
+    ([5, 6, 7], [5, 6, 7, 8], []),    # kept whole, then the bonus token
+    ([5, 6, 7], [6], None),           # does not begin with the alternate
+    (None, [5], None),
+])
+def test_take_tree_alternate(alternate, tokens, rest) -> None:
+    assert take_tree_alternate(alternate, tokens) == rest
+
+
+def test_the_node_says_tree_in_its_hello_and_the_target_asks_for_it() -> None:
+    import inspect
+
+    from specwire.link.transport import grpc_client
+    from specwire.node import server
+
+    assert '"tree"' in inspect.getsource(server.DraftNodeService.Hello)
+
+    class Link:
+        def __init__(self, modes):
+            self.hello = pb.HelloReply(modes=modes)
+
+    t = object.__new__(grpc_client.GrpcTransport)
+    t._call = object()
+    for modes, want in ((["greedy", "coupled", "rejection"], False),
+                        (["greedy", "coupled", "rejection", "tree"], True)):
+        t._call_link = Link(modes)
+        assert t.trees() is want
+    t._call = None
+    assert t.trees() is False

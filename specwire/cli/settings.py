@@ -36,6 +36,7 @@ def engine_settings(a: argparse.Namespace) -> EngineSettings:
                           remote=remote_settings(a), model=model,
                           threaded=kind == "model" and local_mode(a) == "pipelined",
                           branches=getattr(a, "draft_branches", None),
+                          tree=getattr(a, "draft_tree", 0),
                           lockstep=(kind == "model" and not getattr(a, "draft_hybrid", False)
                                     and getattr(a, "draft_mode", "auto") != "pipelined"),
                           flags=draft_flag_names(), lookup_cache=lookup)
