@@ -24,6 +24,8 @@ class TreeYield:
     gained: float = 1.0
     sent: float = 4.0
     alpha: float = 0.1
+    rounds: int = 0   # trees verified
+    taken: int = 0    # ... whose kept path ended in a side branch
 
     @property
     def per_token(self) -> float:
@@ -34,6 +36,8 @@ class TreeYield:
         w = 1.0 - self.alpha
         self.gained = w * self.gained + gained
         self.sent = w * self.sent + sent
+        self.rounds += 1
+        self.taken += gained > 0
 
 
 def tree_pays(policy: Policy, chain: int, extra: int, tree_yield: TreeYield) -> bool:
