@@ -128,8 +128,11 @@ def tree_branches(s: EngineSettings, n_seq: int) -> int:
     """--draft-tree for the target: side branches come from a pipelined drafter (a draft
     node or a draft model on its own thread), to one sequence alone in its decode."""
     d = s.draft
-    pipelined = (d.kind == "remote" and d.remote.pipelined and not d.hybrid) or d.threaded
-    return d.tree if n_seq == 1 and pipelined else 0
+    if n_seq != 1:
+        return 0
+    if d.kind == "remote" and d.remote.pipelined and not d.hybrid:
+        return d.remote.tree
+    return d.tree if d.threaded else 0
 
 
 def build_drafter(s: DraftSettings, target: Backend,

@@ -30,6 +30,7 @@ class RemoteSettings:
     pipelined: bool = True   # --draft-mode other than sync: the node drafts ahead
     poll: bool = True        # --draft-no-poll turns the arrival forecast off
     branches: int | None = None  # --draft-branches: alternates per chunk (None: default)
+    tree: int = 0  # --draft-tree: side branches the target verifies beside a draft (0: chains)
 
 
 @dataclass(frozen=True, slots=True)

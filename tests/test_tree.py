@@ -320,3 +320,19 @@ def test_the_node_says_tree_in_its_hello_and_the_target_asks_for_it() -> None:
         assert t.trees() is want
     t._call = None
     assert t.trees() is False
+
+
+def test_the_target_gets_tree_sequences_for_one_pipelined_sequence() -> None:
+    from specwire.build import tree_branches
+    from specwire.cli.main import build_parser
+    from specwire.cli.settings import engine_settings
+
+    def s(*argv: str):
+        return engine_settings(build_parser().parse_args(["generate", "x", *argv]))
+
+    assert tree_branches(s("--draft-url", "h:1"), 1) == 4
+    assert tree_branches(s("--draft-url", "h:1", "--draft-tree", "2"), 1) == 2
+    assert tree_branches(s("--draft-url", "h:1", "--draft-tree", "0"), 1) == 0
+    assert tree_branches(s("--draft-url", "h:1"), 4) == 0                      # -np 4
+    assert tree_branches(s("--draft-url", "h:1", "--draft-mode", "sync"), 1) == 0
+    assert tree_branches(s("--no-draft"), 1) == 0

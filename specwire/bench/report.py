@@ -28,7 +28,7 @@ import numpy as np
 
 from specwire.bench.runner import Config, PromptRun, format_bps, format_ms
 
-REMOTE = ("remote-sync", "remote-pipelined", "llama-server")
+REMOTE = ("remote-sync", "remote-pipelined", "remote-chains", "llama-server")
 
 
 # --------------------------------------------------------------------------- statistics

@@ -64,6 +64,9 @@ class BranchDrafter(DrafterBase):
         # Pipelined: ask the drafter for pre-drafted branches (link/alternates.py);
         # None asks for none. A drafter that predates them ignores the request.
         self.branches: BranchParams | None = BranchParams() if pipelined else None
+        # Hand those alternates to the engine as side branches of the draft, for a target
+        # that verifies trees (engine/tree_round.py), where the drafter follows the tree rule.
+        self.tree = True
         # Pipelined: after a rejection, wait a moment for the fresh branch when that pays
         # more than a plain step (drafters/bubble.py); None never waits. Off where the
         # engine's step holds other sequences, or another drafter's draft may be ready.
@@ -446,7 +449,7 @@ class BranchDrafter(DrafterBase):
     def _branches(self, start: int, n: int) -> list[tuple[int, list[int]]] | None:
         """The alternates sent for the n draft tokens from `start`, as side branches a
         tree round may verify (their drafter follows the tree rule), by position."""
-        if not self._alts or not n or not self.transport.trees():
+        if not self.tree or not self._alts or not n or not self.transport.trees():
             return None
         return [(p - start, list(t)) for p, t in sorted(self._alts.items())
                 if start <= p < start + n] or None
