@@ -336,3 +336,11 @@ def test_the_target_gets_tree_sequences_for_one_pipelined_sequence() -> None:
     assert tree_branches(s("--draft-url", "h:1"), 4) == 0                      # -np 4
     assert tree_branches(s("--draft-url", "h:1", "--draft-mode", "sync"), 1) == 0
     assert tree_branches(s("--no-draft"), 1) == 0
+
+
+def test_a_tree_that_would_not_fit_the_batch_is_sent_as_its_chain() -> None:
+    fb = FakeBatch(TARGET, n_seq=1, n_ctx=256, n_batch=6, tree_leaves=4)
+    gen = Engine(fb, TreeDrafter()).generate(
+        Request(list(PROMPT), 30, GREEDY, DraftParams(n_max=4, policy="fixed")))
+    assert gen.run() == _plain(PROMPT, GREEDY, 30)
+    assert fb.trees and all(len(tokens) <= 6 for _, tokens, _ in fb.trees)

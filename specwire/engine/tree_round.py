@@ -2,9 +2,10 @@
 
 The round's draft may carry side branches (Draft.branches). Where the target can
 decode a tree (backend/batch.py TreeBackend), the request's verification has one
-(greedy and coupled, not rejection), the sequence is alone in its step, and the
-policy finds the extra tokens worth their cost (policy/tree.py), the round's part
-is the tree; otherwise it stays the chain and the branches are dropped.
+(greedy and coupled, not rejection), the sequence is alone in its step, the tree
+fits one decode (-b), and the policy finds the extra tokens worth their cost
+(policy/tree.py), the round's part is the tree; otherwise it stays the chain and
+the branches are dropped.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def plan(batch: BatchBackend, part: Part, draft: Draft, mode: VerifyMode, policy
     if (leaves > 1 and draft.branches and draft.tokens and mode is not VerifyMode.REJECTION):
         tree = trees.build(part.tokens[-1], draft.tokens, draft.branches[: leaves - 1])
         extra = len(tree) - 1 - len(draft.tokens)
-        if tree_pays(policy, len(draft.tokens), extra, tree_yield):
+        if len(tree) <= batch.n_batch and tree_pays(policy, len(draft.tokens), extra,
+                                                    tree_yield):
             part.tokens[:] = list(tree.tokens)
             part.parents = list(tree.parents)
             return tree
