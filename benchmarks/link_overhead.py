@@ -49,21 +49,23 @@ from specwire.link.transport.channel import Link, LinkSettings
 PROMPT = "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
 
 
-def measure(k: int, rounds: int, port: int = 0, split: bool = True, poll: bool = True) -> dict:
+def measure(k: int, rounds: int, port: int = 0, split: bool = True, poll: bool = True,
+            node_args: tuple[str, ...] = ()) -> dict:
+    """node_args: more `specwire draft` flags (`--no-sync-port`: sessions on the main port)."""
     halves = cpus.halves() if split else None
     with cpus.pinned(halves[0] if halves else None):
-        r = _measure(k, rounds, port, halves[1] if halves else None, poll)
+        r = _measure(k, rounds, port, halves[1] if halves else None, poll, node_args)
     return {**r, "cpus": "split" if halves else "shared"}
 
 
 def _measure(k: int, rounds: int, port: int, node_cpus: set[int] | None,
-             poll: bool) -> dict[str, float]:
+             poll: bool, node_args: tuple[str, ...] = ()) -> dict[str, float]:
     draft_path = str(models.default_draft())
     target = LlamaBackend(ModelParams(str(models.default_target()), n_ctx=1024))
     dparams = ModelParams(draft_path, n_ctx=1024)
     local = ModelDrafter(LlamaBackend(dparams, load_model(dparams)))
     argv = [sys.executable, "-m", "specwire", "draft", "-m", draft_path, "--port", str(port),
-            "-c", "1024", "-td", "1"]
+            "-c", "1024", "-td", "1", *node_args]
     with DraftNode(argv, _log_path(), node_cpus) as node, _TcpEcho(node_cpus) as tcp:
         url = node.start()
         link = Link(url, LinkSettings(), target.vocab_fingerprint(), target.n_vocab, target.name)
@@ -74,7 +76,9 @@ def _measure(k: int, rounds: int, port: int, node_cpus: set[int] | None,
         try:
             with grpc.insecure_channel(url) as channel:
                 echoes = {"ping": _Pinger(channel), "tcp": tcp}
-                return _alternate(target, local, remote, echoes, k, rounds)
+                r = _alternate(target, local, remote, echoes, k, rounds)
+                # The sync port is h2 (link/transport/h2/), the main port grpcio.
+                return {**r, "stack": "h2" if link.sync_port() else "grpcio"}
         finally:
             remote.close()
 

@@ -70,8 +70,7 @@ FORBIDDEN: tuple[tuple[str, tuple[str, ...]], ...] = (
 #: Only the transport, the node and the known exception handle protobuf.
 PB_USERS = ("link/transport", "node", "server/schemas.py")
 #: Module cycles known today (each pair imports the other, one side lazily); no new ones.
-MODULE_CYCLES = {frozenset({"specwire.engine.engine", "specwire.engine.scheduler"}),
-                 frozenset({"specwire.backend.llama", "specwire.backend.kv_state"})}
+MODULE_CYCLES = {frozenset({"specwire.engine.engine", "specwire.engine.scheduler"})}
 
 
 def imports(path: Path) -> set[str]:

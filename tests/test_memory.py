@@ -36,7 +36,7 @@ from wire_helpers import (
     wait_for,
 )
 
-from specwire.backend import kv_state
+from specwire.backend import llama
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import ModelParams
 from specwire.engine.engine import Engine
@@ -95,10 +95,10 @@ def test_saved_state_restores_the_same_logits(draft_params, target) -> None:
     original does."""
     tokens = chat_prompt(target, 0)
     a = _filled(draft_params, tokens[:-1])
-    saved = kv_state.save(a)
+    saved = llama.save(a)
     assert saved.size > 1000 * len(tokens[:-1])       # KV cells, not just the ids
     b = LlamaBackend(draft_params, a.model)
-    assert kv_state.restore(b, saved) and list(b.tokens) == tokens[:-1]
+    assert llama.restore(b, saved) and list(b.tokens) == tokens[:-1]
     want = a.eval(tokens[-1:]).copy()
     got = b.eval(tokens[-1:])
     assert np.array_equal(want, got)
@@ -109,7 +109,7 @@ def test_saved_state_restores_the_same_logits(draft_params, target) -> None:
 def _sequence_bytes(params: ModelParams, tokens: Sequence[int]) -> int:
     be = _filled(params, tokens)
     try:
-        return kv_state.save(be).size
+        return llama.save(be).size
     finally:
         be.close()
 

@@ -17,12 +17,12 @@ import time
 
 import grpc
 import pytest
-from test_wire import ref
 from wire_helpers import (  # noqa: F401 - target_fixture registers the fixture
     CODE,
     GREEDY,
     FakeNode,
     draft_model_path,
+    ref,
     request,
     run_to_end,
     target_fixture,

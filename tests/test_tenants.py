@@ -97,7 +97,7 @@ def memory(monkeypatch):
         save=lambda b: _saved(b.tokens),
         restore=lambda b, s: (b.tokens.__setitem__(slice(None), list(s.tokens)), True)[1],
     )
-    monkeypatch.setattr(kv_cache, "kv_state", fake_state)
+    monkeypatch.setattr(kv_cache, "llama", fake_state)
 
     def make(**kw) -> KvCache:
         clock = Clock()

@@ -1,4 +1,4 @@
-"""Fixtures and helpers for tests/test_wire.py: the draft link end to end.
+"""Fixtures and helpers for tests/test_wire_*.py: the draft link end to end.
 
 Import the fixtures (`*_fixture`, registered under the names in quotes) into
 the test module:
@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
+import queue
+import random
 import signal
 import socket
 import subprocess
@@ -30,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from specwire.backend.llama import LlamaBackend
@@ -419,3 +423,77 @@ def make_certs(folder: Path) -> dict[str, str]:
                                                ca_key)))
         save_key(f"{prefix}client_key", client_key)
     return paths
+
+
+def ref(target, sampling, n: int, prompt: str = CODE) -> list[int]:
+    """Plain decoding of the first n tokens (computed once for 32, or n if more, and cut)."""
+    return target.plain(target.tokens(prompt), sampling, max(32, n))[:n]
+
+
+class RawSession:
+    """A Session stream driven by hand with the synchronous grpc client."""
+
+    def __init__(self, stub: pbg.DraftNodeStub, metadata=()) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self.call = stub.Session(iter(self._q.get, None), metadata=metadata, timeout=60)
+
+    def send(self, **kind) -> None:
+        self._q.put(pb.TargetMessage(**kind))
+
+    def until_error(self) -> tuple[list[pb.DraftChunk], str]:
+        """Chunks received, then the DraftError's message; the stream must then end."""
+        chunks = []
+        for msg in self.call:
+            if msg.WhichOneof("kind") == "error":
+                rest = list(self.call)        # ends (status OK) instead of going on
+                assert rest == [] and self.call.code() == grpc.StatusCode.OK
+                return chunks, msg.error.message
+            chunks.append(msg.chunk)
+        pytest.fail(f"stream ended without a DraftError after {len(chunks)} chunks")
+
+    def answer(self) -> list[pb.DraftChunk]:
+        """The chunk answering the Open or a verdict: a synchronous session sends one."""
+        for msg in self.call:
+            assert msg.WhichOneof("kind") == "chunk", msg
+            return [msg.chunk]
+        pytest.fail("stream ended before an answer")
+
+    def close(self) -> None:
+        self._q.put(None)
+        self.call.cancel()
+
+
+def _sync_open(history: list[int], want: int = 2, **kw) -> pb.Open:
+    kw = {"mode": pb.VERIFY_GREEDY, "lookahead": 8, **kw}
+    return pb.Open(history=history, sampling=protocol.sampling_to_pb(GREEDY), pipelined=False,
+                   want=want, **kw)
+
+
+def _random_chunk(rng: random.Random, n_vocab: int) -> pb.DraftChunk:
+    """Mostly plausible, often subtly broken: each field drawn from good and bad values."""
+    n = rng.choice([0, 1, 2, 5, 40, 300])
+    def tok() -> int:
+        return rng.choice([rng.randrange(n_vocab), -rng.randrange(1, 2**31),
+                           rng.randrange(n_vocab, 2**31), 0, n_vocab - 1])
+    tokens = [rng.randrange(n_vocab) for _ in range(n)]
+    if rng.random() < 0.3 and tokens:
+        tokens[rng.randrange(n)] = tok()
+    m = pb.DraftChunk(gen=rng.randrange(2**32), start=rng.choice(
+        [0, 100, 990, 2**31, 2**32 - 1, rng.randrange(1000)]), tokens=tokens,
+        done=rng.random() < 0.5)
+    if rng.random() < 0.5 and n <= 5:
+        k = rng.choice([0, 1, 2, 3, 300])
+        for t in tokens:
+            ids = [t] + [rng.randrange(n_vocab) for _ in range(max(0, k - 1))]
+            p = np.random.default_rng(rng.randrange(2**32)).dirichlet(np.ones(max(1, k)))
+            probs = p.tolist()[:len(ids)]
+            if rng.random() < 0.2:
+                ids[rng.randrange(len(ids))] = tok()
+            if rng.random() < 0.2:
+                probs[rng.randrange(len(probs))] = rng.choice([math.nan, -0.1, 2.0, math.inf])
+            if rng.random() < 0.1:
+                ids = ids[:-1]
+            m.q_ids.extend(ids)
+            m.q_probs.extend(probs)
+        m.q_k = k
+    return m

@@ -52,11 +52,25 @@ class MoeSpec:
     #: give the vocabulary fill-in-the-middle tokens (Gemma's <unused0..4> as FIM prefix,
     #: suffix, middle, file separator and repository), for /infill's tests
     fim: bool = False
+    #: the weights' type: "f32", or "f16" for a model big enough to measure a GPU with
+    weights: str = "f32"
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("f32", "f16"):
+            raise ValueError(f"weights: f32 or f16, got {self.weights!r}")
+        if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
+            raise ValueError(f"n_expert_used: in [1, {self.n_expert}], got {self.n_expert_used}")
+
+    @property
+    def dense(self) -> bool:
+        """n_expert 0: one FFN per layer (llama's dense layout) instead of experts."""
+        return self.n_expert == 0
 
     def key(self) -> str:
         spec = asdict(self)
-        if not self.fim:
-            del spec["fim"]     # the files built before the option keep their names
+        for name, default in (("fim", False), ("weights", "f32")):
+            if spec[name] == default:
+                del spec[name]  # the files built before the option keep their names
         text = json.dumps({"spec": spec, "builder": 1}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
@@ -70,7 +84,7 @@ class MoePair:
 def ensure_moe(spec: MoeSpec = MoeSpec(), progress: bool = False) -> MoePair:
     """The MoE target (F32 weights, F16 token embedding) and its quantized draft, cached."""
     folder = models.home()
-    target = folder / f"moe-tiny-{spec.key()}-f32.gguf"
+    target = folder / f"moe-tiny-{spec.key()}-{spec.weights}.gguf"
     draft = folder / f"moe-tiny-{spec.key()}-{spec.draft_type.lower()}.gguf"
     if target.exists() and draft.exists():
         return MoePair(target, draft)
@@ -139,10 +153,12 @@ def write_moe(path: Path, spec: MoeSpec, tokenizer_from: Path) -> None:
     w.add_rope_dimension_count(spec.n_embd // spec.n_head)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_expert_count(spec.n_expert)
-    w.add_expert_used_count(spec.n_expert_used)
+    if not spec.dense:
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
     w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if spec.weights == "f32"
+                    else gguf.LlamaFileType.MOSTLY_F16)
     _copy_tokenizer(reader, w)
     if spec.fim:
         for name, token in FIM_TOKENS.items():
@@ -174,35 +190,58 @@ def _layout(spec: MoeSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], flo
     d, ff, e = spec.n_embd, spec.n_ff, spec.n_expert
     kv = d // spec.n_head * spec.n_head_kv
     f32 = np.float32
+    w = np.float32 if spec.weights == "f32" else np.float16  # the matrices' type
     out: list[tuple[str, tuple[int, ...], float | None, type]] = [
         ("token_embd.weight", (n_vocab, d), 1.0, np.float16)]
     for i in range(spec.n_layer):
         b = f"blk.{i}"
         out += [
             (f"{b}.attn_norm.weight", (d,), None, f32),
-            (f"{b}.attn_q.weight", (d, d), d ** -0.5, f32),
-            (f"{b}.attn_k.weight", (kv, d), d ** -0.5, f32),
-            (f"{b}.attn_v.weight", (kv, d), d ** -0.5, f32),
-            (f"{b}.attn_output.weight", (d, d), d ** -0.5, f32),
+            (f"{b}.attn_q.weight", (d, d), d ** -0.5, w),
+            (f"{b}.attn_k.weight", (kv, d), d ** -0.5, w),
+            (f"{b}.attn_v.weight", (kv, d), d ** -0.5, w),
+            (f"{b}.attn_output.weight", (d, d), d ** -0.5, w),
             (f"{b}.ffn_norm.weight", (d,), None, f32),
-            (f"{b}.ffn_gate_inp.weight", (e, d), 1.0, f32),
-            (f"{b}.ffn_gate_exps.weight", (e, ff, d), d ** -0.5, f32),
-            (f"{b}.ffn_up_exps.weight", (e, ff, d), d ** -0.5, f32),
-            (f"{b}.ffn_down_exps.weight", (e, d, ff), ff ** -0.5, f32),
         ]
+        if spec.dense:
+            out += [
+                (f"{b}.ffn_gate.weight", (ff, d), d ** -0.5, w),
+                (f"{b}.ffn_up.weight", (ff, d), d ** -0.5, w),
+                (f"{b}.ffn_down.weight", (d, ff), ff ** -0.5, w),
+            ]
+        else:
+            out += [
+                (f"{b}.ffn_gate_inp.weight", (e, d), 1.0, f32),
+                (f"{b}.ffn_gate_exps.weight", (e, ff, d), d ** -0.5, w),
+                (f"{b}.ffn_up_exps.weight", (e, ff, d), d ** -0.5, w),
+                (f"{b}.ffn_down_exps.weight", (e, d, ff), ff ** -0.5, w),
+            ]
     out += [("output_norm.weight", (d,), None, f32),
-            ("output.weight", (n_vocab, d), spec.logit_std * d ** -0.5, f32)]
+            ("output.weight", (n_vocab, d), spec.logit_std * d ** -0.5, w)]
     return out
 
 
 def _weights(spec: MoeSpec, n_vocab: int):
-    """(name, array): normal weights from the spec's seed, norms at one."""
+    """(name, array): normal weights from the spec's seed, norms at one. An F16 model (one
+    built to time a GPU, billions of weights) takes its values from a pool of 2^24 normals
+    at a random offset each: drawing every value afresh would take minutes."""
     rng = np.random.default_rng(spec.seed)
+    pool = rng.standard_normal(POOL, dtype=np.float32) if spec.weights == "f16" else None
     for name, shape, std, dtype in _layout(spec, n_vocab):
         if std is None:
             yield name, np.ones(shape, dtype=np.float32)
-        else:
+        elif pool is None:
             yield name, (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
+        else:
+            n = int(np.prod(shape))
+            start = int(rng.integers(POOL))
+            values = (pool[start:start + n] if n <= POOL - start
+                      else np.resize(np.roll(pool, -start), n))
+            yield name, (values.reshape(shape) * std).astype(dtype)
+
+
+#: values in the pool an F16 model's weights are drawn from
+POOL = 1 << 24
 
 
 def tensor_names(spec: MoeSpec = MoeSpec()) -> list[str]:

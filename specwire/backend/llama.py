@@ -8,6 +8,14 @@ the rows come back as a zero-copy numpy view of llama.cpp's output buffer.
 
 One model file is loaded once per process (`load_model`) and may serve many
 contexts, e.g. one per sequence on a draft node.
+
+A context's KV cache can be copied out to RAM and back (`save`, `restore`: what
+the draft node keeps of a finished conversation, node/kv_cache.py, and what its
+--cache-ram budget counts), or to a file (llama-server's slot save), and
+`reuse_chunks` is llama-server's --cache-reuse: past the common prefix, runs of
+at least n_min cached tokens that reappear later in the new prompt are moved to
+their new positions (llama_memory_seq_add; llama.cpp re-rotates their keys on
+the next decode) instead of being evaluated again.
 """
 
 from __future__ import annotations
@@ -487,14 +495,12 @@ class LlamaBackend:
         del held[n:]
 
     def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
-        """--cache-reuse: see backend/kv_state.py."""
-        from specwire.backend import kv_state
-
-        return kv_state.reuse_chunks(self, prompt, n_past, n_min)
+        """--cache-reuse: see reuse_chunks below."""
+        return reuse_chunks(self, prompt, n_past, n_min)
 
     def adopt(self, tokens: Sequence[int]) -> None:
         """The KV cache now holds `tokens` (after a state restore or a KV shift made by
-        backend/kv_state.py, which changes the cache behind eval's back)."""
+        this module's functions below, which change the cache behind eval's back)."""
         self._seqs[0] = list(tokens)
 
     def tokenize(
@@ -579,9 +585,7 @@ class SeqView:
         self.owner.truncate_seq(self.seq_id, n)
 
     def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
-        from specwire.backend import kv_state
-
-        return kv_state.reuse_chunks(self, prompt, n_past, n_min, self.seq_id)
+        return reuse_chunks(self, prompt, n_past, n_min, self.seq_id)
 
     def adopt(self, tokens: Sequence[int]) -> None:
         self.owner._seqs[self.seq_id] = list(tokens)
@@ -616,3 +620,111 @@ def check_pair(target: Model, draft: Model) -> None:
             f"fingerprint {ft}) and the draft {draft.path} (vocabulary {draft.n_vocab} tokens, "
             f"fingerprint {fd}) do not share a tokenizer"
         )
+
+
+# The KV cache out to RAM or a file and back, or shifted in place.
+@dataclass(slots=True)
+class SavedState:
+    """The KV cells of one sequence and the tokens they hold."""
+
+    tokens: np.ndarray  # int32, in position order
+    data: ctypes.Array  # llama_state_seq_get_data's bytes
+
+    @property
+    def size(self) -> int:
+        """Bytes this entry holds in RAM."""
+        return len(self.data) + self.tokens.nbytes
+
+
+def state_size(backend: LlamaBackend) -> int:
+    """Bytes `save` would take for what the context holds now."""
+    return int(C.llama_state_seq_get_size(backend.ctx, 0))
+
+
+def save(backend: LlamaBackend) -> SavedState:
+    n = state_size(backend)
+    buf = (ctypes.c_uint8 * n)()
+    got = C.llama_state_seq_get_data(backend.ctx, buf, n, 0)
+    if got == 0:
+        raise BackendError(f"llama.cpp could not save the KV state of {backend.name}")
+    if got < n:
+        buf = (ctypes.c_uint8 * got).from_buffer_copy(buf, 0)
+    return SavedState(np.asarray(backend.tokens, dtype=np.int32), buf)
+
+
+def restore(backend: LlamaBackend, saved: SavedState) -> bool:
+    """Replace the context's sequence with a saved one; False (and an empty cache) if
+    llama.cpp refuses it."""
+    C.llama_memory_clear(backend.mem, True)
+    if C.llama_state_seq_set_data(backend.ctx, saved.data, len(saved.data), 0) == 0:
+        C.llama_memory_clear(backend.mem, True)
+        backend.adopt([])
+        return False
+    backend.adopt(saved.tokens.tolist())
+    return True
+
+
+def save_file(view, path: str) -> int:  # noqa: ANN001 - LlamaBackend or its SeqView
+    """llama-server's slot save: one sequence's cells and tokens to a file; bytes written."""
+    owner, seq = getattr(view, "owner", view), getattr(view, "seq_id", 0)
+    tokens = (C.llama_token * max(1, view.n_past))(*view.tokens)
+    written = C.llama_state_seq_save_file(owner.ctx, path.encode(), seq, tokens, view.n_past)
+    if written == 0:
+        raise BackendError(f"llama.cpp could not save the slot's KV cache to {path}")
+    return int(written)
+
+
+def load_file(view, path: str) -> int:  # noqa: ANN001 - LlamaBackend or its SeqView
+    """llama-server's slot restore: the file's cells into this sequence (what it held
+    before is dropped); tokens restored. A file of another model or context is refused."""
+    owner, seq = getattr(view, "owner", view), getattr(view, "seq_id", 0)
+    view.truncate(0)
+    tokens = (C.llama_token * view.n_ctx)()
+    count = ctypes.c_size_t(0)
+    read = C.llama_state_seq_load_file(owner.ctx, path.encode(), seq, tokens, view.n_ctx,
+                                       ctypes.byref(count))
+    if read == 0:
+        C.llama_memory_seq_rm(owner.mem, seq, -1, -1)
+        view.adopt([])
+        raise BackendError(f"llama.cpp could not restore {path} into this slot (another "
+                           "model, context size or cache type?)")
+    view.adopt(list(tokens[:count.value]))
+    return count.value
+
+
+def can_shift(backend: LlamaBackend) -> bool:
+    """Whether the context's memory supports moving cells to new positions."""
+    return bool(C.llama_memory_can_shift(backend.mem))
+
+
+def reuse_chunks(backend: LlamaBackend, prompt: Sequence[int], n_past: int, n_min: int,
+                 seq: int = 0) -> int:
+    """Move runs of >= n_min cached tokens past the first n_past (the common prefix) to
+    where the prompt has them; return how many prompt tokens the cache now holds.
+
+    The cache is left holding exactly prompt[:returned]; the prompt's last token is
+    never taken from the cache, so that its logits are computed.
+    """
+    if n_min <= 0 or not can_shift(backend):
+        return n_past
+    cache = list(backend.tokens)
+    limit = len(prompt) - 1
+    head_c = head_p = n_past
+    moved = False
+    while head_c < len(cache) and head_p < limit:
+        n = 0
+        while (head_c + n < len(cache) and head_p + n < limit
+               and cache[head_c + n] == prompt[head_p + n]):
+            n += 1
+        if n >= n_min:
+            C.llama_memory_seq_rm(backend.mem, seq, head_p, head_c)
+            C.llama_memory_seq_add(backend.mem, seq, head_c, head_c + n, head_p - head_c)
+            head_p += n
+            head_c += n
+            n_past, moved = head_p, True
+        else:
+            head_c += 1
+    if moved:
+        C.llama_memory_seq_rm(backend.mem, seq, n_past, -1)
+        backend.adopt(prompt[:n_past])
+    return n_past

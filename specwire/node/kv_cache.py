@@ -10,7 +10,7 @@ with its history, so it evaluates only what is new. Two stores:
   new session takes the pooled context whose tokens match its history best.
 * saved states: when a pooled context is taken for a sequence that does not
   extend what it holds, that sequence is first copied out to RAM
-  (backend/kv_state.py), within --cache-ram MiB and --cache-sessions entries,
+  (backend/llama.py), within --cache-ram MiB and --cache-sessions entries,
   least recently used out first. A later session whose history matches a saved
   state better than any pooled context gets it copied back in.
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specwire.backend import kv_state
+from specwire.backend import llama
 from specwire.backend.base import BackendError
 from specwire.backend.llama import LlamaBackend, Model
 from specwire.config import ModelParams
@@ -97,7 +97,7 @@ class _Pooled:
 
 @dataclass(slots=True)
 class _Saved:
-    state: kv_state.SavedState
+    state: llama.SavedState
     scope: Scope
     used_at: float = field(default_factory=time.monotonic)
 
@@ -194,7 +194,7 @@ class KvCache:
             if self._loses_cells(taken, want, entry is not None or foreign):
                 self._save(taken)
         if entry is not None:
-            if kv_state.restore(backend, entry.state):
+            if llama.restore(backend, entry.state):
                 self.counters.restores += 1
             else:
                 log.warning("kv cache: llama.cpp refused a saved state; evaluating afresh")
@@ -352,7 +352,7 @@ class KvCache:
     def _save(self, p: _Pooled) -> None:
         """Copy a pooled context's sequence to RAM, evicting the least recently used."""
         try:
-            size = kv_state.state_size(p.backend) + p.tokens.nbytes
+            size = llama.state_size(p.backend) + p.tokens.nbytes
         except Exception:  # noqa: BLE001 - a cache that cannot save only forgets
             return
         if size > self.budget:
@@ -365,7 +365,7 @@ class KvCache:
                    for s in self._saved.values()):
                 return  # a saved sequence already starts with all of these tokens
         try:
-            state = kv_state.save(p.backend)
+            state = llama.save(p.backend)
         except BackendError as e:
             log.warning("kv cache: %s", e)
             return

@@ -47,18 +47,18 @@ def run(slot: Any, action: str, folder: str | None, body: Any) -> dict:
         raise ApiError(501, "slot files need serve --slot-save-path DIR", "not_supported_error")
     name = filename(body)
     path = os.path.join(folder, name)
-    from specwire.backend import kv_state
+    from specwire.backend import llama
     t0 = time.perf_counter()
     try:
         if action == "save":
             n = target.n_past
-            written = kv_state.save_file(target, path)
+            written = llama.save_file(target, path)
             return {"id_slot": slot.index, "filename": name, "n_saved": n,
                     "n_written": written,
                     "timings": {"save_ms": round(1000 * (time.perf_counter() - t0), 3)}}
         if not os.path.isfile(path):
             raise ApiError(404, f"no slot file {name!r} in --slot-save-path", "not_found_error")
-        n = kv_state.load_file(target, path)
+        n = llama.load_file(target, path)
         return {"id_slot": slot.index, "filename": name, "n_restored": n,
                 "n_read": os.path.getsize(path),
                 "timings": {"restore_ms": round(1000 * (time.perf_counter() - t0), 3)}}

@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecwire/wire/specwire.proto\x12\x0bspecwire.v1\"j\n\x0cHelloRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07n_vocab\x18\x03 \x01(\r\x12\x14\n\x0ctarget_model\x18\x04 \x01(\t\"\xae\x01\n\nHelloReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07n_vocab\x18\x03 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x04 \x01(\t\x12\r\n\x05modes\x18\x05 \x03(\t\x12\r\n\x05n_ctx\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x11\n\tsync_port\x18\x08 \x01(\r\"\xf1\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x16\n\x0erepeat_penalty\x18\x05 \x01(\x02\x12\x15\n\rrepeat_last_n\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0elogit_bias_ids\x18\n \x03(\x05\x12\x19\n\x11logit_bias_values\x18\x0b \x03(\x02\"\xc3\x02\n\x04Open\x12\x0f\n\x07history\x18\x01 \x03(\x05\x12\'\n\x08sampling\x18\x02 \x01(\x0b\x32\x15.specwire.v1.Sampling\x12%\n\x04mode\x18\x03 \x01(\x0e\x32\x17.specwire.v1.VerifyMode\x12\x11\n\tpipelined\x18\x04 \x01(\x08\x12\x11\n\tlookahead\x18\x05 \x01(\r\x12\x0c\n\x04want\x18\x06 \x01(\r\x12\r\n\x05p_min\x18\x07 \x01(\x02\x12\x0f\n\x07top_k_q\x18\x08 \x01(\r\x12\x0e\n\x06timing\x18\t \x01(\x08\x12\x12\n\ncalibrated\x18\n \x01(\x08\x12\x10\n\x08keep_min\x18\x0b \x01(\x02\x12\x12\n\nalternates\x18\x0c \x01(\r\x12\x15\n\ralternate_len\x18\r \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x0e \x01(\t\x12\x10\n\x08no_store\x18\x0f \x01(\x08\"}\n\x07Verdict\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0b\n\x03gen\x18\x04 \x01(\r\x12\x0c\n\x04want\x18\x05 \x01(\r\x12\x10\n\x08keep_min\x18\x06 \x01(\x02\x12\x11\n\talternate\x18\x07 \x01(\x08\"\x07\n\x05\x43lose\"\x88\x01\n\rTargetMessage\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.specwire.v1.OpenH\x00\x12\'\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.specwire.v1.VerdictH\x00\x12#\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x12.specwire.v1.CloseH\x00\x42\x06\n\x04kind\"\xf6\x01\n\nDraftChunk\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0b\n\x03q_k\x18\x04 \x01(\r\x12\r\n\x05q_ids\x18\x05 \x03(\x05\x12\x0f\n\x07q_probs\x18\x06 \x03(\x02\x12\x0c\n\x04\x64one\x18\x07 \x01(\x08\x12\x0f\n\x07\x62usy_us\x18\x08 \x01(\r\x12\x14\n\x07\x63\x61\x63he_n\x18\t \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08prompt_n\x18\n \x01(\rH\x01\x88\x01\x01\x12*\n\nalternates\x18\x0b \x03(\x0b\x32\x16.specwire.v1.AlternateB\n\n\x08_cache_nB\x0b\n\t_prompt_n\"\'\n\tAlternate\x12\n\n\x02\x61t\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\"\x1d\n\nDraftError\x12\x0f\n\x07message\x18\x01 \x01(\t\"j\n\x0c\x44raftMessage\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.specwire.v1.DraftChunkH\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specwire.v1.DraftErrorH\x00\x42\x06\n\x04kind\"+\n\x0bPingMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07hold_us\x18\x02 \x01(\r\"\x13\n\x04Pong\x12\x0b\n\x03seq\x18\x01 \x01(\x04*I\n\nVerifyMode\x12\x11\n\rVERIFY_GREEDY\x10\x00\x12\x12\n\x0eVERIFY_COUPLED\x10\x01\x12\x14\n\x10VERIFY_REJECTION\x10\x02\x32\xc7\x01\n\tDraftNode\x12;\n\x05Hello\x12\x19.specwire.v1.HelloRequest\x1a\x17.specwire.v1.HelloReply\x12\x44\n\x07Session\x12\x1a.specwire.v1.TargetMessage\x1a\x19.specwire.v1.DraftMessage(\x01\x30\x01\x12\x37\n\x04Ping\x12\x18.specwire.v1.PingMessage\x1a\x11.specwire.v1.Pong(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&specwire/link/transport/specwire.proto\x12\x0bspecwire.v1\"j\n\x0cHelloRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07n_vocab\x18\x03 \x01(\r\x12\x14\n\x0ctarget_model\x18\x04 \x01(\t\"\xae\x01\n\nHelloReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x02 \x01(\t\x12\x0f\n\x07n_vocab\x18\x03 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x04 \x01(\t\x12\r\n\x05modes\x18\x05 \x03(\t\x12\r\n\x05n_ctx\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x11\n\tsync_port\x18\x08 \x01(\r\"\xf1\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x16\n\x0erepeat_penalty\x18\x05 \x01(\x02\x12\x15\n\rrepeat_last_n\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0elogit_bias_ids\x18\n \x03(\x05\x12\x19\n\x11logit_bias_values\x18\x0b \x03(\x02\"\xc3\x02\n\x04Open\x12\x0f\n\x07history\x18\x01 \x03(\x05\x12\'\n\x08sampling\x18\x02 \x01(\x0b\x32\x15.specwire.v1.Sampling\x12%\n\x04mode\x18\x03 \x01(\x0e\x32\x17.specwire.v1.VerifyMode\x12\x11\n\tpipelined\x18\x04 \x01(\x08\x12\x11\n\tlookahead\x18\x05 \x01(\r\x12\x0c\n\x04want\x18\x06 \x01(\r\x12\r\n\x05p_min\x18\x07 \x01(\x02\x12\x0f\n\x07top_k_q\x18\x08 \x01(\r\x12\x0e\n\x06timing\x18\t \x01(\x08\x12\x12\n\ncalibrated\x18\n \x01(\x08\x12\x10\n\x08keep_min\x18\x0b \x01(\x02\x12\x12\n\nalternates\x18\x0c \x01(\r\x12\x15\n\ralternate_len\x18\r \x01(\r\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x0e \x01(\t\x12\x10\n\x08no_store\x18\x0f \x01(\x08\"}\n\x07Verdict\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0b\n\x03gen\x18\x04 \x01(\r\x12\x0c\n\x04want\x18\x05 \x01(\r\x12\x10\n\x08keep_min\x18\x06 \x01(\x02\x12\x11\n\talternate\x18\x07 \x01(\x08\"\x07\n\x05\x43lose\"\x88\x01\n\rTargetMessage\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.specwire.v1.OpenH\x00\x12\'\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.specwire.v1.VerdictH\x00\x12#\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x12.specwire.v1.CloseH\x00\x42\x06\n\x04kind\"\xf6\x01\n\nDraftChunk\x12\x0b\n\x03gen\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0b\n\x03q_k\x18\x04 \x01(\r\x12\r\n\x05q_ids\x18\x05 \x03(\x05\x12\x0f\n\x07q_probs\x18\x06 \x03(\x02\x12\x0c\n\x04\x64one\x18\x07 \x01(\x08\x12\x0f\n\x07\x62usy_us\x18\x08 \x01(\r\x12\x14\n\x07\x63\x61\x63he_n\x18\t \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08prompt_n\x18\n \x01(\rH\x01\x88\x01\x01\x12*\n\nalternates\x18\x0b \x03(\x0b\x32\x16.specwire.v1.AlternateB\n\n\x08_cache_nB\x0b\n\t_prompt_n\"\'\n\tAlternate\x12\n\n\x02\x61t\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\"\x1d\n\nDraftError\x12\x0f\n\x07message\x18\x01 \x01(\t\"j\n\x0c\x44raftMessage\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.specwire.v1.DraftChunkH\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specwire.v1.DraftErrorH\x00\x42\x06\n\x04kind\"+\n\x0bPingMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07hold_us\x18\x02 \x01(\r\"\x13\n\x04Pong\x12\x0b\n\x03seq\x18\x01 \x01(\x04*I\n\nVerifyMode\x12\x11\n\rVERIFY_GREEDY\x10\x00\x12\x12\n\x0eVERIFY_COUPLED\x10\x01\x12\x14\n\x10VERIFY_REJECTION\x10\x02\x32\xc7\x01\n\tDraftNode\x12;\n\x05Hello\x12\x19.specwire.v1.HelloRequest\x1a\x17.specwire.v1.HelloReply\x12\x44\n\x07Session\x12\x1a.specwire.v1.TargetMessage\x1a\x19.specwire.v1.DraftMessage(\x01\x30\x01\x12\x37\n\x04Ping\x12\x18.specwire.v1.PingMessage\x1a\x11.specwire.v1.Pong(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specwire.link.transport.specwire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYMODE']._serialized_start=1670
-  _globals['_VERIFYMODE']._serialized_end=1743
-  _globals['_HELLOREQUEST']._serialized_start=45
-  _globals['_HELLOREQUEST']._serialized_end=151
-  _globals['_HELLOREPLY']._serialized_start=154
-  _globals['_HELLOREPLY']._serialized_end=328
-  _globals['_SAMPLING']._serialized_start=331
-  _globals['_SAMPLING']._serialized_end=572
-  _globals['_OPEN']._serialized_start=575
-  _globals['_OPEN']._serialized_end=898
-  _globals['_VERDICT']._serialized_start=900
-  _globals['_VERDICT']._serialized_end=1025
-  _globals['_CLOSE']._serialized_start=1027
-  _globals['_CLOSE']._serialized_end=1034
-  _globals['_TARGETMESSAGE']._serialized_start=1037
-  _globals['_TARGETMESSAGE']._serialized_end=1173
-  _globals['_DRAFTCHUNK']._serialized_start=1176
-  _globals['_DRAFTCHUNK']._serialized_end=1422
-  _globals['_ALTERNATE']._serialized_start=1424
-  _globals['_ALTERNATE']._serialized_end=1463
-  _globals['_DRAFTERROR']._serialized_start=1465
-  _globals['_DRAFTERROR']._serialized_end=1494
-  _globals['_DRAFTMESSAGE']._serialized_start=1496
-  _globals['_DRAFTMESSAGE']._serialized_end=1602
-  _globals['_PINGMESSAGE']._serialized_start=1604
-  _globals['_PINGMESSAGE']._serialized_end=1647
-  _globals['_PONG']._serialized_start=1649
-  _globals['_PONG']._serialized_end=1668
-  _globals['_DRAFTNODE']._serialized_start=1746
-  _globals['_DRAFTNODE']._serialized_end=1945
+  _globals['_VERIFYMODE']._serialized_start=1680
+  _globals['_VERIFYMODE']._serialized_end=1753
+  _globals['_HELLOREQUEST']._serialized_start=55
+  _globals['_HELLOREQUEST']._serialized_end=161
+  _globals['_HELLOREPLY']._serialized_start=164
+  _globals['_HELLOREPLY']._serialized_end=338
+  _globals['_SAMPLING']._serialized_start=341
+  _globals['_SAMPLING']._serialized_end=582
+  _globals['_OPEN']._serialized_start=585
+  _globals['_OPEN']._serialized_end=908
+  _globals['_VERDICT']._serialized_start=910
+  _globals['_VERDICT']._serialized_end=1035
+  _globals['_CLOSE']._serialized_start=1037
+  _globals['_CLOSE']._serialized_end=1044
+  _globals['_TARGETMESSAGE']._serialized_start=1047
+  _globals['_TARGETMESSAGE']._serialized_end=1183
+  _globals['_DRAFTCHUNK']._serialized_start=1186
+  _globals['_DRAFTCHUNK']._serialized_end=1432
+  _globals['_ALTERNATE']._serialized_start=1434
+  _globals['_ALTERNATE']._serialized_end=1473
+  _globals['_DRAFTERROR']._serialized_start=1475
+  _globals['_DRAFTERROR']._serialized_end=1504
+  _globals['_DRAFTMESSAGE']._serialized_start=1506
+  _globals['_DRAFTMESSAGE']._serialized_end=1612
+  _globals['_PINGMESSAGE']._serialized_start=1614
+  _globals['_PINGMESSAGE']._serialized_end=1657
+  _globals['_PONG']._serialized_start=1659
+  _globals['_PONG']._serialized_end=1678
+  _globals['_DRAFTNODE']._serialized_start=1756
+  _globals['_DRAFTNODE']._serialized_end=1955
 # @@protoc_insertion_point(module_scope)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from specwire.link.transport import specwire_pb2 as specwire_dot_wire_dot_specwire__pb2
+from specwire.link.transport import specwire_pb2 as specwire_dot_link_dot_transport_dot_specwire__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -36,18 +36,18 @@ class DraftNodeStub:
         """
         self.Hello = channel.unary_unary(
                 '/specwire.v1.DraftNode/Hello',
-                request_serializer=specwire_dot_wire_dot_specwire__pb2.HelloRequest.SerializeToString,
-                response_deserializer=specwire_dot_wire_dot_specwire__pb2.HelloReply.FromString,
+                request_serializer=specwire_dot_link_dot_transport_dot_specwire__pb2.HelloRequest.SerializeToString,
+                response_deserializer=specwire_dot_link_dot_transport_dot_specwire__pb2.HelloReply.FromString,
                 _registered_method=True)
         self.Session = channel.stream_stream(
                 '/specwire.v1.DraftNode/Session',
-                request_serializer=specwire_dot_wire_dot_specwire__pb2.TargetMessage.SerializeToString,
-                response_deserializer=specwire_dot_wire_dot_specwire__pb2.DraftMessage.FromString,
+                request_serializer=specwire_dot_link_dot_transport_dot_specwire__pb2.TargetMessage.SerializeToString,
+                response_deserializer=specwire_dot_link_dot_transport_dot_specwire__pb2.DraftMessage.FromString,
                 _registered_method=True)
         self.Ping = channel.stream_stream(
                 '/specwire.v1.DraftNode/Ping',
-                request_serializer=specwire_dot_wire_dot_specwire__pb2.PingMessage.SerializeToString,
-                response_deserializer=specwire_dot_wire_dot_specwire__pb2.Pong.FromString,
+                request_serializer=specwire_dot_link_dot_transport_dot_specwire__pb2.PingMessage.SerializeToString,
+                response_deserializer=specwire_dot_link_dot_transport_dot_specwire__pb2.Pong.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_DraftNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Hello': grpc.unary_unary_rpc_method_handler(
                     servicer.Hello,
-                    request_deserializer=specwire_dot_wire_dot_specwire__pb2.HelloRequest.FromString,
-                    response_serializer=specwire_dot_wire_dot_specwire__pb2.HelloReply.SerializeToString,
+                    request_deserializer=specwire_dot_link_dot_transport_dot_specwire__pb2.HelloRequest.FromString,
+                    response_serializer=specwire_dot_link_dot_transport_dot_specwire__pb2.HelloReply.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=specwire_dot_wire_dot_specwire__pb2.TargetMessage.FromString,
-                    response_serializer=specwire_dot_wire_dot_specwire__pb2.DraftMessage.SerializeToString,
+                    request_deserializer=specwire_dot_link_dot_transport_dot_specwire__pb2.TargetMessage.FromString,
+                    response_serializer=specwire_dot_link_dot_transport_dot_specwire__pb2.DraftMessage.SerializeToString,
             ),
             'Ping': grpc.stream_stream_rpc_method_handler(
                     servicer.Ping,
-                    request_deserializer=specwire_dot_wire_dot_specwire__pb2.PingMessage.FromString,
-                    response_serializer=specwire_dot_wire_dot_specwire__pb2.Pong.SerializeToString,
+                    request_deserializer=specwire_dot_link_dot_transport_dot_specwire__pb2.PingMessage.FromString,
+                    response_serializer=specwire_dot_link_dot_transport_dot_specwire__pb2.Pong.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -121,8 +121,8 @@ class DraftNode:
             request,
             target,
             '/specwire.v1.DraftNode/Hello',
-            specwire_dot_wire_dot_specwire__pb2.HelloRequest.SerializeToString,
-            specwire_dot_wire_dot_specwire__pb2.HelloReply.FromString,
+            specwire_dot_link_dot_transport_dot_specwire__pb2.HelloRequest.SerializeToString,
+            specwire_dot_link_dot_transport_dot_specwire__pb2.HelloReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -148,8 +148,8 @@ class DraftNode:
             request_iterator,
             target,
             '/specwire.v1.DraftNode/Session',
-            specwire_dot_wire_dot_specwire__pb2.TargetMessage.SerializeToString,
-            specwire_dot_wire_dot_specwire__pb2.DraftMessage.FromString,
+            specwire_dot_link_dot_transport_dot_specwire__pb2.TargetMessage.SerializeToString,
+            specwire_dot_link_dot_transport_dot_specwire__pb2.DraftMessage.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class DraftNode:
             request_iterator,
             target,
             '/specwire.v1.DraftNode/Ping',
-            specwire_dot_wire_dot_specwire__pb2.PingMessage.SerializeToString,
-            specwire_dot_wire_dot_specwire__pb2.Pong.FromString,
+            specwire_dot_link_dot_transport_dot_specwire__pb2.PingMessage.SerializeToString,
+            specwire_dot_link_dot_transport_dot_specwire__pb2.Pong.FromString,
             options,
             channel_credentials,
             insecure,
