@@ -54,7 +54,7 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         check(s.target.placement)
         if s.draft.model is not None:
             check(s.draft.model.placement, dict(s.draft.flags))
-        target = LlamaBackend(s.target, n_seq=n_seq)
+        target = LlamaBackend(s.target, n_seq=n_seq, tree_branches=tree_branches(s, n_seq))
         lookup = lookup_file(s.draft, target)
         wrap = _identity
         if s.emulation is not None:
@@ -122,6 +122,17 @@ def lookup_file(s: DraftSettings, target: Backend) -> CacheFile | None:
         return None
     from specwire.drafters.ngram.persist import CacheFile
     return CacheFile(s.lookup_cache, target.n_vocab, target.vocab_fingerprint())
+
+
+def tree_branches(s: EngineSettings, n_seq: int) -> int:
+    """--draft-tree for the target: side branches come from a pipelined drafter (a draft
+    node or a draft model on its own thread), to one sequence alone in its decode."""
+    d = s.draft
+    if n_seq != 1:
+        return 0
+    if d.kind == "remote" and d.remote.pipelined and not d.hybrid:
+        return d.remote.tree
+    return d.tree if d.threaded else 0
 
 
 def build_drafter(s: DraftSettings, target: Backend,

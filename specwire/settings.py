@@ -30,6 +30,7 @@ class RemoteSettings:
     pipelined: bool = True   # --draft-mode other than sync: the node drafts ahead
     poll: bool = True        # --draft-no-poll turns the arrival forecast off
     branches: int | None = None  # --draft-branches: alternates per chunk (None: default)
+    tree: int = 0  # --draft-tree: side branches the target verifies beside a draft (0: chains)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,8 @@ class DraftSettings:
     model: ModelParams | None = None
     threaded: bool = False   # a local draft model drafts ahead on its own thread
     branches: int | None = None  # --draft-branches for the threaded drafter (None: default)
+    #: --draft-tree: side branches the target verifies beside a pipelined draft (0: chains)
+    tree: int = 0
     #: with serve -np N, the local draft model's N sequences share one draft context and
     #: draft in lockstep (not with --draft-mode pipelined or --draft-hybrid)
     lockstep: bool = False

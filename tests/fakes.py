@@ -201,8 +201,15 @@ class FakeBatch:
 
     def __init__(self, model: FakeModel, n_seq: int, n_ctx: int = 512, n_batch: int = 512,
                  eog: Sequence[int] = (), clock: FakeClock | None = None,
-                 cost: tuple[float, float] = (10e-3, 1e-3)) -> None:
+                 cost: tuple[float, float] = (10e-3, 1e-3), tree_leaves: int = 1) -> None:
         self.n_seq, self.n_batch, self.decode_s = n_seq, n_batch, 0.0
+        self.model = model
+        #: tree parts (Part.parents) of at most this many leaves; trees logs each tree part
+        #: as (seq, tokens, parents), and kept each keep_tree's nodes
+        self.tree_leaves = tree_leaves
+        self.trees: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        self.kept: list[tuple[int, ...]] = []
+        self._pending: dict[int, tuple[list[int], list[int]]] = {}
         self.seqs = [FakeBackend(model, n_ctx, eog=eog, clock=clock, cost=cost)
                      for _ in range(n_seq)]
         self.decodes: list[list[tuple[int, int, tuple[int, ...]]]] = []
@@ -219,8 +226,45 @@ class FakeBatch:
             raise BackendError(f"a step of {total} tokens exceeds -b {self.n_batch}")
         if len({p.seq for p in parts}) != len(parts):
             raise BackendError("two parts of one sequence in a step")
+        for p in parts:
+            if p.seq in self._pending:
+                raise BackendError(f"sequence {p.seq} decoded again before keep_tree")
         self.decodes.append([(p.seq, self.seqs[p.seq].n_past, tuple(p.tokens)) for p in parts])
-        return [self.seqs[p.seq].eval(p.tokens, p.logits).copy() for p in parts]
+        return [self._tree(p) if p.parents is not None
+                else self.seqs[p.seq].eval(p.tokens, p.logits).copy() for p in parts]
+
+    def _tree(self, p) -> np.ndarray:
+        """A tree part: one row per node, from the node's own path (the root's eval)."""
+        parents = list(p.parents)
+        leaves = len(set(range(len(parents))) - set(parents[1:]))
+        if leaves > self.tree_leaves or parents[0] != -1 or any(
+                not 0 <= q < j for j, q in enumerate(parents) if j):
+            raise BackendError(f"not a tree of at most {self.tree_leaves} leaves: {parents}")
+        self.trees.append((p.seq, tuple(p.tokens), tuple(parents)))
+        be = self.seqs[p.seq]
+        first = be.eval([p.tokens[0]], "last").copy()
+        base = list(be.tokens)
+        rows = np.empty((len(p.tokens), self.model.n_vocab), dtype=np.float32)
+        rows[0] = first[0]
+        for j in range(1, len(p.tokens)):
+            path, q = [], j
+            while q > 0:
+                path.append(p.tokens[q])
+                q = parents[q]
+            rows[j] = self.model.row(base + path[::-1])
+        self._pending[p.seq] = (list(p.tokens), parents)
+        return rows
+
+    def keep_tree(self, seq: int, nodes: Sequence[int]) -> None:
+        tokens, parents = self._pending.pop(seq)
+        prev = 0
+        for j in nodes:
+            if parents[j] != prev:
+                raise BackendError(f"keep_tree: {list(nodes)} is not a path from the root")
+            prev = j
+        self.kept.append(tuple(nodes))
+        if nodes:
+            self.seqs[seq].eval([tokens[j] for j in nodes], "none")
 
 
 class RandomDrafter(DrafterBase):

@@ -18,10 +18,10 @@ def settings(*argv: str):
 def test_remote_flags_become_remote_settings() -> None:
     s = settings("--draft-url", "h:1", "--draft-url", "h:2", "--draft-mode", "sync",
                  "--draft-no-poll", "--draft-token", "secret", "--draft-tls-ca", "ca.pem",
-                 "--draft-branches", "3")
+                 "--draft-branches", "3", "--draft-tree", "2")
     assert s.draft.kind == "remote" and s.draft.urls == ("h:1", "h:2")
     assert s.draft.remote == RemoteSettings(token="secret", tls_ca="ca.pem", pipelined=False,
-                                            poll=False, branches=3)
+                                            poll=False, branches=3, tree=2)
     assert s.draft.model is None
     auto = settings("--draft-url", "h:1", "--draft-token", "t").draft.remote
     assert auto.pipelined and auto.poll

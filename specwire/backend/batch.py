@@ -28,6 +28,10 @@ class Part:
     seq: int
     tokens: list[int]
     logits: str = "all"   # "all": a row per token; "last": one; "none": none
+    #: A tree part (sample/tree.py): (len(tokens),) each token's parent index in the part,
+    #: -1 for the first; a token sits one position after its parent. Its logits are "all",
+    #: and the sequence then holds the tree until keep_tree says which path to keep.
+    parents: list[int] | None = None
 
     @property
     def n_rows(self) -> int:
@@ -55,6 +59,23 @@ class BatchBackend(Protocol):
 
         The rows view the backend's buffer: valid until the next decode.
         """
+
+
+@runtime_checkable
+class TreeBackend(Protocol):
+    """A BatchBackend that also decodes tree parts (Part.parents), of at most
+    `tree_leaves` leaves each."""
+
+    tree_leaves: int
+
+    def keep_tree(self, seq: int, nodes: Sequence[int]) -> None:
+        """After a tree part of sequence seq: keep the part's first token and then the
+        tokens of `nodes` (a path from the first, its index excluded), drop the rest."""
+
+
+def tree_leaves(batch: BatchBackend) -> int:
+    """The most leaves a tree part of this batch may have (1: chains only)."""
+    return batch.tree_leaves if isinstance(batch, TreeBackend) else 1
 
 
 class OneSequence:

@@ -213,23 +213,37 @@ class LlamaBackend:
     that the weights are read once for all of them. -c (params.n_ctx) is each sequence's
     context, as when every slot had a context of its own: the context holds n_seq times
     that, in one unified KV cache (one stream, so a step of uneven parts is one ubatch).
+
+    With tree_branches > 0 a part may be a tree of up to tree_branches + 1 leaves
+    (Part.parents): each leaf's path is a llama.cpp sequence of its own that shares the
+    prefix's cells (llama_memory_seq_cp adds a sequence id to cells, copying nothing),
+    each tree token is one cell carrying the ids of the leaves below it, and keep_tree
+    leaves the kept path's cells in the part's sequence and frees the others.
     """
 
-    def __init__(self, params: ModelParams, model: Model | None = None, n_seq: int = 1) -> None:
+    def __init__(self, params: ModelParams, model: Model | None = None, n_seq: int = 1,
+                 tree_branches: int = 0) -> None:
         if n_seq < 1:
             raise BackendError(f"n_seq: must be >= 1, got {n_seq}")
+        if tree_branches < 0:
+            raise BackendError(f"tree_branches: must be >= 0, got {tree_branches}")
         self.params = params
         self.model = model or load_model(params)
         self.name = self.model.name
         self.n_vocab = self.model.n_vocab
         self.n_seq = n_seq
+        self.tree_leaves = tree_branches + 1
+        # The cells a tree's side branches hold until keep_tree frees them.
+        slack = n_seq * tree_branches * _TREE_CELLS
         cp = C.llama_context_default_params()
-        cp.n_ctx = params.n_ctx * n_seq
+        cp.n_ctx = params.n_ctx * n_seq + slack
         cp.n_batch = params.n_batch
         placement.set_field(cp, "n_ubatch", min(params.n_ubatch, params.n_batch), "-ub")
-        cp.n_seq_max = n_seq
-        if n_seq > 1 and placement.has_field(cp, "kv_unified"):
+        cp.n_seq_max = n_seq * self.tree_leaves
+        if cp.n_seq_max > 1 and placement.has_field(cp, "kv_unified"):
             cp.kv_unified = True
+        elif tree_branches:
+            raise BackendError("tree verification needs llama.cpp's unified KV cache")
         cp.n_threads = params.n_threads
         cp.n_threads_batch = params.n_threads_batch or params.n_threads
         cp.type_k = _GGML_TYPES[params.type_k]
@@ -255,10 +269,10 @@ class LlamaBackend:
             self.ctx = None
             _count_context(-1)
             raise BackendError(f"llama.cpp could not apply --lora to {params.path}")
-        self.n_ctx = int(C.llama_n_ctx(self.ctx)) // n_seq   # per sequence
+        self.n_ctx = (int(C.llama_n_ctx(self.ctx)) - slack) // n_seq   # per sequence
         self.mem = C.llama_get_memory(self.ctx)
         self.n_batch = self._cap = params.n_batch
-        self._batch = C.llama_batch_init(self._cap, 0, 1)
+        self._batch = C.llama_batch_init(self._cap, 0, self.tree_leaves)
         self._tok = np.ctypeslib.as_array(self._batch.token, shape=(self._cap,))
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self._cap,))
         self._nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self._cap,))
@@ -267,7 +281,11 @@ class LlamaBackend:
         for p in self._seq_ptrs:
             p[0] = 0
         self._nseq[:] = 1
+        self._seq_max = int(cp.n_seq_max)
+        self._leaves: list[list[int]] = [[] for _ in range(n_seq)]
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
+        #: per sequence: its pending tree part (tokens, parents, leaf of each node), or None
+        self._trees: list[_PendingTree | None] = [None] * n_seq
         self._views = [self, *(SeqView(self, i) for i in range(1, n_seq))]
         self.decode_s = 0.0          # time inside llama_decode, to measure our own overhead
         self._seq_decode_s = [0.0] * n_seq   # ... each sequence's share of it
@@ -321,20 +339,26 @@ class LlamaBackend:
             raise BackendError(f"a step of {total} tokens exceeds the batch (-b {self._cap})")
         i = 0
         for p in parts:
+            if self._trees[p.seq] is not None:
+                self._drop_tree(p.seq)
             n, past = len(p.tokens), len(self._seqs[p.seq])
             if n == 0:
                 raise BackendError("eval of an empty token list")
-            if past + n > self.n_ctx:
+            if p.parents is None and past + n > self.n_ctx:
                 raise BackendError(f"context full: {past} + {n} tokens > -c {self.n_ctx}")
             bad = [t for t in p.tokens if not 0 <= t < self.n_vocab]
             if bad:
                 raise BackendError(
                     f"token id {bad[0]} outside the vocabulary (0..{self.n_vocab - 1})")
             self._tok[i:i + n] = p.tokens
-            self._pos[i:i + n] = np.arange(past, past + n)
-            if self.n_seq > 1:
-                for j in range(i, i + n):
-                    self._seq_ptrs[j][0] = p.seq
+            if p.parents is not None:
+                self._place_tree(p, i, past)
+            else:
+                self._pos[i:i + n] = np.arange(past, past + n)
+                self._nseq[i:i + n] = 1
+                if self._seq_max > 1:
+                    for j in range(i, i + n):
+                        self._seq_ptrs[j][0] = p.seq
             self._out[i:i + n] = 1 if p.logits == "all" else 0
             if p.logits == "last":
                 self._out[i + n - 1] = 1
@@ -348,6 +372,8 @@ class LlamaBackend:
             self._seq_decode_s[p.seq] += spent * len(p.tokens) / total
         if rc != 0:
             for p in parts:   # drop whatever the failed batch left behind
+                if p.parents is not None:
+                    self._clear_branches(p.seq)
                 self.truncate_seq(p.seq, len(self._seqs[p.seq]))
             where = ", ".join(f"sequence {p.seq} at {len(self._seqs[p.seq])}" for p in parts)
             raise BackendError(f"llama_decode failed ({rc}) on {total} tokens ({where}) "
@@ -358,10 +384,84 @@ class LlamaBackend:
                else np.empty((0, self.n_vocab), dtype=np.float32))
         out, r = [], 0
         for p in parts:
-            self._seqs[p.seq].extend(p.tokens)
+            if p.parents is not None:
+                self._seqs[p.seq].append(p.tokens[0])
+                self._trees[p.seq] = _PendingTree(p.tokens, p.parents)
+            else:
+                self._seqs[p.seq].extend(p.tokens)
             out.append(buf[r:r + p.n_rows])
             r += p.n_rows
         return out
+
+    # -- trees -------------------------------------------------------------------
+
+    def _branch_seq(self, seq: int, leaf: int) -> int:
+        """The llama.cpp sequence id of leaf `leaf` of sequence seq's tree (0: seq)."""
+        return seq if leaf == 0 else self.n_seq + seq * (self.tree_leaves - 1) + leaf - 1
+
+    def _place_tree(self, p: Part, i: int, past: int) -> None:
+        """Batch rows i.. for a tree part: positions by depth, each token's sequence ids
+        those of the leaves below it; the prefix's cells shared with each leaf's id."""
+        n, parents = len(p.tokens), p.parents
+        if len(parents) != n or parents[0] != -1 or any(
+                not 0 <= q < j for j, q in enumerate(parents) if j):
+            raise BackendError(f"tree part: parents {parents} are not a tree in index order")
+        if p.logits != "all":
+            raise BackendError("tree part: its logits are a row per token")
+        has_child = set(parents[1:])
+        leaves = [j for j in range(n) if j not in has_child]
+        if len(leaves) > self.tree_leaves:
+            raise BackendError(f"tree part of {len(leaves)} leaves (at most "
+                               f"{self.tree_leaves}: tree_branches + 1)")
+        below: list[list[int]] = [[] for _ in range(n)]   # (n,) leaf indices under each node
+        for li, leaf in enumerate(leaves):
+            j = leaf
+            while j >= 0:
+                below[j].append(li)
+                j = parents[j]
+        depth = [0] * n
+        for j in range(1, n):
+            depth[j] = depth[parents[j]] + 1
+        if past + max(depth) + 1 > self.n_ctx:
+            raise BackendError(f"context full: {past} + {max(depth) + 1} tokens > -c {self.n_ctx}")
+        for li in range(1, len(leaves)):
+            b = self._branch_seq(p.seq, li)
+            C.llama_memory_seq_rm(self.mem, b, -1, -1)
+            if past:
+                C.llama_memory_seq_cp(self.mem, p.seq, b, 0, past)
+        for j in range(n):
+            self._pos[i + j] = past + depth[j]
+            ids = sorted(below[j])   # the chain's leaf (0) first where it passes
+            self._nseq[i + j] = len(ids)
+            for k, li in enumerate(ids):
+                self._seq_ptrs[i + j][k] = self._branch_seq(p.seq, li)
+        self._leaves[p.seq] = leaves
+
+    def keep_tree(self, seq: int, nodes: Sequence[int]) -> None:
+        """Keep the tree part's first token and the path `nodes` in sequence seq."""
+        tree = self._trees[seq]
+        if tree is None:
+            raise BackendError(f"sequence {seq} holds no tree")
+        leaves = self._leaves[seq]
+        base = len(self._seqs[seq])   # the first token's position + 1
+        last = nodes[-1] if nodes else 0
+        leaf = next(li for li, lf in enumerate(leaves) if _under(tree.parents, lf, last))
+        if leaf:
+            b = self._branch_seq(seq, leaf)
+            C.llama_memory_seq_rm(self.mem, seq, base, -1)
+            C.llama_memory_seq_cp(self.mem, b, seq, base, -1)
+        self._clear_branches(seq)
+        C.llama_memory_seq_rm(self.mem, seq, base + len(nodes), -1)
+        self._seqs[seq].extend(tree.tokens[j] for j in nodes)
+        self._trees[seq] = None
+
+    def _drop_tree(self, seq: int) -> None:
+        """A tree nobody kept a path of: only its first token stays."""
+        self.keep_tree(seq, [])
+
+    def _clear_branches(self, seq: int) -> None:
+        for li in range(1, self.tree_leaves):
+            C.llama_memory_seq_rm(self.mem, self._branch_seq(seq, li), -1, -1)
 
     def set_lora_scales(self, scales: Sequence[float]) -> None:
         """POST /lora-adapters: each loaded adapter's new scale (0: off)."""
@@ -384,6 +484,8 @@ class LlamaBackend:
 
     def truncate_seq(self, seq: int, n: int) -> None:
         """Keep sequence seq's first n tokens (llama_memory_seq_rm on its cells alone)."""
+        if self._trees[seq] is not None:
+            self._drop_tree(seq)
         held = self._seqs[seq]
         if n < 0 or n > len(held):
             raise BackendError(f"truncate to {n} outside 0..{len(held)}")
@@ -431,6 +533,28 @@ class LlamaBackend:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
+
+
+#: KV cells a tree's side branch may hold beyond its sequence's own context.
+_TREE_CELLS = 16
+
+
+@dataclass(slots=True)
+class _PendingTree:
+    """A decoded tree part whose path to keep is not yet known."""
+
+    tokens: list[int]
+    parents: list[int]
+
+
+def _under(parents: Sequence[int], leaf: int, node: int) -> bool:
+    """Whether node lies on the path from the root to leaf."""
+    j = leaf
+    while j >= 0:
+        if j == node:
+            return True
+        j = parents[j]
+    return False
 
 
 class SeqView:

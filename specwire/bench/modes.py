@@ -8,7 +8,9 @@ hybrid            prompt lookup and the local draft model, the better draft each
 hybrid-pipelined  prompt lookup on the target and the remote node drafting ahead
 random            uniformly random tokens: the cost of a useless drafter
 remote-sync       a draft node in its own process, over an emulated link, each side waiting
-remote-pipelined  the same node, drafting ahead of the verdicts
+remote-pipelined  the same node, drafting ahead of the verdicts (its alternates verified
+                  beside the draft as trees, where they pay: --draft-tree)
+remote-chains     remote-pipelined with chains only (alternates verified a round later)
 llama-server      an unmodified llama-server (--llama-server URL), over an emulated link
 
 The draft node is started as a separate process (`python -m specwire draft`),
@@ -40,11 +42,14 @@ from specwire.bench.runner import Config
 from specwire.config import ConfigError
 from specwire.settings import BenchSettings
 
-MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "ngram",
+MODES = ("plain", "local", "local-pipelined", "remote-sync", "remote-pipelined", "remote-chains",
+         "ngram",
          "ngram-classic", "random", "llama-server", "hybrid", "hybrid-pipelined")
-REMOTE_MODES = ("remote-sync", "remote-pipelined", "llama-server", "hybrid-pipelined")
+REMOTE_MODES = ("remote-sync", "remote-pipelined", "remote-chains", "llama-server",
+                "hybrid-pipelined")
 #: Modes that run the draft model (and so need its speed for the plan prediction).
-MODEL_MODES = ("local", "local-pipelined", "remote-sync", "remote-pipelined", "hybrid",
+MODEL_MODES = ("local", "local-pipelined", "remote-sync", "remote-pipelined", "remote-chains",
+               "hybrid",
                "hybrid-pipelined")
 NODE_START_TIMEOUT_S = 180.0
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
@@ -225,6 +230,8 @@ class Drafters:
         with cpus.pinned(ours):
             drafter = (self._llama_server(emu) if cfg.mode == "llama-server"
                        else self._remote(emu, pipelined=cfg.mode != "remote-sync"))
+            if cfg.mode == "remote-chains":
+                drafter.tree = False
             if cfg.mode == "hybrid-pipelined":
                 drafter = self._hybrid(cfg, drafter)
             try:

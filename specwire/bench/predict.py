@@ -59,6 +59,7 @@ RATE_BY_MODE: dict[str, tuple[str, RateFn]] = {
     "llama-server": ("synchronous", sync_rate),
     "local-pipelined": ("pipelined", pipelined_rate),
     "remote-pipelined": ("pipelined", pipelined_rate),
+    "remote-chains": ("pipelined", pipelined_rate),
 }
 #: Stand-in speed for a drafter whose drafting took no measurable time.
 _FREE_DRAFT_TPS = 1e6

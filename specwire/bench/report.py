@@ -28,7 +28,7 @@ import numpy as np
 
 from specwire.bench.runner import Config, PromptRun, format_bps, format_ms
 
-REMOTE = ("remote-sync", "remote-pipelined", "llama-server")
+REMOTE = ("remote-sync", "remote-pipelined", "remote-chains", "llama-server")
 
 
 # --------------------------------------------------------------------------- statistics
@@ -172,6 +172,7 @@ def starved(runs: Sequence[PromptRun]) -> dict | None:
             "share_of_rounds": n / rounds if rounds else None,
             "share_of_time": ms / total if total else None,
             "alternate_rounds": drafter("alternate_rounds"),
+            "alternate_trees": drafter("alternate_trees"),
             "empty_rounds": drafter("empty_rounds"),
             "waited_rounds": drafter("waited_rounds"), "waited_ms": drafter("waited_ms"),
             "waited_share_of_time": drafter("waited_ms") / total if total else None,
@@ -488,7 +489,9 @@ def render_summary(results: dict) -> str:
                          f"nothing to verify after a rejection ({_pct(sv['share_of_rounds'])}%, "
                          f"{_pct(sv['share_of_time'])}% of decoding time; "
                          f"{sv.get('empty_rounds', 0):.0f} rounds without a draft in all); "
-                         f"{sv['alternate_rounds']:.0f} verified a pre-drafted alternate; "
+                         f"{sv['alternate_rounds']:.0f} verified a pre-drafted alternate "
+                         f"({sv.get('alternate_trees', 0):.0f} in the same decode, as a "
+                         "tree); "
                          f"{sv.get('waited_rounds', 0):.0f} waited for the drafter "
                          f"({sv.get('waited_ms', 0):.0f} ms, "
                          f"{_pct(sv.get('waited_share_of_time'))}% of decoding time, "

@@ -93,7 +93,9 @@ def run(s: Settings, bench: BenchSettings, sampling: SamplingParams,
             check(bench.target.placement)                    # both, before either loads
             if bench.draft is not None:
                 check(bench.draft.placement, dict(bench.draft_flags))
-            target = LlamaBackend(bench.target)
+            tree = bench.remote.tree if any(m in ("remote-pipelined", "local-pipelined")
+                                            for m in s.modes) else 0
+            target = LlamaBackend(bench.target, tree_branches=tree)
         except BackendError as e:
             raise ConfigError(str(e)) from None
         drafters = Drafters(bench, target, s.out, stack)

@@ -244,6 +244,16 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         "at once (0: off; at most 4)",
     )
     d.add_argument(
+        "--draft-tree",
+        type=_branch_count,
+        default=4,
+        metavar="N",
+        help="pipelined drafting: verify up to N of those second choices beside the draft in "
+        "the same target decode (a tree), where the measured verification cost says the "
+        "extra tokens pay; the round then keeps whichever path the target takes (0: "
+        "chains only; at most 4; one sequence, -np 1)",
+    )
+    d.add_argument(
         "--draft-no-poll",
         action="store_true",
         help="with a synchronous draft node, sleep until each draft arrives instead of "

@@ -36,6 +36,7 @@ def engine_settings(a: argparse.Namespace) -> EngineSettings:
                           remote=remote_settings(a), model=model,
                           threaded=kind == "model" and local_mode(a) == "pipelined",
                           branches=getattr(a, "draft_branches", None),
+                          tree=getattr(a, "draft_tree", 0),
                           lockstep=(kind == "model" and not getattr(a, "draft_hybrid", False)
                                     and getattr(a, "draft_mode", "auto") != "pipelined"),
                           flags=draft_flag_names(), lookup_cache=lookup)
@@ -86,7 +87,8 @@ def remote_settings(a: argparse.Namespace, draft_mode: str | None = None) -> Rem
                           tls_key=getattr(a, "draft_tls_key", None),
                           pipelined=mode != "sync",
                           poll=not getattr(a, "draft_no_poll", False),
-                          branches=getattr(a, "draft_branches", None))
+                          branches=getattr(a, "draft_branches", None),
+                          tree=getattr(a, "draft_tree", 0))
 
 
 def local_mode(a: argparse.Namespace) -> str:

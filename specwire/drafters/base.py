@@ -37,11 +37,16 @@ class Draft:
     confidence: a draft model's top probability for each token (llama.cpp's
     --draft-p-min measure), where it computed one; the adaptive policy learns
     from them how far to trust the draft.
+
+    branches: side branches a target may verify beside the chain in one decode
+    (sample/tree.py), each (offset, tokens): tokens[0] in place of tokens[offset],
+    the rest after it; none reaches deeper than the chain.
     """
 
     tokens: list[int] = field(default_factory=list)
     sparse: list[SparseDraft] | None = None
     confidence: list[float] | None = None
+    branches: list[tuple[int, list[int]]] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -51,6 +56,7 @@ class Draft:
             self.tokens[:n],
             None if self.sparse is None else self.sparse[:n],
             None if self.confidence is None else self.confidence[:n],
+            None if self.branches is None else cut_branches(self.branches, n),
         )
 
 
@@ -99,6 +105,12 @@ class LinkStatus:
     failures: int | None = None     # failures in a row
     error: str | None = None        # the last failure's reason
     retry_in_s: float | None = None  # seconds until the next connection attempt
+
+
+def cut_branches(branches: Sequence[tuple[int, Sequence[int]]],
+                 n: int) -> list[tuple[int, list[int]]]:
+    """The branches within a chain of n tokens: each cut to end where the chain ends."""
+    return [(off, list(alt[: n - off])) for off, alt in branches if 0 <= off < n and alt]
 
 
 class Drafter(Protocol):

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.drafters.base import Capabilities, Draft, Drafter, LinkStatus
+from specwire.drafters.base import Capabilities, Draft, Drafter, LinkStatus, cut_branches
 from specwire.drafters.lockstep import Drafting
 from specwire.sample.constraints.grammar import GrammarSpec
 from specwire.sample.sampling import SparseDraft
@@ -212,6 +212,12 @@ class DraftGuard:
             raise DrafterFailure("proposed token ids that are not integers")
         if min(tokens) < 0 or max(tokens) >= self.n_vocab:
             raise DrafterFailure(f"proposed token ids outside the vocabulary of {self.n_vocab}")
+        if draft.branches:
+            ids = [t for _, alt in draft.branches for t in alt]
+            if not all(isinstance(t, int | np.integer) and 0 <= t < self.n_vocab for t in ids):
+                raise DrafterFailure("proposed branch token ids outside the vocabulary of "
+                                     f"{self.n_vocab}")
+            draft.branches = cut_branches(draft.branches, len(tokens))
         if self._one_hot:
             draft.sparse = point_q(tokens)
         elif self._params.mode is VerifyMode.REJECTION and not self._sampling.greedy and (

@@ -28,6 +28,7 @@ from specwire.engine.scheduler import Batch, BatchScheduler
 from specwire.engine.sequence import SequenceState
 from specwire.engine.stats import Stats
 from specwire.policy.adaptive import AdaptivePolicy, Policy, PolicyMemory
+from specwire.policy.tree import TreeYield
 from specwire.sample.constraints.grammar import Grammar
 from specwire.sample.logprobs import TokenProb
 from specwire.sample.verify import Verifier
@@ -181,6 +182,8 @@ class Engine:
         #: target's and a local draft model's) hold; "" for every request of a server
         #: without API keys or cache_salt
         self.scopes = [""] * self.batch.n_seq
+        #: what side branches of verified trees added (policy/tree.py)
+        self.tree_yield = TreeYield()
         #: --lookup-cache-dynamic: the n-gram drafters' cache file (build.py sets it), which
         #: the command saves when it ends
         self.lookup_file: CacheFile | None = None
@@ -235,6 +238,7 @@ class Engine:
         (given the policy and the grammar), the target's cache."""
         req, target, drafter = s.req, s.target, s.drafter
         s.started = True
+        s.batch, s.tree_yield = self.batch, self.tree_yield
         s.t0 = time.perf_counter()
         s.grammar = (Grammar.for_backend(req.grammar, target) if req.grammar is not None
                      else None)

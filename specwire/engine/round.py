@@ -17,6 +17,7 @@ import numpy as np
 from specwire.backend.batch import Part
 from specwire.drafters.base import Draft
 from specwire.drafters.lockstep import Drafting
+from specwire.engine import tree_round
 from specwire.engine.sequence import Round, SequenceState
 
 
@@ -72,7 +73,7 @@ def drafted(s: SequenceState, part: Part, run: Drafting | Draft) -> None:
     rnd.draft, rnd.drafted = draft, time.perf_counter()
     if isinstance(run, Drafting):
         rnd.own_s, rnd.steady_s = run.spent, run.steady_s
-    part.tokens.extend(draft.tokens)
+    rnd.tree = tree_round.plan(s.batch, part, draft, s.verifier.mode, s.policy, s.tree_yield)
 
 
 def take(s: SequenceState, rows: np.ndarray, decode_s: float) -> None:
@@ -104,8 +105,14 @@ def _verify(s: SequenceState, rows: np.ndarray, decode_s: float) -> None:
     tv = time.perf_counter()
     s.decode_s += decode_s
     draft, history = rnd.draft, s.history
-    verdict = s.verifier.verify(rows, history, draft.tokens, draft.sparse)
-    s.target.truncate(len(history) + verdict.accepted)
+    if rnd.tree is None:
+        verdict = s.verifier.verify(rows, history, draft.tokens, draft.sparse)
+        s.target.truncate(len(history) + verdict.accepted)
+        kept = tree_round.Kept([*draft.tokens[: verdict.accepted], verdict.token],
+                               verdict.accepted, verdict.accepted)
+    else:
+        kept = tree_round.verify(s.batch, s.seq, s.verifier, rows, history, rnd.tree,
+                                 s.tree_yield)
     # Verification: the step's decode and this sequence's own check, not the time the
     # other sequences of the step spent drafting or verifying.
     verify_s = decode_s + time.perf_counter() - tv
@@ -114,12 +121,14 @@ def _verify(s: SequenceState, rows: np.ndarray, decode_s: float) -> None:
     if not draft.tokens:
         st.plain_steps += 1
         st.plain_ms += 1000 * verify_s
-    st.record_round(len(draft), verdict.accepted, rnd.k)
-    s.policy.observe(len(draft), verdict.accepted, rnd.draft_s, verify_s,
-                     draft.confidence, steady_s=rnd.steady_s)
-    appended = [*draft.tokens[: verdict.accepted], verdict.token]
+    st.record_round(len(draft), kept.accepted, rnd.k)
+    # A tree's decode was longer than the chain's: the verification line learns its size.
+    extra = {} if rnd.tree is None else {"batch_tokens": len(rnd.tree) - 1 - len(draft)}
+    s.policy.observe(len(draft), kept.accepted, rnd.draft_s, verify_s,
+                     draft.confidence, steady_s=rnd.steady_s, **extra)
+    appended = kept.tokens
     new = s.emit(appended)
     history.extend(new)
     s.out.extend(new)
     if s.stop_type == "none" and not s.stopped:
-        s.drafter.learn(history, verdict.accepted, len(appended))
+        s.drafter.learn(history, kept.chain, len(appended))

@@ -20,10 +20,13 @@ from specwire.sample.logprobs import TokenProb
 
 if TYPE_CHECKING:
     from specwire.backend.base import Backend
+    from specwire.backend.batch import BatchBackend
     from specwire.drafters.base import NoDrafter
     from specwire.drafters.guard import DraftGuard
     from specwire.engine.request import Request
+    from specwire.policy.tree import TreeYield
     from specwire.sample.constraints.grammar import Grammar
+    from specwire.sample.tree import Tree
     from specwire.sample.verify import Verifier
 
 
@@ -40,6 +43,8 @@ class Round:
     own_s: float | None = None
     #: ... and had the drafter been caught up (Drafting.steady_s); None: not measured
     steady_s: float | None = None
+    #: the round's part is this tree of the draft (engine/tree_round.py); None: the chain
+    tree: Tree | None = None
 
     @property
     def draft_s(self) -> float:
@@ -77,6 +82,10 @@ class SequenceState:
         self.grammar: Grammar | None = None
         self.verifier: Verifier | None = None
         self.policy: Policy = FixedPolicy(0)
+        #: the engine's batch and what its trees yielded, for rounds that verify a tree
+        #: (engine/tree_round.py); set as the sequence joins
+        self.batch: BatchBackend | None = None
+        self.tree_yield: TreeYield | None = None
 
     @property
     def decoding(self) -> bool:

@@ -32,7 +32,7 @@ from specwire.link.messages import (
     Verdict,
     f32_sampling,
 )
-from specwire.link.rule import LEFT, follow, take_alternate
+from specwire.link.rule import LEFT, follow, take_alternate, take_tree_alternate
 from specwire.link.transport.base import LinkCounters, Transport
 from specwire.policy.costs import VerifyCost
 
@@ -65,6 +65,9 @@ class BranchDrafter(DrafterBase):
         # Pipelined: ask the drafter for pre-drafted branches (link/alternates.py);
         # None asks for none. A drafter that predates them ignores the request.
         self.branches: BranchParams | None = BranchParams() if pipelined else None
+        # Hand those alternates to the engine as side branches of the draft, for a target
+        # that verifies trees (engine/tree_round.py), where the drafter follows the tree rule.
+        self.tree = True
         # Pipelined: after a rejection, wait a moment for the fresh branch when that pays
         # more than a plain step (drafters/bubble.py); None never waits. Off where the
         # engine's step holds other sequences, or another drafter's draft may be ready.
@@ -367,10 +370,11 @@ class BranchDrafter(DrafterBase):
         i = at - self._buf_start
         if own and 0 <= i < len(self._buf) and self._buf[i] == own[0]:
             return False  # no rejection there: the branch goes on
-        rest = take_alternate(a, own)
+        rest = take_tree_alternate(a, own) if self.transport.trees() else take_alternate(a, own)
         if rest is None:
             self.counters.alternate_misses += 1
             return False
+        self.counters.alternate_trees += len(own) > 1   # a tree round kept some of it
         self._gen, self._buf_start, self._buf = self._gen + 1, at + len(own), rest
         self._sparse, self._alts = None, {}
         self.counters.alternate_rounds += 1
@@ -458,7 +462,15 @@ class BranchDrafter(DrafterBase):
             self._draft_gen = self._gen
         sparse = None if self._sparse is None else self._sparse[:max_n]
         complete = len(tokens) >= min(max_n, self._want) or self._done
-        return Draft(tokens, sparse), complete
+        return Draft(tokens, sparse, branches=self._branches(n, len(tokens))), complete
+
+    def _branches(self, start: int, n: int) -> list[tuple[int, list[int]]] | None:
+        """The alternates sent for the n draft tokens from `start`, as side branches a
+        tree round may verify (their drafter follows the tree rule), by position."""
+        if not self.tree or not self._alts or not n or not self.transport.trees():
+            return None
+        return [(p - start, list(t)) for p, t in sorted(self._alts.items())
+                if start <= p < start + n] or None
 
     def on_chunk(self, session: int, c: Chunk) -> None:
         """A chunk arrived (transport thread). Raises ProtocolError for a broken peer."""

@@ -12,6 +12,12 @@ for one position of its branch, with a few tokens after it (Verdict.alternate).
 The history then ends inside that alternate, and its rest, already sent,
 becomes branch gen + 1 (take_alternate).
 
+A target that verifies trees (sample/tree.py) may take an alternate and keep
+some of its tokens in the same round: the verdict's tokens then begin with the
+alternate's first and may leave it, and a rest is left only where they agree
+with it throughout (take_tree_alternate). A node says it follows this rule with
+"tree" among its Hello modes; an older node keeps chains.
+
 The drafter (link/session.py) holds its whole branch, so a history that
 runs past it ends it too. The target (link/branch.py) holds only what has
 arrived of the branch: there the same outcome means the rest is on its way.
@@ -52,3 +58,16 @@ def take_alternate(alternate: Sequence[int] | None, tokens: Sequence[int]) -> li
     if alternate is None or n == 0 or n >= len(alternate) or list(alternate[:n]) != list(tokens):
         return None
     return list(alternate[n:])
+
+
+def take_tree_alternate(alternate: Sequence[int] | None,
+                        tokens: Sequence[int]) -> list[int] | None:
+    """The tree rule for a verdict that takes an alternate: the verdict's tokens begin
+    with its first token; what is left of it after them where they agree with it
+    throughout ([] where they leave it or use it up: the next branch starts afresh);
+    None when they do not begin with it (or there is no alternate). Where take_alternate
+    gives a rest, this gives the same."""
+    if alternate is None or not tokens or tokens[0] != alternate[0]:
+        return None
+    rest = take_alternate(alternate, tokens)
+    return [] if rest is None else rest

@@ -44,7 +44,7 @@ from specwire.link.messages import (
     Verdict,
     pad_sparse,
 )
-from specwire.link.rule import follow, take_alternate
+from specwire.link.rule import follow, take_tree_alternate
 from specwire.policy.adaptive import CalibratedStop, Calibration
 from specwire.sample.sampling import recent_window
 
@@ -331,7 +331,7 @@ class DraftSession:
         """A verdict that takes the alternate sent for position + accepted: its rest,
         already sent, is branch gen + 1 (specwire/link/rule.py)."""
         at = v.position + v.accepted
-        rest = take_alternate(self.alts.get(at) if v.gen == self.gen else None, tokens)
+        rest = take_tree_alternate(self.alts.get(at) if v.gen == self.gen else None, tokens)
         if rest is None:
             raise ProtocolError(f"verdict takes an alternate at {at} of gen {v.gen} "
                                 "that was not sent, or does not begin with its tokens")

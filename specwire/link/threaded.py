@@ -66,6 +66,9 @@ class InProcessTransport(Transport):
         self._draft_session.drafter.follow(self.grammar, self.grammar_start)
         self._draft_session.start()
 
+    def trees(self) -> bool:
+        return True   # the session in this process is this version's (link/session.py)
+
     def detach(self) -> None:
         s, self._draft_session = self._draft_session, None
         if s is not None:

@@ -173,7 +173,8 @@ class DraftNodeService(pbg.DraftNodeServicer):
             vocab_fingerprint=self.model.fingerprint(),
             n_vocab=self.model.n_vocab,
             draft_model=self.model.name,
-            modes=["greedy", "coupled", "rejection"],
+            # "tree": verdicts may follow link/rule.py's tree rule (take_tree_alternate)
+            modes=["greedy", "coupled", "rejection", "tree"],
             n_ctx=self.settings.model.n_ctx,
             max_sessions=self.settings.max_sessions,
             sync_port=self.sync_port,

@@ -43,6 +43,7 @@ class LinkCounters:
     alternates_received: float = 0
     alternate_rounds: float = 0  # rounds after a rejection that verify an alternate
     alternate_misses: float = 0  # rejections at an alternate the target did not pick
+    alternate_trees: float = 0  # rounds that kept tokens of an alternate verified in a tree
     # Pipelined: rounds with no draft at all (after a rejection or not), and rounds
     # that waited for the drafter (bubble.py): their time, and those that waited
     # in vain (no token came by the deadline: a plain step after all).
@@ -149,6 +150,11 @@ class Transport:
 
     def useful(self) -> None:
         """A round got a draft from the drafter (a transport may note its link worked)."""
+
+    def trees(self) -> bool:
+        """The drafter at the other end follows the tree rule (link/rule.py), so that the
+        target may verify its alternates beside the branch in one decode."""
+        return False
 
     def useless(self, reason: str) -> None:
         """The drafter keeps answering with nothing usable (a transport drops it)."""

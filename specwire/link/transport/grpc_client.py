@@ -185,6 +185,13 @@ class GrpcTransport(Transport):
         threading.Thread(target=self._run_session, args=(session, history),
                          name="draft-session", daemon=True).start()
 
+    def trees(self) -> bool:
+        """The live stream's node said "tree" in its Hello (the synchronous port carries
+        no alternates)."""
+        link = self._call_link
+        return (self._call is not None and link is not None and link.hello is not None
+                and "tree" in link.hello.modes)
+
     def revive(self) -> None:
         """After a failure, reopen on the first link whose backoff has passed."""
         if not self.branch.active or self._opening:

@@ -1,0 +1,351 @@
+"""Tree verification on fakes: the walk, the engine's tree rounds, and their pricing.
+
+The contract is the chain's: the tokens a tree round emits are the ones plain decoding
+gives, greedy and seeded, for every draft length, whatever the branches hold. The fake
+target (FakeBatch with tree_leaves) computes each node's row from its own path, so a
+wrong parent, position or kept path changes the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from fakes import FakeBatch, FakeClock, FakeModel
+
+from specwire.backend.base import BackendError
+from specwire.backend.batch import Part
+from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.drafters.base import Draft, DrafterBase, cut_branches
+from specwire.engine import engine as engine_mod
+from specwire.engine import round as round_mod
+from specwire.engine import sequence as sequence_mod
+from specwire.engine.engine import Engine, Request
+from specwire.link.alternates import BranchParams
+from specwire.link.rule import take_tree_alternate
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy
+from specwire.policy.tree import TreeYield, tree_pays
+from specwire.sample import sampling
+from specwire.sample import tree as trees
+from specwire.sample.verify import Verifier
+
+V = 48
+TARGET = FakeModel(V, seed=3, sharp=1.2)
+DRAFT = TARGET.perturbed(0.5, seed=4)
+GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.0, seed=77)
+PROMPT = [1, 5, 9, 2]
+
+
+def _sample(model: FakeModel, seq: Sequence[int], sp: SamplingParams) -> int:
+    return sampling.coupled(model.row(seq), sp, len(seq), sampling.recent_window(seq, sp))
+
+
+def _plain(prompt: list[int], sp: SamplingParams, n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(_sample(TARGET, seq, sp))
+    return seq[len(prompt):]
+
+
+class TreeDrafter(DrafterBase):
+    """A draft model's chain, with its second choice and a continuation at every position
+    (at most `branches` of them, `length` tokens each)."""
+
+    name = "tree-fake"
+
+    def __init__(self, branches: int = 3, length: int = 3) -> None:
+        self.branches, self.length = branches, length
+        self.sp = GREEDY
+
+    def begin(self, prompt, sampling_params, params, **guides) -> None:
+        self.sp = sampling_params
+
+    def _run(self, seq: list[int], n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            out.append(_sample(DRAFT, seq + out, self.sp))
+        return out
+
+    def propose(self, history, max_n: int) -> Draft:
+        seq = list(history)
+        chain = self._run(seq, max_n)
+        branches = []
+        for i in range(max_n):
+            if len(branches) == self.branches:
+                break
+            row = DRAFT.row(seq + chain[:i])
+            second = [int(t) for t in np.argsort(-row)[:2] if int(t) != chain[i]][0]
+            rest = self._run(seq + chain[:i] + [second], self.length - 1)
+            branches.append((i, [second, *rest]))
+        return Draft(chain, branches=branches)
+
+    def learn(self, history, accepted, appended) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+# -- the tree and its walk ---------------------------------------------------------------
+
+
+def test_build_hangs_each_branch_under_its_chain_position() -> None:
+    t = trees.build(7, [10, 11, 12], [(0, [20, 21]), (2, [30]), (1, [11]), (5, [40])])
+    assert t.tokens == (7, 10, 11, 12, 20, 21, 30)
+    assert t.parents == (-1, 0, 1, 2, 0, 4, 2)
+    assert t.depth == (0, 1, 2, 3, 1, 2, 3)
+    assert t.branch == (-1, -1, -1, -1, 0, 0, 1)   # (1, [11]) repeats the chain: left out
+    assert t.chain_len == 3 and t.leaves() == [3, 5, 6]
+    assert t.path(5) == [4, 5] and t.children(0) == [1, 4]
+
+
+def test_cut_branches_keeps_them_within_the_chain() -> None:
+    assert cut_branches([(0, [1, 2, 3]), (2, [4, 5]), (3, [6])], 3) == [(0, [1, 2, 3]),
+                                                                          (2, [4])]
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_walk_emits_what_plain_decoding_gives(sp) -> None:
+    """Random trees, some holding the target's own continuation in a branch: the accepted
+    tokens and the final one are always plain decoding's next ones."""
+    rs = np.random.default_rng(0)
+    took_branch = 0
+    for trial in range(200):
+        history = [int(t) for t in rs.integers(0, V - 8, size=3)]
+        want = _plain(history, sp, 8)
+        chain = [int(t) for t in rs.integers(0, V - 8, size=4)]
+        f = int(rs.integers(0, 4))
+        chain[:f] = want[:f]
+        branches = [(f, want[f:f + 3])] if trial % 2 else []
+        branches.append((int(rs.integers(0, 4)), [int(t) for t in rs.integers(0, V, size=2)]))
+        tree = trees.build(history[-1], chain, cut_branches(branches, len(chain)))
+        rows = np.stack([TARGET.row(history + [tree.tokens[j] for j in tree.path(i)])
+                         for i in range(len(tree))])
+        out = trees.verify(Verifier(sp, VerifyMode.COUPLED), rows, history, tree)
+        got = [*out.tokens, out.token]
+        assert got == want[:len(got)], (trial, tree, got, want)
+        assert out.chain <= out.accepted and out.accepted <= tree.max_depth
+        took_branch += out.branch >= 0
+    assert took_branch > 20
+
+
+def test_rejection_mode_has_no_tree() -> None:
+    tree = trees.build(1, [2], [(0, [3])])
+    with pytest.raises(ValueError, match="greedy and coupled"):
+        trees.verify(Verifier(SEEDED, VerifyMode.REJECTION), np.zeros((3, V)), [1], tree)
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+
+def _engine(leaves: int, drafter: DrafterBase | None = None) -> tuple[Engine, FakeBatch]:
+    fb = FakeBatch(TARGET, n_seq=1, n_ctx=256, tree_leaves=leaves)
+    return Engine(fb, drafter or TreeDrafter()), fb
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_tree_rounds_are_token_identical_to_plain_decoding(sp, k) -> None:
+    eng, fb = _engine(leaves=4)
+    req = Request(list(PROMPT), 60, sp, DraftParams(n_max=k, policy="fixed"))
+    gen = eng.generate(req)
+    assert gen.run() == _plain(PROMPT, sp, 60)
+    assert fb.trees, "no round verified a tree"
+    branch_wins = [nodes for nodes in fb.kept if nodes and nodes[-1] > k]
+    assert branch_wins, "no round kept a branch's path"
+
+
+def test_tree_rounds_yield_more_per_round_than_chains() -> None:
+    out = {}
+    for leaves in (1, 4):
+        eng, _ = _engine(leaves)
+        gen = eng.generate(Request(list(PROMPT), 80, GREEDY, DraftParams(n_max=4,
+                                                                         policy="fixed")))
+        tokens = gen.run()
+        out[leaves] = (tokens, len(tokens) / gen.stats.rounds if gen.stats.rounds else 0)
+    assert out[1][0] == out[4][0]
+    assert out[4][1] > out[1][1], out
+
+
+def test_a_chain_target_drops_the_branches() -> None:
+    eng, fb = _engine(leaves=1)
+    gen = eng.generate(Request(list(PROMPT), 30, GREEDY, DraftParams(n_max=4, policy="fixed")))
+    assert gen.run() == _plain(PROMPT, GREEDY, 30)
+    assert not fb.trees
+
+
+def test_rejection_mode_sends_chains() -> None:
+    eng, fb = _engine(leaves=4)
+    req = Request(list(PROMPT), 20, SEEDED,
+                  DraftParams(n_max=4, policy="fixed", mode=VerifyMode.REJECTION))
+    eng.generate(req).run()
+    assert not fb.trees
+
+
+def test_a_tree_of_too_many_leaves_is_refused() -> None:
+    fb = FakeBatch(TARGET, n_seq=1, tree_leaves=2)
+    tree = trees.build(1, [2, 3], [(0, [4]), (1, [5])])
+    with pytest.raises(BackendError, match="leaves"):
+        fb.decode([Part(0, list(tree.tokens), "all", list(tree.parents))])
+
+
+def test_keep_tree_refuses_a_path_that_is_not_one() -> None:
+    fb = FakeBatch(TARGET, n_seq=1, tree_leaves=3)
+    fb.seq(0).eval([1, 2], "none")
+    tree = trees.build(3, [4, 5], [(0, [6, 7])])
+    fb.decode([Part(0, list(tree.tokens), "all", list(tree.parents))])
+    with pytest.raises(BackendError, match="not a path"):
+        fb.keep_tree(0, [1, 4])
+
+
+# -- pricing ------------------------------------------------------------------------------
+
+
+def _policy(slope_steps: float) -> AdaptivePolicy:
+    """A policy that measured a plain step of 0.1 s and slope_steps steps per extra token."""
+    p = AdaptivePolicy(8)
+    for n in range(1, 17):
+        for _ in range(3):
+            p.costs.observe(n, 0.1 * (1 + slope_steps * (n - 1)))
+    return p
+
+
+def test_a_flat_curve_pays_for_a_tree_and_a_steep_one_does_not() -> None:
+    y = TreeYield()
+    assert tree_pays(_policy(0.01), 4, 6, y)
+    assert not tree_pays(_policy(1.0), 4, 6, y)
+
+
+def test_a_tree_whose_branches_never_win_stops_paying() -> None:
+    y, p = TreeYield(), _policy(0.08)
+    assert tree_pays(p, 4, 6, y)
+    for _ in range(60):
+        y.observe(6, 0)
+    assert not tree_pays(p, 4, 6, y)
+
+
+def test_a_fixed_policy_sends_the_tree_and_no_branch_is_no_tree() -> None:
+    assert tree_pays(FixedPolicy(4), 4, 3, TreeYield())
+    assert not tree_pays(FixedPolicy(4), 4, 0, TreeYield())
+
+
+def test_the_adaptive_engine_sends_chains_on_a_steep_curve(monkeypatch) -> None:
+    """An adaptive request on a target whose every extra token costs a step: trees are
+    priced and not sent once the policy has measured the curve (the engine's own decodes,
+    on a clock that moves by what the fake target charges, go on measuring it)."""
+    clock = FakeClock().install(monkeypatch, engine_mod, round_mod, sequence_mod)
+    fb = FakeBatch(TARGET, n_seq=1, n_ctx=256, tree_leaves=4, clock=clock, cost=(0.0, 0.1))
+    eng = Engine(fb, TreeDrafter())
+    policy = eng.policy(0, "adaptive", 4)
+    for n in range(1, 17):
+        for _ in range(3):
+            policy.costs.observe(n, 0.1 * n)
+    eng.tree_yield = TreeYield(gained=0.1, sent=10.0)
+    gen = eng.generate(Request(list(PROMPT), 30, GREEDY, DraftParams(n_max=4, policy="adaptive")))
+    assert gen.run() == _plain(PROMPT, GREEDY, 30)
+    assert not fb.trees
+
+
+# -- a pipelined drafter's alternates as branches (both ends of the link) -----------------
+
+
+def _tree_link(trees_on: bool):
+    from fakes import FakeBackend
+    from test_alternates import Branching
+
+    d = Branching(FakeBackend(DRAFT, n_ctx=1024))
+    d.branches = BranchParams(per_chunk=4, length=4, value_min=0.0, top_below=1.0)
+    d.transport.trees = lambda: trees_on
+    return d
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_a_pipelined_drafters_alternates_verified_as_trees_are_lossless(sp, k) -> None:
+    """Both ends of a real branch session (DraftSession and BranchDrafter, by function
+    call): the alternates the node sends are verified beside the branch, the verdict
+    names the one taken under the tree rule, both ends go on from it, and the output is
+    plain decoding's."""
+    drafter = _tree_link(True)
+    eng, fb = _engine(leaves=5, drafter=drafter)
+    gen = eng.generate(Request(list(PROMPT), 80, sp, DraftParams(n_max=k, policy="fixed",
+                                                                  p_min=0.0)))
+    assert gen.run() == _plain(PROMPT, sp, 80)
+    st = drafter.stats()
+    assert fb.trees and st["alternate_trees"] > 0, st
+    assert st["stale_chunks"] == 0, st
+    drafter.end()
+
+
+def test_a_node_without_the_tree_rule_gets_chains() -> None:
+    drafter = _tree_link(False)
+    eng, fb = _engine(leaves=5, drafter=drafter)
+    gen = eng.generate(Request(list(PROMPT), 60, GREEDY, DraftParams(n_max=4, policy="fixed",
+                                                                      p_min=0.0)))
+    assert gen.run() == _plain(PROMPT, GREEDY, 60)
+    assert not fb.trees and drafter.stats()["alternate_trees"] == 0
+    drafter.end()
+
+
+@pytest.mark.parametrize(("alternate", "tokens", "rest"), [
+    ([5, 6, 7], [5], [6, 7]),         # as take_alternate: the rest is verified next
+    ([5, 6, 7], [5, 6], [7]),
+    ([5, 6, 7], [5, 9], []),          # the tree kept 5, the target's own 9 leaves it
+    ([5, 6, 7], [5, 6, 7, 8], []),    # kept whole, then the bonus token
+    ([5, 6, 7], [6], None),           # does not begin with the alternate
+    (None, [5], None),
+])
+def test_take_tree_alternate(alternate, tokens, rest) -> None:
+    assert take_tree_alternate(alternate, tokens) == rest
+
+
+def test_the_node_says_tree_in_its_hello_and_the_target_asks_for_it() -> None:
+    import inspect
+
+    from specwire.link.transport import grpc_client
+    from specwire.node import server
+
+    assert '"tree"' in inspect.getsource(server.DraftNodeService.Hello)
+
+    class Link:
+        def __init__(self, modes):
+            self.hello = pb.HelloReply(modes=modes)
+
+    t = object.__new__(grpc_client.GrpcTransport)
+    t._call = object()
+    for modes, want in ((["greedy", "coupled", "rejection"], False),
+                        (["greedy", "coupled", "rejection", "tree"], True)):
+        t._call_link = Link(modes)
+        assert t.trees() is want
+    t._call = None
+    assert t.trees() is False
+
+
+def test_the_target_gets_tree_sequences_for_one_pipelined_sequence() -> None:
+    from specwire.build import tree_branches
+    from specwire.cli.main import build_parser
+    from specwire.cli.settings import engine_settings
+
+    def s(*argv: str):
+        return engine_settings(build_parser().parse_args(["generate", "x", *argv]))
+
+    assert tree_branches(s("--draft-url", "h:1"), 1) == 4
+    assert tree_branches(s("--draft-url", "h:1", "--draft-tree", "2"), 1) == 2
+    assert tree_branches(s("--draft-url", "h:1", "--draft-tree", "0"), 1) == 0
+    assert tree_branches(s("--draft-url", "h:1"), 4) == 0                      # -np 4
+    assert tree_branches(s("--draft-url", "h:1", "--draft-mode", "sync"), 1) == 0
+    assert tree_branches(s("--no-draft"), 1) == 0
+
+
+def test_a_tree_that_would_not_fit_the_batch_is_sent_as_its_chain() -> None:
+    fb = FakeBatch(TARGET, n_seq=1, n_ctx=256, n_batch=6, tree_leaves=4)
+    gen = Engine(fb, TreeDrafter()).generate(
+        Request(list(PROMPT), 30, GREEDY, DraftParams(n_max=4, policy="fixed")))
+    assert gen.run() == _plain(PROMPT, GREEDY, 30)
+    assert fb.trees and all(len(tokens) <= 6 for _, tokens, _ in fb.trees)
