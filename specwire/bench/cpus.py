@@ -3,11 +3,9 @@
 On a real LAN the target and the draft node each have their own CPUs. On one
 box the scheduler instead moves every thread freely, so a gRPC thread of the
 target wakes up on the core where the draft node computes (and the other way
-round). On this 2-core VM a Python thread's wake-up measured about 110 us on
-its own core and 280 us across busy cores, and a gRPC round makes several;
-benchmarks/link_overhead.py measures the link both ways (--shared-cpus), and the
-split came out 0.3-0.5 ms a round cheaper in most runs, within the noise in some.
-Remote benchmark modes therefore run with the target process on the first half
+round): a wake-up across busy cores costs more than on its own core, and a gRPC
+round makes several (benchmarks/link_overhead.py measures both ways, --shared-cpus;
+docs/benchmarks.md has the figures). Remote benchmark modes therefore run with the target process on the first half
 of the CPUs and the draft node on the second half; in-process modes keep all.
 
 Linux only (sched_setaffinity); elsewhere, or with one CPU, nothing is pinned.

@@ -118,10 +118,8 @@ class Link:
         """A stub on the link's blocking channel, for Hello and Session streams.
 
         Sessions use grpcio's blocking API rather than grpc.aio: its threads
-        move a message between the caller and the wire with fewer wake-ups. Measured
-        with benchmarks/link_overhead.py, a synchronous round's link cost 1.4-1.5 ms over
-        loopback this way, against 2.0 ms through grpc.aio driven from another thread.
-        The channel is dropped when the link fails, so that a restarted node is reached
+        move a message between the caller and the wire with fewer wake-ups (a cheaper
+        synchronous round in benchmarks/link_overhead.py). The channel is dropped when the link fails, so that a restarted node is reached
         on a fresh connection rather than after grpc's own reconnection backoff.
         """
         return pbg.DraftNodeStub(self._sessions())
