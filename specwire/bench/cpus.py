@@ -5,8 +5,9 @@ box the scheduler instead moves every thread freely, so a gRPC thread of the
 target wakes up on the core where the draft node computes (and the other way
 round): a wake-up across busy cores costs more than on its own core, and a gRPC
 round makes several (benchmarks/link_overhead.py measures both ways, --shared-cpus;
-docs/benchmarks.md has the figures). Remote benchmark modes therefore run with the target process on the first half
-of the CPUs and the draft node on the second half; in-process modes keep all.
+docs/benchmarks.md has the figures). Remote benchmark modes therefore run with the
+target process on the first half of the CPUs and the draft node on the second half;
+in-process modes keep all.
 
 Linux only (sched_setaffinity); elsewhere, or with one CPU, nothing is pinned.
 """

@@ -119,7 +119,8 @@ class Link:
 
         Sessions use grpcio's blocking API rather than grpc.aio: its threads
         move a message between the caller and the wire with fewer wake-ups (a cheaper
-        synchronous round in benchmarks/link_overhead.py). The channel is dropped when the link fails, so that a restarted node is reached
+        synchronous round in benchmarks/link_overhead.py). The channel is dropped when
+        the link fails, so that a restarted node is reached
         on a fresh connection rather than after grpc's own reconnection backoff.
         """
         return pbg.DraftNodeStub(self._sessions())
