@@ -76,7 +76,7 @@ def test_both_command_lines_parse_with_every_flag_meant() -> None:
     assert a.n_predict == -1
     assert a.compat_no_offload_only_active_experts == [("-no-ooae", ())]
     assert a.compat_attention_max_batch == [("-amb", ("512",))]
-    assert a.compat_keep == [("--keep", ("-1",))]
+    assert a.keep == -1 and not a.context_shift   # --keep is llama-server's; no shift asked
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -92,7 +92,7 @@ def test_flags_are_whole_words(specwire_cli, argv: list[str], needle: str) -> No
 
 def test_negative_numbers_are_still_values() -> None:
     a = parse("-n", "-1", "--keep", "-1", "--seed", "-5")
-    assert a.n_predict == -1 and a.seed == -5
+    assert a.n_predict == -1 and a.seed == -5 and a.keep == -1
 
 
 def _given(flag: compat.Flag, name: str) -> list[str]:

@@ -9,7 +9,9 @@ node keeps of a finished conversation (node/kv_cache.py) and what its
 `reuse_chunks` is llama-server's --cache-reuse: past the common prefix, runs of
 at least n_min cached tokens that reappear later in the new prompt are moved
 to their new positions (llama_memory_seq_add; llama.cpp re-rotates their keys
-on the next decode) instead of being evaluated again.
+on the next decode) instead of being evaluated again. `shift` is llama-server's
+context shift: it drops a run of cells after the first n_keep and moves the rest
+down into its place the same way.
 """
 
 from __future__ import annotations
@@ -97,6 +99,22 @@ def load_file(view, path: str) -> int:  # noqa: ANN001 - LlamaBackend or its Seq
 def can_shift(backend: LlamaBackend) -> bool:
     """Whether the context's memory supports moving cells to new positions."""
     return bool(C.llama_memory_can_shift(backend.mem))
+
+
+def shift(backend: LlamaBackend, n_keep: int, n_discard: int, seq: int = 0) -> None:
+    """Context shift: drop cells [n_keep, n_keep + n_discard) and move the cells after
+    them n_discard positions down (llama_memory_seq_rm + llama_memory_seq_add, as
+    llama-server does); the sequence then holds its tokens less the dropped run."""
+    view = backend.seq(seq)
+    held = list(view.tokens)
+    if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > len(held):
+        raise BackendError(f"context shift of {n_discard} tokens after {n_keep} outside the "
+                           f"{len(held)} cached")
+    if not can_shift(backend):
+        raise BackendError(f"{backend.name}: its KV cache cannot be shifted")
+    C.llama_memory_seq_rm(backend.mem, seq, n_keep, n_keep + n_discard)
+    C.llama_memory_seq_add(backend.mem, seq, n_keep + n_discard, len(held), -n_discard)
+    view.adopt(held[:n_keep] + held[n_keep + n_discard:])
 
 
 def reuse_chunks(backend: LlamaBackend, prompt: Sequence[int], n_past: int, n_min: int,

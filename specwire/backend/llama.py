@@ -390,6 +390,21 @@ class LlamaBackend:
 
         return kv_state.reuse_chunks(self, prompt, n_past, n_min)
 
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        """Context shift (see backend/kv_state.py)."""
+        from specwire.backend import kv_state
+
+        kv_state.shift(self, n_keep, n_discard)
+
+    def can_shift(self) -> bool:
+        """Whether this context's cache can move cells (llama_memory_can_shift)."""
+        return bool(C.llama_memory_can_shift(self.mem))
+
+    @property
+    def adds_bos(self) -> bool:
+        """The model's prompts begin with BOS (llama-server's --keep does not count it)."""
+        return bool(C.llama_vocab_get_add_bos(self.model.vocab))
+
     def adopt(self, tokens: Sequence[int]) -> None:
         """The KV cache now holds `tokens` (after a state restore or a KV shift made by
         backend/kv_state.py, which changes the cache behind eval's back)."""
@@ -458,6 +473,19 @@ class SeqView:
         from specwire.backend import kv_state
 
         return kv_state.reuse_chunks(self, prompt, n_past, n_min, self.seq_id)
+
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        from specwire.backend import kv_state
+
+        kv_state.shift(self.owner, n_keep, n_discard, self.seq_id)
+
+    def can_shift(self) -> bool:
+        return self.owner.can_shift()
+
+
+    @property
+    def adds_bos(self) -> bool:
+        return self.owner.adds_bos
 
     def adopt(self, tokens: Sequence[int]) -> None:
         self.owner._seqs[self.seq_id] = list(tokens)

@@ -25,6 +25,7 @@ from specwire.drafters.base import Draft, Drafter, NoDrafter
 from specwire.drafters.bubble import never_wait
 from specwire.drafters.guard import DraftGuard, check_verify_mode
 from specwire.drafters.lockstep import Drafting
+from specwire.engine.context_shift import plan_shift, shifted
 from specwire.engine.round import Round
 from specwire.engine.scheduler import BatchScheduler
 from specwire.engine.stats import Stats, counter_delta
@@ -49,12 +50,21 @@ class Request:
     #: llama-server's cache_prompt: start from what the target's cache holds of the prompt.
     #: False evaluates the whole prompt again.
     cache_prompt: bool = True
+    #: llama-server's n_keep (--keep): the prompt tokens a context shift keeps (-1: all);
+    #: it only matters where the engine shifts the context (Engine.context_shift).
+    n_keep: int = 0
+    #: llama-server's n_discard: the tokens a shift drops (0: half of those after n_keep).
+    n_discard: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ConfigError("prompt: is empty (no tokens)")
         if self.n_predict < 0:
             raise ConfigError(f"n_predict: must be >= 0, got {self.n_predict}")
+        if self.n_keep < -1:
+            raise ConfigError(f"n_keep: must be >= -1 (-1: the whole prompt), got {self.n_keep}")
+        if self.n_discard < 0:
+            raise ConfigError(f"n_discard: must be >= 0, got {self.n_discard}")
 
 
 class Generation:
@@ -65,6 +75,7 @@ class Generation:
     iterating it alone runs those steps until it has new tokens, so a single request
     is the batch of one. stop_type is llama-server's: "eos", "limit" (n_predict or
     context), or "word" when the caller stops it on a stop string via stop().
+    truncated: the context's end stopped it, or (with context shift) it was shifted.
     Closing it early (client gone) ends the drafter's sequence and frees the
     sequence at once. `probs` holds one TokenProb per generated token when the
     request asked for them.
@@ -76,6 +87,7 @@ class Generation:
         self.tokens: list[int] = []
         self.stop_type = "none"
         self.truncated = False
+        self.shifts = 0                 # context shifts done (Engine.context_shift)
         self.probs: list[TokenProb] = []
         self.error: Exception | None = None
         self.done = False               # left the batch (finished, stopped, failed or closed)
@@ -160,8 +172,11 @@ class Generation:
             return Part(self.seq, chunk, "last" if last else "none")
         remaining = self.req.n_predict - len(self.tokens)
         room = self.target.n_ctx - len(self._history)
+        if room <= 0 < remaining and self.engine.context_shift:
+            room = self._shift_context()
         if remaining <= 0 or room <= 0:
-            self.stop_type, self.truncated = "limit", room <= 0 and remaining > 0
+            self.stop_type = "limit"
+            self.truncated = self.truncated or (room <= 0 and remaining > 0)
             self.done = True
             return None
         # A round appends up to k + 1 tokens; plain decoding stops at a full context.
@@ -170,6 +185,21 @@ class Generation:
         now = time.perf_counter()
         self._round = Round(Draft(), max(k, 0), now, now)
         return Part(self.seq, [self._history[-1]], "all")
+
+    def _shift_context(self) -> int:
+        """A full context shifted as llama-server does (context_shift.py); the room it
+        made (0 when nothing can be dropped)."""
+        target, req = self.target, self.req
+        shift = plan_shift(target.n_past, len(req.prompt), req.n_keep, target.n_ctx,
+                           bool(getattr(target, "adds_bos", False)), req.n_discard)
+        if shift is None:
+            return 0
+        target.shift(shift.keep, shift.discard)
+        self._history = shifted(self._history, shift)
+        self.truncated = True
+        self.shifts += 1
+        self.drafter.rebase(self._history)
+        return target.n_ctx - len(self._history)
 
     @property
     def asked(self) -> int:
@@ -340,6 +370,10 @@ class Engine:
         #: llama-server's --cache-reuse: shift cached chunks of at least this many tokens
         #: past the common prefix into place (0: the common prefix only).
         self.cache_reuse = 0
+        #: llama-server's --context-shift: a full context drops half of what follows the
+        #: request's n_keep tokens and generation goes on (False: it stops there). Only
+        #: for a target whose cache can shift (its `shift`; see enable_context_shift).
+        self.context_shift = False
         self.no_drafter = NoDrafter()
         drafters = (list(drafter) if isinstance(drafter, (list, tuple))
                     else [drafter or self.no_drafter] * (1 if drafter else self.batch.n_seq))
@@ -393,6 +427,16 @@ class Engine:
             # One verification curve for every sequence: the target's (scheduler.py).
             policy.verify, policy.fits_verify = self.scheduler.verify, False
         return policy
+
+    def enable_context_shift(self) -> None:
+        """--context-shift: refused (ConfigError) for a target that cannot shift its cache."""
+        for i in range(self.n_seq):
+            seq = self.batch.seq(i)
+            can = getattr(seq, "can_shift", None)
+            if can is None or not can():
+                raise ConfigError(f"--context-shift: the target {seq.name} cannot shift its "
+                                  "KV cache (llama_memory_can_shift is false)")
+        self.context_shift = True
 
     def step(self) -> None:
         """One decode for every running sequence (see BatchScheduler.step)."""

@@ -8,8 +8,9 @@ and what was expected, as llama-server and OpenAI do. Range checks are the
 config dataclasses' own (a ConfigError becomes a 400 with its message).
 
 Conventions, as in llama-server:
-* n_predict (alias max_tokens, max_completion_tokens): -1 = until the context is full;
-  the server's -n caps it.
+* n_predict (alias max_tokens, max_completion_tokens): -1 = until the context is full
+  (with --context-shift: no limit); the server's -n caps it.
+* n_keep (default --keep) and n_discard: what a context shift keeps and drops.
 * seed -1 = a random seed.
 * speculative settings: "speculative.n_max" / "speculative.n_min" / "speculative.p_min",
   or {"speculative": {"n_max": .., "n_min": .., "p_min": ..}}; drafting is off for
@@ -226,8 +227,8 @@ def n_predict(f: Fields, settings: ServerSettings, n_ctx: int) -> int:
     if n > limits.INT32_MAX:
         raise bad_request(f"{name}: must be at most {limits.INT32_MAX} (llama.cpp's int32), "
                           f"got {n}")
-    if n == -1:
-        n = n_ctx
+    if n == -1:   # with context shift, as llama-server: until EOS (int32's limit)
+        n = limits.INT32_MAX if settings.context_shift else n_ctx
     if settings.n_predict >= 0:
         n = min(n, settings.n_predict)
     return n
@@ -464,9 +465,11 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     include_usage = Fields(opts or {}, "stream_options.").bool("include_usage")
     cache_prompt = f.bool("cache_prompt", default=True)
     dp = replace(dp, cache_scope=cache_scope(f), cache_store=cache_prompt)
+    n_keep = f.int("n_keep", default=settings.n_keep)
+    n_discard = f.int("n_discard", default=0)
     try:
         req = Request(tokens, n, sp, dp, ignore_eos, grammar, logprobs,
-                      cache_prompt=cache_prompt)
+                      cache_prompt=cache_prompt, n_keep=n_keep, n_discard=n_discard)
     except ConfigError as e:
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,
@@ -488,7 +491,8 @@ def infill(body: dict, backend: Any, settings: ServerSettings,
     n_batch = getattr(getattr(backend, "params", None), "n_batch", 512)
     tokens = infill_prompt.prompt_tokens(
         backend, texts["input_prefix"], texts["input_suffix"], typed, extra, n_batch,
-        backend.n_ctx, max(0, n_predict(f, settings, backend.n_ctx)), settings.spm_infill)
+        backend.n_ctx, min(backend.n_ctx, max(0, n_predict(f, settings, backend.n_ctx))),
+        settings.spm_infill)
     return _finish(f, body, tokens, backend, settings, [], "completion")
 
 

@@ -155,9 +155,6 @@ IGNORED: tuple[Flag, ...] = (
     _f("--prompt-cache-all --prompt-cache-ro", 0, "goes with --prompt-cache"),
     _f("-lcs --lookup-cache-static", 1, "lookup decoding's n-gram file built from a corpus; "
        "specwire's n-gram drafter learns from requests (-lcd keeps that in a file)"),
-    _f("--keep", 1, "the tokens a context shift keeps; specwire does not shift the "
-       "context (llama-server's default, --no-context-shift), so it stops at the end"),
-    _f("--no-context-shift", 0, "already so: generation stops at the context's end"),
     _f("--props", 0, "POST /props is not implemented; GET /props is served"),
     _f("--sse-ping-interval", 1, "streams send every token at once; no keep-alive pings"),
     _f("--sleep-idle-seconds", 1, "the models stay loaded"),
@@ -284,8 +281,6 @@ REFUSED: tuple[Flag, ...] = (
        "--gpt-oss-20b-default --gpt-oss-120b-default --vision-gemma-4b-default "
        "--vision-gemma-12b-default --spec-default", 0,
        "these download models; give the files with -m / -md"),
-    _f("--context-shift", "?", "context shift is not implemented: generation stops at the "
-       "context's end (llama-server's default)", ("0", "off")),
     _f("--models-dir --models-preset --models-max", 1, "router mode is not implemented: "
        "one target per server"),
     _f("--models-autoload --no-models-autoload", 0, "router mode is not implemented"),
