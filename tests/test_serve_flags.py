@@ -947,3 +947,42 @@ def test_lora_reaches_llama_cpp_and_stays_lossless(tmp_path: Path) -> None:
         assert bad.status_code == 400 and "no adapter 3" in bad.text
     assert drafted["tokens"] == plain["tokens"] and drafted["timings"]["draft_n"] > 0
     assert base["tokens"] != plain["tokens"]            # scale 0: the base model's output
+
+
+@pytest.mark.slow
+def test_a_requests_own_lora_scales_are_its_alone_and_lossless() -> None:
+    """llama-server's per-request `lora` on the tiny MoE's adapter, two slots: a request's
+    scales give its output with and without a draft, whatever the other slot runs at the
+    same time; adapters it does not name are off (`[]` is the base model); a bad entry is
+    a 400 naming it."""
+    import concurrent.futures
+
+    from specwire.assets.moe import MoeSpec, ensure_moe, ensure_moe_lora
+    pair, lora = ensure_moe(MoeSpec()), str(ensure_moe_lora(MoeSpec()))
+    # A long prompt: a cache computed under other scales, if reused, would show.
+    body = {"prompt": [2, *range(1000, 41000, 1000)], "n_predict": 24, "temperature": 0,
+            "return_tokens": True}
+    with run_serve("-m", str(pair.target), "-md", str(pair.draft), "-t", "1", "-td", "1",
+                   "-c", "256", "-np", "2", "--lora", lora, "--draft-policy", "fixed",
+                   "--draft-p-min", "0", "--draft-mode", "sync", no_traceback=True) as (url, _):
+        def ask(**kw) -> dict:
+            r = httpx.post(url + "/completion", json={**body, **kw}, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        half = [{"id": 0, "scale": 0.5}]
+        alone = {s: ask(lora=[{"id": 0, "scale": s}], speculative=False)["tokens"]
+                 for s in (0.0, 0.5, 1.0)}
+        assert ask()["tokens"] == alone[1.0]                      # the server's scale
+        assert ask(lora=[])["tokens"] == alone[0.0]               # not named: off
+        drafted = ask(lora=half)
+        assert drafted["tokens"] == alone[0.5] and drafted["timings"]["draft_n"] > 0
+        assert len({tuple(t) for t in alone.values()}) == 3       # the scale matters
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:   # both slots at once
+            both = list(pool.map(lambda s: ask(lora=[{"id": 0, "scale": s}])["tokens"],
+                                 (0.5, 0.0, 1.0, 0.5)))
+        assert both == [alone[0.5], alone[0.0], alone[1.0], alone[0.5]]
+        bad = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "lora": [{"id": 1, "scale": 1}]})
+        assert bad.status_code == 400 and "lora[0].id: no adapter 1" in bad.text
+        assert httpx.get(url + "/lora-adapters", timeout=30).json()[0]["scale"] == 1.0

@@ -242,7 +242,8 @@ class LlamaBackend:
             )
         _count_context(+1)
         self.lora_scales = [s for _, s in params.loras]
-        if self.loras and not self._set_loras():
+        self._lora_applied: list[float] = []
+        if self.loras and not self._set_loras(self.lora_scales):
             C.llama_free(self.ctx)
             self.ctx = None
             _count_context(-1)
@@ -356,18 +357,33 @@ class LlamaBackend:
         return out
 
     def set_lora_scales(self, scales: Sequence[float]) -> None:
-        """POST /lora-adapters: each loaded adapter's new scale (0: off)."""
+        """POST /lora-adapters: each loaded adapter's new scale (0: off), the scales of
+        every request that names none of its own."""
         if len(scales) != len(self.loras):
             raise BackendError(f"{len(scales)} scales for {len(self.loras)} adapters")
-        old, self.lora_scales = self.lora_scales, [float(s) for s in scales]
-        if not self._set_loras():
-            self.lora_scales = old
+        want = [float(s) for s in scales]
+        if not self._set_loras(want):
+            raise BackendError("llama.cpp could not change the LoRA scales")
+        self.lora_scales = want
+
+    def apply_lora(self, scales: Sequence[float]) -> None:
+        """The adapter scales the next decode runs with (a request's own `lora`, or
+        lora_scales again); a no-op when they are already applied."""
+        want = [float(s) for s in scales]
+        if want == self._lora_applied:
+            return
+        if len(want) != len(self.loras):
+            raise BackendError(f"{len(want)} scales for {len(self.loras)} adapters")
+        if not self._set_loras(want):
             raise BackendError("llama.cpp could not change the LoRA scales")
 
-    def _set_loras(self) -> bool:
+    def _set_loras(self, scales: Sequence[float]) -> bool:
         adapters = (C.llama_adapter_lora_p_ctypes * len(self.loras))(*self.loras)
-        scales = (ctypes.c_float * len(self.loras))(*self.lora_scales)
-        return C.llama_set_adapters_lora(self.ctx, adapters, len(self.loras), scales) == 0
+        values = (ctypes.c_float * len(self.loras))(*scales)
+        ok = C.llama_set_adapters_lora(self.ctx, adapters, len(self.loras), values) == 0
+        if ok:
+            self._lora_applied = list(scales)
+        return ok
 
     def seq_decode_s(self, seq: int) -> float:
         """Sequence seq's share of the time inside llama_decode: of each decode, the
@@ -482,6 +498,12 @@ class SeqView:
     def can_shift(self) -> bool:
         return self.owner.can_shift()
 
+    @property
+    def lora_scales(self) -> list[float]:
+        return self.owner.lora_scales
+
+    def apply_lora(self, scales: Sequence[float]) -> None:
+        self.owner.apply_lora(scales)
 
     @property
     def adds_bos(self) -> bool:

@@ -55,6 +55,9 @@ class Request:
     n_keep: int = 0
     #: llama-server's n_discard: the tokens a shift drops (0: half of those after n_keep).
     n_discard: int = 0
+    #: llama-server's per-request `lora`: every loaded adapter's scale for this request
+    #: (None: the target's own, as --lora and POST /lora-adapters set them).
+    lora: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -65,6 +68,8 @@ class Request:
             raise ConfigError(f"n_keep: must be >= -1 (-1: the whole prompt), got {self.n_keep}")
         if self.n_discard < 0:
             raise ConfigError(f"n_discard: must be >= 0, got {self.n_discard}")
+        if self.lora is not None and not all(np.isfinite(self.lora)):
+            raise ConfigError(f"lora: scales must be finite numbers, got {list(self.lora)}")
 
 
 class Generation:
@@ -146,6 +151,14 @@ class Generation:
         return self._policy
 
     # -- the scheduler's side --------------------------------------------------
+
+    @property
+    def lora(self) -> tuple[float, ...]:
+        """The adapter scales its target decodes run with: the request's own, else the
+        target's (the scheduler decodes together only sequences with equal ones)."""
+        if self.req.lora is not None:
+            return self.req.lora
+        return tuple(getattr(self.target, "lora_scales", ()))
 
     @property
     def decoding(self) -> bool:
@@ -280,6 +293,10 @@ class Generation:
         if req.draft.enabled:
             self._policy = eng.policy(self.seq, req.draft.policy, req.draft.n_max)
         prompt = req.prompt
+        n_adapters = len(getattr(target, "lora_scales", ()))
+        if req.lora is not None and len(req.lora) != n_adapters:
+            raise ConfigError(f"lora: {len(req.lora)} scales for the target's {n_adapters} "
+                              "adapters (--lora)")
         if len(prompt) + (1 if req.n_predict else 0) > target.n_ctx:
             raise ConfigError(
                 f"prompt: {len(prompt)} tokens do not fit the context of {target.n_ctx} (-c)"
@@ -302,7 +319,10 @@ class Generation:
             # What its first draft must catch up with: the prompt, less the drafter's cache.
             got = drafter.cache_use()
             self._policy.behind(got[1] if got is not None else 0)
-        kept = eng.reuse_cache(target, prompt) if req.cache_prompt else 0
+        # A cache computed under other adapter scales holds other keys and values.
+        same_lora = eng.cache_lora[self.seq] == self.lora
+        kept = eng.reuse_cache(target, prompt) if req.cache_prompt and same_lora else 0
+        eng.cache_lora[self.seq] = self.lora
         if kept < target.n_past:
             target.truncate(kept)
         self._prefilled = kept
@@ -374,6 +394,8 @@ class Engine:
         #: request's n_keep tokens and generation goes on (False: it stops there). Only
         #: for a target whose cache can shift (its `shift`; see enable_context_shift).
         self.context_shift = False
+        #: the adapter scales each sequence's cache was computed under (Generation.lora)
+        self.cache_lora: list[tuple[float, ...] | None] = [None] * self.batch.n_seq
         self.no_drafter = NoDrafter()
         drafters = (list(drafter) if isinstance(drafter, (list, tuple))
                     else [drafter or self.no_drafter] * (1 if drafter else self.batch.n_seq))

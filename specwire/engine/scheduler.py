@@ -15,6 +15,11 @@ policy (`verify`): the cost of a decode against its size is the target's, not
 a sequence's, and one line fed once per decode sees every size the batch
 reaches, where each sequence's own would see few (and be fed steps whose
 prompt chunks it could not see).
+
+LoRA adapters apply to the whole context: a step decodes only the sequences whose
+adapter scales (a request's own `lora`, or the target's) equal those of the one
+first in turn; the others sit the step out (as llama-server batches them), and
+the turn rotates, so each set of scales gets its steps.
 """
 
 from __future__ import annotations
@@ -105,6 +110,8 @@ class BatchScheduler:
             parts = [p for _, p in planned]
             t0 = time.perf_counter()
             try:
+                if planned[0][0].lora:
+                    planned[0][0].target.apply_lora(planned[0][0].lora)
                 rows = self.batch.decode(parts)
             except Exception as e:  # noqa: BLE001 - each sequence in the step reports it
                 for gen, _ in planned:
@@ -131,6 +138,9 @@ class BatchScheduler:
         budget = self.batch.n_batch
         planned: list[tuple[Generation, Part]] = []
         used = 0
+        if turn:   # the adapter scales of the first in turn; the others' in their turn
+            lora = turn[0].lora
+            gens = [g for g in gens if g.lora == lora]
         for i, gen in enumerate(gens):
             # What the others put in: those planned, and at least a token from each to come,
             # those still reading their prompt too: they decode from the next step on, so a
