@@ -142,6 +142,17 @@ def test_a_cache_made_under_other_scales_is_not_reused() -> None:
     assert cached((1.0,)) == 0
 
 
+def test_a_cache_there_before_the_first_request_is_reused() -> None:
+    """A slot file or --prompt-cache restored before any request: taken to be made under
+    the target's own scales."""
+    batch = LoraBatch(1)
+    engine = Engine(batch)
+    batch.seq(0).eval(PROMPT[:5], "none")
+    gen = engine.generate(Request(list(PROMPT), 4, GREEDY, DraftParams(enabled=False)))
+    gen.run()
+    assert gen.stats.cache_n == 5
+
+
 def test_scales_for_another_number_of_adapters_are_refused() -> None:
     gen = Engine(LoraBatch(1)).generate(Request(list(PROMPT), 4, lora=(1.0, 2.0)))
     with pytest.raises(ConfigError, match="lora: 2 scales for the target's 1 adapters"):

@@ -235,7 +235,8 @@ def test_issue_command_line_with_the_draft_in_process(tmp_path: Path) -> None:
         models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == ["NAME"]
         text = log()
-    for flag in ("-fmoe", "-amb", "--prompt-cache", "--keep",
+    assert (tmp_path / "cache.bin").is_file()   # --prompt-cache: written as serve stopped
+    for flag in ("-fmoe", "-amb", "--keep",
                  "--lookup-cache-dynamic", "--log-enable", "--logdir"):
         assert f"WARNING specwire.flags: {flag}: ignored" in text, flag
     assert "INFO" not in text               # --verbosity 2: warnings and errors only
@@ -986,3 +987,48 @@ def test_a_requests_own_lora_scales_are_its_alone_and_lossless() -> None:
             "messages": [{"role": "user", "content": "hi"}], "lora": [{"id": 1, "scale": 1}]})
         assert bad.status_code == 400 and "lora[0].id: no adapter 1" in bad.text
         assert httpx.get(url + "/lora-adapters", timeout=30).json()[0]["scale"] == 1.0
+
+
+@pytest.mark.slow
+def test_prompt_cache_survives_a_restart(tmp_path: Path) -> None:
+    """--prompt-cache FILE: written when serve stops (the last prompt's cache), restored
+    into slot 0 when it starts again, so the same request reuses it (cache_n) and gets
+    the same tokens; --prompt-cache-ro leaves the file as it was."""
+    target, _ = _models()
+    cache = tmp_path / "cache.bin"
+    body = {"prompt": "The old lighthouse keeper climbed the stairs every evening, and",
+            "n_predict": 8, "temperature": 0, "return_tokens": True}
+    args = ("-m", target, "-t", "1", "-c", "256", "--no-draft", "--prompt-cache", str(cache))
+    with run_serve(*args, no_traceback=True) as (url, _):
+        first = httpx.post(url + "/completion", json=body, timeout=300).json()
+    assert first["timings"]["cache_n"] == 0 and cache.is_file()
+    written = cache.stat().st_mtime_ns
+    with run_serve(*args, "--prompt-cache-ro", no_traceback=True) as (url, log):
+        again = httpx.post(url + "/completion", json=body, timeout=300).json()
+        text = log()
+    assert "tokens restored into slot 0" in text
+    assert again["tokens"] == first["tokens"]
+    assert again["timings"]["cache_n"] == first["timings"]["prompt_n"] - 1
+    assert cache.stat().st_mtime_ns == written
+    cache.write_bytes(b"not a state file")
+    with run_serve(*args, no_traceback=True) as (url, log):
+        third = httpx.post(url + "/completion", json=body, timeout=300).json()
+        text = log()
+    assert "not used" in text and third["tokens"] == first["tokens"]
+    assert third["timings"]["cache_n"] == 0
+
+
+def test_prompt_cache_writes_nothing_read_only_or_unused(tmp_path: Path, caplog) -> None:
+    from types import SimpleNamespace
+
+    from specwire.server import prompt_cache
+    path = str(tmp_path / "cache.bin")
+    used = SimpleNamespace(job=None, last_used=5.0, target=SimpleNamespace(n_past=9),
+                           last_prompt=[1, 2], index=0)
+    idle = SimpleNamespace(job=None, last_used=0.0, target=SimpleNamespace(n_past=0))
+    assert prompt_cache.save(prompt_cache.PromptCache(path, read_only=True), [used]) == 0
+    assert prompt_cache.save(prompt_cache.PromptCache(path), [idle]) == 0
+    assert prompt_cache.restore(prompt_cache.PromptCache(path), [idle]) == 0
+    assert not (tmp_path / "cache.bin").exists()
+    a = parse("--prompt-cache", path, "--prompt-cache-all", "--prompt-cache-ro")
+    assert (a.prompt_cache, a.prompt_cache_all, a.prompt_cache_ro) == (path, True, True)

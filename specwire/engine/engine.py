@@ -394,8 +394,10 @@ class Engine:
         #: request's n_keep tokens and generation goes on (False: it stops there). Only
         #: for a target whose cache can shift (its `shift`; see enable_context_shift).
         self.context_shift = False
-        #: the adapter scales each sequence's cache was computed under (Generation.lora)
-        self.cache_lora: list[tuple[float, ...] | None] = [None] * self.batch.n_seq
+        #: the adapter scales each sequence's cache was computed under (Generation.lora);
+        #: a cache restored from a file is taken to be the target's own
+        self.cache_lora: list[tuple[float, ...]] = [
+            tuple(getattr(self.batch.seq(i), "lora_scales", ())) for i in range(self.batch.n_seq)]
         self.no_drafter = NoDrafter()
         drafters = (list(drafter) if isinstance(drafter, (list, tuple))
                     else [drafter or self.no_drafter] * (1 if drafter else self.batch.n_seq))

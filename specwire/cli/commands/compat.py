@@ -150,9 +150,6 @@ IGNORED: tuple[Flag, ...] = (
        "sliding-window cache is kept whole (--swa-full)"),
     _f("-cms --checkpoint-min-step --ctx-checkpoints-interval --ctx-checkpoints-tolerance",
        1, "no context checkpoints here"),
-    _f("--prompt-cache", 1, "llama-cli's file of one run's prompt state (llama-server "
-       "ignores it too); serve keeps each slot's prompt cache in memory"),
-    _f("--prompt-cache-all --prompt-cache-ro", 0, "goes with --prompt-cache"),
     _f("-lcs --lookup-cache-static", 1, "lookup decoding's n-gram file built from a corpus; "
        "specwire's n-gram drafter learns from requests (-lcd keeps that in a file)"),
     _f("--props", 0, "POST /props is not implemented; GET /props is served"),

@@ -150,6 +150,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "speculation)")
     g.add_argument("--no-context-shift", dest="context_shift", action="store_false",
                    help="stop a request at its context's end (the default, as llama-server's)")
+    g.add_argument("--prompt-cache", metavar="FILE", default=None,
+                   help="keep the last served prompt's KV cache in FILE across restarts: "
+                   "restored into slot 0 at start, written at stop (see docs/memory.md)")
+    g.add_argument("--prompt-cache-all", action="store_true",
+                   help="with --prompt-cache: the generated tokens too, not the prompt only")
+    g.add_argument("--prompt-cache-ro", action="store_true",
+                   help="with --prompt-cache: restore FILE, never write it")
     g.add_argument("--keep", type=int, default=0, metavar="N",
                    help="prompt tokens a context shift keeps (default 0, -1: all); a "
                    "request's n_keep overrides it")
@@ -426,6 +433,7 @@ def run(a: argparse.Namespace) -> int:
     app = create_app(engines, settings)
     _log_emulation_at_shutdown(app, engines[0].target)
     _save_lookup_cache_at_shutdown(app, engines)
+    _keep_prompt_cache(app, a)
     verbose = getattr(a, "verbose", False)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning",
                             access_log=verbose, timeout_keep_alive=a.timeout, **tls,
@@ -495,6 +503,30 @@ def _save_lookup_cache_at_shutdown(app, engines) -> None:
             yield state
         for f in files:
             f.close()
+
+    app.router.lifespan_context = lifespan
+
+
+def _keep_prompt_cache(app, a: argparse.Namespace) -> None:
+    """--prompt-cache FILE: restore it into slot 0 now, write it when the lifespan ends
+    (server/prompt_cache.py)."""
+    if a.prompt_cache is None:
+        if a.prompt_cache_all or a.prompt_cache_ro:
+            logging.getLogger("specwire.flags").warning(
+                "--prompt-cache-all / --prompt-cache-ro: ignored without --prompt-cache FILE")
+        return
+    from specwire.server import prompt_cache
+    cache = prompt_cache.PromptCache(a.prompt_cache, a.prompt_cache_all, a.prompt_cache_ro)
+    scheduler = app.state.scheduler
+    prompt_cache.restore(cache, scheduler.slots)
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_):
+        async with inner(app_) as state:
+            yield state
+        with scheduler.lock:
+            prompt_cache.save(cache, scheduler.slots)
 
     app.router.lifespan_context = lifespan
 
