@@ -785,6 +785,42 @@ def fim_pair():
     return ensure_moe(MoeSpec(fim=True))
 
 
+def test_infill_feeds_the_ngram_drafter_with_input_extra() -> None:
+    """The n-gram drafter drafts from the files of input_extra: the toy target writes the
+    alphabet, which only the extra file holds, so with it most tokens come from accepted
+    drafts, and without it none can; the tokens are the same with and without the draft
+    (speculative false)."""
+    from test_server import ToyBackend, serve_app
+
+    from specwire.config import DraftParams, SamplingParams
+    from specwire.drafters.ngram.drafter import KEEP, NgramDrafter
+    from specwire.engine.engine import Engine
+    from specwire.server import ServerSettings, create_app
+
+    class FimToy(ToyBackend):
+        def fim_tokens(self) -> dict[str, int]:
+            return {"pre": 1, "suf": 2, "mid": 3, "sep": 4}
+
+    engine = Engine(FimToy(delay=0.0), NgramDrafter(8, 1, keep=KEEP))
+    settings = ServerSettings(sampling=SamplingParams(temperature=0.0),
+                              draft=DraftParams(n_max=8, p_min=0.0))
+    body = {"input_prefix": "x = ", "input_suffix": "\n", "n_predict": 20,
+            "return_tokens": True}
+    extra = [{"filename": "alphabet.txt", "text": "abcdefghijklmnopqrstuvwxyz"}]
+    with serve_app(create_app(engine, settings)) as url:
+        def infill(**kw) -> dict:
+            r = httpx.post(url + "/infill", json={**body, **kw}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        fed = infill(input_extra=extra)
+        plain = infill(input_extra=extra, speculative=False)
+        bare = infill()
+    assert fed["tokens"] == plain["tokens"] == list(range(97, 117))   # a..t
+    assert fed["timings"]["draft_n_accepted"] >= 12         # most of the 19 after "a"
+    assert bare["tokens"] == fed["tokens"] and bare["timings"]["draft_n_accepted"] == 0
+
+
 @pytest.mark.slow
 def test_infill_on_a_fim_model_is_the_same_with_and_without_a_draft(fim_pair) -> None:
     from specwire.assets.moe import FIM_TOKENS
