@@ -801,7 +801,8 @@ def test_infill_feeds_the_ngram_drafter_with_input_extra() -> None:
         def fim_tokens(self) -> dict[str, int]:
             return {"pre": 1, "suf": 2, "mid": 3, "sep": 4}
 
-    engine = Engine(FimToy(delay=0.0), NgramDrafter(8, 1, keep=KEEP))
+    # no cache across requests: only the request's own prompt can feed a draft
+    engine = Engine(FimToy(delay=0.0), NgramDrafter(8, 1, keep=KEEP, cache=False))
     settings = ServerSettings(sampling=SamplingParams(temperature=0.0),
                               draft=DraftParams(n_max=8, p_min=0.0))
     body = {"input_prefix": "x = ", "input_suffix": "\n", "n_predict": 20,
