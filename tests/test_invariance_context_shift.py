@@ -101,3 +101,24 @@ def test_keep_all_of_the_prompt(target, drafters) -> None:
     assert a.tokens == b.tokens and a.shifts >= 2
     prompt = target.tokenize(PROMPT)
     assert list(target.tokens[:len(prompt)]) == prompt
+
+
+def test_serve_with_a_draft_node_shifts_losslessly(tmp_path) -> None:
+    """serve --context-shift with --draft-url: the draft node's session starts again on
+    each shifted history, and the tokens are those of the same request without a draft."""
+    import httpx
+    from test_server import run_serve
+    from wire_helpers import node_process
+
+    body = {"prompt": PROMPT, "n_predict": N, "n_keep": 4, "n_discard": DISCARD,
+            "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    with node_process(tmp_path) as node, run_serve(
+            "-t", "1", "-c", str(N_CTX), "--context-shift", "--draft-url", node.url,
+            "--draft-mode", "sync", "--draft-max", "4", "--draft-p-min", "0",
+            "--draft-policy", "fixed", no_traceback=True) as (url, _):
+        drafted = httpx.post(url + "/completion", json=body, timeout=600).json()
+        plain = httpx.post(url + "/completion", json={**body, "speculative": False},
+                           timeout=600).json()
+    assert len(plain["tokens"]) == N and plain["truncated"]
+    assert drafted["tokens"] == plain["tokens"]
+    assert drafted["timings"]["draft_n_accepted"] > 0
