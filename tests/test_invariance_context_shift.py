@@ -122,3 +122,23 @@ def test_serve_with_a_draft_node_shifts_losslessly(tmp_path) -> None:
     assert len(plain["tokens"]) == N and plain["truncated"]
     assert drafted["tokens"] == plain["tokens"]
     assert drafted["timings"]["draft_n_accepted"] > 0
+
+
+def test_generate_shifts_with_and_without_a_draft() -> None:
+    """specwire generate --context-shift --keep 4: past the context of 256, the same
+    tokens with the bundled draft and with --no-draft."""
+    import json
+    import subprocess
+    import sys
+
+    def run(*extra: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "specwire", "generate", PROMPT, "-c",
+                            str(N_CTX), "-n", str(N), "--ignore-eos", "--temp", "0", "-t", "1",
+                            "--context-shift", "--keep", "4", "--json", *extra],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    drafted, plain = run("-td", "1", "--draft-max", "4"), run("--no-draft")
+    assert len(plain["tokens"]) == N and plain["truncated"]
+    assert drafted["tokens"] == plain["tokens"] and drafted["timings"]["draft_n"] > 0
