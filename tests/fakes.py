@@ -126,6 +126,7 @@ class FakeBackend:
         self._buf = np.zeros((n_ctx, model.n_vocab), dtype=np.float32)
         self.evals: list[tuple[int, tuple[int, ...]]] = []
         self.truncates: list[int] = []
+        self.shifts: list[tuple[int, int]] = []
         self.decode_s = 0.0
 
     @property
@@ -176,6 +177,18 @@ class FakeBackend:
     def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
         """A list cannot shift its entries' positions: the common prefix only."""
         return n_past
+
+    def can_shift(self) -> bool:
+        return True
+
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        """Context shift: the run [n_keep, n_keep + n_discard) goes and the rest moves down;
+        FakeModel's rows read positions by index, so they move with it, as RoPE's do."""
+        if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > self.n_past:
+            raise BackendError(f"{self.name}: shift({n_keep}, {n_discard}) with "
+                               f"{self.n_past} cached")
+        self.shifts.append((n_keep, n_discard))
+        del self._tokens[n_keep:n_keep + n_discard]
 
     def tokenize(self, text: str, add_special: bool = True,
                  parse_special: bool = True) -> list[int]:

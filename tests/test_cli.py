@@ -74,6 +74,7 @@ def test_incompatible_pair_is_refused_naming_both_files(other_vocab: Path) -> No
     (["x", "--top-p", "1.5"], "--top-p"),
     (["x", "--draft-max", "1000"], "--draft-max"),
     (["x", "-n", "-3"], "-n"),
+    (["x", "--keep", "-2"], "--keep: must be >= -1"),
     pytest.param(["x", "-c", "256", "-n", "1000"], "exceeds the context",
                  marks=pytest.mark.slow),      # checked with the target loaded
     (["x", "--verify", "sideways"], "--verify"),

@@ -264,7 +264,8 @@ class LlamaBackend:
             )
         _count_context(+1)
         self.lora_scales = [s for _, s in params.loras]
-        if self.loras and not self._set_loras():
+        self._lora_applied: list[float] = []
+        if self.loras and not self._set_loras(self.lora_scales):
             C.llama_free(self.ctx)
             self.ctx = None
             _count_context(-1)
@@ -464,18 +465,33 @@ class LlamaBackend:
             C.llama_memory_seq_rm(self.mem, self._branch_seq(seq, li), -1, -1)
 
     def set_lora_scales(self, scales: Sequence[float]) -> None:
-        """POST /lora-adapters: each loaded adapter's new scale (0: off)."""
+        """POST /lora-adapters: each loaded adapter's new scale (0: off), the scales of
+        every request that names none of its own."""
         if len(scales) != len(self.loras):
             raise BackendError(f"{len(scales)} scales for {len(self.loras)} adapters")
-        old, self.lora_scales = self.lora_scales, [float(s) for s in scales]
-        if not self._set_loras():
-            self.lora_scales = old
+        want = [float(s) for s in scales]
+        if not self._set_loras(want):
+            raise BackendError("llama.cpp could not change the LoRA scales")
+        self.lora_scales = want
+
+    def apply_lora(self, scales: Sequence[float]) -> None:
+        """The adapter scales the next decode runs with (a request's own `lora`, or
+        lora_scales again); a no-op when they are already applied."""
+        want = [float(s) for s in scales]
+        if want == self._lora_applied:
+            return
+        if len(want) != len(self.loras):
+            raise BackendError(f"{len(want)} scales for {len(self.loras)} adapters")
+        if not self._set_loras(want):
             raise BackendError("llama.cpp could not change the LoRA scales")
 
-    def _set_loras(self) -> bool:
+    def _set_loras(self, scales: Sequence[float]) -> bool:
         adapters = (C.llama_adapter_lora_p_ctypes * len(self.loras))(*self.loras)
-        scales = (ctypes.c_float * len(self.loras))(*self.lora_scales)
-        return C.llama_set_adapters_lora(self.ctx, adapters, len(self.loras), scales) == 0
+        values = (ctypes.c_float * len(self.loras))(*scales)
+        ok = C.llama_set_adapters_lora(self.ctx, adapters, len(self.loras), values) == 0
+        if ok:
+            self._lora_applied = list(scales)
+        return ok
 
     def seq_decode_s(self, seq: int) -> float:
         """Sequence seq's share of the time inside llama_decode: of each decode, the
@@ -497,6 +513,19 @@ class LlamaBackend:
     def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
         """--cache-reuse: see reuse_chunks below."""
         return reuse_chunks(self, prompt, n_past, n_min)
+
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        """Context shift: see shift below."""
+        shift(self, n_keep, n_discard)
+
+    def can_shift(self) -> bool:
+        """Whether this context's cache can move cells (llama_memory_can_shift)."""
+        return bool(C.llama_memory_can_shift(self.mem))
+
+    @property
+    def adds_bos(self) -> bool:
+        """The model's prompts begin with BOS (llama-server's --keep does not count it)."""
+        return bool(C.llama_vocab_get_add_bos(self.model.vocab))
 
     def adopt(self, tokens: Sequence[int]) -> None:
         """The KV cache now holds `tokens` (after a state restore or a KV shift made by
@@ -586,6 +615,23 @@ class SeqView:
 
     def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
         return reuse_chunks(self, prompt, n_past, n_min, self.seq_id)
+
+    def shift(self, n_keep: int, n_discard: int) -> None:
+        shift(self.owner, n_keep, n_discard, self.seq_id)
+
+    def can_shift(self) -> bool:
+        return self.owner.can_shift()
+
+    @property
+    def lora_scales(self) -> list[float]:
+        return self.owner.lora_scales
+
+    def apply_lora(self, scales: Sequence[float]) -> None:
+        self.owner.apply_lora(scales)
+
+    @property
+    def adds_bos(self) -> bool:
+        return self.owner.adds_bos
 
     def adopt(self, tokens: Sequence[int]) -> None:
         self.owner._seqs[self.seq_id] = list(tokens)
@@ -695,6 +741,22 @@ def load_file(view, path: str) -> int:  # noqa: ANN001 - LlamaBackend or its Seq
 def can_shift(backend: LlamaBackend) -> bool:
     """Whether the context's memory supports moving cells to new positions."""
     return bool(C.llama_memory_can_shift(backend.mem))
+
+
+def shift(backend: LlamaBackend, n_keep: int, n_discard: int, seq: int = 0) -> None:
+    """Context shift: drop cells [n_keep, n_keep + n_discard) and move the cells after
+    them n_discard positions down (llama_memory_seq_rm + llama_memory_seq_add, as
+    llama-server does); the sequence then holds its tokens less the dropped run."""
+    view = backend.seq(seq)
+    held = list(view.tokens)
+    if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > len(held):
+        raise BackendError(f"context shift of {n_discard} tokens after {n_keep} outside the "
+                           f"{len(held)} cached")
+    if not can_shift(backend):
+        raise BackendError(f"{backend.name}: its KV cache cannot be shifted")
+    C.llama_memory_seq_rm(backend.mem, seq, n_keep, n_keep + n_discard)
+    C.llama_memory_seq_add(backend.mem, seq, n_keep + n_discard, len(held), -n_discard)
+    view.adopt(held[:n_keep] + held[n_keep + n_discard:])
 
 
 def reuse_chunks(backend: LlamaBackend, prompt: Sequence[int], n_past: int, n_min: int,

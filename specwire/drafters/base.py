@@ -207,3 +207,6 @@ class NoDrafter(StatelessDrafter):
 
     def propose(self, history: Sequence[int], max_n: int) -> Draft:
         return Draft()
+
+    def rebase(self, history: Sequence[int]) -> None:
+        """A context shift (DraftGuard.rebase): nothing to follow."""

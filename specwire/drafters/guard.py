@@ -144,6 +144,13 @@ class DraftGuard:
             self._live = False
             self._end()
 
+    def rebase(self, history: Sequence[int]) -> None:
+        """The history changed other than by appending (a context shift): the drafter's
+        sequence ends and starts again on it, since what it cached or was told no longer
+        matches (a remote drafter opens a new session on the shifted history)."""
+        self.end()
+        self._start(history)
+
     def stats(self) -> dict[str, float]:
         try:
             out = dict(self.drafter.stats())

@@ -114,6 +114,11 @@ class Generation:
         return self.state.truncated
 
     @property
+    def shifts(self) -> int:
+        """Context shifts done (--context-shift)."""
+        return self.state.shifts
+
+    @property
     def error(self) -> Exception | None:
         return self.state.error
 
@@ -150,6 +155,14 @@ class Engine:
         #: llama-server's --cache-reuse: shift cached chunks of at least this many tokens
         #: past the common prefix into place (0: the common prefix only).
         self.cache_reuse = 0
+        #: llama-server's --context-shift: a full context drops half of what follows the
+        #: request's n_keep tokens and generation goes on (False: it stops there). Only
+        #: for a target whose cache can shift (its `shift`; see enable_context_shift).
+        self.context_shift = False
+        #: the adapter scales each sequence's cache was computed under (Generation.lora);
+        #: a cache restored from a file is taken to be the target's own
+        self.cache_lora: list[tuple[float, ...]] = [
+            tuple(getattr(self.batch.seq(i), "lora_scales", ())) for i in range(self.batch.n_seq)]
         self.no_drafter = NoDrafter()
         drafters = (list(drafter) if isinstance(drafter, (list, tuple))
                     else [drafter or self.no_drafter] * (1 if drafter else self.batch.n_seq))
@@ -184,6 +197,14 @@ class Engine:
         self.scopes = [""] * self.batch.n_seq
         #: what side branches of verified trees added (policy/tree.py)
         self.tree_yield = TreeYield()
+        #: llama-server's --context-shift: a full context drops half of what follows the
+        #: request's n_keep tokens and generation goes on (False: it stops there). Only
+        #: for a target whose cache can shift (its `shift`; see enable_context_shift).
+        self.context_shift = False
+        #: the adapter scales each sequence's cache was computed under (SequenceState.lora);
+        #: a cache restored from a file is taken to be the target's own
+        self.cache_lora: list[tuple[float, ...]] = [
+            tuple(getattr(self.batch.seq(i), "lora_scales", ())) for i in range(self.batch.n_seq)]
         #: --lookup-cache-dynamic: the n-gram drafters' cache file (build.py sets it), which
         #: the command saves when it ends
         self.lookup_file: CacheFile | None = None
@@ -220,6 +241,9 @@ class Engine:
         parts = batch.parts
         t0 = time.perf_counter()
         try:
+            first = batch.planned[0][0]
+            if first.lora:     # the step's sequences share their adapter scales (scheduler)
+                first.target.apply_lora(first.lora)
             rows = self.batch.decode(parts)
         except Exception as e:  # noqa: BLE001 - each sequence in the step reports it
             for s, _ in batch.planned:
@@ -239,6 +263,7 @@ class Engine:
         req, target, drafter = s.req, s.target, s.drafter
         s.started = True
         s.batch, s.tree_yield = self.batch, self.tree_yield
+        s.context_shift = self.context_shift
         s.t0 = time.perf_counter()
         s.grammar = (Grammar.for_backend(req.grammar, target) if req.grammar is not None
                      else None)
@@ -248,6 +273,10 @@ class Engine:
         if req.draft.enabled:
             s.policy = self.policy(s.seq, req.draft.policy, req.draft.n_max)
         prompt = req.prompt
+        n_adapters = len(getattr(target, "lora_scales", ()))
+        if req.lora is not None and len(req.lora) != n_adapters:
+            raise ConfigError(f"lora: {len(req.lora)} scales for the target's {n_adapters} "
+                              "adapters (--lora)")
         if len(prompt) + (1 if req.n_predict else 0) > target.n_ctx:
             raise ConfigError(
                 f"prompt: {len(prompt)} tokens do not fit the context of {target.n_ctx} (-c)"
@@ -269,7 +298,10 @@ class Engine:
             # What its first draft must catch up with: the prompt, less the drafter's cache.
             got = drafter.cache_use()
             s.policy.behind(got[1] if got is not None else 0)
-        kept = self.reuse_cache(target, prompt) if req.cache_prompt else 0
+        # A cache computed under other adapter scales holds other keys and values.
+        same_lora = self.cache_lora[s.seq] == s.lora
+        kept = self.reuse_cache(target, prompt) if req.cache_prompt and same_lora else 0
+        self.cache_lora[s.seq] = s.lora
         if kept < target.n_past:
             target.truncate(kept)
         s.prefilled = kept
@@ -291,6 +323,16 @@ class Engine:
         if isinstance(policy, AdaptivePolicy):
             policy.costs, policy.own_costs = self.costs, False
         return policy
+
+    def enable_context_shift(self) -> None:
+        """--context-shift: refused (ConfigError) for a target that cannot shift its cache."""
+        for i in range(self.n_seq):
+            seq = self.batch.seq(i)
+            can = getattr(seq, "can_shift", None)
+            if can is None or not can():
+                raise ConfigError(f"--context-shift: the target {seq.name} cannot shift its "
+                                  "KV cache (llama_memory_can_shift is false)")
+        self.context_shift = True
 
     def enter_scope(self, seq: int, scope: str) -> None:
         """A request of cache scope `scope` starts in sequence seq: if the sequence's caches

@@ -18,6 +18,7 @@ from specwire.backend.batch import Part
 from specwire.drafters.base import Draft
 from specwire.drafters.lockstep import Drafting
 from specwire.engine import tree_round
+from specwire.engine.context_shift import plan_shift, shifted
 from specwire.engine.sequence import Round, SequenceState
 
 
@@ -38,8 +39,11 @@ def plan(s: SequenceState, space: int, batch_tokens: int) -> Part | None:
         return Part(s.seq, chunk, "last" if last else "none")
     remaining = s.req.n_predict - len(s.tokens)
     room = s.target.n_ctx - len(s.history)
+    if room <= 0 < remaining and s.context_shift:
+        room = shift_context(s)
     if remaining <= 0 or room <= 0:
-        s.stop_type, s.truncated = "limit", room <= 0 and remaining > 0
+        s.stop_type = "limit"
+        s.truncated = s.truncated or (room <= 0 and remaining > 0)
         s.done = True
         return None
     # A round appends up to k + 1 tokens; plain decoding stops at a full context.
@@ -47,6 +51,22 @@ def plan(s: SequenceState, space: int, batch_tokens: int) -> Part | None:
     now = time.perf_counter()
     s.round = Round(Draft(), max(k, 0), now, now)
     return Part(s.seq, [s.history[-1]], "all")
+
+
+def shift_context(s: SequenceState) -> int:
+    """A full context shifted as llama-server does (context_shift.py); the room it made
+    (0 when nothing can be dropped). The drafter starts again on the shifted history."""
+    target, req = s.target, s.req
+    shift = plan_shift(target.n_past, len(req.prompt), req.n_keep, target.n_ctx,
+                       bool(getattr(target, "adds_bos", False)), req.n_discard)
+    if shift is None:
+        return 0
+    target.shift(shift.keep, shift.discard)
+    s.history = shifted(s.history, shift)
+    s.truncated = True
+    s.shifts += 1
+    s.drafter.rebase(s.history)
+    return target.n_ctx - len(s.history)
 
 
 def ask(s: SequenceState) -> None:

@@ -9,6 +9,11 @@ for all of them. After the one target decode for all the parts, `postprocess`
 hands each sequence its rows, which it verifies with its own verifier and rolls
 back in its own KV cells (round.py). A sequence joins at the next step and leaves
 as soon as it is done, failed or closed, which frees it for the next request.
+
+LoRA adapters apply to the whole context: a step decodes only the sequences whose
+adapter scales (a request's own `lora`, or the target's) equal those of the one
+first in turn; the others sit the step out (as llama-server batches them), and
+the turn rotates, so each set of scales gets its steps.
 """
 
 from __future__ import annotations
@@ -106,6 +111,9 @@ class BatchScheduler:
             n = len(self.running)
             self._turn += 1
             turn = [self.running[(self._turn + i) % n] for i in range(n)] if n else []
+        if turn:   # the adapter scales of the first in turn; the others' in their turn
+            lora = turn[0].lora
+            turn = [s for s in turn if s.lora == lora]
         seqs = sorted(turn, key=lambda s: not s.decoding)
         space = self.batch.n_batch
         batch = Batch()

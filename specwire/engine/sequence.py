@@ -67,7 +67,9 @@ class SequenceState:
         self.tokens: list[int] = []     # generated so far
         self.probs: list[TokenProb] = []
         self.stop_type = "none"
-        self.truncated = False
+        self.truncated = False          # the context's end stopped it, or it was shifted
+        self.shifts = 0                 # context shifts done (round.shift_context)
+        self.context_shift = False      # --context-shift: a full context shifts (start sets it)
         self.error: Exception | None = None
         self.done = False
         self.stopped = False            # no more tokens (the next plan ends it)
@@ -91,6 +93,14 @@ class SequenceState:
     def decoding(self) -> bool:
         """Past its prompt: its parts are a round (last token and draft), not a chunk."""
         return self.started and self.prefilled == len(self.req.prompt)
+
+    @property
+    def lora(self) -> tuple[float, ...]:
+        """The adapter scales its target decodes run with: the request's own, else the
+        target's (the scheduler decodes together only sequences with equal ones)."""
+        if self.req.lora is not None:
+            return self.req.lora
+        return tuple(getattr(self.target, "lora_scales", ()))
 
     @property
     def k(self) -> int:

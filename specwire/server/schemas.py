@@ -8,8 +8,11 @@ and what was expected, as llama-server and OpenAI do. Range checks are the
 config dataclasses' own (a ConfigError becomes a 400 with its message).
 
 Conventions, as in llama-server:
-* n_predict (alias max_tokens, max_completion_tokens): -1 = until the context is full;
-  the server's -n caps it.
+* n_predict (alias max_tokens, max_completion_tokens): -1 = until the context is full
+  (with --context-shift: no limit); the server's -n caps it.
+* n_keep (default --keep) and n_discard: what a context shift keeps and drops.
+* lora: [{"id": N, "scale": X}, ...], this request's adapter scales; adapters it does not
+  name are off (scale 0) for it; without the field, the server's scales apply.
 * seed -1 = a random seed.
 * speculative settings: "speculative.n_max" / "speculative.n_min" / "speculative.p_min",
   or {"speculative": {"n_max": .., "n_min": .., "p_min": ..}}; drafting is off for
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -233,8 +237,8 @@ def n_predict(f: Fields, settings: ServerSettings, n_ctx: int) -> int:
     if n > limits.INT32_MAX:
         raise bad_request(f"{name}: must be at most {limits.INT32_MAX} (llama.cpp's int32), "
                           f"got {n}")
-    if n == -1:
-        n = n_ctx
+    if n == -1:   # with context shift, as llama-server: until EOS (int32's limit)
+        n = limits.INT32_MAX if settings.context_shift else n_ctx
     if settings.n_predict >= 0:
         n = min(n, settings.n_predict)
     return n
@@ -471,13 +475,45 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     include_usage = Fields(opts or {}, "stream_options.").bool("include_usage")
     cache_prompt = f.bool("cache_prompt", default=True)
     dp = replace(dp, cache_scope=cache_scope(f), cache_store=cache_prompt)
+    lora = lora_scales(body, backend)
+    n_keep = f.int("n_keep", default=settings.n_keep)
+    n_discard = f.int("n_discard", default=0)
     try:
         req = Request(tokens, n, sp, dp, ignore_eos, grammar, logprobs,
-                      cache_prompt=cache_prompt)
+                      cache_prompt=cache_prompt, n_keep=n_keep, n_discard=n_discard,
+                      lora=lora)
     except ConfigError as e:
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,
                       lambda t: backend.detokenize([t]))
+
+
+def lora_scales(body: dict, backend: Any) -> tuple[float, ...] | None:
+    """The request's `lora` as llama-server reads it: every loaded adapter's scale, 0 for
+    those it does not name; None without the field (the server's scales)."""
+    v = body.get("lora")
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise bad_request(f'lora: must be an array of {{"id": N, "scale": X}}, got {_kind(v)}')
+    n = len(getattr(backend, "lora_scales", ()))
+    scales = [0.0] * n
+    for i, entry in enumerate(v):
+        if not isinstance(entry, dict):
+            raise bad_request(f'lora[{i}]: must be an object {{"id": N, "scale": X}}, got '
+                              f"{_kind(entry)}")
+        ident, scale = entry.get("id"), entry.get("scale", 0.0)
+        if not _is_int(ident):
+            raise bad_request(f"lora[{i}].id: must be an adapter id (integer), got "
+                              f"{_kind(ident)}")
+        if not 0 <= ident < n:
+            raise bad_request(f"lora[{i}].id: no adapter {ident}; this server has {n} "
+                              "(--lora)")
+        if (isinstance(scale, bool) or not isinstance(scale, int | float)
+                or not math.isfinite(scale)):
+            raise bad_request(f"lora[{i}].scale: must be a finite number, got {_kind(scale)}")
+        scales[ident] = float(scale)
+    return tuple(scales)
 
 
 def infill(body: dict, backend: Any, settings: ServerSettings,
@@ -495,7 +531,8 @@ def infill(body: dict, backend: Any, settings: ServerSettings,
     n_batch = getattr(getattr(backend, "params", None), "n_batch", 512)
     tokens = infill_prompt.prompt_tokens(
         backend, texts["input_prefix"], texts["input_suffix"], typed, extra, n_batch,
-        backend.n_ctx, max(0, n_predict(f, settings, backend.n_ctx)), settings.spm_infill)
+        backend.n_ctx, min(backend.n_ctx, max(0, n_predict(f, settings, backend.n_ctx))),
+        settings.spm_infill)
     return _finish(f, body, tokens, backend, settings, [], "completion")
 
 

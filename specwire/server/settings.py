@@ -50,6 +50,10 @@ class ServerSettings:
                    tool call wins).
     parallel_tool_calls: the default of a request's parallel_tool_calls
                    (--parallel-tool-calls, ik_llama.cpp's flag; off as in llama-server).
+    n_keep:        the default of a request's n_keep (--keep): the prompt tokens a context
+                   shift keeps (-1: all of them).
+    context_shift: a full context is shifted and generation goes on (--context-shift); then
+                   n_predict -1 means no limit, as in llama-server, instead of the context.
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -78,3 +82,5 @@ class ServerSettings:
     slots: bool = True
     spm_infill: bool = False
     slot_save_path: str | None = None
+    n_keep: int = 0
+    context_shift: bool = False

@@ -263,6 +263,7 @@ class Slot:
         self.job: Job | None = None
         self.gen: Generation | None = None
         self.last_used = 0.0  # time.monotonic() when its last job ended
+        self.last_prompt: list[int] = []  # the prompt of its last job (--prompt-cache)
         self._text: TextStream | None = None
         self._stops = StopMatcher(())
         self._clock: _Clock | None = None
@@ -276,6 +277,7 @@ class Slot:
     def start(self, job: Job) -> None:
         """The job joins the engine's batch in this slot's sequence (at the next step)."""
         self.job = job
+        self.last_prompt = job.request.prompt
         target = self.target
         self._text = TextStream(
             (lambda t: target.detokenize(t, special=True)) if job.special else target.detokenize)

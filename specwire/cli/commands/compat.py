@@ -150,14 +150,8 @@ IGNORED: tuple[Flag, ...] = (
        "sliding-window cache is kept whole (--swa-full)"),
     _f("-cms --checkpoint-min-step --ctx-checkpoints-interval --ctx-checkpoints-tolerance",
        1, "no context checkpoints here"),
-    _f("--prompt-cache", 1, "llama-cli's file of one run's prompt state (llama-server "
-       "ignores it too); serve keeps each slot's prompt cache in memory"),
-    _f("--prompt-cache-all --prompt-cache-ro", 0, "goes with --prompt-cache"),
     _f("-lcs --lookup-cache-static", 1, "lookup decoding's n-gram file built from a corpus; "
        "specwire's n-gram drafter learns from requests (-lcd keeps that in a file)"),
-    _f("--keep", 1, "the tokens a context shift keeps; specwire does not shift the "
-       "context (llama-server's default, --no-context-shift), so it stops at the end"),
-    _f("--no-context-shift", 0, "already so: generation stops at the context's end"),
     _f("--props", 0, "POST /props is not implemented; GET /props is served"),
     _f("--sse-ping-interval", 1, "streams send every token at once; no keep-alive pings"),
     _f("--sleep-idle-seconds", 1, "the models stay loaded"),
@@ -284,8 +278,6 @@ REFUSED: tuple[Flag, ...] = (
        "--gpt-oss-20b-default --gpt-oss-120b-default --vision-gemma-4b-default "
        "--vision-gemma-12b-default --spec-default", 0,
        "these download models; give the files with -m / -md"),
-    _f("--context-shift", "?", "context shift is not implemented: generation stops at the "
-       "context's end (llama-server's default)", ("0", "off")),
     _f("--models-dir --models-preset --models-max", 1, "router mode is not implemented: "
        "one target per server"),
     _f("--models-autoload --no-models-autoload", 0, "router mode is not implemented"),

@@ -31,6 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="template name for a GGUF without one (llama.cpp names)")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--context-shift", dest="context_shift", action="store_true", default=False,
+                   help="when the context fills, keep the first --keep prompt tokens, drop "
+                   "half of the rest and go on (llama.cpp's; lossless under speculation)")
+    p.add_argument("--no-context-shift", dest="context_shift", action="store_false",
+                   help="stop at the context's end (the default)")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="prompt tokens a context shift keeps (default 0, -1: all)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_model_args(p)
     add_lookup_cache_arg(p)
@@ -76,9 +83,16 @@ def run(a: argparse.Namespace) -> int:
     compat.check_rpc(a)
     if a.n_predict < 0:
         raise CliError(f"-n: must be >= 0, got {a.n_predict}")
+    if a.keep < -1:
+        raise CliError(f"--keep: must be >= -1 (-1: the whole prompt), got {a.keep}")
     prompt = read_prompt(a)
     sp, dp = sampling_params(a), draft_params(a)
     engine = build_engine(engine_settings(a))
+    if a.context_shift:
+        try:
+            engine.enable_context_shift()
+        except ConfigError as e:
+            raise CliError(str(e)) from None
     try:
         return complete(a, engine, prompt, sp, dp)
     finally:
@@ -98,11 +112,16 @@ def complete(a: argparse.Namespace, engine, prompt: str | list[dict], sp, dp) ->
         tokens = target.tokenize(text, add_special=False, parse_special=True)
     else:
         tokens = target.tokenize(prompt, add_special=True, parse_special=False)
-    if len(tokens) + a.n_predict > target.n_ctx:
+    shifting = getattr(a, "context_shift", False)
+    if shifting and len(tokens) + 1 > target.n_ctx:
+        raise CliError(f"prompt ({len(tokens)} tokens) does not fit the context size -c "
+                       f"{target.n_ctx}")
+    if not shifting and len(tokens) + a.n_predict > target.n_ctx:
         raise CliError(f"prompt ({len(tokens)} tokens) plus -n {a.n_predict} exceeds the "
-                       f"context size -c {target.n_ctx}")
+                       f"context size -c {target.n_ctx} (--context-shift goes on past it)")
     try:
-        gen = engine.generate(Request(tokens, a.n_predict, sp, dp, a.ignore_eos))
+        gen = engine.generate(Request(tokens, a.n_predict, sp, dp, a.ignore_eos,
+                                      n_keep=getattr(a, "keep", 0)))
     except ConfigError as e:
         raise CliError(str(e)) from None
     stream = TextStream(target.detokenize)
@@ -116,6 +135,7 @@ def complete(a: argparse.Namespace, engine, prompt: str | list[dict], sp, dp) ->
     if a.json:
         emu = getattr(target, "emulation", None)
         print(json.dumps({"tokens": gen.tokens, "text": text, "stop_type": gen.stop_type,
+                          "truncated": gen.truncated,
                           "timings": st.timings(), "stats": st.to_dict(),
                           "draft": engine.drafter.name,
                           **({"emulation": {**emu.to_dict(),

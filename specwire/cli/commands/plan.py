@@ -19,6 +19,7 @@ from specwire.bench import calibrate
 from specwire.bench.netemu import parse_bandwidth, parse_duration
 from specwire.cli.args import CliError, add_draft_model_args, add_model_args
 from specwire.cli.settings import measure_settings
+from specwire.policy import rpc
 from specwire.policy.plan import MODES, Plan, plan
 from specwire.policy.throughput import VERIFY_SLOPE, PlanInputs, VerifyCurve
 
@@ -56,15 +57,71 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verdict-bytes", default="32", metavar="B",
                    help="bytes on the wire per verdict (default 32)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    g = p.add_argument_group("a second box: split target (llama.cpp --rpc) or draft node")
+    g.add_argument("--rpc-embd", metavar="N",
+                   help="the target's hidden size (n_embd, in its GGUF): compare splitting it "
+                   "over two boxes with --rpc against a draft node on the second box")
+    g.add_argument("--rpc-round-trips", default="2", metavar="R",
+                   help="waits of one RTT per decode of the split target (default 2: "
+                   "graph_compute and get_tensor)")
+    g.add_argument("--rpc-act-bytes", default="4", metavar="B",
+                   help="bytes per activation value at the layer boundary (default 4, f32)")
+    g.add_argument("--rpc-graph-bytes", default="0", metavar="B",
+                   help="graph description bytes sent per decode (default 0)")
     add_measure_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     apply_measurement(args)      # --measure fills the figures not given
-    result = plan(inputs_from_args(args))
-    print(json.dumps(result.to_dict(), indent=2) if args.json else render(result))
+    inputs = inputs_from_args(args)
+    result = plan(inputs)
+    second = rpc_from_args(args, inputs)
+    if args.json:
+        out = result.to_dict()
+        if second is not None:
+            out["second_box"] = {**second.to_dict(), "verdict": second.verdict()}
+        print(json.dumps(out, indent=2))
+    else:
+        print(render(result) + ("" if second is None else "\n\n" + render_rpc(second)))
     return 0
+
+
+def rpc_from_args(args: argparse.Namespace, p: PlanInputs) -> rpc.SecondBox | None:
+    """--rpc-embd and its fellows -> the second box's comparison (None without it)."""
+    if args.rpc_embd is None:
+        return None
+    n_embd = _int("--rpc-embd", args.rpc_embd)
+    if n_embd < 1:
+        raise CliError(f"--rpc-embd: must be >= 1, got {n_embd}")
+    trips = _parsed("--rpc-round-trips", float, args.rpc_round_trips)
+    if not 0.0 <= trips < math.inf:
+        raise CliError(f"--rpc-round-trips: must be >= 0, got {args.rpc_round_trips!r}")
+    act = _int("--rpc-act-bytes", args.rpc_act_bytes)
+    if act < 1:
+        raise CliError(f"--rpc-act-bytes: must be >= 1, got {act}")
+    link = rpc.RpcLink(n_embd, trips, act, _count("--rpc-graph-bytes", args.rpc_graph_bytes))
+    return rpc.compare(p, link)
+
+
+def render_rpc(s: rpc.SecondBox) -> str:
+    """The second box's two uses, with the link figures the split was priced with."""
+    mode, k, tps = s.draft_node
+    smode, sk, stps = s.split_drafted
+    one = s.one_box_tps
+    return "\n".join([
+        f"a second box (n_embd {s.link.n_embd}, {s.link.round_trips:g} RTT + "
+        f"{s.split_bytes / 1024:.1f} KiB per plain decode of the split target):",
+        f"  split target (llama.cpp --rpc), alone   {s.split_tps:>9.2f} tokens/s "
+        f"({s.split_tps / one:.2f}x the target on one box; link {1e3 * s.split_link_s:.2f} ms "
+        "per decode)",
+        f"  target on box 1, draft node on box 2    {tps:>9.2f} tokens/s ({tps / one:.2f}x; "
+        f"{mode} k={k}; needs the target to fit on box 1)",
+        f"  split target, draft node on a 3rd box   {stps:>9.2f} tokens/s ({stps / one:.2f}x; "
+        f"{smode} k={sk})",
+        f"  verdict: {s.verdict()}",
+        "  (a model of the RPC link, not a measurement: see docs/planner.md)",
+    ])
 
 
 def add_measure_args(p: argparse.ArgumentParser) -> None:

@@ -143,6 +143,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--cache-reuse", type=int, default=0, metavar="N",
                    help="reuse cached chunks of at least N tokens after the common prefix "
                    "by shifting them in the KV cache (0: off; see docs/memory.md)")
+    g.add_argument("--context-shift", dest="context_shift", action="store_true",
+                   default=False,
+                   help="when a request fills its context, keep the first --keep prompt "
+                   "tokens, drop half of the rest and go on (llama-server's; lossless under "
+                   "speculation)")
+    g.add_argument("--no-context-shift", dest="context_shift", action="store_false",
+                   help="stop a request at its context's end (the default, as llama-server's)")
+    g.add_argument("--prompt-cache", metavar="FILE", default=None,
+                   help="keep the last served prompt's KV cache in FILE across restarts: "
+                   "restored into slot 0 at start, written at stop (see docs/memory.md)")
+    g.add_argument("--prompt-cache-all", action="store_true",
+                   help="with --prompt-cache: the generated tokens too, not the prompt only")
+    g.add_argument("--prompt-cache-ro", action="store_true",
+                   help="with --prompt-cache: restore FILE, never write it")
+    g.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="prompt tokens a context shift keeps (default 0, -1: all); a "
+                   "request's n_keep overrides it")
     add_log_args(p)
     add_model_args(p)
     add_lookup_cache_arg(p)
@@ -279,6 +296,15 @@ def check_grammar(spec, target) -> None:  # noqa: ANN001 - GrammarSpec, Backend
         raise CliError(str(e)) from None
 
 
+def shift_contexts(engine) -> None:  # noqa: ANN001 - Engine
+    """--context-shift on an engine: a target whose cache cannot shift stops serve here."""
+    from specwire.config import ConfigError
+    try:
+        engine.enable_context_shift()
+    except ConfigError as e:
+        raise CliError(str(e)) from None
+
+
 def slot_folder(path: str | None) -> str | None:
     """--slot-save-path: a folder, made if missing (llama-server's reading of it)."""
     if path is None:
@@ -366,6 +392,12 @@ def run(a: argparse.Namespace) -> int:
                        f"{a.slot_prompt_similarity}")
     if a.cache_reuse < 0:
         raise CliError(f"--cache-reuse: must be >= 0, got {a.cache_reuse}")
+    if a.keep < -1:
+        raise CliError(f"--keep: must be >= -1 (-1: the whole prompt), got {a.keep}")
+    if a.keep and not a.context_shift:
+        logging.getLogger("specwire.flags").warning(
+            "--keep: ignored: it is what a context shift keeps, and --context-shift is off "
+            "(llama-server's default): generation stops at the context's end")
     if (a.chat_template and a.chat_template not in chat.TEMPLATES
             and not chat.is_jinja(a.chat_template)):
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
@@ -385,7 +417,8 @@ def run(a: argparse.Namespace) -> int:
                               verbose_prompt=a.verbose_prompt, grammar=grammar,
                               parallel_tool_calls=a.parallel_tool_calls, slots=a.slots,
                               spm_infill=a.spm_infill,
-                              slot_save_path=slot_folder(a.slot_save_path))
+                              slot_save_path=slot_folder(a.slot_save_path),
+                              n_keep=a.keep, context_shift=a.context_shift)
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
     check_grammar(grammar, engines[0].target)
@@ -393,10 +426,13 @@ def run(a: argparse.Namespace) -> int:
         warm_up(engines[0].target)
     for e in engines:
         e.cache_reuse = a.cache_reuse
+        if a.context_shift:
+            shift_contexts(e)
     sock = _listen(a.host, a.port)
     app = create_app(engines, settings)
     _log_emulation_at_shutdown(app, engines[0].target)
     _save_lookup_cache_at_shutdown(app, engines)
+    _keep_prompt_cache(app, a)
     verbose = getattr(a, "verbose", False)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning",
                             access_log=verbose, timeout_keep_alive=a.timeout, **tls,
@@ -466,6 +502,30 @@ def _save_lookup_cache_at_shutdown(app, engines) -> None:
             yield state
         for f in files:
             f.close()
+
+    app.router.lifespan_context = lifespan
+
+
+def _keep_prompt_cache(app, a: argparse.Namespace) -> None:
+    """--prompt-cache FILE: restore it into slot 0 now, write it when the lifespan ends
+    (server/prompt_cache.py)."""
+    if a.prompt_cache is None:
+        if a.prompt_cache_all or a.prompt_cache_ro:
+            logging.getLogger("specwire.flags").warning(
+                "--prompt-cache-all / --prompt-cache-ro: ignored without --prompt-cache FILE")
+        return
+    from specwire.server import prompt_cache
+    cache = prompt_cache.PromptCache(a.prompt_cache, a.prompt_cache_all, a.prompt_cache_ro)
+    scheduler = app.state.scheduler
+    prompt_cache.restore(cache, scheduler.slots)
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_):
+        async with inner(app_) as state:
+            yield state
+        with scheduler.lock:
+            prompt_cache.save(cache, scheduler.slots)
 
     app.router.lifespan_context = lifespan
 
