@@ -82,6 +82,8 @@ class _Ggml:
         self.reg_proc_address = self._bind(libs, "ggml_backend_reg_get_proc_address", vp,
                                            [vp, ctypes.c_char_p])
         self.buft_name = self._bind(libs, "ggml_backend_buft_name", ctypes.c_char_p, [vp])
+        self.reg_by_name = self._bind(libs, "ggml_backend_reg_by_name", vp, [ctypes.c_char_p])
+        self.register = self._bind(libs, "ggml_backend_register", None, [vp])
 
     @staticmethod
     def _bind(libs: list[ctypes.CDLL], name: str, restype: Any, argtypes: list) -> Any:
@@ -144,6 +146,38 @@ def describe_devices() -> str:
 
 
 _EXTRA_BUFTS = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+_RPC_ADD_SERVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
+#: endpoints already registered in this process (llama.cpp's registry keeps them)
+_rpc_endpoints: list[str] = []
+
+
+def add_rpc_servers(endpoints: Sequence[str], build_hint: str = "") -> list[str]:
+    """--rpc HOST:PORT,...: register each llama.cpp rpc-server as a device, as llama.cpp's
+    common/arg.cpp does, so that -ngl and -dev place layers on it like on a local GPU.
+    Returns the names of the devices it added. A build without the RPC backend, or an
+    endpoint that does not answer, is refused by name."""
+    g = ggml()
+    rpc = g.reg_by_name(b"RPC")
+    if not rpc:
+        raise BackendError("--rpc: this llama.cpp build has no RPC backend" + build_hint)
+    fn = g.reg_proc_address(rpc, b"ggml_backend_rpc_add_server")
+    if not fn:
+        raise BackendError("--rpc: this llama.cpp's RPC backend cannot add servers")
+    add = _RPC_ADD_SERVER(fn)
+    before = {d.name for d in devices()}
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise BackendError(f"--rpc {endpoint}: expected HOST:PORT")
+        if endpoint in _rpc_endpoints:
+            continue
+        reg = add(endpoint.encode())
+        if not reg:
+            raise BackendError(f"--rpc {endpoint}: no rpc-server answered there")
+        g.register(reg)
+        _rpc_endpoints.append(endpoint)
+    return [d.name for d in devices() if d.name not in before]
+
 
 
 def buffer_types() -> dict[str, int]:

@@ -20,6 +20,7 @@ import argparse
 import logging
 from dataclasses import dataclass
 
+from specwire.backend.base import BackendError
 from specwire.cli.args import CliError
 
 log = logging.getLogger("specwire.flags")
@@ -363,24 +364,24 @@ RPC_BUILD = ('CMAKE_ARGS="-DGGML_RPC=on" pip install --force-reinstall --no-cach
 
 def add_rpc_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
-                   help="llama.cpp's RPC servers to spread the model over (not supported "
-                   "yet: refused with what the installed llama.cpp can do)")
+                   help="llama.cpp rpc-servers whose devices take layers of the model as "
+                   "local GPUs do (-ngl, -dev); needs a llama.cpp built with its RPC backend")
 
 
 def check_rpc(a: argparse.Namespace) -> None:
-    """--rpc: refused with one line; it says whether this llama.cpp has the RPC backend."""
+    """--rpc: each rpc-server registered as a device before any model loads (llama.cpp's
+    meaning); one line where this llama.cpp has no RPC backend or a server is not there."""
+    from specwire.backend import placement
+
     servers = getattr(a, "rpc", None)
     if not servers:
         return
+    hint = (f"; build it with {RPC_BUILD} (docs/deployment.md) and run llama.cpp's "
+            "rpc-server on each box")
     try:
-        from llama_cpp import llama_supports_rpc
-        built = bool(llama_supports_rpc())
-    except (ImportError, OSError, AttributeError):
-        built = False
-    if not built:
-        raise CliError(f"--rpc {servers}: the installed llama.cpp has no RPC backend; build "
-                       f"it with {RPC_BUILD} (docs/deployment.md), and run llama.cpp's "
-                       "rpc-server on each box")
-    raise CliError(f"--rpc {servers}: this llama.cpp has the RPC backend, but specwire does "
-                   "not place a model on RPC devices yet; put the draft on the other box "
-                   "instead (`specwire draft` there, --draft-url here)")
+        added = placement.add_rpc_servers([s.strip() for s in servers.split(",") if s.strip()],
+                                          hint)
+    except BackendError as e:
+        raise CliError(str(e)) from None
+    log.info("--rpc: devices %s", ", ".join(added) or "already registered")
+
