@@ -151,6 +151,9 @@ def replay(records: Sequence[Record], make_drafter, policy, costs: Costs) -> Rep
             if adaptive:     # as the engine does: a self-stopping drafter is asked for the most
                 drafter.steer(policy)
                 policy.drafter_stops = drafter.self_stopping
+                # and the drafter reads the policy's cost models (the hybrid feeds the
+                # model's drafting cost, which the policy reads)
+                drafter.use_costs(policy.costs, policy.draft)
             policy.start()
             drafter.begin(rec.prompt, greedy, DraftParams(n_max=policy.n_max))
             history, pos, output = [*rec.prompt, rec.output[0]], 1, rec.output

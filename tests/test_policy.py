@@ -276,7 +276,7 @@ def test_plain_steps_are_charged_what_the_drafter_redoes_when_drafting_resumes()
             for _ in range(3):                     # three plain steps
                 p.observe(0, 0, 0.0, 0.08)
             p.k = 2
-            p.observe(2, 2, p.draft(2) + 3 * per_token, 0.1)
+            p.observe(2, 2, p.draft.seconds(2) + 3 * per_token, 0.1)
         return p
 
     slow = run(0.01)
@@ -320,7 +320,7 @@ def test_keep_drafting_goes_on_while_a_token_pays_the_round_rate() -> None:
     assert p.choose(16) > 0 and p.round_rate > 0
 
     def pays(i: int) -> bool:  # token i's P(all kept) against what it costs at the round rate
-        extra = p.draft.coefficients()[1] + p.verify_cost(i + 2) - p.verify_cost(i + 1)
+        extra = p.draft.per_token() + p.verify_cost(i + 2) - p.verify_cost(i + 1)
         return 0.6 ** (i + 1) >= p.round_rate * extra
 
     kept = [p.keep_drafting(i, 0.5) for i in range(16)]

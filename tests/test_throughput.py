@@ -38,7 +38,7 @@ def _policy(a: float, n_max: int = 8) -> AdaptivePolicy:
     the drafter's cost (k + STOP) t_d and CURVE's verification."""
     p = AdaptivePolicy(n_max, accepted=1000.0 * a, rejected=1000.0 * (1 - a),
                        continued=1.0, stopped=0.0)
-    p.draft = _exact_line([(x, (x + STOP) * T_D) for x in range(1, 9)])
+    p.draft.line = _exact_line([(x, (x + STOP) * T_D) for x in range(1, 9)])
     p.costs.line = _exact_line([(x, T_S * CURVE.cost(x + 1)) for x in range(0, 9)])
     return p
 
@@ -78,7 +78,7 @@ def test_one_set_of_priors() -> None:
         line.add(3, 2.0)          # one size seen: the prior's slope splits it
     c, d = line.coefficients()
     assert d / c == pytest.approx(VERIFY_SLOPE)
-    assert draft_line().guess == AdaptivePolicy(8).draft.guess
+    assert draft_line().guess == AdaptivePolicy(8).draft.line.guess
 
 
 def test_verify_share_is_what_a_round_adds_to_the_decode() -> None:
@@ -96,7 +96,7 @@ def _batch_policy() -> AdaptivePolicy:
     """A target whose decode costs 10 ms to read the weights plus 1 ms a token; a drafter
     at 0.5 ms a round and 0.5 ms a token, kept at a = 0.6; past the early rounds."""
     p = AdaptivePolicy(8, accepted=600.0, rejected=400.0, continued=1.0, stopped=0.0)
-    p.draft = _exact_line([(x, 0.0005 + 0.0005 * x) for x in range(1, 9)])
+    p.draft.line = _exact_line([(x, 0.0005 + 0.0005 * x) for x in range(1, 9)])
     p.costs.line = _exact_line([(x, 0.010 + 0.001 * (x + 1)) for x in range(0, 40, 3)])
     p.asked_rounds = p.params.settle
     return p
@@ -144,7 +144,7 @@ def test_drafting_shrinks_as_the_batch_grows() -> None:
     """With a verification that turns compute-bound (each token dearer past 8), the chosen
     k never grows with the batch and ends at 0."""
     p = _Curved(8, accepted=800.0, rejected=200.0, continued=1.0, stopped=0.0)
-    p.draft = _exact_line([(x, 0.0002 * x) for x in range(1, 9)])
+    p.draft.line = _exact_line([(x, 0.0002 * x) for x in range(1, 9)])
     p.asked_rounds = p.params.settle
     ks = [p.choose(8, batch_tokens=b) for b in (0, 4, 8, 16, 32, 63)]
     assert ks == sorted(ks, reverse=True)

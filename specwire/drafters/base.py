@@ -10,8 +10,9 @@ it; DrafterBase gives every capability a do-nothing default:
   calls it around an adaptive request);
 * `self_stopping`: steered, it prices each of its tokens and stops where they stop
   paying, so the policy asks it for the most (the engine tells the policy);
-* `use_costs(costs)`: the target's verification cost (policy/costs.py), handed by
-  the engine, for a drafter that weighs its own rounds to read;
+* `use_costs(costs, draft)`: the target's verification cost and the draft backend's
+  drafting cost (policy/costs.py), handed by the engine, for a drafter that weighs
+  its own rounds or times its draft model;
 * `constrain(grammar | None)`: draft only what a request's grammar allows;
 * `cache_use()`: (tokens reused from its cache, prompt tokens evaluated), or None;
 * `close()`: release what outlives requests (threads, connections);
@@ -37,7 +38,7 @@ from specwire.sample.sampling import SparseDraft
 
 if TYPE_CHECKING:
     from specwire.backend.base import Backend
-    from specwire.policy.costs import VerifyCost
+    from specwire.policy.costs import DraftCost, VerifyCost
     from specwire.sample.constraints.grammar import GrammarSpec
 
 
@@ -92,8 +93,9 @@ class Drafter(Protocol):
     def steer(self, policy: Any) -> None:
         """Stop drafts by this adaptive policy's rule (None: by its own)."""
 
-    def use_costs(self, costs: VerifyCost) -> None:
-        """Price rounds on the target's verification cost, which the engine feeds."""
+    def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
+        """Price rounds on the target's verification cost, which the engine feeds, and
+        on the draft backend's drafting cost (None: keep its own)."""
 
     def constrain(self, spec: GrammarSpec | None) -> None:
         """Draft only what this grammar allows (None: anything)."""
@@ -121,7 +123,7 @@ class DrafterBase:
     def steer(self, policy: Any) -> None:
         pass
 
-    def use_costs(self, costs: VerifyCost) -> None:
+    def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
         pass
 
     def ask(self, history: Sequence[int], max_n: int) -> None:

@@ -151,9 +151,9 @@ class DraftGuard:
         except Exception as e:  # noqa: BLE001
             self._failed("steer", e)
 
-    def use_costs(self, costs) -> None:
+    def use_costs(self, costs, draft=None) -> None:
         try:
-            self.drafter.use_costs(costs)
+            self.drafter.use_costs(costs, draft)
         except Exception as e:  # noqa: BLE001
             self._failed("use_costs", e)
 

@@ -15,6 +15,7 @@ from specwire.backend.base import Backend, reusable_prefix, sync_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, DrafterBase
 from specwire.drafters.lockstep import Drafting, DraftSteps
+from specwire.policy.costs import DraftCost, VerifyCost
 from specwire.sample import sampling
 from specwire.sample.constraints.grammar import Grammar, GrammarSpec
 from specwire.sample.constraints.trail import GrammarTrail
@@ -42,13 +43,17 @@ class ModelDrafter(DrafterBase):
     @classmethod
     def per_sequence(cls, shared) -> list[ModelDrafter]:
         """A drafter for each sequence of one multi-sequence draft backend (serve -np N:
-        one draft context, drafts of all requests in lockstep)."""
-        return [cls(shared.seq(i), shared, i) for i in range(shared.n_seq)]
+        one draft context, drafts of all requests in lockstep), with one DraftCost."""
+        cost = DraftCost()
+        return [cls(shared.seq(i), shared, i, cost) for i in range(shared.n_seq)]
 
-    def __init__(self, backend: Backend, shared: object = None, seq: int = 0) -> None:
+    def __init__(self, backend: Backend, shared: object = None, seq: int = 0,
+                 cost: DraftCost | None = None) -> None:
         """shared: the multi-sequence draft backend whose sequence `seq` backend is (its
-        drafts are then stepped in lockstep with the other sequences'); None: alone."""
+        drafts are then stepped in lockstep with the other sequences'); None: alone.
+        cost: the draft backend's cost model (an engine hands its own, use_costs)."""
         self.backend, self.shared, self.seq = backend, shared, seq
+        self.cost = cost if cost is not None else DraftCost()
         self.name = f"model:{backend.name}"
         self.sampling = SamplingParams(temperature=0.0)
         self.params = DraftParams()
@@ -61,6 +66,11 @@ class ModelDrafter(DrafterBase):
     def steer(self, policy) -> None:
         """Stop drafts where the adaptive policy says (None: at --draft-p-min again)."""
         self.stop_rule = policy.keep_drafting if policy is not None else None
+
+    def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
+        """Its lockstep decodes feed the draft backend's cost model, the engine's."""
+        if draft is not None:
+            self.cost = draft
 
     def constrain(self, spec: GrammarSpec | None) -> None:
         """Follow this grammar in the next sequence (None: none)."""
@@ -95,7 +105,8 @@ class ModelDrafter(DrafterBase):
     def draft_in_steps(self, history: Sequence[int], max_n: int) -> Drafting:
         """This sequence's draft in progress, for draft_together (drafters/lockstep.py) to
         step beside the other sequences of the same draft context."""
-        return Drafting(self._steps(history, max_n), self.backend, self.shared, self.seq)
+        return Drafting(self._steps(history, max_n), self.backend, self.shared, self.seq,
+                        self.cost)
 
     def draft_from(self, history: Sequence[int], max_n: int, on_token=None,
                    at_choice=None) -> Draft:

@@ -155,7 +155,7 @@ class BranchDrafter(DrafterBase):
         pipelined drafter drafts on its own core and is never stopped early.)"""
         self._policy = policy
 
-    def use_costs(self, costs: VerifyCost) -> None:
+    def use_costs(self, costs: VerifyCost, draft: object = None) -> None:
         """The bubble rule reads the target's verification cost (the engine's)."""
         if self.bubble is not None:
             self.bubble.costs, self.bubble.own_costs = costs, False

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specwire.policy import throughput
-from specwire.policy.costs import VerifyCost
-from specwire.policy.throughput import LineFit, VerifyCurve, draft_line
+from specwire.policy.costs import DraftCost, VerifyCost
+from specwire.policy.throughput import VerifyCurve
 
 #: Bins of a draft model's top probability, for calibrating it against acceptance.
 CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -172,8 +172,11 @@ class AdaptivePolicy:
     rejected: float = 0.5
     continued: float = 4.0  # drafted tokens, and rounds the drafter ended early (g = 0.9)
     stopped: float = 0.5
-    #: seconds vs tokens drafted; a prior of one evaluation per round and one per token
-    draft: LineFit = field(default_factory=draft_line)
+    #: the draft backend's drafting cost, read to price rounds and fed by this policy's
+    #: caught-up rounds, unless the drafter stops its own drafts (drafter_stops: the
+    #: hybrid times its model itself, a lookup costs nothing); Engine.policy hands the
+    #: engine's (policy/costs.py)
+    draft: DraftCost = field(default_factory=DraftCost)
     #: the target's verification cost, read to price rounds (policy/costs.py)
     costs: VerifyCost = field(default_factory=VerifyCost)
     #: no engine handed `costs`: observe feeds it from this policy's rounds (Engine.policy
@@ -241,7 +244,7 @@ class AdaptivePolicy:
 
     def draft_cost(self, drafted: float) -> float:
         """Seconds the target waits for a round that drafts this many tokens."""
-        return self.draft(drafted)
+        return self.draft.seconds(drafted)
 
     def verify_cost(self, n: float) -> float:
         """t_v(n) in seconds: a line through every verification seen, so that one slow
@@ -313,7 +316,7 @@ class AdaptivePolicy:
         batch one longer). Both costs are lines, so the threshold holds for every i.
         Before a round is chosen (a draft node's Open), the rate of a full-length round."""
         rate = self.round_rate or self.rate(self.n_max)
-        per_token = self.draft.coefficients()[1]
+        per_token = self.draft.per_token()
         return rate * (per_token + self.verify_cost(2) - self.verify_cost(1))
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
@@ -398,14 +401,16 @@ class AdaptivePolicy:
             self.trial = max(0, self.trial - 1)
             self.continued = w * self.continued + drafted
             self.stopped = w * self.stopped + (1 if drafted < self.k else 0)
-            if self.warm:
-                self.draft.add(drafted, draft_s)
-            elif steady_s is not None:
-                self.draft.add(drafted, steady_s)
+            if not self.warm and steady_s is not None:
                 self.probing_measures = True
+            if not self.drafter_stops:  # else it times its own draft model, if it has one
+                if self.warm:
+                    self.draft.observe(drafted, draft_s)
+                elif steady_s is not None:
+                    self.draft.observe(drafted, steady_s)
             if not self.warm and self.skipped:  # the first round after plain steps, or of
                 # the request
-                steady = self.draft(drafted) if steady_s is None else steady_s
+                steady = self.draft.seconds(drafted) if steady_s is None else steady_s
                 extra = max(0.0, draft_s - steady)
                 if self.begun:
                     self.catch_up_s = w * self.catch_up_s + extra
@@ -453,6 +458,9 @@ class PolicyMemory:
     policies: dict[tuple[str, int], Policy] = field(default_factory=dict)
     #: the target's verification cost, which they read (an engine's, fed by its decodes)
     costs: VerifyCost = field(default_factory=VerifyCost)
+    #: the draft backend's drafting cost, which they read (one engine's sequences of a
+    #: shared draft context share one)
+    draft: DraftCost = field(default_factory=DraftCost)
 
     def policy(self, name: str, n_max: int) -> Policy:
         key = (name, n_max)

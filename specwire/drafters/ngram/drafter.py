@@ -171,7 +171,8 @@ class NgramDrafter(DrafterBase):
         """Stop drafts at the adaptive policy's threshold (None: at `keep` again)."""
         self.policy = policy
 
-    def use_costs(self, costs: VerifyCost) -> None:
+    def use_costs(self, costs: VerifyCost, draft: object = None) -> None:
+        """The target's verification cost (a lookup has no draft backend to price)."""
         self.cost.costs, self.cost.own_costs = costs, False
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams) -> None:
