@@ -187,5 +187,5 @@ def test_only_whoever_times_the_draft_model_feeds_its_cost(monkeypatch) -> None:
     p.drafter_stops = True
     for _ in range(3):
         p.choose(8)
-        p.observe(p.k, 2, 0.01, 0.02)
+        p.observe(p.state.k, 2, 0.01, 0.02)
     assert p.draft.line.w == 0

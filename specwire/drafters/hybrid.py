@@ -89,8 +89,7 @@ class LookupStop:
 
     def stop_threshold(self) -> float:
         p = self.policy
-        rate = p.round_rate or p.rate(p.n_max)
-        return rate * (p.verify_cost(2) - p.verify_cost(1))
+        return p.round_rate() * (p.verify_cost(2) - p.verify_cost(1))
 
 
 class HybridDrafter(DrafterBase):

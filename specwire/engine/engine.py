@@ -311,4 +311,4 @@ class Engine:
 
 def _experience(policy: Policy) -> int:
     """Rounds a policy has learned from: only the adaptive one learns."""
-    return policy.asked_rounds if isinstance(policy, AdaptivePolicy) else 0
+    return policy.state.asked_rounds if isinstance(policy, AdaptivePolicy) else 0

@@ -72,8 +72,8 @@ class SpeculationWatch:
                              f"no draft node of {drafter} is reachable "
                              f"({', '.join(sorted(links))}); decoding plainly until one is "
                              "(the live page's Draft nodes card has the last error)")
-        if isinstance(policy, AdaptivePolicy) and not policy.warm and \
-                policy.idle_rounds >= STOPPED_ROUNDS:
+        if isinstance(policy, AdaptivePolicy) and not policy.state.warm and \
+                policy.state.idle_rounds >= STOPPED_ROUNDS:
             return SlotState(False, "policy", policy_reason(policy))
         if stats.rounds >= MIN_ROUNDS and stats.draft_n == 0 and \
                 not drafter.startswith(("ngram", "hybrid")):
