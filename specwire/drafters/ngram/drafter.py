@@ -38,7 +38,7 @@ from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Draft, DrafterBase
 from specwire.drafters.ngram.cache import LookupCache
 from specwire.drafters.ngram.index import HistoryIndex, continuation
-from specwire.policy.costs import VerifyCost
+from specwire.policy.costs import DraftCost, VerifyCost
 from specwire.sample.sampling import SparseDraft
 
 #: Bins of a copied token's effective match length (match length + tokens copied before it).
@@ -171,7 +171,7 @@ class NgramDrafter(DrafterBase):
         """Stop drafts at the adaptive policy's threshold (None: at `keep` again)."""
         self.policy = policy
 
-    def use_costs(self, costs: VerifyCost, draft: object = None) -> None:
+    def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
         """The target's verification cost (a lookup has no draft backend to price)."""
         self.cost.costs, self.cost.own_costs = costs, False
 
