@@ -148,6 +148,9 @@ def replay(records: Sequence[Record], make_drafter, policy, costs: Costs) -> Rep
             adaptive = isinstance(policy, AdaptivePolicy)
             if adaptive:        # as the engine does: a drafter that stops is asked the most
                 policy.drafter_stops = drafter.capabilities.stops
+                # and the drafter reads the policy's cost models (the hybrid feeds the
+                # model's drafting cost, which the policy reads)
+                drafter.use_costs(policy.costs, policy.draft)
             policy.start()
             drafter.begin(rec.prompt, greedy, DraftParams(n_max=policy.n_max),
                           policy=policy if adaptive else None)

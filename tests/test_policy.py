@@ -250,10 +250,11 @@ def test_memory_keeps_what_a_policy_learned_for_the_next_request() -> None:
     _drive(p, lambda k, r: 0, 0.002, lambda n: 0.01 * (1 + 0.3 * (n - 1)), rounds=60)
     learned = p.acceptance
     assert learned < AdaptivePolicy(8).acceptance / 2   # well below the prior: it learned
-    p.k, p.idle_rounds = 3, 5
+    p.state.k, p.state.idle_rounds = 3, 5
     again = mem.policy("adaptive", 8)
     assert again is p
-    assert (again.k, again.warm, again.idle_rounds) == (0, False, 5)   # probes go on
+    st = again.state
+    assert (st.k, st.warm, st.idle_rounds) == (0, False, 5)   # probes go on
     assert again.acceptance == learned
     assert again.choose(8) == 0                     # no fresh optimism on the next request
     assert mem.policy("adaptive", 4) is not p
@@ -268,15 +269,15 @@ def test_plain_steps_are_charged_what_the_drafter_redoes_when_drafting_resumes()
     def run(per_token: float) -> AdaptivePolicy:
         p = AdaptivePolicy(8)
         p.start()
-        p.k = 4
+        p.state.k = 4
         p.observe(4, 4, 5.0, 0.1)                  # the prompt: seconds, not learnt
         assert p.catch_up_cost() == 0.0
         for _ in range(20):
-            p.k = 0
+            p.state.k = 0
             for _ in range(3):                     # three plain steps
                 p.observe(0, 0, 0.0, 0.08)
-            p.k = 2
-            p.observe(2, 2, p.draft(2) + 3 * per_token, 0.1)
+            p.state.k = 2
+            p.observe(2, 2, p.draft.seconds(2) + 3 * per_token, 0.1)
         return p
 
     slow = run(0.01)
@@ -288,7 +289,7 @@ def test_plain_steps_are_charged_what_the_drafter_redoes_when_drafting_resumes()
     fresh = AdaptivePolicy(8)
     fresh.start()
     fresh.observe(0, 0, 0.0, 0.08)                 # plain steps before any draft: no catch-up
-    fresh.k = 2
+    fresh.state.k = 2
     fresh.observe(2, 2, 3.0, 0.1)
     assert fresh.catch_up_cost() == 0.0
 
@@ -317,11 +318,11 @@ def test_keep_drafting_goes_on_while_a_token_pays_the_round_rate() -> None:
         p.observe(4, 4, 0.004 + 0.04, 0.1 + 0.04, None)
     p.calibration.seen = [1.0] * len(p.calibration.seen)
     p.calibration.hits = [0.6] * len(p.calibration.hits)     # every bin: kept 60% of the time
-    assert p.choose(16) > 0 and p.round_rate > 0
+    assert p.choose(16) > 0 and p.state.round_rate > 0
 
     def pays(i: int) -> bool:  # token i's P(all kept) against what it costs at the round rate
-        extra = p.draft.coefficients()[1] + p.verify_cost(i + 2) - p.verify_cost(i + 1)
-        return 0.6 ** (i + 1) >= p.round_rate * extra
+        extra = p.draft.per_token() + p.verify_cost(i + 2) - p.verify_cost(i + 1)
+        return 0.6 ** (i + 1) >= p.state.round_rate * extra
 
     kept = [p.keep_drafting(i, 0.5) for i in range(16)]
     n = kept.index(False)

@@ -12,7 +12,7 @@ import copy
 import numpy as np
 import pytest
 
-from specwire.policy.adaptive import AdaptiveParams, AdaptivePolicy, PolicyMemory
+from specwire.policy.adaptive import AdaptiveParams, AdaptivePolicy, AdaptiveState, PolicyMemory
 
 
 def _verify(n: int) -> float:
@@ -49,10 +49,10 @@ def test_a_drafter_that_turns_useful_is_found_within_the_bound() -> None:
     resets the interval, and drafting resumes."""
     p = AdaptivePolicy(8)
     _drive(p, 2000, good=False)
-    assert p.probe_backoff == p.params.probe_backoff_max
+    assert p.state.probe_backoff == p.params.probe_backoff_max
     ks = _drive(p, p.params.probe_every * p.params.probe_backoff_max + 200, good=True)
     assert all(k >= 4 for k in ks[-50:])
-    assert p.probe_backoff == 1
+    assert p.state.probe_backoff == 1
 
 
 def test_probe_interval_carries_across_short_requests() -> None:
@@ -150,9 +150,9 @@ def test_a_probe_drafts_what_it_asked_for_whatever_the_stop_rule() -> None:
         p.calibration.learn([0.01], 0)
     while not p.choose(16, batch_tokens=3):
         p.observe(0, 0, 0.0, _verify(4))
-    assert p.probing and p.keep_drafting(0, 0.01)
+    assert p.state.probing and p.keep_drafting(0, 0.01)
     p.observe(1, 0, 0.0001, _verify(5))
-    assert p.choose(16, batch_tokens=3) == 0 and not p.probing
+    assert p.choose(16, batch_tokens=3) == 0 and not p.state.probing
     assert not p.keep_drafting(0, 0.01)
 
 
@@ -163,7 +163,7 @@ def test_a_drafter_never_kept_gets_no_benefit_of_the_doubt() -> None:
     useless = _drive(AdaptivePolicy(8), 12, good=False)
     assert sum(1 for k in useless if k) <= 4
     p = AdaptivePolicy(8)
-    p.kept_any = True       # the same rounds after a drafter that was once right
+    p.state.kept_any = True     # the same rounds after a drafter that was once right
     assert sum(1 for k in _drive(p, 12, good=False) if k) > 4
 
 
@@ -173,19 +173,19 @@ def test_a_probe_that_measured_the_drafter_without_its_catch_up_corrects_its_cos
     is priced as the rest, and later probes ask for 2 tokens, enough to measure again."""
     p = AdaptivePolicy(8)
     p.choose(16)
-    p.observe(p.k, 0, 0.5, _verify(1))            # a cold first round: nothing learnt
+    p.observe(p.state.k, 0, 0.5, _verify(1))      # a cold first round: nothing learnt
     p.choose(16)
-    p.observe(p.k, p.k, 2.0, _verify(p.k + 1))   # one slow warm sample
+    p.observe(p.state.k, p.state.k, 2.0, _verify(p.state.k + 1))   # one slow warm sample
     dear = p.draft_cost(2)
     p.choose(16)
     p.observe(0, 0, 0.0, _verify(1))
     for _ in range(5):
         p.observe(0, 0, 0.0, _verify(1))
-    p.k, p.warm, p.skipped = 2, False, 6           # a probe of 2 after 6 plain steps
+    p.state.k, p.state.warm, p.state.skipped = 2, False, 6   # a probe of 2 after 6 plain steps
     p.observe(2, 2, 0.3, _verify(3), steady_s=0.002)
-    assert p.draft_cost(2) < dear and p.probing_measures
+    assert p.draft_cost(2) < dear and p.state.probing_measures
     assert p.catch_up_cost() == pytest.approx((0.3 - 0.002) / 6, rel=0.05)
-    measuring = AdaptivePolicy(8, probing_measures=True)
+    measuring = AdaptivePolicy(8, state=AdaptiveState(probing_measures=True))
     ks = _drive(measuring, 1000, good=False)
     probes = [k for k in ks[ks.index(0):] if k]
     assert probes and all(k == 2 for k in probes)

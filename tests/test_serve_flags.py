@@ -627,7 +627,7 @@ def _stats(rounds: int, drafted: int, accepted: int):
 def test_the_policy_turning_drafting_off_is_said_once_with_its_figures(caplog) -> None:
     from specwire.server.speculation import SpeculationWatch
     watch, policy = SpeculationWatch(), _useless()
-    assert not policy.warm
+    assert not policy.state.warm
     with caplog.at_level(logging.WARNING, "specwire.speculation"):
         for slot in (0, 0, 1):
             state = watch.after(slot, "model:d.gguf", _stats(40, 4, 0), policy, True)
@@ -650,7 +650,7 @@ def test_an_unreachable_node_is_said_once_and_a_working_draft_not_at_all(caplog)
                              {"box:7070": 0.0})
         assert st.cause == "unreachable" and "box:7070" in st.detail
         warm = AdaptivePolicy(8)
-        warm.warm = True
+        warm.state.warm = True
         assert watch.after(1, "model:d", _stats(20, 8, 6), warm, True).active
         assert watch.after(2, "model:d", _stats(20, 0, 0), warm, False) is None  # off by request
         assert watch.after(3, "none", _stats(20, 0, 0), warm, True) is None      # no drafter

@@ -8,7 +8,7 @@ import pytest
 
 from specwire.bench.predict import Rounds, fit_acceptance, predict
 from specwire.bench.runner import Config
-from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy
+from specwire.policy.adaptive import AdaptivePolicy, AdaptiveState, FixedPolicy
 from specwire.policy.throughput import (
     VERIFY_SLOPE,
     LineFit,
@@ -36,9 +36,10 @@ def _exact_line(points: list[tuple[float, float]]) -> LineFit:
 def _policy(a: float, n_max: int = 8) -> AdaptivePolicy:
     """An adaptive policy that has learnt acceptance a, a drafter that never stops early,
     the drafter's cost (k + STOP) t_d and CURVE's verification."""
-    p = AdaptivePolicy(n_max, accepted=1000.0 * a, rejected=1000.0 * (1 - a),
-                       continued=1.0, stopped=0.0)
-    p.draft = _exact_line([(x, (x + STOP) * T_D) for x in range(1, 9)])
+    p = AdaptivePolicy(n_max, state=AdaptiveState(accepted=1000.0 * a,
+                                                  rejected=1000.0 * (1 - a),
+                                                  continued=1.0, stopped=0.0))
+    p.draft.line = _exact_line([(x, (x + STOP) * T_D) for x in range(1, 9)])
     p.costs.line = _exact_line([(x, T_S * CURVE.cost(x + 1)) for x in range(0, 9)])
     return p
 
@@ -78,7 +79,7 @@ def test_one_set_of_priors() -> None:
         line.add(3, 2.0)          # one size seen: the prior's slope splits it
     c, d = line.coefficients()
     assert d / c == pytest.approx(VERIFY_SLOPE)
-    assert draft_line().guess == AdaptivePolicy(8).draft.guess
+    assert draft_line().guess == AdaptivePolicy(8).draft.line.guess
 
 
 def test_verify_share_is_what_a_round_adds_to_the_decode() -> None:
@@ -95,10 +96,11 @@ def test_verify_share_is_what_a_round_adds_to_the_decode() -> None:
 def _batch_policy() -> AdaptivePolicy:
     """A target whose decode costs 10 ms to read the weights plus 1 ms a token; a drafter
     at 0.5 ms a round and 0.5 ms a token, kept at a = 0.6; past the early rounds."""
-    p = AdaptivePolicy(8, accepted=600.0, rejected=400.0, continued=1.0, stopped=0.0)
-    p.draft = _exact_line([(x, 0.0005 + 0.0005 * x) for x in range(1, 9)])
+    p = AdaptivePolicy(8, state=AdaptiveState(accepted=600.0, rejected=400.0, continued=1.0,
+                                              stopped=0.0))
+    p.draft.line = _exact_line([(x, 0.0005 + 0.0005 * x) for x in range(1, 9)])
     p.costs.line = _exact_line([(x, 0.010 + 0.001 * (x + 1)) for x in range(0, 40, 3)])
-    p.asked_rounds = p.params.settle
+    p.state.asked_rounds = p.params.settle
     return p
 
 
@@ -109,9 +111,9 @@ def test_batch_tokens_zero_is_todays_choice() -> None:
     for i in range(40):
         limit = 1 + i % 8
         assert a.choose(limit) == b.choose(limit, batch_tokens=0)
-        assert a.round_rate == b.round_rate
-        a.observe(a.k, a.k // 2, 0.002, 0.013)
-        b.observe(b.k, b.k // 2, 0.002, 0.013)
+        assert a.state.round_rate == b.state.round_rate
+        a.observe(a.state.k, a.state.k // 2, 0.002, 0.013)
+        b.observe(b.state.k, b.state.k // 2, 0.002, 0.013)
 
 
 def test_a_big_batch_makes_drafting_stop_where_it_stops_paying() -> None:
@@ -143,9 +145,10 @@ class _Curved(AdaptivePolicy):
 def test_drafting_shrinks_as_the_batch_grows() -> None:
     """With a verification that turns compute-bound (each token dearer past 8), the chosen
     k never grows with the batch and ends at 0."""
-    p = _Curved(8, accepted=800.0, rejected=200.0, continued=1.0, stopped=0.0)
-    p.draft = _exact_line([(x, 0.0002 * x) for x in range(1, 9)])
-    p.asked_rounds = p.params.settle
+    p = _Curved(8, state=AdaptiveState(accepted=800.0, rejected=200.0, continued=1.0,
+                                       stopped=0.0))
+    p.draft.line = _exact_line([(x, 0.0002 * x) for x in range(1, 9)])
+    p.state.asked_rounds = p.params.settle
     ks = [p.choose(8, batch_tokens=b) for b in (0, 4, 8, 16, 32, 63)]
     assert ks == sorted(ks, reverse=True)
     assert ks[0] > 0 and ks[-1] == 0

@@ -6,8 +6,9 @@
     learn(history, accepted, appended)  the round's verdict
     end()                               the sequence is over: drop its state, policy, grammar
 
-A drafter also reports (`stats`, `cache_use`), reads the target's verification
-cost the engine hands it once (`use_costs`), is closed once (`close`), and
+A drafter also reports (`stats`, `cache_use`), reads the cost models the engine
+hands it once (`use_costs`: the target's verification, the draft backend's
+drafting), is closed once (`close`), and
 declares in `capabilities` (a frozen Capabilities) what else it does: the
 engine and server branch on that declaration, never on probing for attributes,
 and call an optional member (`ask`, `draft_in_steps`, `never_wait`, `status`)
@@ -26,7 +27,7 @@ from specwire.sample.sampling import SparseDraft
 
 if TYPE_CHECKING:
     from specwire.backend.base import Backend
-    from specwire.policy.costs import VerifyCost
+    from specwire.policy.costs import DraftCost, VerifyCost
     from specwire.sample.constraints.grammar import GrammarSpec
 
 
@@ -142,9 +143,11 @@ class Drafter(Protocol):
     def close(self) -> None:
         """Release what outlives requests."""
 
-    def use_costs(self, costs: VerifyCost) -> None:
-        """The target's verification cost (policy/costs.py), handed once by the engine, for
-        a drafter that weighs its own rounds (the n-gram, the hybrid, the bubble rule)."""
+    def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
+        """The target's verification cost and the draft backend's drafting cost
+        (policy/costs.py), handed once by the engine, for a drafter that weighs its own
+        rounds (the n-gram, the hybrid, the bubble rule) or times its draft model
+        (None: it keeps its own)."""
 
 
 class DrafterBase:
@@ -161,7 +164,7 @@ class DrafterBase:
     def close(self) -> None:
         pass
 
-    def use_costs(self, costs: VerifyCost) -> None:
+    def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
         pass
 
     def ask(self, history: Sequence[int], max_n: int) -> None:

@@ -161,9 +161,9 @@ class DraftGuard:
             out["guard_failures"] = float(self.total_failures)
         return out
 
-    def use_costs(self, costs) -> None:
+    def use_costs(self, costs, draft=None) -> None:
         try:
-            self.drafter.use_costs(costs)
+            self.drafter.use_costs(costs, draft)
         except Exception as e:  # noqa: BLE001
             self._failed("use_costs", e)
 

@@ -8,8 +8,9 @@ verifies the better one:
     n-gram:  (1 + E_ng) / t_v(n)            E_ng from its calibrated per-token keeps
     model:   (1 + E_m) / (t_d(k) + t_v(k))  E_m = a + ... + a^k, a learnt online
 
-t_v is the target's verification cost (policy/costs.py, handed by the engine), t_d
-the model's drafting, a line fitted online, a the model's acceptance. A model in
+t_v is the target's verification cost and t_d the model's drafting cost (both
+policy/costs.py, handed by the engine; the hybrid times its model's steady rounds
+into t_d, as it alone knows which rounds were the model's), a the model's acceptance. A model in
 this process is asked only when its candidate is worth more (or, to keep its
 estimates fresh, as a short probe now and then), its cost including the tokens it
 must catch up on; a drafter that works ahead (a node, a thread) costs nothing to
@@ -23,13 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Capabilities, Draft, Drafter, DrafterBase
 from specwire.drafters.ngram.drafter import NgramDrafter, Offer
-from specwire.policy.costs import VerifyCost
-from specwire.policy.throughput import LineFit, draft_line, expected_tokens
+from specwire.policy.costs import DraftCost, VerifyCost
+from specwire.policy.throughput import expected_tokens
 
 #: Plain steps in a row without asking a model that did not look worth it, at first...
 PROBE_EVERY = 16
@@ -55,11 +56,11 @@ def kept_prefix(draft: Sequence[int], new: Sequence[int]) -> int:
 
 @dataclass(slots=True)
 class HybridEstimates:
-    """What the hybrid learns of its candidates' costs and yields. It outlives a request:
-    a server keeps its drafter, and bench, which builds a drafter per prompt, keeps
-    these per configuration (as the n-gram's calibration and the policy's estimates)."""
+    """What the hybrid learns of its candidates' yields and catching up (the model's
+    drafting cost is its draft backend's, DraftCost). It outlives a request: a server
+    keeps its drafter, and bench, which builds a drafter per prompt, keeps these per
+    configuration (as the n-gram's calibration and the policy's estimates)."""
 
-    drafting: LineFit = field(default_factory=draft_line)   # model seconds vs tokens drafted
     accepted: float = 1.5       # the model's a, pseudo-counts
     rejected: float = 0.5
     model_len: float = 0.0      # mean length of its drafts
@@ -87,8 +88,7 @@ class LookupStop:
 
     def stop_threshold(self) -> float:
         p = self.policy
-        rate = p.round_rate or p.rate(p.n_max)
-        return rate * (p.verify_cost(2) - p.verify_cost(1))
+        return p.round_rate() * (p.verify_cost(2) - p.verify_cost(1))
 
 
 class HybridDrafter(DrafterBase):
@@ -115,6 +115,8 @@ class HybridDrafter(DrafterBase):
         #: the target's verification cost; without an engine's (use_costs), the rounds'
         #: own times feed it (own_costs)
         self.costs, self.own_costs = VerifyCost(), True
+        #: the model's drafting cost, which the hybrid feeds (the engine's, use_costs)
+        self.draft = DraftCost()
         self._model_at = -1       # len(history) when the model was last asked (-1: never)
         self._asked_last = False  # the model was asked in the previous round
         self._probing = False     # the model was last asked only to probe
@@ -129,10 +131,12 @@ class HybridDrafter(DrafterBase):
         """The local draft model's backend, if any (bench empties its cache per prompt)."""
         return self.model.backend
 
-    def use_costs(self, costs: VerifyCost) -> None:
+    def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
         self.costs, self.own_costs = costs, False
+        if draft is not None:
+            self.draft = draft
         self.ngram.use_costs(costs)
-        self.model.use_costs(costs)
+        self.model.use_costs(costs, draft)
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
               policy=None, grammar=None) -> None:
@@ -166,7 +170,7 @@ class HybridDrafter(DrafterBase):
         if v is None:
             return None
         kept = expected_tokens(self.acceptance, round(k)) - 1.0
-        cost = (self.est.drafting(k) + self.catch_up_cost(behind) if drafting_s is None
+        cost = (self.draft.seconds(k) + self.catch_up_cost(behind) if drafting_s is None
                 else drafting_s)
         return (1.0 + kept) / (cost + v)
 
@@ -233,10 +237,10 @@ class HybridDrafter(DrafterBase):
         took = time.perf_counter() - t0
         if draft.tokens:
             if not behind:              # a steady round: its time is drafting
-                self.est.drafting.add(len(draft), took)
+                self.draft.observe(len(draft), took)
             else:
                 w = 1.0 - self.alpha
-                extra = max(0.0, took - self.est.drafting(len(draft)))
+                extra = max(0.0, took - self.draft.seconds(len(draft)))
                 self.est.catch_up_s = w * self.est.catch_up_s + extra
                 self.est.catch_up_tokens = w * self.est.catch_up_tokens + behind
         self._model_at, self._asked_last = len(history), True
@@ -246,7 +250,7 @@ class HybridDrafter(DrafterBase):
             self.model_rate(len(draft), 0.0) or 0.0) < ng
         out = self._hand_out(history, offer, draft, use_ngram)
         if self._drafting_s == 0.0:         # its draft goes to verification
-            self._drafting_s = self.est.drafting(len(draft)) if behind else took
+            self._drafting_s = self.draft.seconds(len(draft)) if behind else took
         return out
 
     def _hand_out(self, history: Sequence[int], offer: Offer, draft: Draft | None,

@@ -13,9 +13,10 @@ what that sequence drafts alone.
 Each draft also counts what it cost (`spent`), as if drafted alone: picking its
 tokens, and of each shared decode what its own tokens would have cost in a
 decode of their own, by a line (a fixed part, reading the weights, plus a part
-per token) fitted to the shared context's decodes: a draft token beside seven
-others costs it nearly the whole decode, as it would alone, and beside another
-sequence's long catch-up a small part of it. The adaptive policy prices drafting
+per token) fitted to the shared context's decodes (its DraftCost, policy/costs.py,
+which the context's drafters share): a draft token beside seven others costs it
+nearly the whole decode, as it would alone, and beside another sequence's long
+catch-up a small part of it. The adaptive policy prices drafting
 from it; the wall time of the lockstep would charge each sequence for every
 other's catch-up.
 """
@@ -23,7 +24,6 @@ other's catch-up.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -31,14 +31,7 @@ import numpy as np
 
 from specwire.backend.batch import Part
 from specwire.drafters.base import Draft
-from specwire.policy.throughput import LineFit
-
-#: A shared draft decode's assumed cost per token, relative to its fixed part (the prior
-#: of the line fitted to its decodes).
-DECODE_SLOPE = 0.1
-
-#: Seconds against tokens of each shared draft backend's decodes.
-_decode_lines: weakref.WeakKeyDictionary[Any, LineFit] = weakref.WeakKeyDictionary()
+from specwire.policy.costs import DraftCost
 
 #: A draft in progress: yields the tokens to evaluate next, is sent their last logits
 #: row, and returns the draft.
@@ -48,14 +41,16 @@ DraftSteps = Generator[list[int], np.ndarray, Draft]
 class Drafting:
     """One sequence's draft in progress, stepped by draft_together (or alone)."""
 
-    __slots__ = ("backend", "shared", "seq", "want", "draft", "error", "spent", "first_s",
-                 "decodes", "_steps")
+    __slots__ = ("backend", "shared", "seq", "cost", "want", "draft", "error", "spent",
+                 "first_s", "decodes", "_steps")
 
     def __init__(self, steps: DraftSteps, backend: Any, shared: Any = None,
-                 seq: int = 0) -> None:
+                 seq: int = 0, cost: DraftCost | None = None) -> None:
         """backend: the sequence's own Backend; shared: the multi-sequence backend it is
-        sequence `seq` of (None: it decodes alone)."""
+        sequence `seq` of (None: it decodes alone); cost: the shared backend's DraftCost,
+        whose decode line prices each draft's part of a shared decode."""
         self.backend, self.shared, self.seq = backend, shared, seq
+        self.cost = cost if cost is not None else DraftCost()
         self.want: list[int] | None = None     # tokens to evaluate next; None once over
         self.draft = Draft()
         self.error: Exception | None = None
@@ -136,11 +131,10 @@ def _step(group: list[Drafting]) -> None:
             r.fail(e)
         return
     spent = time.perf_counter() - t0
-    line = _decode_lines.setdefault(shared, LineFit(0.05, guess=DECODE_SLOPE))
-    line.add(total, spent)
-    whole = line(total)
+    cost = group[0].cost        # the shared backend's, which its drafters share
+    cost.observe_decode(total, spent)
     for r, got in zip(group, rows, strict=True):
         t1 = time.perf_counter()
-        alone = spent * min(1.0, line(len(r.want)) / whole) if whole > 0 else spent
+        alone = cost.share(len(r.want), total, spent)
         r.feed(got[-1])            # picks its next token: its own time, all of it
         r._charge(alone + time.perf_counter() - t1)

@@ -15,6 +15,7 @@ from specwire.backend.base import Backend, reusable_prefix, sync_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.lockstep import Drafting, DraftSteps
+from specwire.policy.costs import DraftCost, VerifyCost
 from specwire.sample import sampling
 from specwire.sample.constraints.grammar import Grammar, GrammarSpec
 from specwire.sample.constraints.trail import GrammarTrail
@@ -40,13 +41,17 @@ class ModelDrafter(DrafterBase):
     @classmethod
     def per_sequence(cls, shared) -> list[ModelDrafter]:
         """A drafter for each sequence of one multi-sequence draft backend (serve -np N:
-        one draft context, drafts of all requests in lockstep)."""
-        return [cls(shared.seq(i), shared, i) for i in range(shared.n_seq)]
+        one draft context, drafts of all requests in lockstep), with one DraftCost."""
+        cost = DraftCost()
+        return [cls(shared.seq(i), shared, i, cost) for i in range(shared.n_seq)]
 
-    def __init__(self, backend: Backend, shared: object = None, seq: int = 0) -> None:
+    def __init__(self, backend: Backend, shared: object = None, seq: int = 0,
+                 cost: DraftCost | None = None) -> None:
         """shared: the multi-sequence draft backend whose sequence `seq` backend is (its
-        drafts are then stepped in lockstep with the other sequences'); None: alone."""
+        drafts are then stepped in lockstep with the other sequences'); None: alone.
+        cost: the draft backend's cost model (an engine hands its own, use_costs)."""
         self.backend, self.shared, self.seq = backend, shared, seq
+        self.cost = cost if cost is not None else DraftCost()
         self.name = f"model:{backend.name}"
         # its sparse top-K q in rejection mode; in lockstep with the other sequences of a
         # shared draft backend (alone, propose drafts as it always did)
@@ -58,6 +63,11 @@ class ModelDrafter(DrafterBase):
         self._steered = False  # stop_rule is a begin's policy's (end drops it)
         self._grammar: GrammarTrail | None = None
         self._cache_use: tuple[int, int] | None = None  # this request's, see cache_use
+
+    def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
+        """Its lockstep decodes feed the draft backend's cost model, the engine's."""
+        if draft is not None:
+            self.cost = draft
 
     def follow(self, spec: GrammarSpec | None, start: int) -> None:
         """Follow this grammar from position `start` (the prompt's length) on, now."""
@@ -87,7 +97,8 @@ class ModelDrafter(DrafterBase):
     def draft_in_steps(self, history: Sequence[int], max_n: int) -> Drafting:
         """This sequence's draft in progress, for draft_together (drafters/lockstep.py) to
         step beside the other sequences of the same draft context."""
-        return Drafting(self._steps(history, max_n), self.backend, self.shared, self.seq)
+        return Drafting(self._steps(history, max_n), self.backend, self.shared, self.seq,
+                        self.cost)
 
     def draft_from(self, history: Sequence[int], max_n: int, on_token=None,
                    at_choice=None) -> Draft:

@@ -188,8 +188,15 @@ class Engine:
         #: policies, the drafters and the bubble rule (policy/costs.py); it goes with what
         #: the policies learned, as the machine's
         self.costs = self.policies.costs
-        for guard in self.guards:
-            guard.use_costs(self.costs)
+        # One drafting cost per draft backend, kept beside each sequence's policies: the
+        # sequences that draft in lockstep share one draft context (ModelDrafter.per_sequence),
+        # so one model; any other sequence's drafter has a backend (or none) of its own.
+        shared = [m for m, g in zip(self.memories, self.guards, strict=True)
+                  if g.capabilities.lockstep]
+        for memory in shared[1:]:
+            memory.draft = shared[0].draft
+        for guard, memory in zip(self.guards, self.memories, strict=True):
+            guard.use_costs(self.costs, memory.draft)
         self.scheduler = BatchScheduler(self.batch, self.start)
         #: each sequence's cache scope: that of the request whose tokens its KV caches (the
         #: target's and a local draft model's) hold; "" for every request of a server
@@ -311,17 +318,21 @@ class Engine:
         """Sequence seq's policy for (name, n_max). A sequence's first one starts from what
         the most experienced other sequence learned (the costs are the machine's, the
         acceptance the drafter's), not from the priors. Its verification cost
-        is the target's (self.costs), which every decode feeds."""
+        is the target's (self.costs), which every decode feeds; its drafting cost the
+        sequence's draft backend's (memory.draft)."""
         memory = self.memories[seq]
         key = (name, n_max)
         if key not in memory.policies:
-            donors = [m.policies[key] for m in self.memories if key in m.policies]
+            donors = [m for m in self.memories if key in m.policies]
             if donors:
-                best = max(donors, key=_experience)
-                memory.policies[key] = copy.deepcopy(best, {id(self.costs): self.costs})
+                best = max(donors, key=lambda m: _experience(m.policies[key]))
+                keep = {id(self.costs): self.costs, id(best.draft): best.draft}
+                memory.policies[key] = copy.deepcopy(best.policies[key], keep)
+                memory.draft.adopt(best.draft)
         policy = memory.policy(name, n_max)
         if isinstance(policy, AdaptivePolicy):
             policy.costs, policy.own_costs = self.costs, False
+            policy.draft = memory.draft
         return policy
 
     def enable_context_shift(self) -> None:
@@ -359,4 +370,4 @@ class Engine:
 
 def _experience(policy: Policy) -> int:
     """Rounds a policy has learned from: only the adaptive one learns."""
-    return policy.asked_rounds if isinstance(policy, AdaptivePolicy) else 0
+    return policy.state.asked_rounds if isinstance(policy, AdaptivePolicy) else 0

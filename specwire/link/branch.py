@@ -170,7 +170,7 @@ class BranchDrafter(DrafterBase):
         self._cache_use = None
         self._start(list(prompt))
 
-    def use_costs(self, costs: VerifyCost) -> None:
+    def use_costs(self, costs: VerifyCost, draft: object = None) -> None:
         """The bubble rule reads the target's verification cost (the engine's)."""
         if self.bubble is not None:
             self.bubble.costs, self.bubble.own_costs = costs, False

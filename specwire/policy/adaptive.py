@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specwire.policy import throughput
-from specwire.policy.costs import VerifyCost
-from specwire.policy.throughput import LineFit, VerifyCurve, draft_line
+from specwire.policy.costs import DraftCost, VerifyCost
+from specwire.policy.throughput import VerifyCurve
 
 #: Bins of a draft model's top probability, for calibrating it against acceptance.
 CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -113,7 +113,7 @@ class FixedPolicy:
 
 @dataclass(frozen=True, slots=True)
 class AdaptiveParams:
-    """The adaptive policy's hyperparameters (its state is AdaptivePolicy's own fields)."""
+    """The adaptive policy's hyperparameters (what it learns is AdaptiveState)."""
 
     alpha: float = 0.15  # the weight of the newest round in the estimates
     probe_every: int = 32  # most rounds at k = 0 between probes, before any backoff
@@ -127,8 +127,49 @@ class AdaptiveParams:
 
 
 @dataclass(slots=True)
+class AdaptiveState:
+    """What the adaptive policy has learnt (its estimates outlive a request), and where
+    its sequence and the round in progress stand."""
+
+    accepted: float = 1.5  # pseudo-counts: start optimistic (a = 0.75), learn fast
+    rejected: float = 0.5
+    continued: float = 4.0  # drafted tokens, and rounds the drafter ended early (g = 0.9)
+    stopped: float = 0.5
+    #: what a stretch of plain steps made the drafter redo: seconds, over skipped tokens
+    catch_up_s: float = 0.0
+    catch_up_tokens: float = 0.0
+    #: what catching up with a request's prompt cost: seconds, over its tokens
+    prompt_s: float = 0.0
+    prompt_tokens: float = 0.0
+    probe_backoff: int = 1  # the interval's multiplier: doubles per probe that did not pay
+    probed: bool = False  # the last round asked was a probe
+    probing: bool = False  # the round in progress is a probe
+    idle_s: float = 0.0  # this sequence's share of the plain steps since the last probe
+    idle_rounds: int = 0
+    trial: int = 0  # rounds still judged with the margin after a probe whose tokens were kept
+    #: probes ask for 2 tokens at least: a drafter that measures its draft without the
+    #: catch-up (steady_s, a lockstep draft model) needs a second decode for it
+    probing_measures: bool = False
+    asked_rounds: int = 0
+    kept_any: bool = False  # a drafted token was ever kept (else no benefit of the doubt)
+    k: int = 0  # the draft length asked in the round in progress
+    warm: bool = False  # the previous round asked for a draft
+    #: tokens the drafter lacks: since it was last asked in this sequence, or since the
+    #: request began (its prompt's tokens missing from the drafter's cache included)
+    skipped: int = 0
+    begun: bool = False  # the drafter was asked in this sequence (it has the prompt)
+    limit: int = 0  # the most tokens the request may still produce (choose's limit + 1)
+    round_rate: float = 0.0  # expected tokens/s of the round in progress
+    batch_tokens: int = 0  # tokens the other sequences put into the round's decode
+
+
+@dataclass(slots=True)
 class AdaptivePolicy:
     """Online estimates of a round's yield and cost; chooses k by expected throughput.
+
+    The policy is its hyperparameters (`params`, frozen), what it has learnt and where
+    its round stands (`state`), the cost models it reads (`costs`, `draft`) and the
+    confidence calibration of its stop rule; its methods are the rule.
 
     Asked for k tokens, a drafter may stop sooner (a draft model at --draft-p-min,
     a pipelined drafter with fewer tokens ready). So two chains are estimated:
@@ -168,49 +209,23 @@ class AdaptivePolicy:
 
     n_max: int
     params: AdaptiveParams = AdaptiveParams()
-    accepted: float = 1.5  # pseudo-counts: start optimistic (a = 0.75), learn fast
-    rejected: float = 0.5
-    continued: float = 4.0  # drafted tokens, and rounds the drafter ended early (g = 0.9)
-    stopped: float = 0.5
-    #: seconds vs tokens drafted; a prior of one evaluation per round and one per token
-    draft: LineFit = field(default_factory=draft_line)
+    state: AdaptiveState = field(default_factory=AdaptiveState)
+    #: the draft backend's drafting cost, read to price rounds and fed by this policy's
+    #: caught-up rounds, unless the drafter stops its own drafts (drafter_stops: the
+    #: hybrid times its model itself, a lookup costs nothing); Engine.policy hands the
+    #: engine's (policy/costs.py)
+    draft: DraftCost = field(default_factory=DraftCost)
     #: the target's verification cost, read to price rounds (policy/costs.py)
     costs: VerifyCost = field(default_factory=VerifyCost)
     #: no engine handed `costs`: observe feeds it from this policy's rounds (Engine.policy
     #: hands the engine's, which every decode feeds)
     own_costs: bool = True
-    #: what a stretch of plain steps made the drafter redo: seconds, over skipped tokens
-    catch_up_s: float = 0.0
-    catch_up_tokens: float = 0.0
-    probe_backoff: int = 1  # the interval's multiplier: doubles per probe that did not pay
-    probed: bool = False  # the last round asked was a probe
-    probing: bool = False  # the round in progress is a probe
-    idle_s: float = 0.0  # this sequence's share of the plain steps since the last probe
-    trial: int = 0  # rounds still judged with the margin after a probe whose tokens were kept
-    #: probes ask for 2 tokens at least: a drafter that measures its draft without the
-    #: catch-up (steady_s, a lockstep draft model) needs a second decode for it
-    probing_measures: bool = False
-    asked_rounds: int = 0
-    kept_any: bool = False  # a drafted token was ever kept (else no benefit of the doubt)
-    idle_rounds: int = 0
-    k: int = 0  # the draft length asked in the round in progress
-    warm: bool = False  # the previous round asked for a draft
-    #: tokens the drafter lacks: since it was last asked in this sequence, or since the
-    #: request began (its prompt's tokens missing from the drafter's cache included)
-    skipped: int = 0
-    begun: bool = False  # the drafter was asked in this sequence (it has the prompt)
-    #: what catching up with a request's prompt cost: seconds, over its tokens
-    prompt_s: float = 0.0
-    prompt_tokens: float = 0.0
-    limit: int = 0  # the most tokens the request may still produce (choose's limit + 1)
     calibration: Calibration = field(default_factory=Calibration)
     stop: CalibratedStop = field(init=False)
-    round_rate: float = 0.0  # expected tokens/s of the round in progress
-    batch_tokens: int = 0  # tokens the other sequences put into the round's decode
     #: the drafter prices each of its tokens and stops where they stop paying, at no cost
     #: to ask (the n-gram lookup): ask it for the most, as its drafts are not the geometric
     #: chain this model assumes (a long match is right all the way or not). The engine
-    #: sets it from the drafter's declared Capabilities.stops.
+    #: sets it from the drafter's declared Capabilities.stops, for a request.
     drafter_stops: bool = False
 
     def __post_init__(self) -> None:
@@ -221,28 +236,32 @@ class AdaptivePolicy:
         since the last probe carry over, so that probes go on at their (backed-off)
         interval across requests shorter than it. behind: the prompt's tokens that the
         drafter will have to catch up with when first asked."""
-        self.k, self.warm = 0, False
-        self.skipped, self.begun = behind, False
+        st = self.state
+        st.k, st.warm = 0, False
+        st.skipped, st.begun = behind, False
 
     def behind(self, tokens: int) -> None:
         """The drafter lacks this many of the new request's prompt tokens (known once it
         has begun the sequence, after start)."""
-        if not self.begun:
-            self.skipped = tokens
+        st = self.state
+        if not st.begun:
+            st.skipped = tokens
 
     @property
     def acceptance(self) -> float:
         """a: a drafted token is kept, given the ones before it were."""
-        return self.accepted / (self.accepted + self.rejected)
+        st = self.state
+        return st.accepted / (st.accepted + st.rejected)
 
     @property
     def continuation(self) -> float:
         """g: the drafter produces a next token when asked for one more."""
-        return self.continued / (self.continued + self.stopped)
+        st = self.state
+        return st.continued / (st.continued + st.stopped)
 
     def draft_cost(self, drafted: float) -> float:
         """Seconds the target waits for a round that drafts this many tokens."""
-        return self.draft(drafted)
+        return self.draft.seconds(drafted)
 
     def verify_cost(self, n: float) -> float:
         """t_v(n) in seconds: a line through every verification seen, so that one slow
@@ -255,19 +274,22 @@ class AdaptivePolicy:
     def catch_up_cost(self) -> float:
         """Seconds per plain step that the drafter spends catching up once asked again: a
         draft model evaluates the tokens it missed; a remote or n-gram drafter, nothing."""
-        return self.catch_up_s / self.catch_up_tokens if self.catch_up_tokens else 0.0
+        st = self.state
+        return st.catch_up_s / st.catch_up_tokens if st.catch_up_tokens else 0.0
 
     def prompt_cost(self) -> float:
         """Seconds per prompt token that the drafter's first round of a request spends
         catching up (0 before it has been seen)."""
-        return self.prompt_s / self.prompt_tokens if self.prompt_tokens else 0.0
+        st = self.state
+        return st.prompt_s / st.prompt_tokens if st.prompt_tokens else 0.0
 
     def behind_s(self) -> float:
         """Seconds the next round that asks the drafter spends catching up first."""
-        if self.warm:
+        st = self.state
+        if st.warm:
             return 0.0
-        per = self.catch_up_cost() if self.begun else self.prompt_cost()
-        return per * self.skipped
+        per = self.catch_up_cost() if st.begun else self.prompt_cost()
+        return per * st.skipped
 
     def rate(self, k: int, batch_tokens: int | None = None) -> float:
         """Expected tokens per second of the target decode in which this sequence's round
@@ -275,7 +297,8 @@ class AdaptivePolicy:
         choose was last told). Alone this is throughput.round_rate; in a batch it is
         throughput.step_rate, which compares the whole step's tokens and time, because
         this sequence's drafting and catch-up hold up every sequence of the step."""
-        b = self.batch_tokens if batch_tokens is None else batch_tokens
+        st = self.state
+        b = st.batch_tokens if batch_tokens is None else batch_tokens
         draft_s = self.draft_cost if k else self._catch_up_s
         if b == 0:
             return throughput.round_rate(self.acceptance, k, draft_s, self.verify_cost,
@@ -286,7 +309,7 @@ class AdaptivePolicy:
         behind = 0.0
         if k:
             tokens = throughput.expected_tokens(self.continuation * self.acceptance, k)
-            behind = self.behind_s() * min(1.0, tokens / max(1, self.limit))
+            behind = self.behind_s() * min(1.0, tokens / max(1, st.limit))
         return throughput.step_rate(self.acceptance, k, self.draft_cost, self.verify_cost,
                                     self.continuation, b, behind)
 
@@ -299,82 +322,89 @@ class AdaptivePolicy:
         whole step, which drafting spreads over several tokens; in a big batch the step
         is paid anyway, so drafting is chosen only where it still beats the batch's own
         rate. A drafter that stops by itself (drafter_stops) is asked for the most."""
-        self.batch_tokens, self.limit = batch_tokens, limit + 1
-        self.probing = False
+        st = self.state
+        st.batch_tokens, st.limit = batch_tokens, limit + 1
+        st.probing = False
         if self.drafter_stops and limit > 0:
-            self.k = min(self.n_max, limit)     # the drafter cuts its own draft
+            st.k = min(self.n_max, limit)     # the drafter cuts its own draft
         else:
-            self.k = self._best(min(self.n_max, limit))
-        self.round_rate = self.rate(self.k) if self.k else 0.0
-        return self.k
+            st.k = self._best(min(self.n_max, limit))
+        st.round_rate = self.rate(st.k) if st.k else 0.0
+        return st.k
 
     def stop_threshold(self) -> float:
         """The least P(every token so far is kept) for which one more draft token pays:
         the round's expected rate x (one more draft token + the extra verification of a
         batch one longer). Both costs are lines, so the threshold holds for every i.
         Before a round is chosen (a draft node's Open), the rate of a full-length round."""
-        rate = self.round_rate or self.rate(self.n_max)
-        per_token = self.draft.coefficients()[1]
-        return rate * (per_token + self.verify_cost(2) - self.verify_cost(1))
+        per_token = self.draft.per_token()
+        return self.round_rate() * (per_token + self.verify_cost(2) - self.verify_cost(1))
+
+    def round_rate(self) -> float:
+        """The expected tokens/s of the round in progress (before one is chosen, a
+        full-length round's)."""
+        return self.state.round_rate or self.rate(self.n_max)
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
         """Should a draft model propose token i (0-based) of this round, given its top
         probability? Yes while P(it and every token before it kept) >= stop_threshold."""
+        st = self.state
         if i == 0:
-            self.stop.threshold = (0.0 if self.probing and self.batch_tokens
+            self.stop.threshold = (0.0 if st.probing and st.batch_tokens
                                    else self.stop_threshold())
         return self.stop(i, confidence)
 
     def _best(self, limit: int) -> int:
+        st = self.state
         rates = [self.rate(k) for k in range(limit + 1)]
         best_k = 0
         for k in range(1, limit + 1):
             if rates[k] > rates[best_k] * 1.0001:
                 best_k = k
         if limit == 0:      # the request's last token: nothing to draft, nothing learnt
-            if not self.batch_tokens:
-                self.idle_rounds = 0    # alone, as before: probes restart their count
+            if not st.batch_tokens:
+                st.idle_rounds = 0    # alone, as before: probes restart their count
             return 0
         # From plain steps (or a probe), drafting must look clearly better to resume: on a
         # loaded machine one fast verification can flatten the fitted curve, and a
         # useless drafter's few-percent "gain" is then noise that costs real rounds.
-        if best_k > 0 and (not self.warm or self.probed) and \
+        if best_k > 0 and (not st.warm or st.probed) and \
                 rates[best_k] < rates[0] * (1.0 + self.params.resume_gain):
             best_k = 0
         if best_k > 0:
-            self.idle_rounds, self.idle_s = 0, 0.0
-            self.probed, self.probe_backoff = False, 1
+            st.idle_rounds, st.idle_s = 0, 0.0
+            st.probed, st.probe_backoff = False, 1
             return best_k
         try_k = max(range(1, limit + 1), key=rates.__getitem__)
-        if self.probing_measures:
+        if st.probing_measures:
             try_k = max(try_k, min(2, limit))   # a second token's decode prices drafting
         # Early on, stop drafting only when plain steps look clearly better: the first
         # estimates are noisy, and a wrong stop costs many rounds before a probe. Not for
         # a drafter none of whose tokens was ever kept: a useless one would pay each of
         # those rounds, and a probe soon recovers a merely unlucky one. (In a batch a
         # probe is no start: its outcome is judged without the margin.)
-        early = self.warm and (self.asked_rounds < self.params.settle and self.kept_any and (
-            not self.probed or not self.batch_tokens) or self.trial > 0)
+        early = st.warm and (st.asked_rounds < self.params.settle and st.kept_any and (
+            not st.probed or not st.batch_tokens) or st.trial > 0)
         if early and rates[try_k] * (1.0 + self.params.margin) >= rates[0]:
-            self.idle_rounds = 0
+            st.idle_rounds = 0
             return try_k
         # Probe now and then, or the estimates could never recover: soon when drafting
         # looks almost worth it, rarely when it looks hopeless, and more rarely after
         # each probe that left drafting not worth it (a useless drafter's probes are
         # pure cost; a probe whose tokens are kept resets the interval).
-        if self.probed:
-            self.probed = False
-            self.probe_backoff = min(2 * self.probe_backoff, self.params.probe_backoff_max)
+        if st.probed:
+            st.probed = False
+            st.probe_backoff = min(2 * st.probe_backoff, self.params.probe_backoff_max)
         # In a batch the others' tokens dilute the gap; probe by this sequence's own share.
-        gap = min(1.0, (1.0 - rates[try_k] / rates[0]) * (1 + self.batch_tokens))
-        self.idle_rounds += 1
+        gap = min(1.0, (1.0 - rates[try_k] / rates[0]) * (1 + st.batch_tokens))
+        st.idle_rounds += 1
         interval = min(self.params.probe_every, max(2, int(4 * self.params.probe_every * gap)))
-        if self.idle_rounds < interval * self.probe_backoff:
+        if st.idle_rounds < interval * st.probe_backoff:
             return 0
-        if self.batch_tokens and self.idle_s * self.params.probe_budget < self.probe_cost(try_k):
+        if st.batch_tokens and st.idle_s * self.params.probe_budget < self.probe_cost(try_k):
             return 0
-        self.idle_rounds, self.idle_s, self.probed = 0, 0.0, True
-        self.probing = True
+        st.idle_rounds, st.idle_s, st.probed = 0, 0.0, True
+        st.probing = True
         return try_k
 
     def probe_cost(self, k: int) -> float:
@@ -391,46 +421,49 @@ class AdaptivePolicy:
         round adds to it. steady_s: what the draft would have cost without its catch-up,
         where the drafter measured it (a lockstep draft of 2 tokens or more): a round
         after plain steps, a probe's, then teaches the drafter's cost too."""
+        st = self.state
         w = 1.0 - self.params.alpha
         if confidence:
             self.calibration.learn(confidence, accepted)
-        if self.k:
-            self.asked_rounds += 1
-            self.trial = max(0, self.trial - 1)
-            self.continued = w * self.continued + drafted
-            self.stopped = w * self.stopped + (1 if drafted < self.k else 0)
-            if self.warm:
-                self.draft.add(drafted, draft_s)
-            elif steady_s is not None:
-                self.draft.add(drafted, steady_s)
-                self.probing_measures = True
-            if not self.warm and self.skipped:  # the first round after plain steps, or of
+        if st.k:
+            st.asked_rounds += 1
+            st.trial = max(0, st.trial - 1)
+            st.continued = w * st.continued + drafted
+            st.stopped = w * st.stopped + (1 if drafted < st.k else 0)
+            if not st.warm and steady_s is not None:
+                st.probing_measures = True
+            if not self.drafter_stops:  # else it times its own draft model, if it has one
+                if st.warm:
+                    self.draft.observe(drafted, draft_s)
+                elif steady_s is not None:
+                    self.draft.observe(drafted, steady_s)
+            if not st.warm and st.skipped:  # the first round after plain steps, or of
                 # the request
-                steady = self.draft(drafted) if steady_s is None else steady_s
+                steady = self.draft.seconds(drafted) if steady_s is None else steady_s
                 extra = max(0.0, draft_s - steady)
-                if self.begun:
-                    self.catch_up_s = w * self.catch_up_s + extra
-                    self.catch_up_tokens = w * self.catch_up_tokens + self.skipped
+                if st.begun:
+                    st.catch_up_s = w * st.catch_up_s + extra
+                    st.catch_up_tokens = w * st.catch_up_tokens + st.skipped
                 else:
-                    self.prompt_s = w * self.prompt_s + extra
-                    self.prompt_tokens = w * self.prompt_tokens + self.skipped
-            self.skipped, self.begun = 0, True
+                    st.prompt_s = w * st.prompt_s + extra
+                    st.prompt_tokens = w * st.prompt_tokens + st.skipped
+            st.skipped, st.begun = 0, True
         else:
-            self.skipped += 1
-            b = self.batch_tokens if batch_tokens is None else batch_tokens
-            self.idle_s += verify_s / (1 + b)
+            st.skipped += 1
+            b = st.batch_tokens if batch_tokens is None else batch_tokens
+            st.idle_s += verify_s / (1 + b)
         if accepted:
-            self.kept_any = True
-        if self.probed and accepted:
-            self.probed, self.probe_backoff = False, 1
-            if self.batch_tokens:
-                self.trial = self.params.trial_rounds
+            st.kept_any = True
+        if st.probed and accepted:
+            st.probed, st.probe_backoff = False, 1
+            if st.batch_tokens:
+                st.trial = self.params.trial_rounds
         if drafted:
-            self.accepted = w * self.accepted + accepted
-            self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
-        self.warm = self.k > 0
+            st.accepted = w * st.accepted + accepted
+            st.rejected = w * st.rejected + (1 if accepted < drafted else 0)
+        st.warm = st.k > 0
         if self.own_costs:
-            b = self.batch_tokens if batch_tokens is None else batch_tokens
+            b = st.batch_tokens if batch_tokens is None else batch_tokens
             self.costs.observe(1 + drafted + b, verify_s)
 
 
@@ -454,6 +487,9 @@ class PolicyMemory:
     policies: dict[tuple[str, int], Policy] = field(default_factory=dict)
     #: the target's verification cost, which they read (an engine's, fed by its decodes)
     costs: VerifyCost = field(default_factory=VerifyCost)
+    #: the draft backend's drafting cost, which they read (one engine's sequences of a
+    #: shared draft context share one)
+    draft: DraftCost = field(default_factory=DraftCost)
 
     def policy(self, name: str, n_max: int) -> Policy:
         key = (name, n_max)

@@ -72,8 +72,8 @@ class SpeculationWatch:
                              f"no draft node of {drafter} is reachable "
                              f"({', '.join(sorted(links))}); decoding plainly until one is "
                              "(the live page's Draft nodes card has the last error)")
-        if isinstance(policy, AdaptivePolicy) and not policy.warm and \
-                policy.idle_rounds >= STOPPED_ROUNDS:
+        if isinstance(policy, AdaptivePolicy) and not policy.state.warm and \
+                policy.state.idle_rounds >= STOPPED_ROUNDS:
             return SlotState(False, "policy", policy_reason(policy))
         if stats.rounds >= MIN_ROUNDS and stats.draft_n == 0 and \
                 not drafter.startswith(("ngram", "hybrid")):
@@ -88,7 +88,7 @@ class SpeculationWatch:
 def policy_reason(p: AdaptivePolicy) -> str:
     """The adaptive policy's case against drafting, in its own figures."""
     k = max(range(1, p.n_max + 1), key=p.rate) if p.n_max > 0 else 1
-    per_token = p.draft.coefficients()[1]
+    per_token = p.draft.per_token()
     return (f"the adaptive policy stopped drafting: acceptance {p.acceptance:.2f}, "
             f"drafting {1000 * p.draft_cost(1):.1f} ms for one token "
             f"(+{1000 * per_token:.1f} ms per token more), verifying "

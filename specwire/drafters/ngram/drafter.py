@@ -42,7 +42,7 @@ from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.ngram.cache import LookupCache
 from specwire.drafters.ngram.index import HistoryIndex, continuation
-from specwire.policy.costs import VerifyCost
+from specwire.policy.costs import DraftCost, VerifyCost
 from specwire.sample.sampling import SparseDraft
 
 #: Bins of a copied token's effective match length (match length + tokens copied before it).
@@ -171,7 +171,8 @@ class NgramDrafter(DrafterBase):
         self._scope, self._store = "", True   # the request's cache scope; keep it after?
         self.counters = {"drafted": 0.0, "cache_drafts": 0.0, "stopped_early": 0.0}
 
-    def use_costs(self, costs: VerifyCost) -> None:
+    def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
+        """The target's verification cost (a lookup has no draft backend to price)."""
         self.cost.costs, self.cost.own_costs = costs, False
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
