@@ -155,7 +155,9 @@ def add_rpc_servers(endpoints: Sequence[str], build_hint: str = "") -> list[str]
     """--rpc HOST:PORT,...: register each llama.cpp rpc-server as a device, as llama.cpp's
     common/arg.cpp does, so that -ngl and -dev place layers on it like on a local GPU.
     Returns the names of the devices it added. A build without the RPC backend, or an
-    endpoint that does not answer, is refused by name."""
+    endpoint that does not answer as an rpc-server of this llama.cpp, is refused by name:
+    ggml aborts the process on a failed connection or handshake, so each endpoint is tried
+    first from a child process."""
     g = ggml()
     rpc = g.reg_by_name(b"RPC")
     if not rpc:
@@ -166,18 +168,50 @@ def add_rpc_servers(endpoints: Sequence[str], build_hint: str = "") -> list[str]
     add = _RPC_ADD_SERVER(fn)
     before = {d.name for d in devices()}
     for endpoint in endpoints:
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise BackendError(f"--rpc {endpoint}: expected HOST:PORT")
         if endpoint in _rpc_endpoints:
             continue
+        _check_rpc_endpoint(endpoint)
         reg = add(endpoint.encode())
         if not reg:
-            raise BackendError(f"--rpc {endpoint}: no rpc-server answered there")
+            raise BackendError(f"--rpc {endpoint}: the rpc-server there has no device")
         g.register(reg)
         _rpc_endpoints.append(endpoint)
     return [d.name for d in devices() if d.name not in before]
 
+
+def _check_rpc_endpoint(endpoint: str, timeout_s: float = 30.0) -> None:
+    """The endpoint answers as an rpc-server this llama.cpp can use, tried where a failure
+    cannot abort this process: a TCP connection, then a registration in a child."""
+    import socket
+    import subprocess
+    import sys
+
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise BackendError(f"--rpc {endpoint}: expected HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5.0).close()
+    except OSError as e:
+        raise BackendError(f"--rpc {endpoint}: no rpc-server answered there ({e})") from None
+    probe = ("import sys; from specwire.backend import placement as p; "
+             "sys.exit(0 if p.rpc_device_count(sys.argv[1]) else 3)")
+    try:
+        r = subprocess.run([sys.executable, "-c", probe, endpoint], capture_output=True,
+                           text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise BackendError(f"--rpc {endpoint}: no answer within {timeout_s:.0f} s") from None
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["no device"])[-1][:200]
+        raise BackendError(f"--rpc {endpoint}: not an rpc-server this llama.cpp can use: {why}")
+
+
+def rpc_device_count(endpoint: str) -> int:
+    """The devices an rpc-server offers (the child's probe; aborts on a failed handshake)."""
+    g = ggml()
+    rpc = g.reg_by_name(b"RPC")
+    fn = g.reg_proc_address(rpc, b"ggml_backend_rpc_add_server") if rpc else None
+    reg = _RPC_ADD_SERVER(fn)(endpoint.encode()) if fn else None
+    return 1 if reg else 0
 
 
 def buffer_types() -> dict[str, int]:
