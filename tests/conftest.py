@@ -1,6 +1,12 @@
-"""Shared test set-up: the fast-suite guard (tests/fast_guard.py), pytester for its own
-test, and `specwire_cli`, which runs `specwire ...` twice over: in this process (fast)
-and as a real process (slow)."""
+"""Shared test set-up: the import path, the fast-suite guard (tests/support/fast_guard.py),
+pytester for its own test, and `specwire_cli`, which runs `specwire ...` twice over: in
+this process (fast) and as a real process (slow).
+
+The tests mirror specwire/'s packages, one folder each, with no __init__.py (pytest's
+default import mode: a module is imported by its basename, unique across the tree). The
+support code (tests/support/) and every test folder go on sys.path before pytest_plugins
+is read, so `from fakes import ...` and a test's `from test_server import ...` resolve
+from any folder."""
 
 from __future__ import annotations
 
@@ -9,8 +15,14 @@ import io
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+_FOLDERS = [TESTS / "support", *sorted(p for p in TESTS.iterdir()
+                                       if p.is_dir() and any(p.glob("test_*.py")))]
+sys.path[:0] = [str(p) for p in _FOLDERS if str(p) not in sys.path]
 
 pytest_plugins = ("fast_guard", "pytester")
 

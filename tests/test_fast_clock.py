@@ -4,7 +4,7 @@ The rule: a test that is not marked slow may read the wall clock only for a time
 `clock() < deadline` (a name saying so) or `elapsed < C` with C at least one second. It never
 compares two measured durations, never asserts that something took at least some time, and
 never bounds a duration below a second: those depend on the machine's speed and load. Code
-under test that measures time (the policies, the drafters' costs) runs on tests/fakes.py's
+under test that measures time (the policies, the drafters' costs) runs on tests/support/fakes.py's
 FakeClock, installed as the `time` of the modules that measure.
 
 The check reads every test module's source: in each fast test function, a name assigned from a

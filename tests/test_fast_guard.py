@@ -1,4 +1,4 @@
-"""tests/fast_guard.py: a test not marked slow that loads a model, or starts a process that
+"""tests/support/fast_guard.py: a test not marked slow that loads a model, or starts a process that
 does, fails with "mark it slow"; a slow test is let through. Inner pytest runs (pytester,
 in this process) on throw-away test files; no model is ever loaded."""
 

@@ -320,7 +320,7 @@ class DraftSession:
         if not self.pipelined:
             # A smaller want drops what is unsent past it, never what was sent: the target
             # holds that (or will, from a chunk on its way) and would read new tokens of
-            # this gen as a chunk that contradicts it (tests/test_draftlink.py).
+            # this gen as a chunk that contradicts it (tests/link/test_draftlink.py).
             self.budget = v.want or self.budget
             keep = max(self.budget, self.sent)
             del self.branch[keep:]

@@ -10,7 +10,7 @@ branch of Lambert W (`lambert_w`).
 
 The verification cost decides many plans: an MoE target's batch routes its tokens
 to different experts, so it reads several times the weights of one step, and only a
-measured --verify-cost tells (docs/planner.md; tests/test_plan.py works a published
+measured --verify-cost tells (docs/planner.md; tests/policy/test_plan.py works a published
 MoE case through).
 """
 

@@ -398,7 +398,7 @@ def test_ubatch_no_mmap_and_flash_attn_reach_llama_cpp(moe) -> None:
     backend.close()
 
 
-# --- invariance: a draft never changes the MoE's output (tests/test_invariance.py's contract)
+# --- invariance: a draft never changes the MoE's output (tests/invariance/'s contract)
 
 PROMPTS = ("The old lighthouse keeper climbed the stairs every evening, and",
            "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n")

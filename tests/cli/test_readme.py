@@ -38,7 +38,7 @@ import httpx
 import pytest
 from test_server import stop_process
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
 @dataclass(frozen=True, slots=True)

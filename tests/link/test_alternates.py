@@ -1,9 +1,9 @@
 """Pre-drafted branches: the rule, the messages, old peers, and both ends agreeing.
 
-Fakes only (tests/fakes.py): the node's end is a real DraftSession over a
+Fakes only (tests/support/fakes.py): the node's end is a real DraftSession over a
 FakeBackend, the target's a real BranchDrafter, joined by function calls
 (test_draftlink.Joined), so every round is deterministic. The real models and a
-real node are in tests/test_invariance_alternates.py (slow).
+real node are in tests/invariance/test_invariance_alternates.py (slow).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The draft link's domain: the messages' own checks, the protobuf edge, and the branch
 rule followed alike by the node's session and the target's BranchDrafter.
 
-Fakes only (tests/fakes.py): the node's end is a real DraftSession drafting with a
+Fakes only (tests/support/fakes.py): the node's end is a real DraftSession drafting with a
 ModelDrafter over a FakeBackend, the target's end a real BranchDrafter; they are
 joined by function calls instead of a socket, so every round is deterministic.
 """

@@ -2,7 +2,7 @@
 plain decoding's tokens.
 
 Each test runs the bundled target over real sockets against a scripted node
-(tests/hostile_node.py: h2 on a raw socket, misbehaving on cue) for one finding of
+(tests/support/hostile_node.py: h2 on a raw socket, misbehaving on cue) for one finding of
 the security review (issue 15): flow control withheld (a window of 0, never a
 WINDOW_UPDATE), frames that carry nothing streamed without end, endless stale chunks,
 a DATA flood, a malformed grpc-status, valid chunks that extend nothing, RST_STREAM,

@@ -42,7 +42,7 @@ from specwire.config import ModelParams
 from specwire.engine.engine import Engine
 from specwire.node.kv_cache import MIB, KvCache
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Three unrelated conversations' openings (each well over NOTICE_AFTER tokens apart from
 #: the shared chat header, so that a wrong reuse would show in the counts).

@@ -1,7 +1,7 @@
 """Tenants on the draft node, without a model: the memory's scoping, expiry and purge
 (node/kv_cache.py on fake contexts), the identities and quotas (node/tenants.py), the
 Open's new fields on the wire, a request's cache_salt and cache_prompt as the target
-turns them into a scope. The probe against a real node is tests/test_tenants_probe.py.
+turns them into a scope. The probe against a real node is tests/node/test_tenants_probe.py.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from specwire.cli.args import CliError
 from specwire.cli.commands import compat
 from specwire.cli.main import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: issue 26's first command line, as its user runs ik_llama.cpp's llama-server.
 QWEN = ("llama-server --model big.gguf --model-draft draft.gguf --draft-max 16 --alias NAME "

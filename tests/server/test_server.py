@@ -37,7 +37,7 @@ from specwire.server.errors import ApiError
 from specwire.server.slots import JobQueue, QueueFull
 from specwire.server.stops import StopMatcher
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------------------ stop strings
 

@@ -205,7 +205,7 @@ def test_every_family_grammar_compiles_in_llama_cpp(family: str) -> None:
 
 # ------------------------------------------------------------------------------ reasoning
 
-THINK_TEMPLATE = Path(__file__).parent / "templates" / "gemma_think.jinja"
+THINK_TEMPLATE = Path(__file__).resolve().parents[1] / "support" / "templates" / "gemma_think.jinja"
 SHAPE = 'root ::= "The user says hello, so I greet back." "\\n</think>\\n\\n" "Hello! How are you?"'
 
 

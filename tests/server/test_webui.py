@@ -2,7 +2,7 @@
 
 Fast tests run the app over test_server's toy engine with the real n-gram
 drafter (the toy writes the alphabet, so prompt lookup drafts and is kept).
-The browser test (tests/test_webui_browser.py) loads the page in Chromium
+The browser test (tests/server/test_webui_browser.py) loads the page in Chromium
 against `specwire serve` on the bundled models.
 """
 

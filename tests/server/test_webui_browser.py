@@ -26,7 +26,7 @@ import pytest
 from browser_helpers import Browser, find_chromium
 from test_server import _free_port, _wait_healthy, stop_process
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "browser-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TILES = ("tps", "plain", "speedup", "acceptance", "mean-accepted", "served")

@@ -1,4 +1,4 @@
-"""Headless Chromium driven over the DevTools protocol, for tests/test_webui_browser.py.
+"""Headless Chromium driven over the DevTools protocol, for tests/server/test_webui_browser.py.
 
 Debian's `chromium` package (`.ci/run` installs it), started with a fresh
 profile and nothing that reaches the network, and one page driven through its

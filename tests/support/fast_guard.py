@@ -1,6 +1,6 @@
 """Keeps the fast suite fast: a test not marked `slow` may not load a GGUF model.
 
-`pytest -m "not slow"` runs on tests/fakes.py's fakes in under a minute; loading the
+`pytest -m "not slow"` runs on tests/support/fakes.py's fakes in under a minute; loading the
 bundled 1 GB target alone takes seconds. So while a test that is not marked slow runs
 (its fixtures included), this plugin fails it if it
 
@@ -77,7 +77,7 @@ def _check(what: str) -> None:
             return
         message = (f"{item.nodeid} is not marked slow but {what}: mark it slow "
                    "(@pytest.mark.slow, or pytestmark = pytest.mark.slow for a whole module), "
-                   "or test it on tests/fakes.py's fakes")
+                   "or test it on tests/support/fakes.py's fakes")
         _violations.setdefault(item.nodeid, []).append(message)
     pytest.fail(message, pytrace=False)
 

@@ -1,4 +1,4 @@
-"""A scripted draft node for tests/test_hostile_peers.py: a real socket speaking HTTP/2
+"""A scripted draft node for tests/link/test_hostile_peers.py: a real socket speaking HTTP/2
 through h2 (not specwire's own link/transport/h2/connection.py, so the two are checked
 against each other), with hooks where a script misbehaves.
 

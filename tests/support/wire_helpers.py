@@ -1,4 +1,5 @@
-"""Fixtures and helpers for tests/test_wire_*.py: the draft link end to end.
+"""Fixtures and helpers for the draft link end to end: tests/link/test_wire_*.py,
+tests/invariance/test_wire_invariance.py and the tests that start a real node.
 
 Import the fixtures (`*_fixture`, registered under the names in quotes) into
 the test module:
@@ -46,7 +47,7 @@ from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.channel import Link, LinkSettings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_CTX = 1024
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1234)

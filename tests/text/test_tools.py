@@ -1,7 +1,7 @@
 """Tool calls without a model: rendering tools with each family's template, parsing each
 format's calls (whole and streamed), the forced-call grammars, and the reasoning split.
 
-The templates in tests/templates are small ones written for these tests in the
+The templates in tests/support/templates are small ones written for these tests in the
 style of each family (they are not the vendors' templates); what is checked is
 that specwire recognises the family, hands the template its tools and history,
 and reads the family's call syntax back.
@@ -21,7 +21,7 @@ from specwire.server.errors import ApiError
 from specwire.text import chat, reasoning
 from specwire.text.tools import Generic, Tool, detect
 
-TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATES = Path(__file__).resolve().parents[1] / "support" / "templates"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},

@@ -16,7 +16,7 @@ field-number order, each at most once, varints no longer than their type
 allows, packed tokens. Whatever else arrives (any valid encoding protobuf
 permits, or none) is left to protobuf: the decoders return None and the caller
 parses with specwire_pb2 as before, so every check and error stays where it
-was. tests/test_roundcodec.py checks both directions against protobuf.
+was. tests/link/test_roundcodec.py checks both directions against protobuf.
 """
 
 from __future__ import annotations
