@@ -270,7 +270,10 @@ class LlamaBackend:
             self.ctx = None
             _count_context(-1)
             raise BackendError(f"llama.cpp could not apply --lora to {params.path}")
-        self.n_ctx = (int(C.llama_n_ctx(self.ctx)) - slack) // n_seq   # per sequence
+        n_cells = int(C.llama_n_ctx(self.ctx))
+        if slack:   # what -c gives without the trees' cells (llama.cpp pads it to 256)
+            n_cells = min(n_cells - slack, _pad(params.n_ctx * n_seq, 256))
+        self.n_ctx = n_cells // n_seq   # per sequence
         self.mem = C.llama_get_memory(self.ctx)
         self.n_batch = self._cap = params.n_batch
         self._batch = C.llama_batch_init(self._cap, 0, self.tree_leaves)
@@ -566,6 +569,11 @@ class LlamaBackend:
 
 #: KV cells a tree's side branch may hold beyond its sequence's own context.
 _TREE_CELLS = 16
+
+
+def _pad(n: int, to: int) -> int:
+    """n rounded up to a multiple of `to` (ggml's GGML_PAD, as llama.cpp sizes contexts)."""
+    return -(-n // to) * to
 
 
 @dataclass(slots=True)
