@@ -61,8 +61,7 @@ class _Ggml:
         import llama_cpp
         libdir = os.environ.get("LLAMA_CPP_LIB_PATH") or os.path.join(
             os.path.dirname(llama_cpp.__file__), "lib")
-        libs = [ctypes.CDLL(p) for p in sorted(glob.glob(os.path.join(libdir, "libggml*")))
-                if not p.endswith(".a")]
+        libs = [ctypes.CDLL(p) for p in _loaded_ggml(libdir)]
         if not libs:
             raise BackendError(f"no ggml library found in {libdir}")
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
@@ -93,6 +92,29 @@ class _Ggml:
                 fn.restype, fn.argtypes = restype, argtypes
                 return fn
         raise BackendError(f"this llama-cpp-python build's ggml lacks {name}")
+
+
+def _loaded_ggml(libdir: str) -> list[str]:
+    """The ggml libraries libllama loaded, by the paths it loaded them from. A wheel holds
+    each one as several copies (libggml.so, .so.0, .so.0.25.3: files, not links), and
+    opening another copy than libllama's would bind a second registry of its own, which
+    llama.cpp never sees (an --rpc device added there, a -dev pointer from there)."""
+    found: list[str] = []
+    real = os.path.realpath(libdir)
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = os.path.realpath(line.rstrip("\n").split(" ", 5)[-1].strip() or ".")
+                name = os.path.basename(path)
+                if (name.startswith("libggml") and os.path.dirname(path) == real
+                        and path not in found):
+                    found.append(path)
+    except OSError:
+        pass
+    if found:
+        return found
+    return [p for p in sorted(glob.glob(os.path.join(libdir, "libggml*.so*")))
+            if not p.endswith(".a")]
 
 
 _ggml: _Ggml | None = None

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -57,7 +58,7 @@ def rpc_endpoint(tmp_path):
         except OSError:
             time.sleep(0.2)
     try:
-        yield f"127.0.0.1:{port}", tmp_path / "rpc-server.log"
+        yield f"127.0.0.1:{port}", proc.pid
     finally:
         proc.terminate()
         proc.wait(10)
@@ -73,13 +74,17 @@ def _generate(*flags: str) -> subprocess.CompletedProcess:
 @needs_rpc
 def test_a_target_on_an_rpc_server_gives_the_same_tokens_with_and_without_a_draft(
         rpc_endpoint) -> None:
-    endpoint, log = rpc_endpoint
+    endpoint, pid = rpc_endpoint
     plain = _generate("--rpc", endpoint, "-ngl", "99", "--no-draft")
     drafted = _generate("--rpc", endpoint, "-ngl", "99", "--draft-max", "4")
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert drafted.returncode == 0, drafted.stderr[-2000:]
     assert drafted.stdout == plain.stdout and plain.stdout.strip()
-    assert "client" in log.read_text().lower()     # the rpc-server did serve them
+    # the target's weights (the bundled F32 model, 1.08 GB) were on the rpc-server
+    status = Path(f"/proc/{pid}/status").read_text()
+    peak_kb = int(next(line.split()[1] for line in status.splitlines()
+                       if line.startswith("VmHWM:")))
+    assert peak_kb > 800_000, f"the rpc-server peaked at {peak_kb} kB: no weights on it"
 
 
 @needs_rpc
