@@ -364,8 +364,10 @@ class DraftSession:
         pending: list[int] = []
         sparse_pending: list = []
         base = self.committed + self.branch
+        paused = False  # stopped for an alternate, to go on after it
 
         def on_token(i: int, tok: int, sd) -> bool:
+            nonlocal paused
             self.branch.append(tok)
             pending.append(tok)
             if sd is not None:
@@ -373,6 +375,7 @@ class DraftSession:
             if self.pipelined and (self.sent == 0 or len(pending) >= 2):
                 self._flush(pending, sparse_pending, done=False)
                 if self.branching is not None and self._alternate_first() is not None:
+                    paused = True
                     return False  # an alternate first: the next work says which
             return not self._inbox and not self._closed
 
@@ -381,7 +384,7 @@ class DraftSession:
             at_choice=self._branch_at if self.branching is not None else None)
         if self.stop is not None:
             self.confidence += result.confidence or []
-        stopped_by_pmin = len(result) < target and not self._inbox
+        stopped_by_pmin = len(result) < target and not self._inbox and not paused
         self.stalled = stopped_by_pmin
         done = stopped_by_pmin or len(self.branch) >= self._limit()
         if pending or done:
