@@ -392,22 +392,23 @@ def _alternate_lags(sent: list) -> list[int]:
     return lags
 
 
-def test_a_node_told_of_trees_drafts_each_alternate_right_after_its_position() -> None:
-    """With Open.tree the node sends an alternate before the branch's next token, so it
-    reaches the target before the decode that verifies its position; at most `tree` of
-    them wait for the branch's unverified part. Without it (a chain target, or an older
-    one) they come later, as before: once the lookahead is full, or when one is worth
-    more than the branch's next token."""
-    node, sent = _node(tree=2)
+def test_a_node_told_of_trees_drafts_its_alternates_before_the_branch_goes_on() -> None:
+    """With Open.tree the node sends an alternate before the branch's next token once a
+    round's worth (half the lookahead) is out, so that it reaches the target before the
+    decode that verifies its position; at most `tree` of them wait for the branch's
+    unverified part. Without it (a chain target, or an older one) they come later, as
+    before: once the lookahead is full, or when one is worth more than the branch's next
+    token."""
+    node, sent = _node(tree=2, lookahead=4)
     _work(node)
     lags = _alternate_lags(sent)
-    assert lags and all(lag == 0 for lag in lags), lags
+    assert lags and max(lags) <= 1, lags          # sent once 2 branch tokens were out
     assert len(lags) <= 2 and len(node.branch) == node._limit()
-    old, old_sent = _node(tree=0)
+    old, old_sent = _node(tree=0, lookahead=4)
     _work(old)
     assert old.branch == node.branch                # the same chain either way
     old_lags = _alternate_lags(old_sent)
-    assert old_lags and min(old_lags) > 0, old_lags
+    assert old_lags and min(old_lags) > max(lags), (old_lags, lags)
 
 
 def test_after_a_verdict_the_node_drafts_alternates_for_the_new_positions() -> None:

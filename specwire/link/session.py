@@ -257,10 +257,13 @@ class DraftSession:
         whose alternate is worth drafting (link/alternates.py, worth_branching) and not yet
         tried, while fewer than `tree` alternates wait for the branch's unverified part. An
         alternate joins the decode of its position only if it arrives before that decode,
-        so it is drafted as soon as its position is, before the branch goes on."""
+        so it is drafted before the branch goes on, but only once the branch holds a
+        round's worth (half the lookahead): before that, the target is likely waiting for
+        the branch's next tokens, which the alternate would delay."""
         bp = self.branching
         start = len(self.committed)
-        if bp is None or sum(1 for p in self.alts if p >= start) >= self.tree:
+        if (bp is None or upto < self.lookahead // 2
+                or sum(1 for p in self.alts if p >= start) >= self.tree):
             return None
         reach = 1.0
         for j, two in enumerate(self.choices[:upto]):
