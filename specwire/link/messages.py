@@ -59,7 +59,7 @@ class Open:
     cache_scope: str = ""
     no_store: bool = False
     # Pipelined, with alternates: the target verifies up to `tree` alternates beside the
-    # branch in one decode, so the node drafts each right after its position (0: chains).
+    # branch in one decode, so the node drafts them ahead of the branch (0: chains).
     tree: int = 0
 
     def __post_init__(self) -> None:
