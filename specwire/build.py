@@ -69,8 +69,9 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
             cache = lookup.cache if lookup is not None else None
             drafters = [build_drafter(s.draft, target, wrap, cache) for _ in range(n_seq)]
         for d in drafters:   # a drafter is told the target verifies trees only where it does
-            if hasattr(d, "tree"):
-                d.tree = min(d.tree, trees)
+            for part in (d, getattr(d, "model", None)):   # a hybrid's model drafter too
+                if hasattr(part, "tree"):
+                    part.tree = min(part.tree, trees)
     except BackendError as e:
         raise ConfigError(str(e)) from None
     try:
