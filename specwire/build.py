@@ -54,7 +54,8 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         check(s.target.placement)
         if s.draft.model is not None:
             check(s.draft.model.placement, dict(s.draft.flags))
-        target = LlamaBackend(s.target, n_seq=n_seq, tree_branches=tree_branches(s, n_seq))
+        trees = tree_branches(s, n_seq)
+        target = LlamaBackend(s.target, n_seq=n_seq, tree_branches=trees)
         lookup = lookup_file(s.draft, target)
         wrap = _identity
         if s.emulation is not None:
@@ -67,6 +68,10 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         else:
             cache = lookup.cache if lookup is not None else None
             drafters = [build_drafter(s.draft, target, wrap, cache) for _ in range(n_seq)]
+        for d in drafters:   # a drafter is told the target verifies trees only where it does
+            for part in (d, getattr(d, "model", None)):   # a hybrid's model drafter too
+                if hasattr(part, "tree"):
+                    part.tree = min(part.tree, trees)
     except BackendError as e:
         raise ConfigError(str(e)) from None
     try:
@@ -169,6 +174,7 @@ def build_model_drafter(s: DraftSettings, target: Backend,
         from specwire.link.threaded import ThreadedDrafter
         drafter = ThreadedDrafter(backend)
         drafter.branches = branch_params(s.branches)
+        drafter.tree = s.tree
         return drafter
     from specwire.drafters.model import ModelDrafter
     return ModelDrafter(backend)

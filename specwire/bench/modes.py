@@ -231,7 +231,7 @@ class Drafters:
             drafter = (self._llama_server(emu) if cfg.mode == "llama-server"
                        else self._remote(emu, pipelined=cfg.mode != "remote-sync"))
             if cfg.mode == "remote-chains":
-                drafter.tree = False
+                drafter.tree = 0
             if cfg.mode == "hybrid-pipelined":
                 drafter = self._hybrid(cfg, drafter)
             try:
@@ -250,6 +250,7 @@ class Drafters:
             from specwire.link.threaded import ThreadedDrafter
             drafter = ThreadedDrafter(self.draft_backend())
             drafter.branches = branch_params(self.bench.remote.branches)
+            drafter.tree = self.bench.remote.tree
             return drafter
         if mode == "ngram":
             return self._ngram(cfg)

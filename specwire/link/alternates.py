@@ -7,7 +7,10 @@ fresh draft arrives. At the positions where the draft model itself hesitates
 likely to get there and pick the second: `worth_branching`), the node also
 drafts the second choice and a few tokens after it, and sends them in a chunk;
 it does so while its lookahead is full, or first when that pays more than the
-branch's next token (`alternate_first`). If the target rejects the branch there
+branch's next token (`alternate_first`), or, for a target that verifies trees
+(Open.tree), before the branch's next token once half its lookahead is out, so
+that it may join its position's decode.
+If the target rejects the branch there
 and its own token is that second choice, the continuation is verified at once,
 and the verdict tells the node to continue from it (specwire.proto,
 DraftChunk.alternates and Verdict.alternate; docs/protocol.md).

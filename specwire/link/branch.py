@@ -23,6 +23,7 @@ from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.bubble import BubbleWait
 from specwire.link.alternates import BranchParams
 from specwire.link.messages import (
+    MAX_ALTERNATES,
     MAX_CHUNK_TOKENS,
     NOTICE_AFTER,
     Chunk,
@@ -65,9 +66,11 @@ class BranchDrafter(DrafterBase):
         # Pipelined: ask the drafter for pre-drafted branches (link/alternates.py);
         # None asks for none. A drafter that predates them ignores the request.
         self.branches: BranchParams | None = BranchParams() if pipelined else None
-        # Hand those alternates to the engine as side branches of the draft, for a target
-        # that verifies trees (engine/tree_round.py), where the drafter follows the tree rule.
-        self.tree = True
+        # Hand up to this many of those alternates to the engine as side branches of the
+        # draft, for a target that verifies trees (engine/tree_round.py: --draft-tree), where
+        # the drafter follows the tree rule; the Open tells the drafter (0: chains). Its
+        # builders set it from the target's settings (link/remote.py, build.py).
+        self.tree = MAX_ALTERNATES
         # Pipelined: after a rejection, wait a moment for the fresh branch when that pays
         # more than a plain step (drafters/bubble.py); None never waits. Off where the
         # engine's step holds other sequences, or another drafter's draft may be ready.
@@ -414,6 +417,7 @@ class BranchDrafter(DrafterBase):
             alternate_len=self.branches.length if self.pipelined and self.branches else 0,
             cache_scope=p.cache_scope,
             no_store=not p.cache_store,
+            tree=self.tree if self.pipelined and self.branches else 0,
         )
 
     def _open_want(self) -> int:

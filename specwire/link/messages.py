@@ -58,6 +58,9 @@ class Open:
     # one peer; no_store keeps the session out of the node's cache.
     cache_scope: str = ""
     no_store: bool = False
+    # Pipelined, with alternates: the target verifies up to `tree` alternates beside the
+    # branch in one decode, so the node drafts them ahead of the branch (0: chains).
+    tree: int = 0
 
     def __post_init__(self) -> None:
         if not self.history:
@@ -72,6 +75,8 @@ class Open:
         if self.alternates > MAX_ALTERNATES or self.alternate_len > MAX_ALTERNATE_TOKENS:
             raise ProtocolError(f"open: alternates above {MAX_ALTERNATES} or alternate_len "
                                 f"above {MAX_ALTERNATE_TOKENS}")
+        if self.tree > MAX_ALTERNATES:
+            raise ProtocolError(f"open: tree above {MAX_ALTERNATES}")
         if len(self.cache_scope.encode()) > MAX_SCOPE_BYTES:
             raise ProtocolError(f"open: cache_scope above {MAX_SCOPE_BYTES} bytes")
 

@@ -90,6 +90,7 @@ def make_remote_drafters(urls: list[str], remote: RemoteSettings, target, n: int
         if not remote.poll:
             drafter.transport.forecast = None
         drafter.branches = branch_params(remote.branches)
+        drafter.tree = remote.tree if n == 1 and remote.pipelined else 0
     errors = drafters[0].handshake()
     fatal = [e for e in errors if e and e.startswith("incompatible")]
     if fatal:

@@ -93,6 +93,9 @@ class DraftSession:
                 self.mode is not VerifyMode.REJECTION or sampling.greedy):
             self.branching = alt.BranchParams(per_chunk=open_msg.alternates,
                                               length=max(1, open_msg.alternate_len))
+        # The target verifies up to this many alternates beside the branch in one decode
+        # (0: chains): each is then drafted right after its position is sent.
+        self.tree = open_msg.tree if self.branching is not None else 0
         self.choices: list[alt.TopTwo | None] = []  # branching: per branch token
         # Alternates of branch `gen` by position: drafted once, sent if longer than a token.
         self.alts: dict[int, list[int]] = {}
@@ -231,9 +234,14 @@ class DraftSession:
 
     def _alternate_first(self) -> int | None:
         """The sent branch token whose alternate to draft before the branch's next token:
-        any worth it while the branch waits (its lookahead full), else one whose worth per
+        for a target that verifies trees, the first one worth it (tree_alternate_at); else
+        any worth it while the branch waits (its lookahead full), or one whose worth per
         token drafted beats the chance that the target will ever verify that next token
         (link/alternates.py, alternate_first). None for sessions without alternates."""
+        if self.tree:
+            j = self._tree_alternate_at(self.sent)
+            if j is not None:
+                return j
         j, value = self._late_alternate_at()
         if j is None:
             return None
@@ -243,6 +251,30 @@ class DraftSession:
         for c in self.choices:
             reach *= 1.0 if c is None else c.p_first
         return j if alt.alternate_first(value, reach, self.branching) else None
+
+    def _tree_alternate_at(self, upto: int) -> int | None:
+        """For a target that verifies trees: the first of the branch's first `upto` tokens
+        whose alternate is worth drafting (link/alternates.py, worth_branching) and not yet
+        tried, while fewer than `tree` alternates wait for the branch's unverified part. An
+        alternate joins the decode of its position only if it arrives before that decode,
+        so it is drafted before the branch goes on, but only once the branch holds a
+        round's worth (half the lookahead): before that, the target is likely waiting for
+        the branch's next tokens, which the alternate would delay."""
+        bp = self.branching
+        start = len(self.committed)
+        if (bp is None or upto < self.lookahead // 2
+                or sum(1 for p in self.alts if p >= start) >= self.tree):
+            return None
+        reach = 1.0
+        for j, two in enumerate(self.choices[:upto]):
+            if two is None:
+                continue
+            if start + j not in self.alts and alt.worth_branching(two, reach, bp):
+                return j
+            reach *= two.p_first
+            if reach < bp.value_min:
+                break
+        return None
 
     def _late_alternate_at(self) -> tuple[int | None, float]:
         """The sent branch token whose alternate is now worth most (drafters/
@@ -364,15 +396,19 @@ class DraftSession:
         pending: list[int] = []
         sparse_pending: list = []
         base = self.committed + self.branch
+        paused = False  # stopped for an alternate, to go on after it
 
         def on_token(i: int, tok: int, sd) -> bool:
+            nonlocal paused
             self.branch.append(tok)
             pending.append(tok)
             if sd is not None:
                 sparse_pending.append(sd)
-            if self.pipelined and (self.sent == 0 or len(pending) >= 2):
+            due = self.tree and self._tree_alternate_at(len(self.branch)) is not None
+            if self.pipelined and (self.sent == 0 or len(pending) >= 2 or due):
                 self._flush(pending, sparse_pending, done=False)
                 if self.branching is not None and self._alternate_first() is not None:
+                    paused = True
                     return False  # an alternate first: the next work says which
             return not self._inbox and not self._closed
 
@@ -381,7 +417,7 @@ class DraftSession:
             at_choice=self._branch_at if self.branching is not None else None)
         if self.stop is not None:
             self.confidence += result.confidence or []
-        stopped_by_pmin = len(result) < target and not self._inbox
+        stopped_by_pmin = len(result) < target and not self._inbox and not paused
         self.stalled = stopped_by_pmin
         done = stopped_by_pmin or len(self.branch) >= self._limit()
         if pending or done:

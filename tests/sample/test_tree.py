@@ -349,3 +349,134 @@ def test_a_tree_that_would_not_fit_the_batch_is_sent_as_its_chain() -> None:
         Request(list(PROMPT), 30, GREEDY, DraftParams(n_max=4, policy="fixed")))
     assert gen.run() == _plain(PROMPT, GREEDY, 30)
     assert fb.trees and all(len(tokens) <= 6 for _, tokens, _ in fb.trees)
+
+
+# -- the node, told that its target verifies trees (Open.tree) -----------------------------
+
+#: A draft sure enough of itself that its hesitations are worth an alternate (alternates.py).
+SURE_DRAFT = FakeModel(V, seed=0, sharp=3.0)
+
+
+def _node(tree: int, lookahead: int = 16):
+    """A pipelined session of the fake draft asking for alternates, and what it sends."""
+    from fakes import FakeBackend
+
+    from specwire.link.messages import Open
+    from specwire.link.session import DraftSession
+
+    sent: list = []
+    o = Open(list(PROMPT), GREEDY, VerifyMode.GREEDY, pipelined=True, lookahead=lookahead,
+             alternates=2, alternate_len=4, tree=tree)
+    return DraftSession(FakeBackend(SURE_DRAFT, n_ctx=1024), o, sent.append), sent
+
+
+def _work(node) -> None:
+    """What the session's thread does until it would wait (DraftSession._next_work)."""
+    while True:
+        j = node._alternate_first()
+        if j is not None:
+            node._draft_late_alternate(j)
+        elif not node.stalled and len(node.branch) < node._limit():
+            node._draft_burst()
+        else:
+            return
+
+
+def _alternate_lags(sent: list) -> list[int]:
+    """For each alternate sent: how many branch tokens past its position had gone out
+    before it (0: it came right after its position)."""
+    end, lags = 0, []
+    for c in sent:
+        lags += [end - 1 - a.at for a in c.alternates]
+        end = max(end, c.start + len(c.tokens))
+    return lags
+
+
+def test_a_node_told_of_trees_drafts_its_alternates_before_the_branch_goes_on() -> None:
+    """With Open.tree the node sends an alternate before the branch's next token once a
+    round's worth (half the lookahead) is out, so that it reaches the target before the
+    decode that verifies its position; at most `tree` of them wait for the branch's
+    unverified part. Without it (a chain target, or an older one) they come later, as
+    before: once the lookahead is full, or when one is worth more than the branch's next
+    token."""
+    node, sent = _node(tree=2, lookahead=4)
+    _work(node)
+    lags = _alternate_lags(sent)
+    assert lags and max(lags) <= 1, lags          # sent once 2 branch tokens were out
+    assert len(lags) <= 2 and len(node.branch) == node._limit()
+    old, old_sent = _node(tree=0, lookahead=4)
+    _work(old)
+    assert old.branch == node.branch                # the same chain either way
+    old_lags = _alternate_lags(old_sent)
+    assert old_lags and min(old_lags) > max(lags), (old_lags, lags)
+
+
+def test_after_a_verdict_the_node_drafts_alternates_for_the_new_positions() -> None:
+    """A verdict keeps part of the branch: the alternates at committed positions no
+    longer count against `tree`, and the positions still ahead get theirs."""
+    from specwire.link.messages import Verdict
+
+    node, sent = _node(tree=1, lookahead=8)
+    _work(node)
+    first = [a.at for c in sent for a in c.alternates]
+    assert len(first) == 1
+    for _ in range(6):
+        a = first[-1] - len(node.committed)      # keep the branch up to that alternate
+        own = node.branch[a]
+        node._apply(Verdict(len(node.committed), a, [own], gen=node.gen))
+        n = len(sent)
+        _work(node)
+        new = [x.at for c in sent[n:] for x in c.alternates]
+        if not new:
+            break
+        assert all(p > first[-1] for p in new) and len(new) == 1
+        first += new
+    assert len(first) > 1, first
+
+
+def test_open_tree_travels_and_older_peers_ignore_it() -> None:
+    """Open.tree is a new field: unset it costs no byte (an older target's Open reads as
+    0, chains); set, a parser that predates it (the descriptor without the field) reads
+    every other field as before and skips it."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    from specwire.link.messages import Open, ProtocolError
+    from specwire.link.transport import protocol
+
+    o = Open([1, 2, 3], GREEDY, VerifyMode.GREEDY, pipelined=True, lookahead=16,
+             alternates=2, alternate_len=4, tree=3)
+    m = protocol.open_to_pb(o)
+    assert protocol.open_from_pb(pb.Open.FromString(m.SerializeToString())).tree == 3
+    no_tree = protocol.open_to_pb(Open([1, 2, 3], GREEDY, VerifyMode.GREEDY, pipelined=True,
+                                       lookahead=16, alternates=2, alternate_len=4))
+    assert m.ByteSize() == no_tree.ByteSize() + 3       # field 16: a 2-byte tag, the value
+    m.ClearField("tree")
+    assert m.SerializeToString() == no_tree.SerializeToString()
+    with pytest.raises(ProtocolError, match="open: tree above 4"):
+        Open([1], GREEDY, VerifyMode.GREEDY, tree=5)
+
+    fdp = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(fdp)
+    old_open = next(t for t in fdp.message_type if t.name == "Open")
+    fields = [f for f in old_open.field if f.name != "tree"]
+    del old_open.field[:]
+    old_open.field.extend(fields)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    OldOpen = message_factory.GetMessageClass(pool.FindMessageTypeByName("specwire.v1.Open"))
+    old = OldOpen.FromString(protocol.open_to_pb(o).SerializeToString())
+    assert not hasattr(old, "tree")
+    assert (list(old.history), old.lookahead, old.alternates, old.alternate_len) == \
+        ([1, 2, 3], 16, 2, 4)
+
+
+def test_the_target_says_tree_only_where_it_verifies_trees() -> None:
+    """open_message: the drafter's tree setting (the target's --draft-tree, set by its
+    builders), only for a pipelined session that asks for alternates."""
+    d = _tree_link(True)
+    d.tree = 3
+    assert d.open_message(list(PROMPT)).tree == 3
+    d.tree = 0
+    assert d.open_message(list(PROMPT)).tree == 0
+    d.tree, d.branches = 3, None
+    assert d.open_message(list(PROMPT)).tree == 0
