@@ -181,13 +181,7 @@ def add_rpc_servers(endpoints: Sequence[str], build_hint: str = "") -> list[str]
     ggml aborts the process on a failed connection or handshake, so each endpoint is tried
     first from a child process."""
     g = ggml()
-    rpc = g.reg_by_name(b"RPC")
-    if not rpc:
-        raise BackendError("--rpc: this llama.cpp build has no RPC backend" + build_hint)
-    fn = g.reg_proc_address(rpc, b"ggml_backend_rpc_add_server")
-    if not fn:
-        raise BackendError("--rpc: this llama.cpp's RPC backend cannot add servers")
-    add = _RPC_ADD_SERVER(fn)
+    add = _rpc_add_server(build_hint)
     before = {d.name for d in devices()}
     for endpoint in endpoints:
         if endpoint in _rpc_endpoints:
@@ -216,7 +210,7 @@ def _check_rpc_endpoint(endpoint: str, timeout_s: float = 30.0) -> None:
     except OSError as e:
         raise BackendError(f"--rpc {endpoint}: no rpc-server answered there ({e})") from None
     probe = ("import sys; from specwire.backend import placement as p; "
-             "sys.exit(0 if p.rpc_device_count(sys.argv[1]) else 3)")
+             "sys.exit(0 if p.rpc_answers(sys.argv[1]) else 3)")
     try:
         r = subprocess.run([sys.executable, "-c", probe, endpoint], capture_output=True,
                            text=True, timeout=timeout_s)
@@ -227,13 +221,22 @@ def _check_rpc_endpoint(endpoint: str, timeout_s: float = 30.0) -> None:
         raise BackendError(f"--rpc {endpoint}: not an rpc-server this llama.cpp can use: {why}")
 
 
-def rpc_device_count(endpoint: str) -> int:
-    """The devices an rpc-server offers (the child's probe; aborts on a failed handshake)."""
+def _rpc_add_server(build_hint: str = "") -> ctypes._CFuncPtr:
+    """The RPC backend's ggml_backend_rpc_add_server, refused where this build lacks it."""
     g = ggml()
     rpc = g.reg_by_name(b"RPC")
-    fn = g.reg_proc_address(rpc, b"ggml_backend_rpc_add_server") if rpc else None
-    reg = _RPC_ADD_SERVER(fn)(endpoint.encode()) if fn else None
-    return 1 if reg else 0
+    if not rpc:
+        raise BackendError("--rpc: this llama.cpp build has no RPC backend" + build_hint)
+    fn = g.reg_proc_address(rpc, b"ggml_backend_rpc_add_server")
+    if not fn:
+        raise BackendError("--rpc: this llama.cpp's RPC backend cannot add servers")
+    return _RPC_ADD_SERVER(fn)
+
+
+def rpc_answers(endpoint: str) -> bool:
+    """Whether the rpc-server there offers a device (the child's probe: ggml aborts the
+    process on a failed connection or handshake)."""
+    return bool(_rpc_add_server()(endpoint.encode()))
 
 
 def buffer_types() -> dict[str, int]:
