@@ -25,7 +25,7 @@ from specwire.drafters.base import Drafter, NoDrafter
 from specwire.drafters.guard import DraftGuard, check_verify_mode
 from specwire.engine.request import Request
 from specwire.engine.scheduler import Batch, BatchScheduler
-from specwire.engine.sequence import SequenceState
+from specwire.engine.sequence import SequenceState, adapter_scales
 from specwire.engine.stats import Stats
 from specwire.policy.adaptive import AdaptivePolicy, Policy, PolicyMemory
 from specwire.policy.tree import TreeYield
@@ -155,14 +155,6 @@ class Engine:
         #: llama-server's --cache-reuse: shift cached chunks of at least this many tokens
         #: past the common prefix into place (0: the common prefix only).
         self.cache_reuse = 0
-        #: llama-server's --context-shift: a full context drops half of what follows the
-        #: request's n_keep tokens and generation goes on (False: it stops there). Only
-        #: for a target whose cache can shift (its `shift`; see enable_context_shift).
-        self.context_shift = False
-        #: the adapter scales each sequence's cache was computed under (Generation.lora);
-        #: a cache restored from a file is taken to be the target's own
-        self.cache_lora: list[tuple[float, ...]] = [
-            tuple(getattr(self.batch.seq(i), "lora_scales", ())) for i in range(self.batch.n_seq)]
         self.no_drafter = NoDrafter()
         drafters = (list(drafter) if isinstance(drafter, (list, tuple))
                     else [drafter or self.no_drafter] * (1 if drafter else self.batch.n_seq))
@@ -211,7 +203,7 @@ class Engine:
         #: the adapter scales each sequence's cache was computed under (SequenceState.lora);
         #: a cache restored from a file is taken to be the target's own
         self.cache_lora: list[tuple[float, ...]] = [
-            tuple(getattr(self.batch.seq(i), "lora_scales", ())) for i in range(self.batch.n_seq)]
+            adapter_scales(self.batch.seq(i)) for i in range(self.batch.n_seq)]
         #: --lookup-cache-dynamic: the n-gram drafters' cache file (build.py sets it), which
         #: the command saves when it ends
         self.lookup_file: CacheFile | None = None
@@ -280,7 +272,7 @@ class Engine:
         if req.draft.enabled:
             s.policy = self.policy(s.seq, req.draft.policy, req.draft.n_max)
         prompt = req.prompt
-        n_adapters = len(getattr(target, "lora_scales", ()))
+        n_adapters = len(adapter_scales(target))
         if req.lora is not None and len(req.lora) != n_adapters:
             raise ConfigError(f"lora: {len(req.lora)} scales for the target's {n_adapters} "
                               "adapters (--lora)")

@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from specwire.sample.verify import Verifier
 
 
+def adapter_scales(target: Backend) -> tuple[float, ...]:
+    """The target's own LoRA scales (--lora, POST /lora-adapters); () without adapters."""
+    return tuple(getattr(target, "lora_scales", ()))
+
+
 @dataclass(slots=True)
 class Round:
     """One speculative round between its part being planned and its rows arriving."""
@@ -100,7 +105,7 @@ class SequenceState:
         target's (the scheduler decodes together only sequences with equal ones)."""
         if self.req.lora is not None:
             return self.req.lora
-        return tuple(getattr(self.target, "lora_scales", ()))
+        return adapter_scales(self.target)
 
     @property
     def k(self) -> int:
