@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Capabilities, Draft, Drafter, DrafterBase
 from specwire.drafters.ngram.drafter import NgramDrafter, Offer
-from specwire.policy.costs import DraftCost, VerifyCost
+from specwire.policy.costs import DraftCost, PerToken, VerifyCost
 from specwire.policy.throughput import expected_tokens
 
 #: Plain steps in a row without asking a model that did not look worth it, at first...
@@ -56,17 +56,14 @@ def kept_prefix(draft: Sequence[int], new: Sequence[int]) -> int:
 
 @dataclass(slots=True)
 class HybridEstimates:
-    """What the hybrid learns of its candidates' yields and catching up (the model's
-    drafting cost is its draft backend's, DraftCost). It outlives a request: a server
+    """What the hybrid learns of its candidates' yields (the model's drafting and
+    catching-up costs are its draft backend's, DraftCost). It outlives a request: a server
     keeps its drafter, and bench, which builds a drafter per prompt, keeps these per
     configuration (as the n-gram's calibration and the policy's estimates)."""
 
     accepted: float = 1.5       # the model's a, pseudo-counts
     rejected: float = 0.5
     model_len: float = 0.0      # mean length of its drafts
-    #: seconds the model spent catching up (tokens added while not asked), over the tokens
-    catch_up_s: float = 0.0
-    catch_up_tokens: float = 0.0
     #: what the model's verified rounds yielded, tokens and seconds (drafting and
     #: verification, not catching up), exponentially weighted: its rate as it turned out
     model_tokens: float = 0.0
@@ -188,9 +185,14 @@ class HybridDrafter(DrafterBase):
         return min(estimate, est.model_tokens / (est.model_s + self.catch_up_cost(behind)))
 
     def catch_up_cost(self, behind: int) -> float:
-        """Seconds the model spends evaluating `behind` tokens it missed while not asked."""
-        est = self.est
-        return est.catch_up_s / est.catch_up_tokens * behind if est.catch_up_tokens else 0.0
+        """Seconds the model spends evaluating `behind` tokens it missed while not asked
+        (in a request's first model draft, its prompt's)."""
+        per_token = self._catch_up()
+        return per_token() * behind
+
+    def _catch_up(self) -> PerToken:
+        """The catch-up a model draft now would do: the prompt's, or tokens missed since."""
+        return self.draft.prompt if self._model_at == 0 else self.draft.catch_up
 
     def _behind(self, history: Sequence[int]) -> int:
         """Tokens added since the model was last asked, when that was before the previous
@@ -239,10 +241,7 @@ class HybridDrafter(DrafterBase):
             if not behind:              # a steady round: its time is drafting
                 self.draft.observe(len(draft), took)
             else:
-                w = 1.0 - self.alpha
-                extra = max(0.0, took - self.draft.seconds(len(draft)))
-                self.est.catch_up_s = w * self.est.catch_up_s + extra
-                self.est.catch_up_tokens = w * self.est.catch_up_tokens + behind
+                self._catch_up().add(behind, max(0.0, took - self.draft.seconds(len(draft))))
         self._model_at, self._asked_last = len(history), True
         # what the model proposed may still be worth less than the match; its drafting
         # time is spent either way, so only verification counts now

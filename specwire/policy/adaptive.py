@@ -135,12 +135,6 @@ class AdaptiveState:
     rejected: float = 0.5
     continued: float = 4.0  # drafted tokens, and rounds the drafter ended early (g = 0.9)
     stopped: float = 0.5
-    #: what a stretch of plain steps made the drafter redo: seconds, over skipped tokens
-    catch_up_s: float = 0.0
-    catch_up_tokens: float = 0.0
-    #: what catching up with a request's prompt cost: seconds, over its tokens
-    prompt_s: float = 0.0
-    prompt_tokens: float = 0.0
     probe_backoff: int = 1  # the interval's multiplier: doubles per probe that did not pay
     probed: bool = False  # the last round asked was a probe
     probing: bool = False  # the round in progress is a probe
@@ -274,14 +268,12 @@ class AdaptivePolicy:
     def catch_up_cost(self) -> float:
         """Seconds per plain step that the drafter spends catching up once asked again: a
         draft model evaluates the tokens it missed; a remote or n-gram drafter, nothing."""
-        st = self.state
-        return st.catch_up_s / st.catch_up_tokens if st.catch_up_tokens else 0.0
+        return self.draft.catch_up()
 
     def prompt_cost(self) -> float:
         """Seconds per prompt token that the drafter's first round of a request spends
         catching up (0 before it has been seen)."""
-        st = self.state
-        return st.prompt_s / st.prompt_tokens if st.prompt_tokens else 0.0
+        return self.draft.prompt()
 
     def behind_s(self) -> float:
         """Seconds the next round that asks the drafter spends catching up first."""
@@ -437,16 +429,11 @@ class AdaptivePolicy:
                     self.draft.observe(drafted, draft_s)
                 elif steady_s is not None:
                     self.draft.observe(drafted, steady_s)
-            if not st.warm and st.skipped:  # the first round after plain steps, or of
-                # the request
+            if not st.warm and st.skipped and not self.drafter_stops:
+                # the first round after plain steps, or of the request
                 steady = self.draft.seconds(drafted) if steady_s is None else steady_s
                 extra = max(0.0, draft_s - steady)
-                if st.begun:
-                    st.catch_up_s = w * st.catch_up_s + extra
-                    st.catch_up_tokens = w * st.catch_up_tokens + st.skipped
-                else:
-                    st.prompt_s = w * st.prompt_s + extra
-                    st.prompt_tokens = w * st.prompt_tokens + st.skipped
+                (self.draft.catch_up if st.begun else self.draft.prompt).add(st.skipped, extra)
             st.skipped, st.begun = 0, True
         else:
             st.skipped += 1

@@ -10,7 +10,8 @@ which waits only for sizes it has seen).
 The drafting cost is the draft backend's: one DraftCost per draft model (or per
 sequence's drafter where there is none), kept by whoever owns it (the engine, beside
 what its policies learned; the sequences of one shared draft context share one) and
-handed to the policies, the hybrid and the lockstep drafts. Whoever times the draft
+handed to the policies, the hybrid and the lockstep drafts. It holds a draft's own time
+and what catching up costs (the tokens the backend lacks). Whoever times the draft
 model feeds it: the policy from its rounds, the hybrid (which alone knows which rounds
 were its model's) and the shared draft context's decodes.
 
@@ -54,6 +55,25 @@ class VerifyCost:
         return self.line.coefficients()[1]
 
 
+@dataclass(slots=True)
+class PerToken:
+    """Seconds per token of work done now and then (catching up), exponentially weighted
+    by the tokens of each sample."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    alpha: float = 0.15  # the weight of the newest sample
+
+    def add(self, tokens: float, seconds: float) -> None:
+        w = 1.0 - self.alpha
+        self.seconds = w * self.seconds + seconds
+        self.tokens = w * self.tokens + tokens
+
+    def __call__(self) -> float:
+        """Seconds per token (0 before any sample: catching up is assumed free)."""
+        return self.seconds / self.tokens if self.tokens else 0.0
+
+
 def _decode_line() -> LineFit:
     return LineFit(0.05, guess=DECODE_SLOPE)
 
@@ -68,6 +88,11 @@ class DraftCost:
     line: LineFit = field(default_factory=draft_line)
     #: seconds of one decode of the shared draft context against its tokens (lockstep)
     decode: LineFit = field(default_factory=_decode_line)
+    #: what a draft beyond its own time spends evaluating the tokens its backend lacks:
+    #: those added while it was not asked (plain steps, an n-gram's rounds) ...
+    catch_up: PerToken = field(default_factory=PerToken)
+    #: ... and, in a request's first draft, its prompt (one batch: cheaper per token)
+    prompt: PerToken = field(default_factory=PerToken)
 
     def observe(self, drafted: int, seconds: float) -> None:
         """A caught-up draft of `drafted` tokens took `seconds`."""
@@ -97,3 +122,7 @@ class DraftCost:
         same machine), where this one has seen no draft yet."""
         if self.line.w == 0.0 and other.line.w > 0.0:
             self.line = replace(other.line)
+        if self.catch_up.tokens == 0.0:
+            self.catch_up = replace(other.catch_up)
+        if self.prompt.tokens == 0.0:
+            self.prompt = replace(other.prompt)

@@ -288,5 +288,5 @@ def test_the_model_is_charged_for_catching_up(monkeypatch) -> None:
     assert gen.tokens == reference(SAMPLED, 48, prompt)
     st = hybrid.stats()
     assert st["ngram_rounds"] > 0 and st["model_rounds"] > 0
-    assert hybrid.est.catch_up_tokens > 0
+    assert hybrid.draft.catch_up.tokens > 0
     assert hybrid.catch_up_cost(10) > max(0.002, 2 * hybrid.draft.seconds(1))

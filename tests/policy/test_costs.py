@@ -190,3 +190,47 @@ def test_only_whoever_times_the_draft_model_feeds_its_cost(monkeypatch) -> None:
         p.choose(8)
         p.observe(p.state.k, 2, 0.01, 0.02)
     assert p.draft.line.w == 0
+
+
+def test_catching_up_is_priced_by_the_draft_backend_alone(monkeypatch) -> None:
+    """What catching up costs (the prompt, tokens missed while not asked) is the draft
+    backend's DraftCost's: the policy feeds it for a drafter it times, the hybrid for its
+    model, and neither the policy's state nor the hybrid's estimates keep one of their own."""
+    from specwire.policy.adaptive import AdaptiveState
+    from specwire.policy.costs import PerToken
+
+    def own(obj: object) -> list[str]:
+        names = [f.name for f in dataclasses.fields(obj)]
+        return [n for n in names if "catch" in n or "prompt" in n
+                or isinstance(getattr(obj, n), PerToken)]
+    assert own(AdaptiveState()) == [] and own(HybridEstimates()) == []
+    seen: list[str] = []
+    add = PerToken.add
+
+    def spy(self, *a):
+        seen.append(sys._getframe(1).f_code.co_name)
+        return add(self, *a)
+    monkeypatch.setattr(PerToken, "add", spy)
+    p = AdaptivePolicy(8)
+    p.start(behind=6)
+    p.state.k, p.state.skipped = 2, 6
+    p.observe(2, 2, 0.3, 0.02)                      # a request's first round: its prompt
+    assert p.draft.prompt() == pytest.approx((0.3 - p.draft.seconds(2)) / 6, rel=1e-6)
+    for _ in range(3):
+        p.state.k = 0
+        p.observe(0, 0, 0.0, 0.02)
+    p.state.k = 2
+    p.observe(2, 2, p.draft.seconds(2) + 0.03, 0.02)   # after three plain steps
+    assert p.catch_up_cost() == pytest.approx(0.01, rel=1e-6)
+    assert seen == ["observe", "observe"]
+    seen.clear()
+    stops = AdaptivePolicy(8)
+    stops.drafter_stops = True
+    stops.state.k, stops.state.skipped = 2, 6
+    stops.observe(2, 2, 0.3, 0.02)
+    assert seen == [] and stops.draft.prompt.tokens == 0
+    hybrid = HybridDrafter(NgramDrafter(4, 1), ModelDrafter(FakeBackend(DRAFT, name="d")))
+    engine = Engine(FakeBackend(TARGET), hybrid)
+    engine.generate(Request(list(PROMPT * 3), 24, GREEDY, ADAPTIVE)).run()
+    assert seen and set(seen) == {"propose"}        # HybridDrafter.propose
+    assert hybrid.draft.prompt.tokens > 0 or hybrid.draft.catch_up.tokens > 0
