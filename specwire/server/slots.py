@@ -35,6 +35,7 @@ from specwire.backend.base import BackendError
 from specwire.config import ConfigError
 from specwire.drafters.base import LinkStatus
 from specwire.engine.engine import Engine, Generation, Request
+from specwire.engine.sequence import adapter_scales
 from specwire.engine.stats import Stats
 from specwire.server.errors import ApiError
 from specwire.server.metrics import Metrics
@@ -589,7 +590,8 @@ class Scheduler:
 
     def slot_states(self) -> list[dict]:
         """GET /slots: each slot as llama-server lists it (id, n_ctx, is_processing,
-        speculative, the running request's settings), plus its drafter and cached tokens."""
+        speculative, the running request's settings with its n_keep, n_discard and LoRA
+        scales), plus its drafter and cached tokens."""
         out = []
         for s in self.slots:
             job = s.job
@@ -601,7 +603,11 @@ class Scheduler:
                 entry["params"] = {"n_predict": req.n_predict, **req.sampling.to_dict(),
                                    "speculative.n_max": req.draft.n_max,
                                    "speculative.n_min": req.draft.n_min,
-                                   "speculative.p_min": req.draft.p_min}
+                                   "speculative.p_min": req.draft.p_min,
+                                   "n_keep": req.n_keep, "n_discard": req.n_discard,
+                                   "lora": [{"id": i, "scale": x} for i, x in enumerate(
+                                       req.lora if req.lora is not None
+                                       else adapter_scales(s.target))]}
                 entry["n_prompt_tokens"] = len(req.prompt)
             out.append(entry)
         return out

@@ -281,6 +281,19 @@ def test_toy_dropped_stream_frees_slot_and_drafter_at_once(toy) -> None:
     assert _metric(url, 'requests_finished_total{outcome="cancelled"}') == 1
 
 
+def test_toy_slots_show_a_running_requests_keep_discard_and_lora(toy) -> None:
+    """GET /slots lists a processing slot's n_keep, n_discard and LoRA scales among its
+    params, as llama-server does (the toy target has no adapters: an empty list)."""
+    url, _ = toy
+    body = {"prompt": "z", "n_predict": 3000, "stream": True, "n_keep": 1, "n_discard": 2}
+    with httpx.stream("POST", url + "/completion", json=body, timeout=10) as r:
+        events = _sse(r.iter_lines())
+        assert next(events)["content"]
+        (slot,) = [s for s in httpx.get(url + "/slots", timeout=10).json() if s["is_processing"]]
+    params = slot["params"]
+    assert (params["n_keep"], params["n_discard"], params["lora"]) == (1, 2, [])
+
+
 @pytest.mark.slow
 def test_toy_queue_full_then_waiting_client_leaves(toy) -> None:
     url, _ = toy
