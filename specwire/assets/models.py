@@ -55,7 +55,12 @@ EMBEDDING_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0",
 
 @dataclass(frozen=True)
 class Recipe:
-    """How one cached file is made: assembled (qtype None) or quantized from the base."""
+    """How one cached file is made: assembled (qtype None) or quantized from the base.
+
+    embedding_type quantizes the token embedding apart: Gemma ties its 262k x 640 embedding
+    and output matrix, most of the model, and 640 is not a multiple of the 256-wide K-quant
+    blocks, so a plain Q2_K quietly keeps it in Q8_0 and the "2-bit" draft stays at about
+    220 MiB (146 MiB with a Q4_0 embedding)."""
 
     name: str
     qtype: str | None = None
