@@ -194,7 +194,7 @@ def by_category(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None) ->
 
 def aggregate(cfg: Config, runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None,
               lossless: bool) -> dict:
-    """One configuration's record: every figure the issue asks for, plus per-prompt data."""
+    """One configuration's record: every figure bench reports, plus per-prompt data."""
     drafted = sum(r.stats.get("draft_n", 0) for r in runs)
     accepted = sum(r.stats.get("draft_n_accepted", 0) for r in runs)
     hist = merge_hist(r.stats.get("accepted_hist", []) for r in runs)

@@ -5,7 +5,7 @@ identity, so that one target's clients cannot probe what another target's
 clients said. An identity is authenticated, never chosen by the peer: the name
 of its token in a --token-file (lines `NAME TOKEN`), and with mutual TLS the
 subject of its client certificate. With neither (one shared --token, or none)
-every peer is the same identity, "", as before tenants existed; the per-request
+every peer is the same identity, ""; the per-request
 scope each target sends in its Open (cache_scope) still separates its clients.
 
 Quotas: an identity holds at most `per_identity` of the node's --max-sessions

@@ -159,7 +159,7 @@ class VerifyTimes:
     A bigger batch never costs less: the means per size are pooled where they say
     otherwise (weighted by their rounds), so that one round of 5 that happened to run
     fast on a loaded machine does not make waiting for 4 tokens look cheaper than
-    waiting for 3 (in a loaded run t_v(5) read 109 ms beside t_v(4) at 134)."""
+    waiting for 3."""
 
     alpha: float = 0.1
     weight: dict[int, float] = field(default_factory=dict)

@@ -1,10 +1,9 @@
 """GET /metrics through prometheus_client, named like llama-server's with a `specwire:` prefix.
 
 One registry per app holds the generations' counters and gauges (plain numbers kept behind
-a lock by the worker threads, turned into families at scrape time so their names stay those
-of the hand-written exposition they replaced), histograms of time to first token, time per
-output token and round duration, the state read at scrape time (queue, link, contexts,
-process), and llama.cpp's own speculation counters (`llamacpp:` prefix, vLLM's schema) so
+a lock by the worker threads and turned into families at scrape time, so that their names
+and meanings stay stable), histograms of time to first token, time per output token and
+round duration, the state read at scrape time (queue, link, contexts, process), and llama.cpp's own speculation counters (`llamacpp:` prefix, vLLM's schema) so
 that dashboards built for those work unchanged. `Metrics.figures()` returns the same samples
 as numbers, keyed as the exposition writes them, for the pages that show them.
 """
@@ -95,7 +94,9 @@ class Metrics:
             self.outcomes[what] += 1
 
     def record(self, slot: int, stats: Stats, predicted: int) -> None:
-        """Add what one generation measured (finished or cut short)."""
+        """Add what one generation measured (finished or cut short). The drafter's own
+        figures (stats.drafter) are added per slot, and its network_ms (wait_ms, the remote
+        drafter's name) to the network share of the drafting time."""
         with self._lock:
             self.prompt_tokens += stats.prompt_n
             self.prompt_ms += stats.prompt_ms

@@ -124,7 +124,7 @@ class Grammar:
         """Advance the parse state by one token.
 
         llama.cpp aborts the process on a token its grammar cannot take, so that is
-        checked first (one candidate: microseconds) and refused with an exception.
+        checked first (one candidate: cheap) and refused with an exception.
         """
         if not self.allowed(np.array([token]))[0]:
             raise ConfigError(f"{self.spec.origin}: token {token} does not fit the grammar here")
