@@ -24,7 +24,8 @@ MIN_ARRIVALS = 3
 
 @dataclass(slots=True)
 class BubbleWait:
-    """Decides how long a round without enough draft waits for the drafter."""
+    """Decides how long a round without enough draft waits for the drafter; tokens that
+    are late are not waited for past the deadline: the round verifies what came."""
 
     alpha: float = 0.1
     margin: float = 0.1  # tokens by which waiting must beat verifying what is there

@@ -41,7 +41,9 @@ def point_q(tokens: Sequence[int]) -> list[SparseDraft]:
 
 class DraftGuard:
     """Forwards the drafter protocol to `drafter`, turning every failure into an empty
-    draft and a pause. Lives as long as its engine, so the pause spans requests."""
+    draft and a pause, after which the drafter is begun again on the current history; a
+    round with a usable draft resets the pause. Lives as long as its engine, so the pause
+    spans requests."""
 
     def __init__(self, drafter: Drafter, n_vocab: int, hold: bool = True) -> None:
         """hold: the drafter may hold a round for a fresh branch (False where the step

@@ -231,7 +231,8 @@ class LookupCache:
         return len(self._seqs)
 
     def add(self, sequence: Sequence[int], scope: str = "") -> None:
-        """Keep a finished sequence in `scope`; evict the oldest ones beyond the bound."""
+        """Keep a finished sequence in `scope`; evict the oldest ones beyond the bound. A
+        sequence already held (the same request again) is stored once, refreshed."""
         seq = tuple(sequence)
         if len(seq) <= KEY or len(seq) > self.max_tokens:
             return
