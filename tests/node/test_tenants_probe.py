@@ -183,8 +183,9 @@ def test_the_time_to_the_first_draft_tells_nothing_across_tenants(target) -> Non
     """The node's own timing, without a target in between: the time from an Open of
     [opening, tokens before, guess, filler] to its first draft, for the true guess and
     three others at each of the 8 positions, from mallory and then (the control) from
-    alice. Printed for docs/memory.md; the test asserts that at each position mallory's
-    cache_n is the same for every guess (the node's work is the same) and alice's is not."""
+    alice. Printed for benchmarks/NOTES.md (section 12); the test asserts that at each
+    position mallory's cache_n is the same for every guess (the node's work is the same)
+    and alice's is not."""
     settings = NodeSettings(model=ModelParams(draft_model_path(), n_ctx=N_CTX), port=0,
                             tokens={ALICE: "alice", MALLORY: "mallory"}, cache_sessions=512)
     node = node_mod.start(settings)
