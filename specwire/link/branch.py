@@ -377,7 +377,10 @@ class BranchDrafter(DrafterBase):
         if rest is None:
             self.counters.alternate_misses += 1
             return False
+        if not rest and len(own) == 1:
+            return False  # a second choice alone, not in the tree: it adds nothing
         self.counters.alternate_trees += len(own) > 1   # a tree round kept some of it
+        self.counters.second_choices_taken += len(a) == 1
         self._gen, self._buf_start, self._buf = self._gen + 1, at + len(own), rest
         self._sparse, self._alts = None, {}
         self.counters.alternate_rounds += 1
@@ -418,6 +421,7 @@ class BranchDrafter(DrafterBase):
             cache_scope=p.cache_scope,
             no_store=not p.cache_store,
             tree=self.tree if self.pipelined and self.branches else 0,
+            second_choices=bool(self.tree and self.pipelined and self.branches),
         )
 
     def _open_want(self) -> int:
@@ -521,6 +525,7 @@ class BranchDrafter(DrafterBase):
                 if a.at >= n:
                     self._alts[a.at] = a.tokens
             self.counters.alternates_received += len(c.alternates)
+            self.counters.second_choices += sum(len(a.tokens) == 1 for a in c.alternates)
             if c.sparse is not None and self._sparse is not None:
                 self._sparse.extend(c.sparse)
             self._done = c.done or not self.pipelined  # a synchronous chunk is whole
