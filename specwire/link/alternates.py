@@ -113,10 +113,12 @@ def worth_branching(two: TopTwo | None, reach: float, params: BranchParams) -> b
 
 
 def second_choice_due(two: TopTwo | None, reach: float, params: BranchParams) -> bool:
-    """Send the second choice alone here (a target that verifies it in a tree): the draft
-    hesitates, but a drafted alternate is not worth it (worth_branching). Alone it costs
-    no drafting, and taken it adds the target's own token after it."""
-    return (two is not None and params.per_chunk > 0 and two.p_first < params.top_below
+    """Send the second choice alone here (a target that verifies it in a tree): wherever
+    a drafted alternate is not worth it (worth_branching), however sure the draft is. A
+    sure draft is rejected too, and then the target's token is often its second choice;
+    alone it costs no drafting, and taken it adds the target's own token after it. The
+    target hangs only a few in each tree, the first positions' (the likeliest reached)."""
+    return (two is not None and params.per_chunk > 0
             and not worth_branching(two, reach, params))
 
 

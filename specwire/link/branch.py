@@ -474,10 +474,12 @@ class BranchDrafter(DrafterBase):
 
     def _branches(self, start: int, n: int) -> list[tuple[int, list[int]]] | None:
         """The alternates sent for the n draft tokens from `start`, as side branches a
-        tree round may verify (their drafter follows the tree rule), by position."""
+        tree round may verify (their drafter follows the tree rule): the drafted ones
+        first (each judged worth its drafting), then second choices alone, by position."""
         if not self.tree or not self._alts or not n or not self.transport.trees():
             return None
-        return [(p - start, list(t)) for p, t in sorted(self._alts.items())
+        return [(p - start, list(t))
+                for p, t in sorted(self._alts.items(), key=lambda a: (len(a[1]) == 1, a[0]))
                 if start <= p < start + n] or None
 
     def on_chunk(self, session: int, c: Chunk) -> None:

@@ -319,8 +319,8 @@ class DraftSession:
 
     def _queue_second_choices(self, first: int, n: int) -> None:
         """Branch tokens first..first+n-1 are about to be sent: queue the second choice
-        alone at each where the draft hesitates (alternates.second_choice_due) but a
-        drafted alternate is not worth it yet, up to a chunk's alternates. Such a position
+        alone at each where a drafted alternate is not worth it yet
+        (alternates.second_choice_due), up to a chunk's alternates. Such a position
         never gets a drafted alternate: both ends read a verdict by the one alternate sent
         there."""
         bp, start = self.branching, len(self.committed)
