@@ -168,6 +168,7 @@ def starved(runs: Sequence[PromptRun]) -> dict | None:
             "share_of_time": ms / total if total else None,
             "alternate_rounds": drafter("alternate_rounds"),
             "alternate_trees": drafter("alternate_trees"),
+            "second_choices_taken": drafter("second_choices_taken"),
             "empty_rounds": drafter("empty_rounds"),
             "waited_rounds": drafter("waited_rounds"), "waited_ms": drafter("waited_ms"),
             "waited_share_of_time": drafter("waited_ms") / total if total else None,
@@ -486,7 +487,8 @@ def render_summary(results: dict) -> str:
                          f"{sv.get('empty_rounds', 0):.0f} rounds without a draft in all); "
                          f"{sv['alternate_rounds']:.0f} verified a pre-drafted alternate "
                          f"({sv.get('alternate_trees', 0):.0f} in the same decode, as a "
-                         "tree); "
+                         f"tree, {sv.get('second_choices_taken', 0):.0f} of them a second "
+                         "choice alone); "
                          f"{sv.get('waited_rounds', 0):.0f} waited for the drafter "
                          f"({sv.get('waited_ms', 0):.0f} ms, "
                          f"{_pct(sv.get('waited_share_of_time'))}% of decoding time, "
