@@ -15,7 +15,7 @@ from functools import partial
 
 import numpy as np
 import pytest
-from test_invariance import explain_mismatch
+from invariance_checks import explain_mismatch
 from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     CODE,
     GREEDY,

@@ -256,8 +256,8 @@ def test_the_adaptive_engine_sends_chains_on_a_steep_curve(monkeypatch) -> None:
 
 
 def _tree_link(trees_on: bool):
+    from branch_fakes import Branching
     from fakes import FakeBackend
-    from test_alternates import Branching
 
     d = Branching(FakeBackend(DRAFT, n_ctx=1024))
     d.branches = BranchParams(per_chunk=4, length=4, value_min=0.0, top_below=1.0)
