@@ -1,5 +1,6 @@
 """Shared test set-up: the import path, the fast-suite guard (tests/support/fast_guard.py),
-pytester for its own test, and `specwire_cli`, which runs `specwire ...` twice over: in
+pytester for its own test, the draft link's fixtures (tests/support/wire_helpers.py:
+"target", "node", "node_proc"), and `specwire_cli`, which runs `specwire ...` twice over: in
 this process (fast) and as a real process (slow).
 
 The tests mirror specwire/'s packages, one folder each, with no __init__.py (pytest's
@@ -23,7 +24,7 @@ SUPPORT = Path(__file__).resolve().parent / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
-pytest_plugins = ("fast_guard", "pytester")
+pytest_plugins = ("fast_guard", "pytester", "wire_helpers")
 
 CliRun = Callable[..., subprocess.CompletedProcess]
 

@@ -11,23 +11,12 @@ kept path's KV is what decoding that path gives.
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import numpy as np
 import pytest
+from alternates_everywhere import threaded_alternates_everywhere
 from invariance_checks import explain_mismatch
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
-    CODE,
-    GREEDY,
-    N_CTX,
-    PROSE,
-    SEEDED,
-    node_fixture,
-    node_proc_fixture,
-    request,
-    run_to_end,
-    target_fixture,
-)
+from wire_helpers import CODE, GREEDY, N_CTX, PROSE, SEEDED, request, run_to_end
 
 from specwire.assets import models
 from specwire.backend.base import sync_prefix
@@ -37,8 +26,6 @@ from specwire.config import ModelParams
 from specwire.drafters.base import Draft, DrafterBase
 from specwire.engine.engine import Engine
 from specwire.link import alternates
-from specwire.link.alternates import BranchParams
-from specwire.link.threaded import ThreadedDrafter
 from specwire.sample import sampling
 from specwire.sample import tree as trees
 
@@ -167,11 +154,7 @@ def _settle(drafter):
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_threaded_trees_everywhere_are_token_identical(target, tree_target, sp,
                                                        monkeypatch) -> None:
-    monkeypatch.setattr(alternates, "BranchParams",
-                        partial(BranchParams, top_below=1.0, value_min=0.0))
-    p = ModelParams(str(models.default_draft(progress=False)), n_ctx=N_CTX, n_threads=1)
-    drafter = ThreadedDrafter(LlamaBackend(p, load_model(p)))
-    drafter.branches = BranchParams(per_chunk=4, length=4)
+    drafter = threaded_alternates_everywhere(monkeypatch, N_CTX)
     verified = 0
 
     try:

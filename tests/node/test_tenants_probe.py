@@ -35,7 +35,6 @@ from wire_helpers import (
     node_process,
     request,
     run_to_end,
-    target_fixture,  # noqa: F401 - registers the "target" fixture
     wait_for,
 )
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from branch_fakes import _work
 from fakes import FakeBatch, FakeClock, FakeModel
 
 from specwire.backend.base import BackendError
@@ -368,18 +369,6 @@ def _node(tree: int, lookahead: int = 16):
     o = Open(list(PROMPT), GREEDY, VerifyMode.GREEDY, pipelined=True, lookahead=lookahead,
              alternates=2, alternate_len=4, tree=tree)
     return DraftSession(FakeBackend(SURE_DRAFT, n_ctx=1024), o, sent.append), sent
-
-
-def _work(node) -> None:
-    """What the session's thread does until it would wait (DraftSession._next_work)."""
-    while True:
-        j = node._alternate_first()
-        if j is not None:
-            node._draft_late_alternate(j)
-        elif not node.stalled and len(node.branch) < node._limit():
-            node._draft_burst()
-        else:
-            return
 
 
 def _alternate_lags(sent: list) -> list[int]:

@@ -118,13 +118,16 @@ class Branching(Joined):
         self._work()
 
     def _work(self) -> None:
-        """What the session's thread does until it would wait (DraftSession._next_work)."""
-        node = self.node
-        while True:
-            j = node._alternate_first()
-            if j is not None:
-                node._draft_late_alternate(j)
-            elif not node.stalled and len(node.branch) < node._limit():
-                node._draft_burst()
-            else:
-                return
+        _work(self.node)
+
+
+def _work(node: DraftSession) -> None:
+    """What the session's thread does until it would wait (DraftSession._next_work)."""
+    while True:
+        j = node._alternate_first()
+        if j is not None:
+            node._draft_late_alternate(j)
+        elif not node.stalled and len(node.branch) < node._limit():
+            node._draft_burst()
+        else:
+            return
