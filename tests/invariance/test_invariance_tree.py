@@ -12,23 +12,12 @@ kept path's KV is what decoding that path gives.
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import numpy as np
 import pytest
-from test_invariance import explain_mismatch
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
-    CODE,
-    GREEDY,
-    N_CTX,
-    PROSE,
-    SEEDED,
-    node_fixture,
-    node_proc_fixture,
-    request,
-    run_to_end,
-    target_fixture,
-)
+from alternates_everywhere import threaded_alternates_everywhere
+from invariance_checks import explain_mismatch
+from wire_helpers import CODE, GREEDY, N_CTX, PROSE, SEEDED, request, run_to_end
 
 from specwire.assets import models
 from specwire.backend.base import sync_prefix
@@ -38,8 +27,6 @@ from specwire.config import ModelParams
 from specwire.drafters.base import Draft, DrafterBase
 from specwire.engine.engine import Engine
 from specwire.link import alternates
-from specwire.link.alternates import BranchParams
-from specwire.link.threaded import ThreadedDrafter
 from specwire.sample import sampling
 from specwire.sample import tree as trees
 
@@ -173,12 +160,8 @@ def test_threaded_trees_everywhere_are_token_identical(target, tree_target, sp, 
                                                        monkeypatch) -> None:
     """drafted: an alternate drafted at every position; alone: the second choice alone
     at every position (Open.second_choices), none worth drafting."""
-    value_min = 0.0 if kind == "drafted" else 1.0
-    monkeypatch.setattr(alternates, "BranchParams",
-                        partial(BranchParams, top_below=1.0, value_min=value_min))
-    p = ModelParams(str(models.default_draft(progress=False)), n_ctx=N_CTX, n_threads=1)
-    drafter = ThreadedDrafter(LlamaBackend(p, load_model(p)))
-    drafter.branches = BranchParams(per_chunk=4, length=4)
+    drafter = threaded_alternates_everywhere(monkeypatch, N_CTX,
+                                             value_min=0.0 if kind == "drafted" else 1.0)
     verified = alone = 0.0
 
     try:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from test_node_admission import Stream, _open
+from node_calls import Stream, _open
 from wire_helpers import (
     GREEDY,
     N_CTX,
@@ -35,7 +35,6 @@ from wire_helpers import (
     node_process,
     request,
     run_to_end,
-    target_fixture,  # noqa: F401 - registers the "target" fixture
     wait_for,
 )
 

@@ -13,6 +13,7 @@ from functools import partial
 
 import numpy as np
 import pytest
+from branch_fakes import _work
 from fakes import FakeBatch, FakeClock, FakeModel
 
 from specwire.backend.base import BackendError
@@ -257,8 +258,8 @@ def test_the_adaptive_engine_sends_chains_on_a_steep_curve(monkeypatch) -> None:
 
 
 def _tree_link(trees_on: bool):
+    from branch_fakes import Branching
     from fakes import FakeBackend
-    from test_alternates import Branching
 
     d = Branching(FakeBackend(DRAFT, n_ctx=1024))
     d.branches = BranchParams(per_chunk=4, length=4, value_min=0.0, top_below=1.0)
@@ -369,18 +370,6 @@ def _node(tree: int, lookahead: int = 16):
     o = Open(list(PROMPT), GREEDY, VerifyMode.GREEDY, pipelined=True, lookahead=lookahead,
              alternates=2, alternate_len=4, tree=tree)
     return DraftSession(FakeBackend(SURE_DRAFT, n_ctx=1024), o, sent.append), sent
-
-
-def _work(node) -> None:
-    """What the session's thread does until it would wait (DraftSession._next_work)."""
-    while True:
-        j = node._alternate_first()
-        if j is not None:
-            node._draft_late_alternate(j)
-        elif not node.stalled and len(node.branch) < node._limit():
-            node._draft_burst()
-        else:
-            return
 
 
 def _alternate_lags(sent: list) -> list[int]:

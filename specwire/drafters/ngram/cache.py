@@ -70,6 +70,30 @@ def read_file(path: str | os.PathLike) -> CacheFileContents | None:
     def bad(problem: str) -> LookupCacheError:
         return LookupCacheError(f"lookup cache {name}: {problem}")
 
+    version, n_vocab, fingerprint, table, at = _read_header(data, bad)
+    head = at + _COUNTS.size
+    if len(data) < head:
+        raise bad(f"truncated: {len(data)} bytes, not even a header")
+    n_seqs, n_tokens = _COUNTS.unpack_from(data, at)
+    per_seq = 2 if version >= 2 else 1
+    want = head + 4 * (per_seq * n_seqs + n_tokens) + _CRC.size
+    if len(data) < want:
+        raise bad(f"truncated: {len(data)} bytes, its header promises {want} "
+                  f"({n_seqs} sequences, {n_tokens} tokens)")
+    if len(data) > want:
+        raise bad(f"corrupt: {len(data) - want} bytes past its end")
+    (crc,) = _CRC.unpack_from(data, want - _CRC.size)
+    if zlib.crc32(memoryview(data)[:want - _CRC.size]) != crc:
+        raise bad("corrupt: its checksum does not match its contents")
+    words = np.frombuffer(data, dtype="<u4", count=per_seq * n_seqs + n_tokens, offset=head)
+    sequences, scopes = _read_sequences(words, per_seq, n_seqs, table, bad)
+    return CacheFileContents(n_vocab, fingerprint, sequences, scopes)
+
+
+def _read_header(data: bytes, bad: Callable[[str], LookupCacheError]
+                 ) -> tuple[int, int, str, list[str], int]:
+    """The header up to the counts: (version, n_vocab, fingerprint, the scope table, the
+    counts' offset), each field checked against the file's length."""
     if not data:
         raise bad("truncated: the file is empty")
     if len(data) < len(MAGIC) or data[:len(MAGIC)] != MAGIC:
@@ -110,21 +134,13 @@ def read_file(path: str | os.PathLike) -> CacheFileContents | None:
             except UnicodeDecodeError:
                 raise bad("corrupt header (a cache scope is not text)") from None
             at += padded
-    head = at + _COUNTS.size
-    if len(data) < head:
-        raise bad(f"truncated: {len(data)} bytes, not even a header")
-    n_seqs, n_tokens = _COUNTS.unpack_from(data, at)
-    per_seq = 2 if version >= 2 else 1
-    want = head + 4 * (per_seq * n_seqs + n_tokens) + _CRC.size
-    if len(data) < want:
-        raise bad(f"truncated: {len(data)} bytes, its header promises {want} "
-                  f"({n_seqs} sequences, {n_tokens} tokens)")
-    if len(data) > want:
-        raise bad(f"corrupt: {len(data) - want} bytes past its end")
-    (crc,) = _CRC.unpack_from(data, want - _CRC.size)
-    if zlib.crc32(memoryview(data)[:want - _CRC.size]) != crc:
-        raise bad("corrupt: its checksum does not match its contents")
-    words = np.frombuffer(data, dtype="<u4", count=per_seq * n_seqs + n_tokens, offset=head)
+    return version, n_vocab, fingerprint, table, at
+
+
+def _read_sequences(words: np.ndarray, per_seq: int, n_seqs: int, table: list[str],
+                    bad: Callable[[str], LookupCacheError]
+                    ) -> tuple[list[np.ndarray], list[str]]:
+    """The n_seqs sequences and their scopes from the words after the counts."""
     sequences, scopes, i = [], [], 0
     for _ in range(n_seqs):
         if i + per_seq > len(words):
@@ -141,7 +157,7 @@ def read_file(path: str | os.PathLike) -> CacheFileContents | None:
         i += length
     if i != len(words):
         raise bad("corrupt: its sequences do not add up to its token count")
-    return CacheFileContents(n_vocab, fingerprint, sequences, scopes)
+    return sequences, scopes
 
 
 def encode(sequences: Sequence[Sequence[int]], n_vocab: int, fingerprint: str,
