@@ -92,6 +92,12 @@ class DraftCost:
         whole = self.decode(total)
         return seconds * min(1.0, self.decode(tokens) / whole) if whole > 0 else seconds
 
+    def lockstep(self, n: int) -> float:
+        """A shared decode of n sequences' draft tokens against one sequence's alone
+        (1 before any shared decode was timed)."""
+        one = self.decode(1)
+        return max(1.0, self.decode(n) / one) if self.decode.w > 0.0 and one > 0 else 1.0
+
     def adopt(self, other: DraftCost) -> None:
         """Start from what another sequence's draft backend learnt (the same model on the
         same machine), where this one has seen no draft yet."""
