@@ -176,3 +176,26 @@ def test_lockstep_sequences_draft_together_where_their_shared_draft_pays(monkeyp
     got = four_at_once(monkeypatch, drafted=True)
     plain = four_at_once(monkeypatch, drafted=False)
     assert got >= 1.2 * plain, (got, plain)   # priced alone: 1.01x
+
+
+def test_a_lockstep_step_pays_a_draft_position_once() -> None:
+    """step_rate with peers: the ones still to choose draft alike (their rounds in place
+    of their one token), and drafting within what earlier ones asked costs only its
+    verification; with neither, the step of one drafting sequence."""
+    from specwire.policy.throughput import drafted_tokens, expected_tokens, step_rate
+
+    def draft(n: float) -> float:
+        return 0.01 + 0.01 * n
+
+    def verify(n: float) -> float:
+        return 0.1 + 0.001 * n
+
+    a, k, b = 0.8, 4, 3
+    e = expected_tokens(a, k)
+    alone = step_rate(a, k, draft, verify, batch=b)
+    assert alone == (e + b) / (draft(k) + verify(1 + k + b))
+    mirrored = step_rate(a, k, draft, verify, batch=b, peers=3)
+    assert mirrored == 4 * e / (draft(k) + verify(4 * (1 + k)))
+    assert mirrored > alone
+    paid = step_rate(a, k, draft, verify, batch=b, paid=draft(drafted_tokens(1.0, 8)))
+    assert paid == (e + b) / verify(1 + k + b)
