@@ -374,9 +374,11 @@ class AdaptivePolicy:
         batch one longer). Both costs are lines, so the threshold holds for every i.
         Before a round is chosen (a draft node's Open), the rate of a full-length round."""
         per_token = self.draft.per_token()
-        peers = self.state.peers
-        if peers != ALONE:   # a lockstep position's decode serves every drafting sequence
-            per_token *= self.draft.lockstep(peers.sharing) / peers.sharing
+        if self.state.peers != ALONE:
+            # A lockstep position's decode serves every draft still going at it: one more
+            # token of this draft costs its share of that decode.
+            live = max(1, self.draft.live)
+            per_token *= self.draft.lockstep(live) / live
         return self.round_rate() * (per_token + self.verify_cost(2) - self.verify_cost(1))
 
     def round_rate(self) -> float:
@@ -388,9 +390,10 @@ class AdaptivePolicy:
         """Should a draft model propose token i (0-based) of this round, given its top
         probability? Yes while P(it and every token before it kept) >= stop_threshold."""
         st = self.state
-        if i == 0:
-            self.stop.threshold = (0.0 if st.probing and st.batch_tokens
-                                   else self.stop_threshold())
+        if st.probing and st.batch_tokens:
+            self.stop.threshold = 0.0
+        elif i == 0 or st.peers != ALONE:   # in lockstep, as the drafts beside it stop
+            self.stop.threshold = self.stop_threshold()
         return self.stop(i, confidence)
 
     def _best(self, limit: int) -> int:

@@ -68,6 +68,9 @@ class DraftCost:
     line: LineFit = field(default_factory=draft_line)
     #: seconds of one decode of the shared draft context against its tokens (lockstep)
     decode: LineFit = field(default_factory=_decode_line)
+    #: drafts of the shared context in the lockstep decode just made (drafters/lockstep.py
+    #: sets it before they choose their next tokens; 1 alone)
+    live: int = 1
 
     def observe(self, drafted: int, seconds: float) -> None:
         """A caught-up draft of `drafted` tokens took `seconds`."""
