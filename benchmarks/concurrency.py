@@ -178,10 +178,22 @@ def _without_draft(f: ServerFlags) -> ServerFlags:
                        f.draft_max)
 
 
+def warm_prompts(prompts: list[tuple[str, str]], levels: list[int], repeats: int,
+                 parallel: int) -> list[tuple[str, str]]:
+    """The warm-up's prompts: those after the bursts' (wrapping round), so that the
+    warm-up leaves none of a burst's prompts in a slot's cache (where the set is larger
+    than the bursts need), and every burst reads its prompts alike."""
+    start = sum(levels) * repeats
+    return [prompts[(start + k) % len(prompts)] for k in range(max(1, min(parallel,
+                                                                         max(levels))))]
+
+
 def measure(servers: list[Server], a: argparse.Namespace, levels: list[int],
             prompts: list[tuple[str, str]]) -> list[tuple[str, Burst]]:
-    """Warm every slot of every server, then the interleaved bursts, in run order."""
-    warm = prompts[:max(1, min(a.parallel, max(levels)))]
+    """Warm every slot of every server, then the interleaved bursts, in run order. With
+    --warm-prompts each burst's prompts are read first (1 token each), so that the
+    burst decodes from cached prompts and measures decoding alone."""
+    warm = warm_prompts(prompts, levels, a.repeats, a.parallel)
     for s in servers:
         b = fire(s.process.url, a.endpoint, warm, 8, a.timeout)
         if b.errors:
@@ -192,6 +204,11 @@ def measure(servers: list[Server], a: argparse.Namespace, levels: list[int],
         order = servers[r % len(servers):] + servers[:r % len(servers)]
         for level in levels:
             for s in order:
+                if a.warm_prompts:
+                    b = fire(s.process.url, a.endpoint, plan[(r, level)], 1, a.timeout)
+                    if b.errors:
+                        raise WarmUpError(f"{s.config.label}: reading the burst's prompts "
+                                          f"failed: {b.errors[0]}")
                 cpu0 = s.process.cpu_s()
                 b = fire(s.process.url, a.endpoint, plan[(r, level)], a.n_predict, a.timeout)
                 cpu1 = s.process.cpu_s()
@@ -300,6 +317,10 @@ def parser() -> argparse.ArgumentParser:
                    help="extra flags for llama-server (one string)")
     p.add_argument("--prompts", default="code,prose,qa",
                    help="prompt sets or JSONL files (default code,prose,qa)")
+    p.add_argument("--warm-prompts", action="store_true",
+                   help="read each burst's prompts (1 token each) just before it, so that "
+                        "every burst decodes from cached prompts (default: every burst "
+                        "reads its prompts, none of which the warm-up used)")
     p.add_argument("--endpoint", choices=ENDPOINTS, default="/completion")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds one request may take (default 900)")

@@ -97,6 +97,17 @@ def test_every_configuration_gets_the_same_distinct_bursts() -> None:
     assert all(len(plan[(r, lv)]) == lv for r in range(2) for lv in (1, 2, 4))
 
 
+def test_the_warm_up_reads_none_of_the_bursts_prompts() -> None:
+    """A warm-up on the bursts' first prompts left them in the slots' caches: one
+    request's burst read none of its prompt and four requests' three of four."""
+    prompts = [(f"p{i}", f"text {i}") for i in range(24)]
+    plan = conc.assign_prompts(prompts, [1, 4], repeats=1)
+    warm = conc.warm_prompts(prompts, [1, 4], repeats=1, parallel=4)
+    assert [p for p, _ in warm] == ["p5", "p6", "p7", "p8"]
+    assert not {p for p, _ in warm} & {p for b in plan.values() for p, _ in b}
+    assert len(conc.warm_prompts(prompts, [1, 4], repeats=1, parallel=8)) == 4
+
+
 def test_server_commands_use_llama_cpp_flags() -> None:
     f = ServerFlags("t.gguf", "d.gguf", parallel=4, threads=2, threads_draft=2, ctx=512,
                     draft_max=8)

@@ -103,6 +103,7 @@ def _step(group: list[Drafting]) -> None:
     total = sum(len(r.want) for r in group)
     if len(group) == 1 or shared is None or total > shared.n_batch:
         for r in group:
+            r.cost.live = 1
             t0 = time.perf_counter()
             try:
                 row = r.backend.eval(r.want, "last")[-1]
@@ -122,6 +123,7 @@ def _step(group: list[Drafting]) -> None:
     spent = time.perf_counter() - t0
     cost = group[0].cost        # the shared backend's, which its drafters share
     cost.observe_decode(total, spent)
+    cost.live = len(group)      # what a next token's position is shared by, as they choose
     for r, got in zip(group, rows, strict=True):
         t1 = time.perf_counter()
         alone = cost.share(len(r.want), total, spent)

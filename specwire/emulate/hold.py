@@ -54,12 +54,15 @@ class Regime:
             raise ValueError(f"an emulated prompt rate must be > 0, got {self.prompt_tps}")
 
     def decode_s(self, batch: int, prompt: int = 0) -> float:
-        """Seconds for a decode of `batch` tokens with logits plus `prompt` prompt tokens."""
+        """Seconds for a decode of `batch` tokens with logits plus `prompt` prompt tokens.
+        Without a prompt rate every token of the decode is on the curve as one batch (a
+        draft's lockstep decode of several sequences' catch-ups and tokens reads the
+        weights once, as a single sequence's decode of as many tokens does)."""
+        if not self.prompt_tps:
+            n = batch + prompt
+            return self.step_s * self.curve.cost(n) if n else 0.0
         t = self.step_s * self.curve.cost(batch) if batch else 0.0
-        if prompt:
-            t += (prompt / self.prompt_tps if self.prompt_tps
-                  else self.step_s * self.curve.cost(prompt))
-        return t
+        return t + prompt / self.prompt_tps
 
 
 def split_tokens(n: int, logits: str) -> tuple[int, int]:

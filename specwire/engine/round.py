@@ -20,13 +20,14 @@ from specwire.drafters.lockstep import Drafting
 from specwire.engine import tree_round
 from specwire.engine.context_shift import plan_shift, shifted
 from specwire.engine.sequence import Round, SequenceState
+from specwire.policy.adaptive import ALONE, Peers
 
 
-def plan(s: SequenceState, space: int, batch_tokens: int) -> Part | None:
+def plan(s: SequenceState, space: int, batch_tokens: int, peers: Peers = ALONE) -> Part | None:
     """This step's part, at most `space` tokens (what the decode has left of -b); None
     to sit this step out. Ends the sequence (done) when it has nothing more to do.
-    batch_tokens: what the other sequences put into the same decode (the adaptive
-    policy's concern)."""
+    batch_tokens: what the other sequences put into the same decode, peers: those that
+    draft in lockstep with it (the adaptive policy's concern)."""
     if s.stopped:
         s.done = True
         return None
@@ -47,7 +48,8 @@ def plan(s: SequenceState, space: int, batch_tokens: int) -> Part | None:
         s.done = True
         return None
     # A round appends up to k + 1 tokens; plain decoding stops at a full context.
-    k = min(s.policy.choose(min(remaining, room) - 1, batch_tokens=batch_tokens), space - 1)
+    k = min(s.policy.choose(min(remaining, room) - 1, batch_tokens=batch_tokens, peers=peers),
+            space - 1)
     now = time.perf_counter()
     s.round = Round(Draft(), max(k, 0), now, now)
     return Part(s.seq, [s.history[-1]], "all")

@@ -24,6 +24,7 @@ from specwire.backend.batch import BatchBackend, Part
 from specwire.drafters.lockstep import Drafting, draft_together
 from specwire.engine import round as rounds
 from specwire.engine.sequence import SequenceState
+from specwire.policy.adaptive import ALONE, Peers
 
 log = logging.getLogger(__name__)
 
@@ -118,18 +119,19 @@ class BatchScheduler:
             # round beside them is priced as in the batch it is in, not as alone (a first
             # request's draft would otherwise hold up every prompt that arrived with it).
             others = used + max(0, len(seqs) - i - 1)
-            part = self.guarded(s, self._plan, s, space - used, others)
+            peers = _peers(s, batch, seqs[i + 1:])
+            part = self.guarded(s, self._plan, s, space - used, others, peers)
             if part is not None:
                 batch.planned.append((s, part))
                 used += len(part.tokens) + s.k
         return batch
 
-    def _plan(self, s: SequenceState, space: int, others: int) -> Part | None:
+    def _plan(self, s: SequenceState, space: int, others: int, peers: Peers) -> Part | None:
         if not s.started:
             self.start(s)
             if s.done:
                 return None
-        return rounds.plan(s, space, others)
+        return rounds.plan(s, space, others, peers)
 
     def draft(self, batch: Batch) -> None:
         """Every round's draft: those of one draft model's sequences in lockstep, a draft
@@ -163,3 +165,18 @@ class BatchScheduler:
     def fail(self, s: SequenceState, e: Exception) -> None:
         s.error = e
         self.leave(s)
+
+
+def _lockstep(s: SequenceState) -> bool:
+    """Its rounds draft in the shared draft context, beside the other such sequences'."""
+    return s.decoding and not s.stopped and s.drafter.capabilities.lockstep
+
+
+def _peers(s: SequenceState, batch: Batch, later: list[SequenceState]) -> Peers:
+    """The sequences whose drafts the step's lockstep decodes would share with s's: those
+    planned (the longest draft they asked, and how many draft) and those still to plan."""
+    if not _lockstep(s):
+        return ALONE
+    before = [p.k for p, _ in batch.planned if _lockstep(p)]
+    return Peers(after=sum(_lockstep(p) for p in later), paid=max(before, default=0),
+                 drafting=sum(k > 0 for k in before))

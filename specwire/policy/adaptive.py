@@ -84,6 +84,26 @@ class CalibratedStop:
 _ASSUMED = VerifyCurve()
 
 
+@dataclass(frozen=True, slots=True)
+class Peers:
+    """The sequences of a step whose drafts share this sequence's draft context, drafted
+    in lockstep (one draft decode per position for all): `after` of them choose after
+    this one and are taken to choose alike; of those that chose before, the longest
+    draft asked (`paid`, whose decodes the step runs anyway) and how many draft."""
+
+    after: int = 0
+    paid: int = 0
+    drafting: int = 0
+
+    @property
+    def sharing(self) -> int:
+        """Sequences drafting in lockstep if this one drafts."""
+        return 1 + self.after + self.drafting
+
+
+ALONE = Peers()
+
+
 @dataclass(slots=True)
 class FixedPolicy:
     n_max: int
@@ -91,7 +111,7 @@ class FixedPolicy:
     def start(self) -> None:
         pass
 
-    def choose(self, limit: int, batch_tokens: int = 0) -> int:
+    def choose(self, limit: int, batch_tokens: int = 0, peers: Peers = ALONE) -> int:
         """--draft-max, whatever else shares the target's decode."""
         return min(self.n_max, limit)
 
@@ -145,6 +165,7 @@ class AdaptiveState:
     limit: int = 0  # the most tokens the request may still produce (choose's limit + 1)
     round_rate: float = 0.0  # expected tokens/s of the round in progress
     batch_tokens: int = 0  # tokens the other sequences put into the round's decode
+    peers: Peers = ALONE  # the sequences drafting in lockstep with it in the round's step
 
 
 @dataclass(slots=True)
@@ -292,20 +313,35 @@ class AdaptivePolicy:
         if k:
             tokens = throughput.expected_tokens(self.continuation * self.acceptance, k)
             behind = self.behind_s() * min(1.0, tokens / max(1, st.limit))
-        return throughput.step_rate(self.acceptance, k, self.draft_cost, self.verify_cost,
-                                    self.continuation, b, behind)
+        peers = st.peers
+        if peers == ALONE:
+            return throughput.step_rate(self.acceptance, k, self.draft_cost,
+                                        self.verify_cost, self.continuation, b, behind)
+        # In lockstep a draft position is one draft decode for every drafting sequence.
+        together = self.draft.lockstep(peers.sharing)
+
+        def lockstep_s(drafted: float) -> float:
+            return self.draft_cost(drafted) * together
+
+        g = self.continuation
+        paid = lockstep_s(throughput.drafted_tokens(g, peers.paid)) if peers.paid else 0.0
+        return throughput.step_rate(self.acceptance, k, lockstep_s, self.verify_cost, g, b,
+                                    behind, peers.after, paid)
 
     def _catch_up_s(self, _drafted: float) -> float:
         return self.catch_up_cost()
 
-    def choose(self, limit: int, batch_tokens: int = 0) -> int:
+    def choose(self, limit: int, batch_tokens: int = 0, peers: Peers = ALONE) -> int:
         """The k with the best expected rate, at most limit. batch_tokens: how many tokens
         other sequences put into the same target decode (0 alone). Alone a round pays a
         whole step, which drafting spreads over several tokens; in a big batch the step
         is paid anyway, so drafting is chosen only where it still beats the batch's own
-        rate. A drafter that stops by itself (drafter_stops) is asked for the most."""
+        rate. peers: the sequences of the step that draft in lockstep with this one (their
+        draft decodes are shared). A drafter that stops by itself (drafter_stops) is asked
+        for the most."""
         st = self.state
         st.batch_tokens, st.limit = batch_tokens, limit + 1
+        st.peers = peers if batch_tokens else ALONE
         st.probing = False
         if self.drafter_stops and limit > 0:
             st.k = min(self.n_max, limit)     # the drafter cuts its own draft
@@ -320,6 +356,11 @@ class AdaptivePolicy:
         batch one longer). Both costs are lines, so the threshold holds for every i.
         Before a round is chosen (a draft node's Open), the rate of a full-length round."""
         per_token = self.draft.per_token()
+        if self.state.peers != ALONE:
+            # A lockstep position's decode serves every draft still going at it: one more
+            # token of this draft costs its share of that decode.
+            live = max(1, self.draft.live)
+            per_token *= self.draft.lockstep(live) / live
         return self.round_rate() * (per_token + self.verify_cost(2) - self.verify_cost(1))
 
     def round_rate(self) -> float:
@@ -331,9 +372,10 @@ class AdaptivePolicy:
         """Should a draft model propose token i (0-based) of this round, given its top
         probability? Yes while P(it and every token before it kept) >= stop_threshold."""
         st = self.state
-        if i == 0:
-            self.stop.threshold = (0.0 if st.probing and st.batch_tokens
-                                   else self.stop_threshold())
+        if st.probing and st.batch_tokens:
+            self.stop.threshold = 0.0
+        elif i == 0 or st.peers != ALONE:   # in lockstep, as the drafts beside it stop
+            self.stop.threshold = self.stop_threshold()
         return self.stop(i, confidence)
 
     def _best(self, limit: int) -> int:

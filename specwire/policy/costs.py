@@ -84,6 +84,9 @@ class DraftCost:
     catch_up: PerToken = field(default_factory=PerToken)
     #: ... and, in a request's first draft, its prompt (one batch: cheaper per token)
     prompt: PerToken = field(default_factory=PerToken)
+    #: drafts of the shared context in the lockstep decode just made (drafters/lockstep.py
+    #: sets it before they choose their next tokens; 1 alone)
+    live: int = 1
 
     def observe(self, drafted: int, seconds: float) -> None:
         """A caught-up draft of `drafted` tokens took `seconds`."""
@@ -107,6 +110,12 @@ class DraftCost:
         and their part per token."""
         whole = self.decode(total)
         return seconds * min(1.0, self.decode(tokens) / whole) if whole > 0 else seconds
+
+    def lockstep(self, n: int) -> float:
+        """A shared decode of n sequences' draft tokens against one sequence's alone
+        (1 before any shared decode was timed)."""
+        one = self.decode(1)
+        return max(1.0, self.decode(n) / one) if self.decode.w > 0.0 and one > 0 else 1.0
 
     def adopt(self, other: DraftCost) -> None:
         """Start from what another sequence's draft backend learnt (the same model on the

@@ -65,16 +65,27 @@ def round_rate(a: float, k: int, draft_s: Callable[[float], float],
 
 def step_rate(a: float, k: int, draft_s: Callable[[float], float],
               verify_s: Callable[[float], float], g: float = 1.0, batch: float = 0.0,
-              behind: float = 0.0) -> float:
+              behind: float = 0.0, peers: int = 0, paid: float = 0.0) -> float:
     """Expected tokens per second of a whole target decode in which one sequence's round
     asks for k tokens beside `batch` tokens of other sequences. Its drafting (and the
     catch-up `behind` of a drafter that fell behind) holds up every sequence of the
     step, so the step's tokens are compared with the step's time. Counting each of the
     others' tokens as output is an upper bound, so drafting is chosen only where it surely
-    pays. With batch 0 and behind 0 this is round_rate for k > 0."""
+    pays. With batch 0 and behind 0 this is round_rate for k > 0.
+
+    Sequences whose drafts share one draft context are drafted in lockstep, one draft
+    decode per position for all of them (drafters/lockstep.py): `peers` of them are still
+    to choose and are taken to choose as this one does (their rounds replace their one
+    token each in `batch`), and `paid` seconds of drafting are run for the ones that
+    chose before, so only drafting beyond it holds the step up. draft_s is then the
+    lockstep's time for a draft of that length (every drafting sequence's position in
+    one decode). With peers 0 and paid 0 this is the step of one drafting sequence."""
     drafted = drafted_tokens(g, k)
-    tokens = expected_tokens(g * a, k) + batch
-    spent = (draft_s(drafted) if k else 0.0) + behind + verify_s(1.0 + drafted + batch)
+    n = 1 + peers
+    others = max(0.0, batch - peers)
+    tokens = n * expected_tokens(g * a, k) + others
+    drafting = max(0.0, draft_s(drafted) - paid) if k else 0.0
+    spent = drafting + behind + verify_s(n * (1.0 + drafted) + others)
     return tokens / spent
 
 

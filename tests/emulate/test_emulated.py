@@ -30,6 +30,9 @@ def test_regime_arithmetic() -> None:
     assert r.decode_s(2, prompt=50) == pytest.approx(0.1 * (1 + 2 / 7) + 0.25)
     # without a prompt rate, a prompt chunk costs what the curve says
     assert Regime(0.1, CURVE).decode_s(0, prompt=8) == pytest.approx(0.3)
+    # ... and a decode's tokens are one batch on it, not a batch and a chunk apart: a
+    # lockstep draft decode of 3 sequences' tokens and a 5-token catch-up reads once
+    assert Regime(0.1, CURVE).decode_s(3, prompt=5) == pytest.approx(0.3)
 
 
 def test_tokens_split_into_batch_and_prompt() -> None:

@@ -126,3 +126,76 @@ def test_where_verification_is_nearly_free_the_batch_keeps_drafting(monkeypatch)
     plain = first_alone_then_joined(monkeypatch, per_row=0.001, per_eval=0.002, drafted=False)
     assert got["alone"] >= 25, got
     assert got["rate"] >= 1.15 * plain["rate"], (got, plain)
+
+
+class TimedDraft(FakeBatch):
+    """A draft context of n_seq sequences whose shared decode costs `fixed` (reading the
+    weights) plus `per_token` for every token in it, once; a sequence's eval alone costs
+    the same for its own tokens."""
+
+    def __init__(self, clock: FakeClock, fixed: float, per_token: float, n_seq: int) -> None:
+        super().__init__(DRAFT, n_seq, clock=clock, cost=(fixed, per_token))
+        self.clock, self.fixed, self.per_token = clock, fixed, per_token
+
+    def decode(self, parts) -> list[np.ndarray]:
+        self.clock.charge(self.fixed + self.per_token * sum(len(p.tokens) for p in parts))
+        for b in self.seqs:       # the parts' evals are this decode, charged once above
+            b.clock = None
+        try:
+            return super().decode(parts)
+        finally:
+            for b in self.seqs:
+                b.clock = self.clock
+
+
+def four_at_once(monkeypatch, drafted: bool) -> float:
+    """Four requests joining together on a memory-bound target (a verified token costs a
+    hundredth of a step) with a lockstep draft context whose decode costs a tenth of a
+    step whatever its sequences: their tokens per second."""
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
+    engine = Engine(TimedBatch(clock, 0.1, 0.001, 0.0005, 4),
+                    ModelDrafter.per_sequence(TimedDraft(clock, 0.01, 0.0002, 4)))
+    params = DraftParams(n_max=8, p_min=0.0, policy="adaptive", enabled=drafted)
+    gens = []
+    for seed in range(4):
+        prompt = np.random.default_rng(seed).integers(0, TARGET.real_tokens, 20)
+        gens.append(engine.generate(Request([int(t) for t in prompt], 120,
+                                            SamplingParams(temperature=0.0), params)))
+    t0 = clock.now
+    while not all(g.done for g in gens):
+        engine.step()
+    return sum(len(g.tokens) for g in gens) / (clock.now - t0)
+
+
+def test_lockstep_sequences_draft_together_where_their_shared_draft_pays(monkeypatch) -> None:
+    """Each sequence's draft position costs the step one shared draft decode: priced as
+    if each drafted alone beside the others' plain tokens, no sequence drafts (a draft
+    position holds up the whole step for one sequence's gain); priced as the lockstep
+    it is, all four draft and the batch beats plain decoding clearly."""
+    got = four_at_once(monkeypatch, drafted=True)
+    plain = four_at_once(monkeypatch, drafted=False)
+    assert got >= 1.2 * plain, (got, plain)   # priced alone: 1.01x
+
+
+def test_a_lockstep_step_pays_a_draft_position_once() -> None:
+    """step_rate with peers: the ones still to choose draft alike (their rounds in place
+    of their one token), and drafting within what earlier ones asked costs only its
+    verification; with neither, the step of one drafting sequence."""
+    from specwire.policy.throughput import drafted_tokens, expected_tokens, step_rate
+
+    def draft(n: float) -> float:
+        return 0.01 + 0.01 * n
+
+    def verify(n: float) -> float:
+        return 0.1 + 0.001 * n
+
+    a, k, b = 0.8, 4, 3
+    e = expected_tokens(a, k)
+    alone = step_rate(a, k, draft, verify, batch=b)
+    assert alone == (e + b) / (draft(k) + verify(1 + k + b))
+    mirrored = step_rate(a, k, draft, verify, batch=b, peers=3)
+    assert mirrored == 4 * e / (draft(k) + verify(4 * (1 + k)))
+    assert mirrored > alone
+    paid = step_rate(a, k, draft, verify, batch=b, paid=draft(drafted_tokens(1.0, 8)))
+    assert paid == (e + b) / verify(1 + k + b)
