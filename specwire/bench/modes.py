@@ -4,8 +4,9 @@ plain             no drafter (the reference every speedup is measured against)
 local             the draft model in this process, alternating with the target (llama.cpp's way)
 local-pipelined   the draft model on a thread of this process, drafting while the target verifies
 ngram             prompt lookup, no model
-hybrid            prompt lookup and the local draft model, the better draft each round
-hybrid-pipelined  prompt lookup on the target and the remote node drafting ahead
+hybrid            prompt lookup and the local draft model, the better draft each round (or
+                  both as one tree, where that pays: --draft-tree)
+hybrid-pipelined  prompt lookup on the target and the remote node drafting ahead (likewise)
 random            uniformly random tokens: the cost of a useless drafter
 remote-sync       a draft node in its own process, over an emulated link, each side waiting
 remote-pipelined  the same node, drafting ahead of the verdicts (its alternates verified

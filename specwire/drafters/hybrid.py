@@ -16,8 +16,16 @@ estimates fresh, as a short probe now and then), its cost including the tokens i
 must catch up on; a drafter that works ahead (a node, a thread) costs nothing to
 ask and is always asked. Under the adaptive policy the hybrid makes each round's
 call itself and both drafts stop at the policy's per-token threshold.
-docs/drafting.md has the reasoning and the measurements (including why verifying
-both candidates in one decode was not built).
+
+Where both candidates exist and differ, the round may verify both in one decode
+(a tree, sample/tree.py): the longer as the chain, the other as a side branch
+from where they part. The hybrid values the tree as it values a candidate, its
+expected tokens (each depth's chance of being reached on either path) over the
+verification of all its tokens, and hands it out when that beats the better
+candidate alone, with the tokens the branch is expected to add (Draft.gain), by
+which the engine's tree rule prices it (policy/tree.py). Both candidates learn
+from the history the round kept, whichever path it took.
+docs/drafting.md has the reasoning and the measurements.
 """
 
 from __future__ import annotations
@@ -42,6 +50,37 @@ PROBE_MAX = 128
 MIN_REALISED = 1.5
 #: Tokens a probe asks the model for: enough to judge it, no more to verify.
 PROBE_TOKENS = 2
+
+
+def parting(a: Sequence[int], b: Sequence[int]) -> int:
+    """Where two drafts of one history part: their common prefix's length."""
+    return kept_prefix(a, b)
+
+
+def reach(keep: Sequence[float]) -> list[float]:
+    """P(depth i + 1 is kept) for each i: the running products of per-token chances."""
+    out, run = [], 1.0
+    for p in keep:
+        run *= p
+        out.append(run)
+    return out
+
+
+def tree_kept(chain: Sequence[float], branch: Sequence[float], at: int) -> float:
+    """Expected draft tokens kept of a chain and a branch that shares its first `at`
+    tokens, from each one's chances of reaching each depth (reach()): up to `at` the
+    likelier of the two (they are the same tokens), past it their sum (one token cannot
+    be both), never more than the chance of reaching the parting."""
+    total = 0.0
+    for d in range(max(len(chain), len(branch))):
+        c = chain[d] if d < len(chain) else 0.0
+        b = branch[d] if d < len(branch) else 0.0
+        if d < at:
+            total += max(c, b)
+        else:
+            cap = 1.0 if at == 0 else max(chain[at - 1], branch[at - 1])
+            total += min(cap, c + b)
+    return total
 
 
 def kept_prefix(draft: Sequence[int], new: Sequence[int]) -> int:
@@ -121,7 +160,12 @@ class HybridDrafter(DrafterBase):
         self._round: tuple[int, list[int] | None, int, float] | None = None
         self._idle = 0  # plain steps in a row where the model was not worth asking
         self._drafting_s = 0.0  # the round in progress: the model's drafting time
-        self.counters = {"ngram_rounds": 0.0, "model_rounds": 0.0, "drafted": 0.0}
+        #: trees: rounds handed out as a tree of both candidates; tree_ngram_kept and
+        #: tree_model_kept: of those, the ones whose kept tokens went further along the
+        #: lookup's or the model's candidate
+        self.counters = {"ngram_rounds": 0.0, "model_rounds": 0.0, "drafted": 0.0,
+                         "trees": 0.0, "tree_ngram_kept": 0.0, "tree_model_kept": 0.0}
+        self._tree: tuple[list[int], list[int]] | None = None  # the tree in progress
 
     @property
     def backend(self):
@@ -259,7 +303,14 @@ class HybridDrafter(DrafterBase):
             est, w = self.est, 1.0 - self.alpha
             est.model_len = (w * est.model_len + self.alpha * len(draft) if est.model_len
                              else float(len(draft)))
-        if use_ngram:
+        self._tree = None
+        tree = self._both(offer, draft, use_ngram)
+        if tree is not None:
+            self.ngram.take(offer)
+            out, self._tree = tree, (list(offer.tokens), list(draft.tokens))
+            self.counters["trees"] += 1
+            use_ngram = False       # the model's draft is verified (for its realised yield)
+        elif use_ngram:
             out = self.ngram.take(offer)
             self.counters["ngram_rounds"] += 1
         else:
@@ -269,7 +320,43 @@ class HybridDrafter(DrafterBase):
         self.counters["drafted"] += len(out)
         self._drafting_s = -1.0 if use_ngram or not out.tokens else 0.0
         model_tokens = None if draft is None else list(draft.tokens)
-        self._round = (len(history), model_tokens, len(out), time.perf_counter())
+        # the decode's draft tokens, a tree's branch included (its verification's size)
+        sent = len(out) + sum(len(t) for _, t in out.branches or ())
+        self._round = (len(history), model_tokens, sent, time.perf_counter())
+        return out
+
+    def _both(self, offer: Offer, draft: Draft | None, use_ngram: bool) -> Draft | None:
+        """Both candidates as one tree (the longer the chain, the other a branch from
+        where they part), where they differ and the tree's expected tokens per second of
+        verification beat the better candidate's alone; None otherwise. Drafting is
+        spent by now: only verification counts. The model's own alternates are left out
+        of such a tree: a whole second candidate is the likelier branch."""
+        if draft is None or not draft.tokens or not offer.tokens:
+            return None
+        ng, md = list(offer.tokens), list(draft.tokens)
+        at = parting(ng, md)
+        if at >= min(len(ng), len(md)):
+            return None         # one is the other's prefix: the longer holds both
+        t_ng, t_md = self._verify_s(len(ng)), self._verify_s(len(md))
+        size = max(len(ng), len(md)) + min(len(ng), len(md)) - at
+        t_tree = self._verify_s(size)
+        if t_ng is None or t_md is None or t_tree is None:
+            return None
+        r_ng, r_md = reach(offer.keep), reach([self.acceptance] * len(md))
+        e_ng, e_md = sum(r_ng), sum(r_md)
+        ng_chain = len(ng) >= len(md)
+        chain, c_reach, b_reach = (ng, r_ng, r_md) if ng_chain else (md, r_md, r_ng)
+        branch = md if ng_chain else ng
+        e_tree = tree_kept(c_reach, b_reach, at)
+        alone = max((1.0 + e_ng) / t_ng, (1.0 + e_md) / t_md)
+        if (1.0 + e_tree) / t_tree <= alone:
+            return None
+        gain = e_tree - sum(c_reach)
+        if ng_chain:
+            out = self.ngram.draft(chain)
+        else:
+            out = Draft(list(chain), draft.sparse, draft.confidence)
+        out.branches, out.gain = [(at, list(branch[at:]))], gain
         return out
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
@@ -284,9 +371,17 @@ class HybridDrafter(DrafterBase):
         verify_s = time.perf_counter() - t
         if self.own_costs:
             self.costs.observe(handed + 1, verify_s)
+        if self._tree is not None:
+            ng_tokens, md_tokens = self._tree
+            self._tree = None
+            new = history[base:base + appended]
+            ng_kept, md_kept = kept_prefix(ng_tokens, new), kept_prefix(md_tokens, new)
+            if ng_kept != md_kept:
+                self.counters["tree_ngram_kept" if ng_kept > md_kept else "tree_model_kept"] += 1
         if self._drafting_s >= 0.0 and handed:     # the model's draft was verified
             w = 1.0 - self.alpha
-            self.est.model_tokens = w * self.est.model_tokens + accepted + 1
+            # what the round kept, on whichever path (a tree's may leave the chain)
+            self.est.model_tokens = w * self.est.model_tokens + appended
             self.est.model_s = w * self.est.model_s + self._drafting_s + verify_s
             self.est.model_rounds = w * self.est.model_rounds + 1.0
         if model_tokens is None:        # a model in this process that was not asked
@@ -304,7 +399,7 @@ class HybridDrafter(DrafterBase):
     def end(self) -> None:
         self.ngram.end()
         self.model.end()
-        self._round = None
+        self._round, self._tree = None, None
 
     def close(self) -> None:
         """Close the model drafter's connection, if it has one."""

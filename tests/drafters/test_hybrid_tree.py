@@ -1,0 +1,201 @@
+"""The hybrid's tree: the lookup's copy and the model's draft verified in one decode.
+
+On fake models and a fake target that verifies trees (FakeBatch): token-identical to
+plain decoding for every draft length, greedy and seeded, fixed and adaptive, with a
+model that works ahead and one in this process; trees are made where the candidates
+differ, the round keeps whichever path the target takes (the branch's too), and the
+model hears how many of its own tokens the history kept. The tree's value
+(tree_kept) and its pricing by the drafter's gain (policy/tree.py) are checked
+directly. On the real bundled pair (slow): a remote node and the lookup as trees on a
+target with tree sequences, token-identical to plain decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fakes import FakeBackend, FakeBatch, FakeClock
+from test_hybrid import FAKE_GREEDY, SAMPLED, TARGET, AheadSpy, V, lookup, reference
+from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
+    CODE,
+    GREEDY,
+    PROSE,
+    SEEDED,
+    node_fixture,
+    node_proc_fixture,
+    request,
+    run_to_end,
+    target_fixture,
+)
+
+from specwire.config import DraftParams
+from specwire.drafters import hybrid as hybrid_mod
+from specwire.drafters.hybrid import HybridDrafter, reach, tree_kept
+from specwire.drafters.model import ModelDrafter
+from specwire.drafters.ngram import drafter as ngram_mod
+from specwire.engine import engine as engine_mod
+from specwire.engine import round as round_mod
+from specwire.engine import sequence as sequence_mod
+from specwire.engine.engine import Engine, Request
+from specwire.policy.adaptive import AdaptivePolicy
+from specwire.policy.tree import TreeYield, tree_pays
+
+HEAD = [7, 8, 9, 10, 11]
+
+
+def _prompt(params, n: int = 60) -> list[int]:
+    """A prompt that holds plain decoding's continuation with every seventh token wrong:
+    the lookup copies it and is rejected at each wrong token. (The fake target's row
+    depends on the last two tokens and the position, so the continuation does not
+    depend on the copy.)"""
+    cont = reference(params, n, [*HEAD, *[0] * n, 20, *HEAD])
+    wrong = [(t + 1) % V if i % 7 == 6 else t for i, t in enumerate(cont)]
+    return [*HEAD, *wrong, 20, *HEAD]
+
+
+def _short_twin(params):
+    """A model that works ahead and drafts six tokens, the first two right (it samples
+    as the target does) and the rest wrong."""
+    def draft(h, k):
+        right = reference(params, min(k, 6), h)
+        return right[:2] + [(t + 1) % V for t in right[2:]]
+    return AheadSpy(draft)
+
+
+def _target(monkeypatch, leaves: int = 4) -> FakeBatch:
+    """A tree target whose decode costs the same whatever its size (a flat curve), on a
+    FakeClock: the hybrid's and the engine's pricing then always find a tree worth it."""
+    clock = FakeClock().install(monkeypatch, engine_mod, round_mod, sequence_mod, hybrid_mod,
+                                ngram_mod)
+    return FakeBatch(TARGET, n_seq=1, n_ctx=512, tree_leaves=leaves, clock=clock,
+                     cost=(1e-3, 0.0))
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("params", [FAKE_GREEDY, SAMPLED], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+def test_hybrid_trees_are_token_identical(monkeypatch, k, params, policy) -> None:
+    prompt = _prompt(params)
+    for model in (_short_twin(params), ModelDrafter(FakeBackend(TARGET.perturbed(0.7, seed=5),
+                                                                   name="d.gguf"))):
+        fb = _target(monkeypatch)
+        hybrid = HybridDrafter(lookup(), model)
+        req = Request(list(prompt), 48, params, DraftParams(n_max=k, p_min=0.0, policy=policy))
+        gen = Engine(fb, hybrid).generate(req)
+        gen.run()
+        assert gen.tokens == reference(params, 48, prompt), (model.name, k)
+
+
+def test_both_candidates_are_verified_as_a_tree_and_either_path_is_kept(monkeypatch) -> None:
+    """Seeded, the lookup wrong at every seventh token, the model right for two of its
+    six: trees are made, some rounds keep the model's branch past the lookup's mistake and some the
+    lookup's longer copy, and the model is told each round how many of its own tokens
+    the history kept."""
+    prompt = _prompt(SAMPLED)
+    fb = _target(monkeypatch)
+    model = _short_twin(SAMPLED)
+    hybrid = HybridDrafter(lookup(), model)
+    eng = Engine(fb, hybrid)
+    gen = eng.generate(Request(list(prompt), 48, SAMPLED,
+                               DraftParams(n_max=8, p_min=0.0, policy="fixed")))
+    gen.run()
+    assert gen.tokens == reference(SAMPLED, 48, prompt)
+    st = hybrid.stats()
+    assert st["trees"] > 0 and len(fb.trees) >= st["trees"]
+    assert st["tree_model_kept"] > 0 and st["tree_ngram_kept"] > 0, st
+    assert eng.tree_yield.taken > 0
+    assert all(acc == kept for acc, kept in model.learned)
+
+
+def test_a_chain_target_verifies_the_better_candidate_alone(monkeypatch) -> None:
+    """Without tree sequences the engine drops the branch: the chain is verified as before,
+    and the output is still plain decoding's."""
+    prompt = _prompt(FAKE_GREEDY)
+    fb = _target(monkeypatch, leaves=1)
+    hybrid = HybridDrafter(lookup(), _short_twin(FAKE_GREEDY))
+    gen = Engine(fb, hybrid).generate(Request(list(prompt), 40, FAKE_GREEDY,
+                                              DraftParams(n_max=8, p_min=0.0, policy="fixed")))
+    gen.run()
+    assert gen.tokens == reference(FAKE_GREEDY, 40, prompt)
+    assert not fb.trees
+
+
+def test_a_tree_is_made_only_where_it_beats_the_better_candidate() -> None:
+    """On a steep verification curve (every token a step) a weak second candidate does
+    not pay for its tokens; on a flat one it does."""
+    from specwire.drafters.ngram.drafter import Offer
+    for slope, want in ((1.0, False), (0.0, True)):
+        hybrid = HybridDrafter(lookup(), _short_twin(FAKE_GREEDY))
+        for n in range(1, 12):
+            for _ in range(3):
+                hybrid.costs.observe(n, 1.0 + slope * (n - 1))
+        hybrid.est.accepted, hybrid.est.rejected = 1.0, 3.0     # a = 0.25
+        offer = Offer([1, 2, 3, 4], [0.9] * 4)
+        from specwire.drafters.base import Draft
+        tree = hybrid._both(offer, Draft([1, 5, 6]), use_ngram=True)
+        assert (tree is not None) is want, slope
+        if tree is not None:
+            assert tree.tokens == [1, 2, 3, 4] and tree.branches == [(1, [5, 6])]
+            assert 0.0 < tree.gain < 1.0
+
+
+def test_identical_or_nested_candidates_make_no_tree() -> None:
+    from specwire.drafters.base import Draft
+    from specwire.drafters.ngram.drafter import Offer
+    hybrid = HybridDrafter(lookup(), _short_twin(FAKE_GREEDY))
+    hybrid.costs.observe(1, 1.0)
+    offer = Offer([1, 2, 3], [0.9] * 3)
+    assert hybrid._both(offer, Draft([1, 2]), use_ngram=True) is None
+    assert hybrid._both(offer, Draft([1, 2, 3, 4]), use_ngram=False) is None
+    assert hybrid._both(Offer([], []), Draft([1, 2]), use_ngram=False) is None
+
+
+def test_tree_kept_counts_each_depth_once() -> None:
+    chain, branch = reach([0.5, 0.5, 0.5]), reach([0.5, 0.5])
+    # shared first token: max(0.5, 0.5); past it, one or the other, never over the
+    # chance of reaching the parting
+    assert tree_kept(chain, branch, 1) == pytest.approx(0.5 + 0.5 + 0.125)
+    # parting at once: the two first tokens exclude each other
+    assert tree_kept(reach([0.7]), reach([0.6]), 0) == pytest.approx(1.0)
+    assert tree_kept(reach([0.2, 0.2]), reach([0.3]), 0) == pytest.approx(0.5 + 0.04)
+
+
+def test_the_tree_rule_prices_a_drafters_gain_on_the_curve() -> None:
+    """policy/tree.py: given the drafter's gain, the learnt yield is not used."""
+    policy = AdaptivePolicy(n_max=8)
+    for n in range(1, 12):
+        for _ in range(3):
+            policy.costs.observe(n, 0.1 * (1.0 + 0.3 * (n - 1)))
+    low = TreeYield(gained=0.0, sent=10.0)
+    assert not tree_pays(policy, 4, 3, low)
+    assert tree_pays(policy, 4, 3, low, gain=3.0)
+    assert not tree_pays(policy, 4, 3, TreeYield(), gain=0.0)
+
+
+# ------------------------------------------------------------------ real models (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_real_pair_remote_hybrid_trees_are_token_identical(target, node, sp) -> None:
+    """A draft node drafting ahead and the lookup, on a target with tree sequences, for
+    several draft lengths: plain decoding's tokens, and trees were verified."""
+    from specwire.backend.llama import LlamaBackend
+    tree_target = LlamaBackend(target.backend.params, target.backend.model, tree_branches=4)
+    verified = 0
+    try:
+        for text in (CODE, PROSE):
+            prompt = target.tokens(text)
+            want = target.plain(prompt, sp, 40)
+            for k in (2, 8):
+                remote = target.drafter(node.url, pipelined=True)
+                hybrid = HybridDrafter(lookup(), remote)
+                try:
+                    eng = Engine(tree_target, hybrid)
+                    gen = eng.generate(request(prompt, 40, sp, n_max=k))
+                    assert run_to_end(gen) == want, (text, k)
+                    verified += int(hybrid.stats().get("trees", 0))
+                finally:
+                    hybrid.close()
+    finally:
+        tree_target.close()
+    assert verified > 0, "no round verified both candidates as a tree"
