@@ -326,37 +326,46 @@ class HybridDrafter(DrafterBase):
         return out
 
     def _both(self, offer: Offer, draft: Draft | None, use_ngram: bool) -> Draft | None:
-        """Both candidates as one tree (the longer the chain, the other a branch from
-        where they part), where they differ and the tree's expected tokens per second of
-        verification beat the better candidate's alone; None otherwise. Drafting is
-        spent by now: only verification counts. The model's own alternates are left out
-        of such a tree: a whole second candidate is the likelier branch."""
+        """Both candidates as one tree, where they differ and a tree of them beats the
+        better candidate alone in expected tokens per second of verification; None
+        otherwise. Each is cut where the tree is worth most (a long copy beside a short
+        model draft, or the reverse, often pays where both whole do not); the longer of
+        the two paths is the chain, the other a branch from where they part. Drafting
+        is spent by now: only verification counts. The model's own alternates are left
+        out of such a tree: a whole second candidate is the likelier branch."""
         if draft is None or not draft.tokens or not offer.tokens:
             return None
         ng, md = list(offer.tokens), list(draft.tokens)
         at = parting(ng, md)
         if at >= min(len(ng), len(md)):
             return None         # one is the other's prefix: the longer holds both
-        t_ng, t_md = self._verify_s(len(ng)), self._verify_s(len(md))
-        size = max(len(ng), len(md)) + min(len(ng), len(md)) - at
-        t_tree = self._verify_s(size)
-        if t_ng is None or t_md is None or t_tree is None:
-            return None
         r_ng, r_md = reach(offer.keep), reach([self.acceptance] * len(md))
-        e_ng, e_md = sum(r_ng), sum(r_md)
-        ng_chain = len(ng) >= len(md)
-        chain, c_reach, b_reach = (ng, r_ng, r_md) if ng_chain else (md, r_md, r_ng)
-        branch = md if ng_chain else ng
-        e_tree = tree_kept(c_reach, b_reach, at)
-        alone = max((1.0 + e_ng) / t_ng, (1.0 + e_md) / t_md)
-        if (1.0 + e_tree) / t_tree <= alone:
+        alone = 0.0
+        for r in (r_ng, r_md):
+            t = self._verify_s(len(r))
+            if t is None:
+                return None
+            alone = max(alone, (1.0 + sum(r)) / t)
+        best: tuple[float, int, int, float] | None = None   # rate, ng cut, model cut, E
+        for i in range(at + 1, len(ng) + 1):
+            for j in range(at + 1, len(md) + 1):
+                t = self._verify_s(i + j - at)
+                if t is None:
+                    return None
+                kept = tree_kept(r_ng[:i], r_md[:j], at)
+                rate = (1.0 + kept) / t
+                if rate > alone and (best is None or rate > best[0]):
+                    best = (rate, i, j, kept)
+        if best is None:
             return None
-        gain = e_tree - sum(c_reach)
-        if ng_chain:
-            out = self.ngram.draft(chain)
+        _, i, j, kept = best
+        if i > j or i == j and use_ngram:
+            out, chain, branch = self.ngram.draft(ng[:i]), r_ng[:i], md[at:j]
         else:
-            out = Draft(list(chain), draft.sparse, draft.confidence)
-        out.branches, out.gain = [(at, list(branch[at:]))], gain
+            out = Draft(md[:j], None if draft.sparse is None else draft.sparse[:j],
+                        None if draft.confidence is None else draft.confidence[:j])
+            chain, branch = r_md[:j], ng[at:i]
+        out.branches, out.gain = [(at, list(branch))], kept - sum(chain)
         return out
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:

@@ -90,15 +90,15 @@ def test_both_candidates_are_verified_as_a_tree_and_either_path_is_kept(monkeypa
     six: trees are made, some rounds keep the model's branch past the lookup's mistake and some the
     lookup's longer copy, and the model is told each round how many of its own tokens
     the history kept."""
-    prompt = _prompt(SAMPLED)
+    prompt = _prompt(SAMPLED, 90)
     fb = _target(monkeypatch)
     model = _short_twin(SAMPLED)
     hybrid = HybridDrafter(lookup(), model)
     eng = Engine(fb, hybrid)
-    gen = eng.generate(Request(list(prompt), 48, SAMPLED,
+    gen = eng.generate(Request(list(prompt), 80, SAMPLED,
                                DraftParams(n_max=8, p_min=0.0, policy="fixed")))
     gen.run()
-    assert gen.tokens == reference(SAMPLED, 48, prompt)
+    assert gen.tokens == reference(SAMPLED, 80, prompt)
     st = hybrid.stats()
     assert st["trees"] > 0 and len(fb.trees) >= st["trees"]
     assert st["tree_model_kept"] > 0 and st["tree_ngram_kept"] > 0, st
@@ -134,7 +134,8 @@ def test_a_tree_is_made_only_where_it_beats_the_better_candidate() -> None:
         tree = hybrid._both(offer, Draft([1, 5, 6]), use_ngram=True)
         assert (tree is not None) is want, slope
         if tree is not None:
-            assert tree.tokens == [1, 2, 3, 4] and tree.branches == [(1, [5, 6])]
+            (off, branch), = tree.branches
+            assert tree.tokens == [1, 2, 3, 4] and off == 1 and branch in ([5], [5, 6])
             assert 0.0 < tree.gain < 1.0
 
 
