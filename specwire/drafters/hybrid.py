@@ -304,6 +304,7 @@ class HybridDrafter(DrafterBase):
             est.model_len = (w * est.model_len + self.alpha * len(draft) if est.model_len
                              else float(len(draft)))
         self._tree = None
+        use_ngram = self._agreeing(offer, draft, use_ngram)
         tree = self._both(offer, draft, use_ngram)
         if tree is not None:
             self.ngram.take(offer)
@@ -324,6 +325,29 @@ class HybridDrafter(DrafterBase):
         sent = len(out) + sum(len(t) for _, t in out.branches or ())
         self._round = (len(history), model_tokens, sent, time.perf_counter())
         return out
+
+    def _agreeing(self, offer: Offer, draft: Draft | None, use_ngram: bool) -> bool:
+        """Where one candidate is the other's prefix, the longer holds both, and their
+        agreement makes the shared tokens likelier than either alone says: whether to
+        verify the lookup's (else the model's), valuing the longer with the likelier
+        chance per depth over the shared part against each candidate alone."""
+        if draft is None or not draft.tokens or not offer.tokens:
+            return use_ngram
+        ng, md = list(offer.tokens), list(draft.tokens)
+        at = parting(ng, md)
+        if at < min(len(ng), len(md)) or len(ng) == len(md):
+            return use_ngram
+        r_ng, r_md = reach(offer.keep), reach([self.acceptance] * len(md))
+        t_ng, t_md = self._verify_s(len(ng)), self._verify_s(len(md))
+        if t_ng is None or t_md is None:
+            return use_ngram
+        longer_ng = len(ng) > len(md)
+        t_long = t_ng if longer_ng else t_md
+        both = (1.0 + tree_kept(r_ng if longer_ng else r_md, r_md if longer_ng else r_ng,
+                                at)) / t_long
+        if both > max((1.0 + sum(r_ng)) / t_ng, (1.0 + sum(r_md)) / t_md):
+            return longer_ng
+        return use_ngram
 
     def _both(self, offer: Offer, draft: Draft | None, use_ngram: bool) -> Draft | None:
         """Both candidates as one tree, where they differ and a tree of them beats the

@@ -154,6 +154,25 @@ def test_identical_or_nested_candidates_make_no_tree() -> None:
     assert hybrid._both(Offer([], []), Draft([1, 2]), use_ngram=False) is None
 
 
+def test_where_one_candidate_holds_the_other_the_longer_is_verified() -> None:
+    """On a flat curve a copy that continues the model's shorter draft is worth more
+    than either alone (their agreement makes the shared tokens likelier), and the
+    reverse; on a steep one a doubtful copy's tail is not, and the choice stands."""
+    from specwire.drafters.base import Draft
+    from specwire.drafters.ngram.drafter import Offer
+    for slope, want in ((0.0, True), (3.0, False)):
+        hybrid = HybridDrafter(lookup(), _short_twin(FAKE_GREEDY))
+        for n in range(1, 12):
+            for _ in range(3):
+                hybrid.costs.observe(n, 1.0 + slope * (n - 1))
+        offer = Offer([1, 2, 3, 4, 5], [0.5] * 5)
+        assert hybrid._agreeing(offer, Draft([1, 2]), use_ngram=False) is want, slope
+    hybrid = HybridDrafter(lookup(), _short_twin(FAKE_GREEDY))
+    hybrid.costs.observe(1, 1.0)
+    assert hybrid._agreeing(Offer([1], [0.9]), Draft([1, 2, 3]), use_ngram=True) is False
+    assert hybrid._agreeing(Offer([1, 2], [0.5] * 2), Draft([1, 3]), use_ngram=True) is True
+
+
 def test_tree_kept_counts_each_depth_once() -> None:
     chain, branch = reach([0.5, 0.5, 0.5]), reach([0.5, 0.5])
     # shared first token: max(0.5, 0.5); past it, one or the other, never over the
