@@ -1,12 +1,13 @@
 """Shared test set-up: the import path, the fast-suite guard (tests/support/fast_guard.py),
-pytester for its own test, and `specwire_cli`, which runs `specwire ...` twice over: in
+pytester for its own test, the draft link's fixtures (tests/support/wire_helpers.py:
+"target", "node", "node_proc"), and `specwire_cli`, which runs `specwire ...` twice over: in
 this process (fast) and as a real process (slow).
 
 The tests mirror specwire/'s packages, one folder each, with no __init__.py (pytest's
-default import mode: a module is imported by its basename, unique across the tree). The
-support code (tests/support/) and every test folder go on sys.path before pytest_plugins
-is read, so `from fakes import ...` and a test's `from test_server import ...` resolve
-from any folder."""
+default import mode: a module is imported by its basename, unique across the tree). Code
+that tests share lives in tests/support/, which goes on sys.path before pytest_plugins is
+read, so `from fakes import ...` resolves from any folder; a test file imports no other
+test file."""
 
 from __future__ import annotations
 
@@ -19,12 +20,11 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-_FOLDERS = [TESTS / "support", *sorted(p for p in TESTS.iterdir()
-                                       if p.is_dir() and any(p.glob("test_*.py")))]
-sys.path[:0] = [str(p) for p in _FOLDERS if str(p) not in sys.path]
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
-pytest_plugins = ("fast_guard", "pytester")
+pytest_plugins = ("fast_guard", "pytester", "wire_helpers")
 
 CliRun = Callable[..., subprocess.CompletedProcess]
 

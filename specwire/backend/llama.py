@@ -1,21 +1,12 @@
 """llama.cpp backend through llama-cpp-python's low-level C API.
 
-The high-level `Llama` class keeps a logits row for every evaluated position
-when asked for more than the last one; with Gemma-3's 262k vocabulary a row is
-1 MB, so a long context would cost gigabytes and every row would be copied.
-Here a batch marks only the positions whose logits the engine will read, and
-the rows come back as a zero-copy numpy view of llama.cpp's output buffer.
-
-One model file is loaded once per process (`load_model`) and may serve many
-contexts, e.g. one per sequence on a draft node.
-
-A context's KV cache can be copied out to RAM and back (`save`, `restore`: what
-the draft node keeps of a finished conversation, node/kv_cache.py, and what its
---cache-ram budget counts), or to a file (llama-server's slot save), and
-`reuse_chunks` is llama-server's --cache-reuse: past the common prefix, runs of
-at least n_min cached tokens that reappear later in the new prompt are moved to
-their new positions (llama_memory_seq_add; llama.cpp re-rotates their keys on
-the next decode) instead of being evaluated again.
+The high-level `Llama` class keeps a logits row for every evaluated position when asked
+for more than the last one; with Gemma-3's 262k vocabulary a row is 1 MB, so a long context
+would cost gigabytes. Here a batch marks only the positions whose logits the engine reads,
+and the rows come back as a zero-copy numpy view of llama.cpp's output buffer. A model file
+is loaded once per process (`load_model`) and may serve many contexts. A context's KV cache
+can be copied to RAM and back (`save`, `restore`: the draft node's --cache-ram) or to a file
+(llama-server's slot save), and `reuse_chunks` is llama-server's --cache-reuse.
 """
 
 from __future__ import annotations

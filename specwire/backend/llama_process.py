@@ -1,15 +1,12 @@
 """llama.cpp's process-wide state, with one owner: backend init, --numa, the log.
 
-llama.cpp has one log callback and one backend initialisation per process, and
---numa can be set only once. Everything in specwire that touches them (model
-loading, device listing, grammars, the quantizer) goes through here:
-
-* `init_backend(numa)`: install the log callback and initialise the backends,
-  once; apply a --numa strategy, refusing a second, different one;
-* the log callback forwards warnings and errors to `logging` and hands every
-  line to the taps open at the time: `llama_log()` collects lines while a block
-  runs, `log_tap(on_line, quiet=True)` streams (level, text) to a function and
-  keeps them out of `logging` (the quantizer's progress and errors).
+llama.cpp has one log callback and one backend initialisation per process, and --numa can
+be set only once, so everything in specwire that touches them (model loading, device
+listing, grammars, the quantizer) goes through here. `init_backend(numa)` installs the log
+callback and initialises the backends once, refusing a second, different --numa. The
+callback forwards warnings and errors to `logging` and hands every line to the taps open at
+the time: `llama_log()` collects lines while a block runs, `log_tap(on_line, quiet=True)`
+streams them to a function and keeps them out of `logging` (the quantizer's progress).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ length, no learning, no cache (drafters/ngram/ adds all three).
 
 When the answer repeats the prompt (renaming variables, refactoring code,
 quoting), the tokens that followed the last occurrence of the current suffix
-are an excellent guess, and finding them costs microseconds.
+are an excellent guess, and finding them costs next to nothing.
 """
 
 from __future__ import annotations

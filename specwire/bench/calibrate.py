@@ -1,21 +1,12 @@
 """Measure the planning model's inputs on this machine (`specwire plan --measure`).
 
-`specwire plan` is arithmetic on four figures; guessing them is where a plan
-goes wrong (above all the verification cost: policy/plan.py). Here each is
-measured the way the engine incurs it:
-
-* target tokens/s: plain decoding through the engine (sampling included),
-  median over a few prompts of a set;
-* draft tokens/s: the draft model evaluating one token at a time after a
-  prompt, as it does while drafting;
-* verification cost t_v(n): the target evaluating batches of n = 1, 2, 4, 8,
-  16 tokens with logits for every row (what verification asks for), the KV
-  cache truncated back between tries, median time relative to n = 1;
-* acceptance: a short local speculative run over the prompts
-  (draft_n_accepted / draft_n, llama-server's figure, as `plan --acceptance`).
-
-bench uses the draft speed and the verification curve for its own plan
-predictions.
+`specwire plan` is arithmetic on four figures, and guessing them (above all the
+verification cost) is where a plan goes wrong, so each is measured the way the engine
+incurs it: the target's plain decoding rate through the engine (median over a few prompts),
+the draft model evaluating one token at a time after a prompt, the target's batches of
+n = 1, 2, 4, 8, 16 tokens with logits for every row (the KV cache truncated back between
+tries; median relative to n = 1), and the acceptance of a short local speculative run
+(draft_n_accepted / draft_n). bench uses the draft speed and curve for its predictions.
 """
 
 from __future__ import annotations

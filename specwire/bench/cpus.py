@@ -1,15 +1,12 @@
 """Two machines on one box: the target and the draft node on disjoint CPUs.
 
-On a real LAN the target and the draft node each have their own CPUs. On one
-box the scheduler instead moves every thread freely, so a gRPC thread of the
-target wakes up on the core where the draft node computes (and the other way
-round): a wake-up across busy cores costs more than on its own core, and a gRPC
-round makes several (benchmarks/link_overhead.py measures both ways, --shared-cpus;
-docs/benchmarks.md has the figures). Remote benchmark modes therefore run with the
-target process on the first half of the CPUs and the draft node on the second half;
-in-process modes keep all.
-
-Linux only (sched_setaffinity); elsewhere, or with one CPU, nothing is pinned.
+On a LAN the target and the draft node each have their own CPUs; on one box the scheduler
+moves every thread freely, so a gRPC thread of one wakes on the core where the other
+computes, and a wake-up across busy cores costs more (a gRPC round makes several;
+benchmarks/link_overhead.py measures both ways, --shared-cpus). Remote benchmark modes
+therefore pin the target to the first half of the CPUs and the draft node to the second;
+in-process modes keep all. Linux only (sched_setaffinity); elsewhere, or with one CPU,
+nothing is pinned.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """The drafter behind each benchmark mode, and what it needs around it.
 
-plain             no drafter (the reference every speedup is measured against)
-local             the draft model in this process, alternating with the target (llama.cpp's way)
-local-pipelined   the draft model on a thread of this process, drafting while the target verifies
-ngram             prompt lookup, no model
-hybrid            prompt lookup and the local draft model, the better draft each round (or
-                  both as one tree, where that pays: --draft-tree)
-hybrid-pipelined  prompt lookup on the target and the remote node drafting ahead (likewise)
-random            uniformly random tokens: the cost of a useless drafter
-remote-sync       a draft node in its own process, over an emulated link, each side waiting
-remote-pipelined  the same node, drafting ahead of the verdicts (its alternates verified
-                  beside the draft as trees, where they pay: --draft-tree)
-remote-chains     remote-pipelined with chains only (alternates verified a round later)
-llama-server      an unmodified llama-server (--llama-server URL), over an emulated link
-
-The draft node is started as a separate process (`python -m specwire draft`),
-as it would run on another machine: its model loads and drafts outside this
-interpreter, so its threads are not ours and a crash shows as a dead link.
-A LinkEmulator sits between the target and it; each configuration sets the
-emulator's one-way delay to RTT/2 and gets its own Link and RemoteDrafter,
-because a Link's channel belongs to the event loop of the drafter that made it.
-Unless --shared-cpus, the node and, while a remote mode runs, this process keep
-to disjoint halves of the CPUs, as two machines would (bench/cpus.py says why).
+MODES names them (plain is the reference every speedup is measured against). The draft
+node runs as a separate process (`python -m specwire draft`), as on another machine, so
+its threads are not ours and a crash shows as a dead link. A LinkEmulator sits between
+the target and it, set to RTT/2 each way per configuration, and each configuration gets
+its own Link and RemoteDrafter, because a Link's channel belongs to the event loop of the
+drafter that made it. Unless --shared-cpus, the node and this process keep to disjoint
+halves of the CPUs, as two machines would (bench/cpus.py says why).
 """
 
 from __future__ import annotations

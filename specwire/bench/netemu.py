@@ -1,25 +1,13 @@
 """User-space network link emulator: a TCP relay that adds latency and a bandwidth cap.
 
-Why this exists: the point of specwire is to measure speculative decoding when the draft
-model sits on another machine, so benchmarks and tests need a link with a controlled
-round-trip time and bandwidth. The usual tool (``tc qdisc ... netem``) needs root and a
-kernel module that this environment lacks, so we emulate the link in user space instead:
-clients connect to the relay, the relay connects to the real server, and every chunk of
-bytes is held back for as long as the emulated wire would have taken to carry it.
-
-Link model, per direction (client->server is "up", server->client is "down"):
-
-* A FIFO wire of ``bandwidth_bps`` bits/s: a chunk of ``n`` bytes occupies it for
-  ``n * 8 / bandwidth_bps`` seconds, after any chunk still being serialized.
-* Then a propagation delay of ``one_way_s``. This is a *delay line*, not a sleep per
-  chunk: each chunk gets its own delivery deadline, so a burst of small chunks arrives
-  spread exactly as it was sent, only shifted. Sleeping per chunk would instead serialize
-  the latency and make pipelined protocols (like HTTP/2 under gRPC) look far slower.
-
-The relay runs an asyncio loop in a dedicated daemon thread so synchronous code (the CLI,
-benchmarks, pytest) can drive it with plain ``start()`` / ``stop()`` calls or a ``with``
-block. ``one_way_s``, ``bandwidth_bps`` and ``blackhole`` may be changed while it runs;
-new values apply to chunks read from then on.
+Benchmarks and tests need a link with a controlled round trip and bandwidth between the
+target and its draft node, and `tc netem` needs root and a kernel module this environment
+lacks, so the relay emulates it: each direction is a FIFO wire of `bandwidth_bps` followed
+by a delay line of `one_way_s` (each chunk gets its own delivery deadline, so a burst
+arrives spread as it was sent; a sleep per chunk would serialize the latency and make
+pipelined protocols such as HTTP/2 look slower). It runs an asyncio loop on a daemon thread,
+driven by `start()` / `stop()` or `with`; `one_way_s`, `bandwidth_bps` and `blackhole`
+may change while it runs and apply to chunks read from then on.
 """
 
 import asyncio

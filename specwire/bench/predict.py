@@ -1,33 +1,11 @@
 """What `specwire plan` would have predicted for a configuration bench measured.
 
-The inputs are measured in the same run: the plain mode's median tokens/s,
-the draft model's speed and the verification curve from a quick calibration
-(calibrate.py), the configuration's own acceptance and its emulated link.
-Comparing the prediction with the measured rate validates the planning model
-configuration by configuration.
-
-The plan assumes every round drafts k tokens, each kept with probability a
-given the previous one was. Real drafters do not: the draft model stops at
---draft-p-min, an n-gram drafter proposes only when it finds a match. So the
-plan is fed the round bench actually saw:
-
-* k = the mean number of tokens drafted per drafting round (rounded);
-* a = the per-token acceptance at which a k-token round keeps, on average,
-  the tokens measured (the geometric model's a, fitted; the plain ratio
-  draft_n_accepted / draft_n is reported beside it);
-* the share f of rounds that had a draft; the others are plain steps that
-  still paid for asking: the draft model evaluates at least once before its
-  confidence test (--draft-p-min) comes out empty, and a synchronous remote
-  drafter's "nothing" takes a round trip. So with e = t_s + t_d (+ RTT):
-  rate = (f E + (1 - f)) / (f E / rate_k + (1 - f) e).
-
-What is then compared is the cost model (draft speed, verification curve,
-round trip, overlap), which is what `plan` is for. Pipelined drafting already
-models its draftless rounds (the "race" after a miss), so f is not applied.
-
-Mode mapping: local and ngram are plan's `local` (an n-gram's "draft speed"
-is its measured lookup time per token), remote-sync and llama-server are
-`synchronous`, remote-pipelined and local-pipelined (a link of no delay) are `pipelined`.
+The inputs come from the same run (the plain rate, the calibrated draft speed and
+verification curve, the configuration's acceptance and emulated link), so comparing the
+prediction with the measured rate checks the plan's cost model configuration by
+configuration. The plan is fed the rounds bench actually saw (the mean draft length, the
+acceptance fitted to it, the share f of rounds that had a draft), since real drafters stop
+early or find no match; `predict` says how.
 """
 
 from __future__ import annotations
@@ -138,7 +116,15 @@ def fit_acceptance(kept: float, k: int) -> float:
 
 def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Rounds,
             verify: VerifyCurve | None, measured_tps: float) -> dict | None:
-    """plan's tokens/s for cfg and its error against the measured rate (None if unknown)."""
+    """plan's tokens/s for cfg and its error against the measured rate (None if unknown).
+
+    The plan gets k = the mean tokens per drafting round (rounded), a = the acceptance at
+    which a k-token round keeps the tokens measured, and the share f of rounds that had a
+    draft; the others were plain steps that still paid for asking, e = t_s + t_d (+ RTT):
+    rate = (f E + (1 - f)) / (f E / rate_k + (1 - f) e). Pipelined drafting models its
+    draftless rounds itself (the race after a miss), so f is not applied there. Modes map
+    to plan's: local and ngram (its lookup time as draft speed) to `local`, remote-sync and
+    llama-server to `synchronous`, remote- and local-pipelined to `pipelined`."""
     if not plain_tps > 0.0 or not measured_tps > 0.0:
         return None
     if not cfg.drafting:

@@ -1,16 +1,11 @@
 """Turn per-prompt runs into the figures bench reports, as a table and as JSON.
 
-Speedups are measured against the plain mode of the same run, two ways:
-the ratio of median tokens/s (what a user would see on the whole set) and
-the median of per-prompt ratios (pairs each prompt with itself, so that an
-easy and a hard prompt do not average out; what to quote when sets differ).
-Spread is p10/p90 and the interquartile range: a handful of prompts make a
-mean and a standard deviation misleading.
-
-At temperature 0 (and in the coupled mode) speculation is lossless, so every
-mode must generate the very same tokens as plain decoding; each prompt's
-token digest is compared with plain's and a mismatch is flagged loudly,
-because a speedup on different text is no speedup.
+Speedups are against the plain mode of the same run, two ways: the ratio of median rates
+(what a user sees on the whole set) and the median of per-prompt ratios (each prompt paired
+with itself, what to quote when sets differ). Spread is p10/p90 and the interquartile
+range, since a mean and a standard deviation mislead over a handful of prompts. Lossless
+modes must generate plain decoding's very tokens, so each prompt's token digest is compared
+with plain's and a mismatch is flagged loudly: a speedup on different text is no speedup.
 """
 
 from __future__ import annotations
@@ -173,6 +168,7 @@ def starved(runs: Sequence[PromptRun]) -> dict | None:
             "share_of_time": ms / total if total else None,
             "alternate_rounds": drafter("alternate_rounds"),
             "alternate_trees": drafter("alternate_trees"),
+            "second_choices_taken": drafter("second_choices_taken"),
             "empty_rounds": drafter("empty_rounds"),
             "waited_rounds": drafter("waited_rounds"), "waited_ms": drafter("waited_ms"),
             "waited_share_of_time": drafter("waited_ms") / total if total else None,
@@ -199,7 +195,7 @@ def by_category(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None) ->
 
 def aggregate(cfg: Config, runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None,
               lossless: bool) -> dict:
-    """One configuration's record: every figure the issue asks for, plus per-prompt data."""
+    """One configuration's record: every figure bench reports, plus per-prompt data."""
     drafted = sum(r.stats.get("draft_n", 0) for r in runs)
     accepted = sum(r.stats.get("draft_n_accepted", 0) for r in runs)
     hist = merge_hist(r.stats.get("accepted_hist", []) for r in runs)
@@ -491,7 +487,8 @@ def render_summary(results: dict) -> str:
                          f"{sv.get('empty_rounds', 0):.0f} rounds without a draft in all); "
                          f"{sv['alternate_rounds']:.0f} verified a pre-drafted alternate "
                          f"({sv.get('alternate_trees', 0):.0f} in the same decode, as a "
-                         "tree); "
+                         f"tree, {sv.get('second_choices_taken', 0):.0f} of them a second "
+                         "choice alone); "
                          f"{sv.get('waited_rounds', 0):.0f} waited for the drafter "
                          f"({sv.get('waited_ms', 0):.0f} ms, "
                          f"{_pct(sv.get('waited_share_of_time'))}% of decoding time, "

@@ -1,19 +1,11 @@
 """Run one benchmark configuration over the prompts, from a clean slate each time.
 
-A configuration is a mode plus the settings it is swept over (draft length,
-policy, link). Two things would flatter speculation and are ruled out here:
-
-* state carried between prompts: the target's KV cache (a shared prefix
-  would skip prompt evaluation) and the local draft model's cache are
-  truncated to zero before every prompt; n-gram and remote drafters start
-  a fresh sequence per request by design;
-* cold start: one short warm-up generation per configuration (first call
-  into llama.cpp, a new gRPC session, page faults on the weights) is run
-  and thrown away.
-
-What does carry over is the adaptive policy's estimates (PolicyMemory), as
-in a server: they change which draft length is asked for, never which
-tokens come out or what any evaluation costs.
+Two things would flatter speculation and are ruled out: state carried between prompts
+(the target's and the local draft model's KV caches are truncated to zero before every
+prompt; n-gram and remote drafters start a fresh sequence per request) and cold start (one
+short warm-up generation per configuration is run and thrown away). What carries over is
+the adaptive policy's estimates (PolicyMemory), as in a server: they change which draft
+length is asked for, never which tokens come out or what an evaluation costs.
 """
 
 from __future__ import annotations

@@ -185,6 +185,15 @@ def add_lookup_cache_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_draft_args(d: argparse._ActionsContainer) -> None:
+    """The draft flags: the draft length and verification, pipelining, the link's secrets."""
+    _add_draft_length_args(d)
+    _add_pipeline_args(d)
+    _add_draft_link_args(d)
+
+
+def _add_draft_length_args(d: argparse._ActionsContainer) -> None:
+    """How many tokens a round drafts (--draft-max/-min/-p-min, --draft-policy) and how
+    they are verified (--verify, --draft-top-k)."""
     d.add_argument(
         "--draft-max",
         "--spec-draft-n-max",
@@ -226,6 +235,10 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         "confidence, no longer pays; "
         "fixed: --draft-max, stopped at --draft-p-min",
     )
+
+
+def _add_pipeline_args(d: argparse._ActionsContainer) -> None:
+    """Whether the drafter works ahead of the target, its second choices, and polling."""
     d.add_argument(
         "--draft-mode",
         choices=["auto", "pipelined", "sync"],
@@ -261,6 +274,10 @@ def add_draft_args(d: argparse._ActionsContainer) -> None:
         "busy-polling the socket across its forecast arrival (costs about 0.1 ms a round, "
         "saves a core for a few ms of it)",
     )
+
+
+def _add_draft_link_args(d: argparse._ActionsContainer) -> None:
+    """The draft node's shared secret and TLS files."""
     d.add_argument(
         "--draft-token",
         default=os.environ.get("SPECWIRE_TOKEN"),

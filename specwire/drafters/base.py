@@ -1,19 +1,14 @@
 """The drafter protocol: begin / propose / learn / end, and a declaration of capabilities.
 
-    begin(prompt, sampling, params, policy=, grammar=)  a sequence starts: its settings,
-        the adaptive policy whose stop rule drafts follow, the grammar drafts may follow
+    begin(prompt, sampling, params, policy=, grammar=)  a sequence starts
     propose(history, k) -> Draft        up to k tokens after history
     learn(history, accepted, appended)  the round's verdict
-    end()                               the sequence is over: drop its state, policy, grammar
+    end()                               the sequence is over: drop its state
 
-A drafter also reports (`stats`, `cache_use`), reads the cost models the engine
-hands it once (`use_costs`: the target's verification, the draft backend's
-drafting), is closed once (`close`), and
-declares in `capabilities` (a frozen Capabilities) what else it does: the
-engine and server branch on that declaration, never on probing for attributes,
-and call an optional member (`ask`, `draft_in_steps`, `never_wait`, `status`)
-only where it is declared. DrafterBase declares nothing and gives the reports
-their empty defaults. Callers go through one wrapper, DraftGuard (guard.py).
+A drafter also reports (`stats`, `cache_use`), takes the engine's cost models once
+(`use_costs`), is closed once, and declares in `capabilities` what else it does: callers
+branch on that declaration, never on probing attributes, and go through one wrapper,
+DraftGuard (guard.py). DrafterBase declares nothing and gives the reports empty defaults.
 """
 
 from __future__ import annotations

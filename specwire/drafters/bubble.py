@@ -1,32 +1,13 @@
 """The bubble after a rejection: wait a moment for the fresh draft, or decode plainly.
 
-A drafter that works ahead (a pipelined draft node, a draft thread) loses its
-lookahead with every rejection: the next round finds nothing to verify and
-decodes plainly, one token for a whole target step. Yet the drafter starts its
-fresh branch as soon as it hears the verdict, and drafts several times faster
-than the target verifies: a round trip and a few draft tokens later there is a
-draft again. So the round may wait for m tokens and verify them:
-
-    plain step:         1 token        in t_v(1)
-    wait for m tokens:  E(m) tokens    in w(m) + t_v(m + 1)
-
-with E(m) = 1 + a + ... + a^m (a: the per-token acceptance), t_v(n) the
-target's verification of n tokens (the engine's, policy/costs.py: its means per
-batch size) and w(m) the time until the m-th token of the fresh branch arrives,
-measured online by the drafter's target side. Either
-way the drafter goes on drafting while the target verifies, so the rounds after
-are alike, and the option that loses least against the run's own rate r (tokens
-per second over recent rounds) is the best: the most E - r T. The round waits
-for that m when it beats not waiting by `margin` tokens; if the tokens are late
-it verifies what came by the deadline.
-
-Where verifying a few more tokens costs about a plain step (a GPU), a wait of a
-round trip and a few draft tokens pays; on a CPU target whose small batches cost
-several plain steps it does not, and this rule then never waits. It waits only
-for batch sizes it has seen a round of, so that a wait is never priced on the
-assumed (GPU-like) slope alone (docs/drafting.md).
-
-Waiting changes which tokens are verified, never the output: lossless.
+A drafter that works ahead (a pipelined node, a draft thread) loses its lookahead with
+every rejection, yet starts its fresh branch at once and drafts faster than the target
+verifies. So the round may wait for m tokens: E(m) tokens in w(m) + t_v(m + 1) against a
+plain step's one token in t_v(1), valued against the run's own rate r (the most E - r T),
+with t_v the engine's VerifyCost means per batch size and w(m) measured online. It waits
+when that beats not waiting by `margin` tokens, and only for batch sizes it has seen, so a
+CPU target whose small batches cost several steps never waits. Waiting changes which tokens
+are verified, never the output. docs/drafting.md section 6.
 """
 
 from __future__ import annotations
@@ -43,7 +24,8 @@ MIN_ARRIVALS = 3
 
 @dataclass(slots=True)
 class BubbleWait:
-    """Decides how long a round without enough draft waits for the drafter."""
+    """Decides how long a round without enough draft waits for the drafter; tokens that
+    are late are not waited for past the deadline: the round verifies what came."""
 
     alpha: float = 0.1
     margin: float = 0.1  # tokens by which waiting must beat verifying what is there

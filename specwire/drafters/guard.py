@@ -1,23 +1,13 @@
-"""The one place where a drafter's failure becomes plain decoding.
+"""The one place where a drafter's failure becomes plain decoding, and the one wrapper.
 
-A drafter only ever buys speed, so nothing it does may fail a request: not an
-exception of any type from any of its methods, not tokens outside the
-vocabulary, not a draft without the q that rejection mode needs. The engine
-calls its drafter only through DraftGuard. A failure is logged, counted
-(`guard_failures` in the drafter's stats), the drafter's sequence is ended,
-and rounds decode plainly while the drafter rests for a pause that doubles
-with each failure in a row (BACKOFF_MIN_S up to BACKOFF_MAX_S); then it is
-begun again on the current history. A round with a usable draft resets the pause.
-
-It is also the one wrapper: it reads the drafter's declared Capabilities once and
-calls an optional member only where it is declared (`ask`, the lockstep draft, and
-`never_wait` for an engine whose rounds must not hold).
-
-Rejection mode also passes through here: a drafter that declares itself
-`deterministic` (its draft never depends on the target's random draws: a
-lookup, a greedy draft, a remote greedy server, a generator of its own) gets
-a point mass at each drafted token as its q, which keeps speculative sampling
-exact (accept with probability p(x), else sample p with x removed).
+A drafter only buys speed, so nothing it does may fail a request: an exception from any
+method, tokens outside the vocabulary or a draft without the q rejection mode needs is
+logged, counted (`guard_failures`), ends the drafter's sequence, and rounds decode plainly
+while it rests for a pause that doubles per failure in a row (BACKOFF_MIN_S to
+BACKOFF_MAX_S). DraftGuard reads the drafter's Capabilities once and calls an optional
+member only where declared. A `deterministic` drafter (its draft never depends on the
+target's random draws) gets a point mass at each drafted token as its q, which keeps
+speculative sampling exact.
 """
 
 from __future__ import annotations
@@ -51,7 +41,9 @@ def point_q(tokens: Sequence[int]) -> list[SparseDraft]:
 
 class DraftGuard:
     """Forwards the drafter protocol to `drafter`, turning every failure into an empty
-    draft and a pause. Lives as long as its engine, so the pause spans requests."""
+    draft and a pause, after which the drafter is begun again on the current history; a
+    round with a usable draft resets the pause. Lives as long as its engine, so the pause
+    spans requests."""
 
     def __init__(self, drafter: Drafter, n_vocab: int, hold: bool = True) -> None:
         """hold: the drafter may hold a round for a fresh branch (False where the step

@@ -1,31 +1,18 @@
 """An n-gram lookup and a draft model together: each round, the draft worth more.
 
-On code rewriting a lookup copies long stretches the model would draft token by
-token; on prose the lookup rarely matches and the model wins. Each round the
-hybrid values both candidates as expected tokens per second of the round and
-verifies the better one:
-
-    n-gram:  (1 + E_ng) / t_v(n)            E_ng from its calibrated per-token keeps
-    model:   (1 + E_m) / (t_d(k) + t_v(k))  E_m = a + ... + a^k, a learnt online
-
-t_v is the target's verification cost and t_d the model's drafting cost (both
-policy/costs.py, handed by the engine; the hybrid times its model's steady rounds
-into t_d, as it alone knows which rounds were the model's), a the model's acceptance. A model in
-this process is asked only when its candidate is worth more (or, to keep its
-estimates fresh, as a short probe now and then), its cost including the tokens it
-must catch up on; a drafter that works ahead (a node, a thread) costs nothing to
-ask and is always asked. Under the adaptive policy the hybrid makes each round's
-call itself and both drafts stop at the policy's per-token threshold.
-
-Where both candidates exist and differ, the round may verify both in one decode
-(a tree, sample/tree.py): the longer as the chain, the other as a side branch
-from where they part. The hybrid values the tree as it values a candidate, its
-expected tokens (each depth's chance of being reached on either path) over the
-verification of all its tokens, and hands it out when that beats the better
-candidate alone, with the tokens the branch is expected to add (Draft.gain), by
-which the engine's tree rule prices it (policy/tree.py). Both candidates learn
-from the history the round kept, whichever path it took.
-docs/drafting.md has the reasoning and the measurements.
+On code rewriting a lookup copies long stretches the model would draft token by token; on
+prose it rarely matches and the model wins. Each round the hybrid values both candidates
+as expected tokens per second, (1 + E_ng) / t_v(n) against (1 + E_m) / (t_d(k) + t_v(k)),
+with the engine's cost models (policy/costs.py; the hybrid alone times its model's rounds
+into t_d), and verifies the better. A model in this process is asked only when its
+candidate, catch-up included, is worth more, or as a probe now and then; a drafter that
+works ahead costs nothing to ask and is always asked. Under the adaptive policy both drafts
+stop at the policy's per-token threshold. Where the candidates differ, both may be verified
+in one decode as a tree (the longer the chain, the other a branch from where they part),
+when that is worth more than the better alone; the draft carries the tokens the branch is
+expected to add (Draft.gain) for the engine's tree rule (policy/tree.py). Both candidates
+learn from the history the round kept, whichever path it took. docs/drafting.md section 3
+has the measurements.
 """
 
 from __future__ import annotations

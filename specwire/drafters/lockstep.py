@@ -1,24 +1,13 @@
 """Many sequences' drafts in lockstep: draft position i of every sequence in one decode.
 
-A draft model drafts one token per llama_decode; drafting for N requests in turn
-costs N decodes per draft position, each reading the draft's weights. When the
-requests' draft sequences live in one draft context (a ModelDrafter per sequence
-of one multi-sequence backend), a `Drafting` holds each sequence's draft in
-progress, and `draft_together` feeds them all: every decode takes the next
-tokens of every unfinished draft (the catch-up of the history at first, then
-one drafted token), and hands each its own logits row. Each sequence still
-picks its tokens by its own rule (argmax, or its own seeded draw), so a draft is
-what that sequence drafts alone.
-
-Each draft also counts what it cost (`spent`), as if drafted alone: picking its
-tokens, and of each shared decode what its own tokens would have cost in a
-decode of their own, by a line (a fixed part, reading the weights, plus a part
-per token) fitted to the shared context's decodes (its DraftCost, policy/costs.py,
-which the context's drafters share): a draft token beside seven others costs it
-nearly the whole decode, as it would alone, and beside another sequence's long
-catch-up a small part of it. The adaptive policy prices drafting
-from it; the wall time of the lockstep would charge each sequence for every
-other's catch-up.
+A draft model drafts one token per llama_decode, so drafting N requests in turn reads its
+weights N times per position. When their ModelDrafters share one multi-sequence draft
+context, `draft_together` feeds every unfinished `Drafting` in one decode (its catch-up
+first, then one drafted token) and hands each its own logits row; each still picks its
+tokens by its own rule, so a draft is what that sequence drafts alone. Each draft counts
+what it would have cost alone (`spent`), priced by the shared context's DraftCost line
+(policy/costs.py), since the lockstep's wall time would charge each sequence for every
+other's catch-up; the adaptive policy prices drafting from it.
 """
 
 from __future__ import annotations

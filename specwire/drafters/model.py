@@ -209,8 +209,8 @@ def _cheap(grammar: Grammar, n_vocab: int):
     """The grammar as a drafter asks it: never about the whole vocabulary.
 
     Where none of the draft's best few thousand tokens fits (at the end of a JSON
-    document only end-of-generation does), a whole-vocabulary scan would cost
-    ~50 ms for one speculative token: the draft stops there instead.
+    document only end-of-generation does), a whole-vocabulary scan would cost far
+    more than one speculative token is worth: the draft stops there instead.
     """
     def allow(ids):
         if len(ids) >= n_vocab:

@@ -1,19 +1,13 @@
 """The engine's step: every running sequence's part in one decode.
 
-`schedule` asks each running sequence for its part, decoding sequences first
-(their last token, and the draft length their policy picks), then those still
-reading their prompt, which get what is left of the decode's -b tokens in
-chunks: a long prompt does not stall the others. `draft` fills the rounds: those
-of one draft model's sequences in lockstep, one draft decode per draft position
-for all of them. After the one target decode for all the parts, `postprocess`
-hands each sequence its rows, which it verifies with its own verifier and rolls
-back in its own KV cells (round.py). A sequence joins at the next step and leaves
-as soon as it is done, failed or closed, which frees it for the next request.
-
-LoRA adapters apply to the whole context: a step decodes only the sequences whose
-adapter scales (a request's own `lora`, or the target's) equal those of the one
-first in turn; the others sit the step out (as llama-server batches them), and
-the turn rotates, so each set of scales gets its steps.
+`schedule` asks each running sequence for its part, decoding sequences first (their last
+token and the draft length their policy picks), then prompts in chunks of what is left of
+the decode's -b tokens, so a long prompt does not stall the others. `draft` fills the
+rounds (one draft model's sequences in lockstep), and after the one target decode
+`postprocess` hands each sequence its rows to verify and roll back in its own KV cells
+(round.py). LoRA scales apply to the whole context, so a step decodes only the sequences
+whose scales equal those of the one first in turn, and the turn rotates (as llama-server
+batches them).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ drafts the second choice and a few tokens after it, and sends them in a chunk;
 it does so while its lookahead is full, or first when that pays more than the
 branch's next token (`alternate_first`), or, for a target that verifies trees
 (Open.tree), before the branch's next token once half its lookahead is out, so
-that it may join its position's decode.
+that it may join its position's decode. Such a target may also take a second choice
+alone (Open.second_choices: second_choice_due), which costs the node no drafting.
 If the target rejects the branch there
 and its own token is that second choice, the continuation is verified at once,
 and the verdict tells the node to continue from it (specwire.proto,
@@ -109,6 +110,16 @@ def worth_branching(two: TopTwo | None, reach: float, params: BranchParams) -> b
     at the branch's unverified positions before this one) and pick the second choice."""
     return (two is not None and params.per_chunk > 0 and two.p_first < params.top_below
             and reach * two.p_second >= params.value_min)
+
+
+def second_choice_due(two: TopTwo | None, reach: float, params: BranchParams) -> bool:
+    """Send the second choice alone here (a target that verifies it in a tree): wherever
+    a drafted alternate is not worth it (worth_branching), however sure the draft is. A
+    sure draft is rejected too, and then the target's token is often its second choice;
+    alone it costs no drafting, and taken it adds the target's own token after it. The
+    target hangs only a few in each tree, the first positions' (the likeliest reached)."""
+    return (two is not None and params.per_chunk > 0
+            and not worth_branching(two, reach, params))
 
 
 def alternate_first(value: float, reach_next: float, params: BranchParams) -> bool:

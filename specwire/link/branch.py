@@ -377,7 +377,10 @@ class BranchDrafter(DrafterBase):
         if rest is None:
             self.counters.alternate_misses += 1
             return False
+        if not rest and len(own) == 1:
+            return False  # a second choice alone, not in the tree: it adds nothing
         self.counters.alternate_trees += len(own) > 1   # a tree round kept some of it
+        self.counters.second_choices_taken += len(a) == 1
         self._gen, self._buf_start, self._buf = self._gen + 1, at + len(own), rest
         self._sparse, self._alts = None, {}
         self.counters.alternate_rounds += 1
@@ -418,6 +421,7 @@ class BranchDrafter(DrafterBase):
             cache_scope=p.cache_scope,
             no_store=not p.cache_store,
             tree=self.tree if self.pipelined and self.branches else 0,
+            second_choices=bool(self.tree and self.pipelined and self.branches),
         )
 
     def _open_want(self) -> int:
@@ -470,10 +474,12 @@ class BranchDrafter(DrafterBase):
 
     def _branches(self, start: int, n: int) -> list[tuple[int, list[int]]] | None:
         """The alternates sent for the n draft tokens from `start`, as side branches a
-        tree round may verify (their drafter follows the tree rule), by position."""
+        tree round may verify (their drafter follows the tree rule): the drafted ones
+        first (each judged worth its drafting), then second choices alone, by position."""
         if not self.tree or not self._alts or not n or not self.transport.trees():
             return None
-        return [(p - start, list(t)) for p, t in sorted(self._alts.items())
+        return [(p - start, list(t))
+                for p, t in sorted(self._alts.items(), key=lambda a: (len(a[1]) == 1, a[0]))
                 if start <= p < start + n] or None
 
     def on_chunk(self, session: int, c: Chunk) -> None:
@@ -521,6 +527,7 @@ class BranchDrafter(DrafterBase):
                 if a.at >= n:
                     self._alts[a.at] = a.tokens
             self.counters.alternates_received += len(c.alternates)
+            self.counters.second_choices += sum(len(a.tokens) == 1 for a in c.alternates)
             if c.sparse is not None and self._sparse is not None:
                 self._sparse.extend(c.sparse)
             self._done = c.done or not self.pipelined  # a synchronous chunk is whole

@@ -61,6 +61,9 @@ class Open:
     # Pipelined, with alternates: the target verifies up to `tree` alternates beside the
     # branch in one decode, so the node drafts them ahead of the branch (0: chains).
     tree: int = 0
+    # With tree: the target verifies one-token alternates too, so the node sends its second
+    # choice at each hesitant position with the position itself, undrafted.
+    second_choices: bool = False
 
     def __post_init__(self) -> None:
         if not self.history:

@@ -1,26 +1,14 @@
 """The branch rule, which both ends of a branch session follow.
 
-A drafter drafts a *branch*: tokens past the committed history, numbered by a
-generation `gen`. A verdict commits some of them and then tokens of the
-target's own. The branch lives on exactly when it agrees with the new history
-where they overlap and reaches at least to its end: its first tokens are then
-committed and the rest is still a draft. Otherwise it is dead, and the drafter
-starts branch gen + 1 from the history's end.
-
-A verdict may instead take an *alternate*: a second choice the drafter sent
-for one position of its branch, with a few tokens after it (Verdict.alternate).
-The history then ends inside that alternate, and its rest, already sent,
-becomes branch gen + 1 (take_alternate).
-
-A target that verifies trees (sample/tree.py) may take an alternate and keep
-some of its tokens in the same round: the verdict's tokens then begin with the
-alternate's first and may leave it, and a rest is left only where they agree
-with it throughout (take_tree_alternate). A node says it follows this rule with
-"tree" among its Hello modes; an older node keeps chains.
-
-The drafter (link/session.py) holds its whole branch, so a history that
-runs past it ends it too. The target (link/branch.py) holds only what has
-arrived of the branch: there the same outcome means the rest is on its way.
+A drafter drafts a *branch*: tokens past the committed history, numbered by a generation
+`gen`. After a verdict the branch lives on exactly when it agrees with the new history
+where they overlap and reaches at least to its end; otherwise it is dead and the drafter
+starts branch gen + 1 from the history's end. A verdict may instead take an *alternate*
+(a second choice sent for one position, with a few tokens after it): its rest becomes
+branch gen + 1 (take_alternate), or, for a target that verifies trees and a node that says
+"tree" in Hello, whatever part of it the tokens agree with (take_tree_alternate). The node
+(link/session.py) holds its whole branch; the target (link/branch.py) only what has arrived
+of it, so there the same outcome means the rest is on its way. docs/protocol.md states it.
 """
 
 from __future__ import annotations

@@ -96,6 +96,9 @@ class DraftSession:
         # The target verifies up to this many alternates beside the branch in one decode
         # (0: chains): each is then drafted right after its position is sent.
         self.tree = open_msg.tree if self.branching is not None else 0
+        # Such a target also verifies a second choice alone (its row gives the target's next
+        # token): sent with its position, undrafted, where no drafted alternate is due.
+        self.second_choices = bool(self.tree and open_msg.second_choices)
         self.choices: list[alt.TopTwo | None] = []  # branching: per branch token
         # Alternates of branch `gen` by position: drafted once, sent if longer than a token.
         self.alts: dict[int, list[int]] = {}
@@ -263,7 +266,8 @@ class DraftSession:
         bp = self.branching
         start = len(self.committed)
         if (bp is None or upto < self.lookahead // 2
-                or sum(1 for p in self.alts if p >= start) >= self.tree):
+                or sum(1 for p, t in self.alts.items() if p >= start and len(t) > 1)
+                >= self.tree):
             return None
         reach = 1.0
         for j, two in enumerate(self.choices[:upto]):
@@ -312,6 +316,23 @@ class DraftSession:
         if len(tokens) > 1:  # a lone second choice leaves nothing to verify after it
             self._pending_alts.append(Alternate(len(ctx), tokens))
             self._flush([], [], done=len(self.branch) >= self._limit())
+
+    def _queue_second_choices(self, first: int, n: int) -> None:
+        """Branch tokens first..first+n-1 are about to be sent: queue the second choice
+        alone at each where a drafted alternate is not worth it yet
+        (alternates.second_choice_due), up to a chunk's alternates. Such a position
+        never gets a drafted alternate: both ends read a verdict by the one alternate sent
+        there."""
+        bp, start = self.branching, len(self.committed)
+        reach = 1.0
+        for j, two in enumerate(self.choices[: first + n]):
+            if two is None:
+                continue
+            if (j >= first and len(self._pending_alts) < bp.per_chunk
+                    and start + j not in self.alts
+                    and alt.second_choice_due(two, reach, bp)):
+                self._pending_alts.append(Alternate(start + j, [two.second]))
+            reach *= two.p_first
 
     def _limit(self) -> int:
         room = self.backend.n_ctx - len(self.committed) - 1
@@ -426,6 +447,8 @@ class DraftSession:
     def _flush(self, pending: list[int], sparse_pending: list, done: bool,
                behind: int | None = None) -> None:
         start = len(self.committed) + self.sent
+        if self.second_choices and pending:
+            self._queue_second_choices(self.sent, len(pending))
         # A synchronous chunk is the whole answer to its verdict: no `done` to send.
         chunk = Chunk(self.gen, start, list(pending), done=done and self.pipelined,
                       sparse=pad_sparse(sparse_pending, self.q_k) if sparse_pending else None)

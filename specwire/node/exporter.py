@@ -1,16 +1,10 @@
 """The node's metrics port: Prometheus text over HTTP, bounded like the other ports.
 
-prometheus_client's own server gives every connection a thread with no deadline and
-no cap, and asks for no token. Here: at most
-MAX_CONNECTIONS at once (one more is closed at once), each with a socket timeout and a
-total deadline of DEADLINE_S, the node's token (`Authorization: Bearer TOKEN`) when it
-has one, and an accept loop that waits out transient errors (EMFILE) instead of
-spinning or ending.
-
-`POST /purge` drops finished conversations from the node's memory, as SIGHUP does but
-from another machine: with the node's --token, every one; with a --token-file token,
-that token's identity's only. A node without tokens refuses it (403): anyone could
-empty its memory.
+prometheus_client's own server gives every connection a thread with no deadline and no
+cap, and asks for no token. Here: at most MAX_CONNECTIONS at once, each with a socket
+timeout and a total DEADLINE_S, the node's token when it has one, and an accept loop that
+waits out transient errors (EMFILE). `POST /purge` drops finished conversations, as SIGHUP
+does, from another machine (docs/memory.md says whose, by token).
 """
 
 from __future__ import annotations

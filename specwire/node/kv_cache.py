@@ -1,40 +1,12 @@
 """The draft node's conversation memory: contexts kept warm, finished sequences kept in RAM.
 
-Turn N+1 of a chat repeats turn N's whole history, and a draft node that started
-every session from an empty cache evaluated all of it again. Here a session
-starts from the cached sequence that shares the longest prefix of token ids
-with its history, so it evaluates only what is new. Two stores:
-
-* contexts: a finished session's llama.cpp context goes back to a pool (at most
-  --max-sessions of them, the node's peak anyway) with its KV cells in place; a
-  new session takes the pooled context whose tokens match its history best.
-* saved states: when a pooled context is taken for a sequence that does not
-  extend what it holds, that sequence is first copied out to RAM
-  (backend/llama.py), within --cache-ram MiB and --cache-sessions entries,
-  least recently used out first. A later session whose history matches a saved
-  state better than any pooled context gets it copied back in.
-
-A chat's next turn usually opens its session while the node is still closing
-the previous one (the Close and the new Open travel on different streams), so
-a session whose history shares many more tokens (WORTH_WAITING) with a session
-still open than with anything cached waits for that one to end, up to
-WAIT_FOR_CLOSE_S.
-
-Isolation: a cached sequence is reused only up to the first token where it and
-the new history differ, so a session computes on no token that is not in its
-own history. Tenants: every entry belongs to a Scope (the peer's authenticated
-identity and the scope its target named for the request, node/tenants.py), and
-a session looks only at its own scope's contexts, saved states and open
-sessions: how much another scope's history shares with it changes neither what
-it reuses (its cache_n) nor how long it waits. A pooled context of another
-scope is emptied before it serves. A session opened with store False (the
-request's cache_prompt false) takes a fresh context, reuses nothing and leaves
-nothing behind. Entries unused for `ttl_s` are dropped (expire), and purge
-drops them all (an identity's only, when given). Budgets per identity
-(identity_mib, identity_sessions: --cache-ram-per-identity,
---cache-sessions-per-identity): an identity over its share makes room by evicting its
-own least recently used states, never another's, so that one tenant's traffic cannot
-evict every other tenant's conversations (it can hold at most its share of the whole).
+A chat's next turn repeats its whole history, so a session starts from the cached sequence
+(a pooled llama.cpp context, or a state saved to RAM) that shares the longest token prefix
+with its history, and evaluates only the rest; a session that a still-open one would serve
+much better waits for it to close (WORTH_WAITING, WAIT_FOR_CLOSE_S). Every entry belongs to
+a Scope (node/tenants.py) and a session sees only its own scope's, reused only up to the
+first token that differs: no session computes on a token outside its own history, nor learns
+what another scope holds. docs/memory.md has the stores, budgets, expiry and purge.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Who a draft node's peer is, and how many sessions each peer may hold.
 
-The node's conversation memory (node/kv_cache.py) is scoped by the peer's
-identity, so that one target's clients cannot probe what another target's
-clients said. An identity is authenticated, never chosen by the peer: the name
-of its token in a --token-file (lines `NAME TOKEN`), and with mutual TLS the
-subject of its client certificate. With neither (one shared --token, or none)
-every peer is the same identity, "", as before tenants existed; the per-request
-scope each target sends in its Open (cache_scope) still separates its clients.
-
-Quotas: an identity holds at most `per_identity` of the node's --max-sessions
-slots at once, so that one token cannot take them all.
+The node's conversation memory (node/kv_cache.py) is scoped by the peer's identity, so that
+one target's clients cannot probe what another target's clients said. An identity is
+authenticated, never chosen by the peer: the name of its token in a --token-file, and with
+mutual TLS the subject of its client certificate; with neither, every peer is the identity
+"", and the scope each target sends in its Open (cache_scope) still separates its clients.
+An identity holds at most `per_identity` of the node's --max-sessions slots at once.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Draft-length policies: how many tokens to ask the drafter for each round.
 
-`fixed` always asks for --draft-max. `adaptive` estimates online what a round
-yields and costs, and asks for the k that maximises expected tokens per
-second (see AdaptivePolicy). With a drafter that never stops early its model
-is the one `specwire plan` uses (specwire.policy.throughput):
-
-    E(k) = (1 - a^(k+1)) / (1 - a)        tokens per round
-    T(k) = t_d(k) + t_v(k + 1)            seconds per round
-
-A drafter's cost per round has a part that does not depend on k: a draft
-model evaluates the target's newest token and the position where
---draft-p-min stops it; a synchronous remote drafter adds the round trip.
-
-With a draft model, `adaptive` also decides where each draft stops, token by
-token, in place of --draft-p-min: while P(every token so far is kept) stays
-above stop_threshold(), by the draft's confidence calibrated against what
-verification kept (Calibration). A draft model in this process asks
-keep_drafting; a synchronous draft node calibrates on its own verdicts and is
-sent the threshold (specwire.link.session).
+`fixed` always asks for --draft-max. `adaptive` estimates online what a round yields,
+E(k) = (1 - a^(k+1)) / (1 - a), and costs, T(k) = t_d(k) + t_v(k + 1) plus a part that
+does not depend on k (the draft model's first evaluation, a synchronous round trip), and
+asks for the k that maximises E / T: the model `specwire plan` uses (policy/throughput.py).
+With a draft model it also stops each draft token by token in place of --draft-p-min, while
+P(every token so far is kept) stays above stop_threshold(), by the draft's confidence
+calibrated against what verification kept (Calibration); a synchronous draft node is sent
+the threshold (link/session.py). docs/planner.md has the online model.
 """
 
 from __future__ import annotations

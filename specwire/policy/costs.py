@@ -1,22 +1,13 @@
 """What verification and drafting cost: seconds for n tokens, measured online.
 
-The verification cost is the target's, not a sequence's nor a drafter's, so an engine
-keeps one VerifyCost for its target, feeds it once per decode of rounds (Engine.decode),
-and hands it to the adaptive policies, the drafters that weigh their own rounds (n-gram,
-hybrid) and the bubble rule, which read it. Two views of the same times: a line (the
-policies' and the drafters' pricing) and the means per batch size (the bubble rule's,
-which waits only for sizes it has seen).
-
-The drafting cost is the draft backend's: one DraftCost per draft model (or per
-sequence's drafter where there is none), kept by whoever owns it (the engine, beside
-what its policies learned; the sequences of one shared draft context share one) and
-handed to the policies, the hybrid and the lockstep drafts. It holds a draft's own time
-and what catching up costs (the tokens the backend lacks). Whoever times the draft
-model feeds it: the policy from its rounds, the hybrid (which alone knows which rounds
-were its model's) and the shared draft context's decodes.
-
-A part built alone, outside an engine (a test, a research script), is given cost models
-of its own, which its own observations feed (`own_costs`) in the engine's place.
+The verification cost is the target's: an engine keeps one VerifyCost, feeds it once per
+decode (Engine.decode) and hands it to the adaptive policies, the n-gram and hybrid
+drafters and the bubble rule. It has two views of the same times: a line, starting from
+throughput's prior (the policies' and drafters' pricing), and the means per batch size
+(the bubble rule's, which waits only for sizes it has seen). The drafting cost is the
+draft backend's: one DraftCost per draft model (shared by the sequences of one draft
+context), holding a draft's own time and what catching up costs, fed by whoever times the
+draft model. A part built outside an engine is given cost models of its own (`own_costs`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Will a draft pay, and with how many tokens per round? The planner.
 
-`specwire plan` and the benchmarks predict a configuration before loading a
-model: each mode of the throughput model (specwire.policy.throughput: E(k), the
-verification curve, round costs, the same priors as the adaptive policy) at
-its best draft length, found by brute force (`best_k`), beside a free and
-instant drafter (`free_bound`). `tkslt_k_star` is the closed form of the
-simple model (verification costs one step, no round trip), through the lower
-branch of Lambert W (`lambert_w`).
-
-The verification cost decides many plans: an MoE target's batch routes its tokens
-to different experts, so it reads several times the weights of one step, and only a
-measured --verify-cost tells (docs/planner.md; tests/policy/test_plan.py works a published
-MoE case through).
+`specwire plan` and the benchmarks predict a configuration before loading a model: each
+mode of the throughput model (policy/throughput.py, the adaptive policy's priors) at its
+best draft length by brute force (`best_k`), beside a free and instant drafter
+(`free_bound`), and the closed form of the simple model through the lower branch of
+Lambert W (`tkslt_k_star`). The verification cost decides many plans, and only a measured
+--verify-cost tells it for an MoE target (docs/planner.md works a published case).
 """
 
 from __future__ import annotations

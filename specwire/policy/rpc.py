@@ -1,25 +1,12 @@
 """What a second box buys: part of a split target (llama.cpp --rpc), or a draft node.
 
-A target split by layers over two boxes with llama.cpp's RPC backend computes its
-layers one box after the other, so for one stream the split buys memory, not speed: a
-decode of n tokens costs the target's compute t_v(n) plus the link. The link per decode,
-as this model counts it:
-
-* `round_trips` waits of one RTT: the host's RPC client waits for the remote part's
-  graph_compute and for the get_tensor that brings its output back (2 by default; a
-  set_tensor that sends the input does not wait in today's llama.cpp);
-* the activations at the layer boundary, there and back: 2 x n x n_embd x `act_bytes`
-  (f32: 4), for n tokens in the decode;
-* `graph_bytes` of graph description per decode (0 by default: give what your
-  llama.cpp sends, a few hundred bytes per graph node if it sends the graph each time).
-
-For one stream a split is never faster than the target on one box, so the question
-`plan` answers is what the second box gives as a draft node if the target fits on the
-first, and what a split target gives with a draft node on a third box if it does not.
-These are the inputs, not measurements: `specwire plan --rpc-embd N ...` prints the
-figures it used. The split target is then an ordinary target of that speed and
-verification curve, so the same plan gives its modes too (a draft node on a third box).
-The draft-node option needs the target to fit on the first box; the split does not.
+A target split by layers over two boxes computes its layers one box after the other, so
+for one stream the split buys memory, not speed: a decode of n tokens costs t_v(n) plus
+the link (`round_trips` waits of one RTT, the boundary activations there and back,
+2 n n_embd `act_bytes`, and `graph_bytes` of graph description). `plan` therefore answers
+what the second box gives as a draft node if the target fits on the first, and what a split
+target (an ordinary target of that speed and curve) gives with a draft node on a third.
+The link figures are inputs, not measurements; docs/planner.md has the model.
 """
 
 from __future__ import annotations

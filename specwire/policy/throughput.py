@@ -1,35 +1,13 @@
 """The throughput model of speculative decoding, in one place.
 
-`specwire plan`, the adaptive policy, the drafters that weigh their own rounds
-(n-gram, hybrid) and `bench`'s predictions all reason with the same arithmetic
-and the same priors; this module holds both:
-
-    a       per-token acceptance (the chance the next draft token is kept)
-    g       the chance a drafter asked for one more token produces it
-            (1 for a drafter that never stops early)
-    t_s     one plain target step, 1 / target tokens per second
-    t_d     one draft token, 1 / draft tokens per second
-    t_v(n)  the target evaluating a batch of n tokens, in plain steps
-            (`VerifyCurve`); without a measurement we ASSUME
-            t_v(n) = t_s * (1 + VERIFY_SLOPE (n - 1)): a memory-bound target
-            reads its weights once per batch, so a small batch costs little
-            more than a step. On a CPU with a huge vocabulary, or an MoE target
-            whose batch touches more experts, it costs much more: measure it.
-            The target's online cost model (policy/costs.py) starts its line
-            from the same prior (`verify_line`) and keeps the times per batch
-            size (`VerifyTimes`) that the bubble rule reads.
-    RTT     network round trip; bandwidth with 16 bytes per drafted token and
-            32 bytes per verdict (both adjustable).
-
-A round asked for k draft tokens drafts g + ... + g^k of them
-(`drafted_tokens`) and yields E = 1 + ga + ... + (ga)^k tokens
-(`expected_tokens(g a, k)`, which is (1 - a^(k+1)) / (1 - a) when g = 1).
-It costs the drafter's time plus its share of the target's decode
-(`verify_share`): alone, the whole t_v(n); in a decode that already carries B
-tokens of other sequences, only t_v(B + n) - t_v(B). `round_rate` divides one by
-the other. The deployment modes (local, synchronous, pipelined) differ in what a
-round costs and what follows a rejected draft: `sync_rate`, `local_rate`,
-`pipelined_rate`.
+`specwire plan`, the adaptive policy, the n-gram and hybrid drafters and `bench`'s
+predictions share this arithmetic and its priors, so that they give one figure for the
+same inputs. A round asked for k tokens drafts g + ... + g^k of them (`drafted_tokens`),
+yields E = 1 + ga + ... + (ga)^k tokens (`expected_tokens`) and costs the drafter's time
+plus its share of the target's decode (`verify_share`); `round_rate` divides one by the
+other, and `sync_rate`, `local_rate` and `pipelined_rate` price the deployment modes.
+Unmeasured, t_v(n) is the memory-bound prior t_s (1 + VERIFY_SLOPE (n - 1)).
+docs/planner.md defines the symbols (a, g, t_s, t_d, t_v, RTT) and the modes.
 """
 
 from __future__ import annotations
@@ -181,7 +159,7 @@ class VerifyTimes:
     A bigger batch never costs less: the means per size are pooled where they say
     otherwise (weighted by their rounds), so that one round of 5 that happened to run
     fast on a loaded machine does not make waiting for 4 tokens look cheaper than
-    waiting for 3 (in a loaded run t_v(5) read 109 ms beside t_v(4) at 134)."""
+    waiting for 3."""
 
     alpha: float = 0.1
     weight: dict[int, float] = field(default_factory=dict)

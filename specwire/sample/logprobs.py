@@ -1,15 +1,12 @@
 """Token probabilities from the target's own logits rows, as llama-server reports them.
 
-Every generated token is committed by the verifier from one target row, with
-or without a draft, so its probabilities are read there: the same row, the same
-numbers, whether the token was drafted or sampled in a plain step.
-
-Two views, llama-server's:
-* pre-sampling (default): the softmax of the raw row over the whole vocabulary,
-  the chosen token's log-probability and the n most likely tokens;
-* post-sampling (`post_sampling_probs`): the distribution the token was actually
-  drawn from: after the constraint, bias, penalties, top-k/p, min-p and
-  temperature (at temperature 0 the chosen token has probability 1).
+Every generated token is committed by the verifier from one target row, with or without a
+draft, so its probabilities are read there: the same numbers whether the token was drafted
+or sampled in a plain step. Two views, llama-server's: pre-sampling (default), the softmax
+of the raw row over the whole vocabulary with the chosen token and the n most likely; and
+post-sampling (`post_sampling_probs`), the distribution the token was drawn from, after the
+constraint, bias, penalties, top-k/p, min-p and temperature (at temperature 0 the chosen
+token has probability 1).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """A counter-based random generator keyed by (seed, domain, position, token).
 
-Speculative decoding is only reproducible if the random numbers do not depend on
-how the work was split into rounds. A stateful generator would be advanced a
-different number of times with and without a draft; a keyed one returns the
-same number for the same (seed, position, token) whoever asks and whenever.
-That is what lets the draft node, on another machine, sample with the target's
-noise (coupled sampling) without any shared state beyond the seed.
-
-The mixer is SplitMix64's finaliser applied twice over the folded key: cheap,
-vectorised with numpy, and statistically sound for this use (it passes
-BigCrush as a counter-based generator).
+Speculative decoding is only reproducible if the random numbers do not depend on how the
+work was split into rounds: a stateful generator would be advanced a different number of
+times with and without a draft, a keyed one returns the same number for the same key
+whoever asks and whenever. That lets the draft node, on another machine, sample with the
+target's noise (coupled sampling) sharing nothing but the seed. The mixer is SplitMix64's
+finaliser applied twice over the folded key: cheap, vectorised with numpy, and passing
+BigCrush as a counter-based generator.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Tree verification: a draft chain with side branches, verified in one decode.
 
-A tree's nodes are draft tokens with parent indices; node 0 is the root, the
-history's last token, which the round evaluates anyway. Every other node is
-one position deeper than its parent: a path from the root is one candidate
-continuation. The chain (a drafter's first choices) is nodes 1..k in order;
-an alternate is a second choice at one chain position with its continuation,
-hung under that position's parent.
-
-The verifier walks the tree as greedy and coupled verification walk a chain:
-at each node it draws the target's own token from that node's row (argmax,
-or Gumbel-max with the request's keyed noise at that position) and moves to
-the child holding that token; where no child does, the drawn token ends the
-round. Every drawn token is the one plain decoding would draw on the walked
-path, so the output is the target's own sample sequence, whatever the tree:
-the same lossless rule as the chain's (sample/verify.py). Rejection mode has
-no tree: its q belongs to one chain.
+A tree's nodes are draft tokens with parent indices; node 0 is the root (the history's
+last token), the chain of first choices is nodes 1..k, and an alternate (a second choice
+with its continuation) hangs under its position's parent. The verifier walks the tree as
+greedy and coupled verification walk a chain: at each node it draws the target's own token
+from that node's row and moves to the child holding it; where no child does, the drawn
+token ends the round. Every drawn token is the one plain decoding would draw on the walked
+path, so the output is the target's own, whatever the tree (sample/verify.py's rule).
+Rejection mode has no tree: its q belongs to one chain.
 """
 
 from __future__ import annotations

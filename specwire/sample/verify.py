@@ -1,21 +1,14 @@
 """Verification of a draft against the target's logits: the lossless part.
 
-Names follow the papers: p is the target's distribution, q the draft's. A round
-verifies k draft tokens with k + 1 target rows; it keeps the `accepted` prefix
-and then emits one token of the target's own: the *recovered* token where a
-draft token was rejected, or the *bonus* token after a fully accepted draft.
-
-Greedy and coupled modes need only the draft's token ids: the target samples
-each position itself (argmax, or Gumbel-max with keyed noise) and keeps a
-draft token iff it equals that sample. The output is then the target's own
-sample sequence, whatever the draft was. Rejection mode is Leviathan/Chen
-speculative sampling with TK-SLT's sparse q; lossless in distribution.
-
-A grammar is part of the target's sampling: each position's reference token is
-drawn from the row masked by the grammar's current state, and the state then
-advances by the one token the position commits (the accepted draft token, or
-the verifier's own). Verification stops at the first rejection, so the state
-never moves along a token that is not kept: no rollback is needed.
+Names follow the papers: p is the target's distribution, q the draft's. A round verifies
+k draft tokens with k + 1 target rows, keeps the `accepted` prefix and emits one token of
+the target's own: the *recovered* token where a draft token was rejected, or the *bonus*
+token after a fully accepted draft. Greedy and coupled modes draw the target's own sample
+at each position (argmax, or Gumbel-max with keyed noise) and keep a draft token iff it
+equals it, so the output is the target's sample sequence whatever the draft; rejection
+mode is Leviathan/Chen speculative sampling with TK-SLT's sparse q, lossless in
+distribution. A grammar masks each position's row and advances only by committed tokens,
+and verification stops at the first rejection, so the grammar never needs a rollback.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio.to_thread
@@ -89,8 +90,49 @@ def create_app(engine: Engine | Sequence[Engine],
     The worker threads start with the app's lifespan and stop with it, so the
     app must be run by a server that runs the lifespan (uvicorn does).
     """
+    served = _served(engine, settings or ServerSettings())
+    settings = served.settings
+    app = FastAPI(title="specwire", description="Speculative decoding server",
+                  lifespan=_lifespan(served), docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler, app.state.metrics, app.state.settings = \
+        served.scheduler, served.metrics, settings
+    install_handlers(app)
+    _health_routes(app)
+    api = APIRouter(dependencies=[Depends(_auth(settings.api_key)),
+                                  Depends(_host_check(settings))])
+    read_json = _json_reader(served)
+    _model_routes(api, served)
+    _slot_routes(api, served, read_json)
+    _token_routes(api, served, read_json)
+    _generation_routes(api, served, read_json)
+    if settings.webui:
+        _webui_routes(app, api, served)
+    app.include_router(api)
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class _Served:
+    """What the routes share: the engines behind one queue of slots, and the settings."""
+
+    engines: list[Engine]
+    settings: ServerSettings
+    scheduler: Scheduler
+    metrics: Metrics
+    names: list[str]          # the model's names a request may use (model_names)
+    started: int              # the app's creation, in Unix seconds (/v1/models' `created`)
+    recent: RecentRequests    # the live page's latest requests
+    budget: BodyBudget        # request bodies in reading at once (--max-reading)
+
+    @property
+    def target(self) -> Backend:
+        return self.engines[0].target
+
+
+def _served(engine: Engine | Sequence[Engine], settings: ServerSettings) -> _Served:
+    """The slots over `engine`'s sequences and what the routes share; a bad
+    --chat-template name fails here, before anything is served."""
     engines = [engine] if isinstance(engine, Engine) else list(engine)
-    settings = settings or ServerSettings()
     chat.template_for(engines[0].target, settings.chat_template)  # an unknown name fails now
     metrics = Metrics()
     scheduler = Scheduler(engines, settings.queue_size, metrics,
@@ -101,9 +143,12 @@ def create_app(engine: Engine | Sequence[Engine],
     started = int(time.time())
     recent = RecentRequests()
     budget = BodyBudget(settings.max_reading, settings.body_timeout_s)
+    return _Served(engines, settings, scheduler, metrics, names, started, recent, budget)
 
-    def exposition() -> str:
-        return metrics.render().decode()
+
+def _lifespan(served: _Served) -> Callable:
+    """The worker threads' life: started with the app's lifespan, stopped at its end."""
+    settings, scheduler = served.settings, served.scheduler
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -117,20 +162,22 @@ def create_app(engine: Engine | Sequence[Engine],
         finally:
             await run_in_threadpool(scheduler.stop)
 
-    app = FastAPI(title="specwire", description="Speculative decoding server", lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler, app.state.metrics, app.state.settings = scheduler, metrics, settings
-    install_handlers(app)
+    return lifespan
+
+
+def _health_routes(app: FastAPI) -> None:
+    """GET /health and /v1/health: on the app itself, so they never need the API key."""
 
     @app.get("/health")
     @app.get("/v1/health")
     async def health() -> dict:
         return {"status": "ok"}
 
-    api = APIRouter(dependencies=[Depends(_auth(settings.api_key)),
-                                  Depends(_host_check(settings))])
 
-    # -- information -------------------------------------------------------------------------
+def _model_routes(api: APIRouter, served: _Served) -> None:
+    """GET /v1/models (the served model) and /props (its default settings)."""
+    engines, settings, scheduler = served.engines, served.settings, served.scheduler
+    target, names, started = served.target, served.names, served.started
 
     def model_card() -> dict:
         label, _ = chat.template_for(target, settings.chat_template)
@@ -164,6 +211,11 @@ def create_app(engine: Engine | Sequence[Engine],
                 "drafter": engines[0].drafter.name, "chat_template_name": label,
                 "chat_template": source, "queue_size": settings.queue_size}
 
+
+def _slot_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
+    """The slots' state and saved caches, the LoRA adapters' scales, and /metrics."""
+    settings, scheduler, metrics = served.settings, served.scheduler, served.metrics
+
     if settings.slots:
         @api.get("/slots")
         async def slots() -> list:
@@ -194,7 +246,10 @@ def create_app(engine: Engine | Sequence[Engine],
         async def metrics_text() -> Response:
             return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE)
 
-    # -- tokens ------------------------------------------------------------------------------
+
+def _json_reader(served: _Served) -> Callable:
+    """read_json for the routes that take a JSON body."""
+    settings, budget = served.settings, served.budget
 
     async def read_json(request: Request) -> dict:
         """The body within --max-body, parsed off the event loop (a large one takes a while).
@@ -209,6 +264,13 @@ def create_app(engine: Engine | Sequence[Engine],
                            "invalid_request_error")
         raw = await limits.read_body(request, settings.max_body, budget)
         return await run_in_threadpool(schemas.parse_json, raw)
+
+    return read_json
+
+
+def _token_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
+    """POST /tokenize, /apply-template and /detokenize."""
+    settings, target = served.settings, served.target
 
     @api.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -225,7 +287,12 @@ def create_app(engine: Engine | Sequence[Engine],
         body = await read_json(request)
         return await run_in_threadpool(schemas.detokenize, body, target)
 
-    # -- generation --------------------------------------------------------------------------
+
+def _generator(served: _Served, read_json: Callable) -> Callable:
+    """generate(request, endpoint, parse, dialect): a completion route's work, the request
+    queued as a Job and answered whole or as server-sent events."""
+    settings, scheduler, metrics = served.settings, served.scheduler, served.metrics
+    names, recent = served.names, served.recent
 
     async def generate(request: Request, endpoint: str,
                        parse: Callable[[dict], schemas.Completion],
@@ -256,6 +323,14 @@ def create_app(engine: Engine | Sequence[Engine],
         recent.record(endpoint, result)
         return JSONResponse(fmt.whole(result))
 
+    return generate
+
+
+def _generation_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
+    """The completion routes: llama-server's /completion and /infill, OpenAI's two."""
+    settings, target, names = served.settings, served.target, served.names
+    generate = _generator(served, read_json)
+
     @api.post("/completion")
     @api.post("/completions")
     async def completion(request: Request) -> Response:
@@ -283,12 +358,18 @@ def create_app(engine: Engine | Sequence[Engine],
                               lambda b: schemas.chat_completion(b, target, settings, names),
                               OpenAIChat)
 
-    if settings.webui:
-        install_webui(app, api, exposition, scheduler, recent,
-                      {"model": names[0], "drafter": engines[0].drafter.name,
-                       "slots": len(scheduler.slots), "n_ctx": target.n_ctx, "started": started})
-    app.include_router(api)
-    return app
+
+def _webui_routes(app: FastAPI, api: APIRouter, served: _Served) -> None:
+    """The live page at GET / and its figures at GET /stats.json (webui/)."""
+    engines, scheduler, metrics = served.engines, served.scheduler, served.metrics
+    target, names, started, recent = served.target, served.names, served.started, served.recent
+
+    def exposition() -> str:
+        return metrics.render().decode()
+
+    install_webui(app, api, exposition, scheduler, recent,
+                  {"model": names[0], "drafter": engines[0].drafter.name,
+                   "slots": len(scheduler.slots), "n_ctx": target.n_ctx, "started": started})
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -1,15 +1,11 @@
 """What one client may hold on `serve`: connections, time to send headers, a body, bytes.
 
-uvicorn times out only keep-alive connections between requests: a connection that
-sends nothing, or half of its headers, or a body a byte a second, is held for ever,
-and so are the bytes of every body being read. Here:
-
-* `protocol(...)`: uvicorn's h11 protocol with a deadline on a request's headers (from
-  the connection's start, or from the first byte of the next request on a kept
-  connection) and a cap on open connections (one over it is closed at once);
-* `BodyBudget`: the bytes of bodies being read, all requests together, capped (503
-  with Retry-After past it), and each body's deadline (408 past it), applied by
-  limits.read_body.
+uvicorn times out only keep-alive connections between requests, so a connection that sends
+nothing, half its headers or a body a byte a second is held for ever, and so are the bytes
+of every body being read. `protocol(...)` is uvicorn's h11 protocol with a deadline on a
+request's headers (from the connection's start, or the next request's first byte) and a cap
+on open connections; `BodyBudget` caps the bytes of all bodies being read (503 with
+Retry-After) and gives each body a deadline (408), applied by limits.read_body.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """POST /infill: llama-server's fill-in-the-middle prompt, the way editor plugins send it.
 
 The request gives the text before the cursor (input_prefix), after it (input_suffix),
-other files for context (input_extra: [{"filename", "text"}]) and an optional
-`prompt` continuing the prefix. The prompt the model sees uses the GGUF's FIM tokens:
-
-    [extra: <fim_rep>project\n, then per file <fim_sep>filename\n text]
-    [BOS] <fim_pre> prefix prompt <fim_suf> suffix <fim_mid>
-
-(--spm-infill puts the suffix part first). Without <fim_sep> the files are joined by
-a plain-text snippet marker. As llama-server does, the prefix keeps at most 3/4 of a
-batch (its end), the suffix what is left of the last quarter (its start), and the
-extra context what the context has room for beside a batch and twice n_predict.
-Texts are tokenized as plain text: a special token's spelling in the code stays text.
+other files (input_extra) and an optional `prompt` continuing the prefix. The prompt uses
+the GGUF's FIM tokens (`[<fim_rep>project, <fim_sep>filename text...] [BOS] <fim_pre> prefix
+prompt <fim_suf> suffix <fim_mid>`; --spm-infill puts the suffix first; without <fim_sep>
+a plain-text snippet marker joins the files) and llama-server's budget: the prefix keeps
+at most 3/4 of a batch (its end), the suffix the rest (its start), the extra context what
+the context has room for. Texts are tokenized as plain text: a special token stays text.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """What a request body may hold, checked before any work is spent on it.
 
-The body is read against a byte cap (413 past it, refused by Content-Length
-before a byte of it is read when the client declares it). The JSON is then
-parsed by the standard library with three additions, so that no body can
-reach a 500 through the parser or through what it produces:
-
-* non-finite numbers (`NaN`, `Infinity`, or a literal like 1e400 that
-  overflows a double) are refused: they are not JSON, and no field takes them;
-* integers beyond +-2^64 are refused: nothing this API takes holds more (a
-  seed is at most 2^64 - 1), and Python's own guard against quadratic
-  int/str conversion raises ValueError at 4300 digits;
-* nesting beyond MAX_DEPTH is refused (the C parser would recurse until
-  RecursionError), as are strings with lone UTF-16 surrogates: JSON escapes
-  can write "\\ud800", which Python keeps in the str and which then fails
-  at the first encode to UTF-8 (tokenizing, or writing an error message).
-
-The walk over the parsed value visits each element once; arrays of plain
-integers (token ids) are checked at C speed.
+The body is read against a byte cap (413; refused by Content-Length before a byte is read
+when the client declares it), then parsed by the standard library with the additions that
+keep any body from reaching a 500 through the parser or what it produces: non-finite
+numbers, integers beyond +-2^64 (nothing takes more; Python's int/str guard would raise at
+4300 digits), nesting beyond MAX_DEPTH (the C parser would recurse until RecursionError)
+and lone UTF-16 surrogates (which fail at the first encode to UTF-8) are refused. The walk
+visits each element once; arrays of plain integers (token ids) are checked at C speed.
 """
 
 from __future__ import annotations

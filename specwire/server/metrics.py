@@ -1,28 +1,12 @@
 """GET /metrics through prometheus_client, named like llama-server's with a `specwire:` prefix.
 
-Three kinds of figures share one registry per app:
-
-* the counters and gauges of the generations (requests, tokens, draft acceptance,
-  time per round phase): kept as plain numbers behind a lock by the worker threads
-  and turned into metric families at scrape time by this collector, so their names
-  and meanings stay those of the hand-written exposition they replace;
-* histograms of time to first token, time per output token and round duration,
-  observed by the slots as tokens come out;
-* the state read at scrape time: queue, link, open llama.cpp contexts of this
-  process, and prometheus_client's process collector (resident memory, open files,
-  CPU seconds).
-
-A drafter's own figures (`Drafter.stats()`) are cumulative over the drafter's
-life: they are kept as the latest snapshot per slot, and the network share of
-the drafting time is the growth of its `network_ms` (or `wait_ms`, the remote
-drafter's name for it) between generations.
-
-Beside specwire's own series, the speculation counters llama.cpp exports (vLLM's schema,
-`llamacpp:` prefix: drafts, draft tokens, accepted tokens, accepted tokens per draft
-position), so that dashboards built for those work unchanged.
-
-`Metrics.figures()` returns the same samples as Python numbers, keyed as the
-exposition writes them (`name{label="value"}`), for pages that show them.
+One registry per app holds the generations' counters and gauges (plain numbers kept behind
+a lock by the worker threads and turned into families at scrape time, so that their names
+and meanings stay stable), histograms of time to first token, time per output token and
+round duration, the state read at scrape time (queue, link, contexts, process), and
+llama.cpp's own speculation counters (`llamacpp:` prefix, vLLM's schema) so that dashboards
+built for those work unchanged. `Metrics.figures()` returns the same samples as numbers,
+keyed as the exposition writes them, for the pages that show them.
 """
 
 from __future__ import annotations
@@ -111,7 +95,9 @@ class Metrics:
             self.outcomes[what] += 1
 
     def record(self, slot: int, stats: Stats, predicted: int) -> None:
-        """Add what one generation measured (finished or cut short)."""
+        """Add what one generation measured (finished or cut short). The drafter's own
+        figures (stats.drafter) are added per slot, and its network_ms (wait_ms, the remote
+        drafter's name) to the network share of the drafting time."""
         with self._lock:
             self.prompt_tokens += stats.prompt_n
             self.prompt_ms += stats.prompt_ms

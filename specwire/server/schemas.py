@@ -1,27 +1,12 @@
 """Request bodies -> validated engine requests, with llama-server's field names.
 
-Bodies are read as plain JSON objects and checked field by field rather than
-through pydantic models: llama-server accepts loosely typed bodies (a prompt
-may be a string, token ids or a mix; speculative settings come as dotted
-top-level keys or a nested object), and each refusal should name the field
-and what was expected, as llama-server and OpenAI do. Range checks are the
-config dataclasses' own (a ConfigError becomes a 400 with its message).
-
-Conventions, as in llama-server:
-* n_predict (alias max_tokens, max_completion_tokens): -1 = until the context is full
-  (with --context-shift: no limit); the server's -n caps it.
-* n_keep (default --keep) and n_discard: what a context shift keeps and drops.
-* lora: [{"id": N, "scale": X}, ...], this request's adapter scales; adapters it does not
-  name are off (scale 0) for it; without the field, the server's scales apply.
-* seed -1 = a random seed.
-* speculative settings: "speculative.n_max" / "speculative.n_min" / "speculative.p_min",
-  or {"speculative": {"n_max": .., "n_min": .., "p_min": ..}}; drafting is off for
-  the request with "speculative": false or "speculative.n_max": 0.
-* a prompt longer than the context: 400 with type "exceed_context_size_error",
-  n_prompt_tokens and n_ctx, as llama-server answers.
-* unknown keys are ignored; features this server does not implement (n > 1,
-  echo, legacy `functions`) are refused with 400 rather than silently ignored.
-  Grammars, JSON schemas, penalties, logit bias and logprobs: see structured.py.
+Bodies are checked field by field rather than through pydantic models: llama-server
+accepts loosely typed bodies (a prompt may be a string, token ids or a mix; speculative
+settings come as dotted keys or a nested object), and each refusal names the field and
+what was expected, as llama-server and OpenAI do. Range checks are the config
+dataclasses' own (a ConfigError becomes a 400). Unknown keys are ignored; features not
+implemented (n > 1, echo, legacy `functions`) are refused, never silently dropped.
+`completion` lists the conventions; grammars, penalties and logprobs are structured.py's.
 """
 
 from __future__ import annotations
@@ -361,7 +346,15 @@ def check_model(f: Fields, names: Sequence[str]) -> None:
 
 def completion(body: dict, backend: Any, settings: ServerSettings, names: Sequence[str],
                prompt_key: str = "prompt", dialect: str = "llama") -> Completion:
-    """POST /completion (dialect "llama") and /v1/completions ("completions")."""
+    """POST /completion (dialect "llama") and /v1/completions ("completions").
+
+    llama-server's conventions: n_predict (alias max_tokens, max_completion_tokens) -1 runs
+    until the context is full (with --context-shift: no limit), capped by the server's -n;
+    n_keep (default --keep) and n_discard shape a context shift; lora [{"id", "scale"}]
+    sets this request's adapter scales (unnamed adapters off); seed -1 is a random seed;
+    "speculative.n_max/n_min/p_min" or {"speculative": {...}}, and "speculative": false or
+    n_max 0 turns drafting off; a prompt longer than the context is a 400
+    "exceed_context_size_error" with n_prompt_tokens and n_ctx."""
     f = Fields(body)
     check_model(f, names)
     refuse_unsupported(f)

@@ -1,15 +1,12 @@
 """POST /slots/{id}?action=save|restore|erase: llama-server's slot files (--slot-save-path).
 
-save writes the slot's KV cache and the tokens it holds to a file in the
---slot-save-path folder; restore reads one back into the slot, so that the next
-request sharing its prefix starts from there (cache_n); erase empties the slot's
-cache. Each runs between the batch's steps, on an idle slot only (409 otherwise).
-A restored cache is a cache: the output is what it would be without it.
-
-With API keys, a slot's cache belongs to the cache scope of the request that filled it
-(Engine.enter_scope): save refuses (403) a slot holding another key's text, and a
-restored cache belongs to the key that restored it. The files of --slot-save-path are
-one folder for every key, as in llama-server.
+save writes the slot's KV cache and its tokens to a file in the --slot-save-path folder;
+restore reads one back, so that the next request sharing its prefix starts from there
+(cache_n); erase empties the slot's cache. Each runs between the batch's steps, on an idle
+slot only (409 otherwise), and changes no output. With API keys a slot's cache belongs to
+the cache scope that filled it (Engine.enter_scope): save refuses (403) another key's, and
+a restored cache belongs to the key that restored it; the folder is shared by every key, as
+in llama-server.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The queue and the worker thread that runs the engines' batches.
 
-An Engine holds up to n_seq sequences in one target context (serve -np N); each
-sequence is a "slot" in llama-server's words. One worker thread runs the
-engines' steps: every running request's round goes into the same decode
-(specwire/engine/scheduler.py), so N concurrent requests read the target's weights
-once per step, not N times. Requests wait in one bounded FIFO: first come,
-first served, and a request that finds the queue full is refused at once (429)
-instead of piling up behind a long generation. A request goes to the idle slot
-whose KV cache already holds most of its prompt (llama-server's
---slot-prompt-similarity), so a chat's next turn finds its history where it
-left it; it joins the batch at the next step. Only a slot whose cache holds its own
-cache scope's text (its API key's and cache_salt's: Engine.enter_scope) counts for
-that choice, so the slot a request lands on says nothing of another tenant's prompts.
-
-The HTTP side never blocks on generation: a Job carries an asyncio queue, and
-the worker hands it events (text pieces, then the result) through
-`loop.call_soon_threadsafe`. A job whose client went away is cancelled: taken
-out of the queue if it is still waiting, or closed by the worker after the
-current step, which ends the drafter's sequence and frees the slot at once.
+An Engine holds up to n_seq sequences ("slots", serve -np N) in one target context, and
+one worker thread runs its steps, so N concurrent requests read the target's weights once
+per step (engine/scheduler.py). Requests wait in one bounded FIFO (full: 429 at once,
+rather than piling up) and go to the idle slot whose cache holds most of their prompt
+within their own cache scope (--slot-prompt-similarity, Engine.enter_scope), so a chat's
+next turn finds its history and a slot says nothing of another tenant's prompts. The HTTP
+side never blocks: a Job carries an asyncio queue fed through `call_soon_threadsafe`, and a
+job whose client went away is cancelled, which frees its slot after the current step.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Chat requests with tools: OpenAI's fields -> the prompt, the constraint, the output plan.
 
-* tools: [{"type": "function", "function": {name, description, parameters}}];
-* tool_choice: "auto" (default), "none" (tools are neither shown nor parsed),
-  "required" (a call is forced), or {"type": "function", "function": {"name": N}}
-  (a call to N is forced);
-* parallel_tool_calls: several calls in one reply; off unless the request (or the
-  server's --parallel-tool-calls) turns it on, as in llama-server. A named
-  tool_choice is exactly one call to that function, whatever it says.
-
-The model's own chat template renders the tools when it knows them (its
-format is recognised from what the template writes, see specwire.text.tools);
-a template that knows no tools gets llama-server's generic JSON format with the
-tools described in a system message. A forced call is constrained by a grammar
-(the call syntax with the tool's argument schema) so that even a small model
-emits a valid one; so is every reply in the generic format, as llama-server does.
+`tools`, `tool_choice` ("auto", "none", "required" or a named function: exactly one call
+to it) and `parallel_tool_calls` (off unless the request or --parallel-tool-calls turns it
+on, as in llama-server). The model's own chat template renders the tools when it knows them
+(specwire.text.tools recognises its format); otherwise llama-server's generic JSON format
+describes them in a system message. A forced call, and every reply in the generic format,
+is constrained by a grammar built from the call syntax and the tool's argument schema, so
+that even a small model emits a valid one.
 """
 
 from __future__ import annotations

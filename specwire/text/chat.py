@@ -1,24 +1,12 @@
 """Chat messages -> one prompt string, the way llama.cpp renders them.
 
-A GGUF may carry its own Jinja chat template (`tokenizer.chat_template`); that
-is the truth for the model it came with, so it is used as is, in a sandboxed
-Jinja environment with the variables HF templates expect (messages, bos_token,
-eos_token, add_generation_prompt, raise_exception, strftime_now).
-
-A GGUF without one (the bundled base Gemma-3-270M is such a model) needs a
-named template. TEMPLATES holds a few of llama.cpp's built-ins under llama.cpp's
-names (`--chat-template NAME`), written here as small Jinja templates. Which
-one is used:
-
-1. `template_name`, when given (as with llama.cpp, an explicit
-   `--chat-template` overrides the GGUF's own). It may also be a Jinja
-   template itself, as llama.cpp's flag allows.
-2. else the GGUF's template,
-3. else the default for the model family: "gemma" for Gemma models, "chatml"
-   for anything else (DEFAULT_TEMPLATE).
-
-Rendering errors (a template's raise_exception, a malformed message) become
-ConfigError so that the server answers 400 and the CLI prints one line.
+A GGUF's own Jinja chat template (`tokenizer.chat_template`) is the truth for its model
+and is used as is, in a sandboxed Jinja environment with the variables HF templates
+expect. A GGUF without one (the bundled base Gemma-3-270M) needs a named template:
+TEMPLATES holds a few of llama.cpp's built-ins under llama.cpp's names. The choice, as
+llama.cpp makes it: `--chat-template` (a name or a Jinja template) over the GGUF's own,
+else DEFAULT_TEMPLATE's family default ("gemma" for Gemma, "chatml" otherwise).
+Rendering errors become ConfigError, so the server answers 400 and the CLI prints a line.
 """
 
 from __future__ import annotations

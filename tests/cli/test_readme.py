@@ -36,7 +36,7 @@ from unittest import mock
 
 import httpx
 import pytest
-from test_server import stop_process
+from serve_process import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -7,8 +7,8 @@ beats a plain step.
 
 from __future__ import annotations
 
+from branch_fakes import ScriptedDrafter
 from fakes import FakeBackend, FakeBatch, FakeModel, Forward
-from test_branch import ScriptedDrafter
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.bubble import BubbleWait

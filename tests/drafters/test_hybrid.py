@@ -14,17 +14,7 @@ import sys
 
 import pytest
 from fakes import FakeBackend, FakeClock, FakeModel, FixedDrafter, SpyDrafter
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
-    CODE,
-    GREEDY,
-    PROSE,
-    SEEDED,
-    node_fixture,
-    node_proc_fixture,
-    request,
-    run_to_end,
-    target_fixture,
-)
+from wire_helpers import CODE, GREEDY, PROSE, SEEDED, request, run_to_end
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters import hybrid as hybrid_mod

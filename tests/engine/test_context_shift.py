@@ -184,7 +184,7 @@ def test_bad_n_keep_and_n_discard_are_refused(field: str, value: int) -> None:
 
 @pytest.fixture(scope="module")
 def shifting_server():
-    from test_server import serve_app
+    from toy_server import serve_app
 
     from specwire.server import ServerSettings, create_app
     engine = Engine(FakeBackend(TARGET, n_ctx=N_CTX), make("same"))

@@ -13,8 +13,8 @@ loosened.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from invariance_checks import explain_mismatch
 
 from specwire.assets import models
 from specwire.backend.llama import LlamaBackend, load_model
@@ -71,25 +71,6 @@ def generate(target, drafter, prompt: str, sampling: SamplingParams, k: int = 8)
 def plain(target):
     return {(name, s.temperature): generate(target, None, p, s).tokens
             for name, p in PROMPTS.items() for s in (GREEDY, SEEDED)}
-
-
-def explain_mismatch(target, prompt: str, ref: list[int], got: list[int]) -> str:
-    """Where the outputs diverge: the target's top-2 logits there, plain vs batched."""
-    i = next(j for j, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b)
-    history = target.tokenize(prompt) + ref[:i]
-    target.truncate(0)
-    single = target.eval(history, logits="last")[-1].copy()
-    target.truncate(0)
-    target.eval(history[:-4], logits="none")
-    batched = target.eval(history[-4:], logits="all")[-1].copy()
-    target.truncate(0)
-    lines = [f"first difference at generated token {i}: plain {ref[i]}, speculative {got[i]}"]
-    for name, row in (("plain", single), ("batched", batched)):
-        top = np.argsort(-row)[:2]
-        lines.append(f"  {name:8s} top-2 {top[0]}:{row[top[0]]:.6f} {top[1]}:{row[top[1]]:.6f} "
-                     f"gap {row[top[0]] - row[top[1]]:.6f}")
-    lines.append(f"  max |plain - batched| = {np.abs(single - batched).max():.6f}")
-    return "\n".join(lines)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])

@@ -8,28 +8,11 @@ at their loosest), so that many rounds verify one.
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
-    CODE,
-    GREEDY,
-    PROSE,
-    SEEDED,
-    node_fixture,
-    node_proc_fixture,
-    request,
-    run_to_end,
-    target_fixture,
-)
+from alternates_everywhere import threaded_alternates_everywhere
+from wire_helpers import CODE, GREEDY, PROSE, SEEDED, request, run_to_end
 
-from specwire.assets import models
-from specwire.backend.llama import LlamaBackend, load_model
-from specwire.config import ModelParams
 from specwire.engine.engine import Engine
-from specwire.link import alternates
-from specwire.link.alternates import BranchParams
-from specwire.link.threaded import ThreadedDrafter
 
 pytestmark = pytest.mark.slow
 
@@ -63,11 +46,7 @@ def test_remote_pipelined_with_alternates_is_token_identical(target, node, sp) -
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_threaded_with_alternates_everywhere_is_token_identical(target, sp,
                                                                monkeypatch) -> None:
-    monkeypatch.setattr(alternates, "BranchParams",
-                        partial(BranchParams, top_below=1.0, value_min=0.0))
-    p = ModelParams(str(models.default_draft(progress=False)), n_ctx=1024, n_threads=1)
-    drafter = ThreadedDrafter(LlamaBackend(p, load_model(p)))
-    drafter.branches = BranchParams(per_chunk=4, length=4)
+    drafter = threaded_alternates_everywhere(monkeypatch, 1024)
     seen = []
     try:
         for text in (CODE, PROSE):

@@ -13,7 +13,7 @@ own. A near-tie flipped by a different batch shape is reported with both logit r
 from __future__ import annotations
 
 import pytest
-from test_invariance import explain_mismatch
+from invariance_checks import explain_mismatch
 
 from specwire.assets import models
 from specwire.backend.llama import LlamaBackend, load_model

@@ -107,7 +107,7 @@ def test_serve_with_a_draft_node_shifts_losslessly(tmp_path) -> None:
     """serve --context-shift with --draft-url: the draft node's session starts again on
     each shifted history, and the tokens are those of the same request without a draft."""
     import httpx
-    from test_server import run_serve
+    from serve_process import run_serve
     from wire_helpers import node_process
 
     body = {"prompt": PROMPT, "n_predict": N, "n_keep": 4, "n_discard": DISCARD,

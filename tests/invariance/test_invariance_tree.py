@@ -1,5 +1,6 @@
 """Tree verification never changes the output: the real bundled pair, greedy and seeded,
-draft lengths 1, 2, 4 and 8, on a thread and through a real draft node (pipelined).
+draft lengths 1, 2, 4 and 8, on a thread and through a real draft node (pipelined), with
+drafted alternates and with second choices alone (Open.second_choices).
 
 The target is a LlamaBackend with tree sequences (tree_branches); the reference is plain
 decoding on a context without them. A near-tie flipped by a different batch shape is
@@ -11,23 +12,12 @@ kept path's KV is what decoding that path gives.
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import numpy as np
 import pytest
-from test_invariance import explain_mismatch
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
-    CODE,
-    GREEDY,
-    N_CTX,
-    PROSE,
-    SEEDED,
-    node_fixture,
-    node_proc_fixture,
-    request,
-    run_to_end,
-    target_fixture,
-)
+from alternates_everywhere import threaded_alternates_everywhere
+from invariance_checks import explain_mismatch
+from wire_helpers import CODE, GREEDY, N_CTX, PROSE, SEEDED, request, run_to_end
 
 from specwire.assets import models
 from specwire.backend.base import sync_prefix
@@ -37,8 +27,6 @@ from specwire.config import ModelParams
 from specwire.drafters.base import Draft, DrafterBase
 from specwire.engine.engine import Engine
 from specwire.link import alternates
-from specwire.link.alternates import BranchParams
-from specwire.link.threaded import ThreadedDrafter
 from specwire.sample import sampling
 from specwire.sample import tree as trees
 
@@ -60,14 +48,14 @@ def _check(target, text: str, want: list[int], got: list[int], what: str) -> Non
 
 
 class TreeModelDrafter(DrafterBase):
-    """The bundled draft model's chain, with its second choice and three tokens after it
-    at each of the first positions where it is at all unsure: a local drafter of trees
+    """The bundled draft model's chain, with its second choice and length - 1 tokens after
+    it at each of the first positions where it is at all unsure: a local drafter of trees
     (link/alternates.py's top_two and draft_alternate, as a node drafts them)."""
 
     name = "tree-model"
 
-    def __init__(self, backend: LlamaBackend, branches: int = 3) -> None:
-        self.backend, self.branches, self.sp = backend, branches, GREEDY
+    def __init__(self, backend: LlamaBackend, branches: int = 3, length: int = 4) -> None:
+        self.backend, self.branches, self.length, self.sp = backend, branches, length, GREEDY
 
     def begin(self, prompt, sampling_params, params, **guides) -> None:
         self.sp = sampling_params
@@ -84,7 +72,7 @@ class TreeModelDrafter(DrafterBase):
             tok = sampling.coupled(row, sp, len(ctx), recent)
             if two is not None and two.first == tok and len(branches) < self.branches \
                     and two.p_first < 0.95:
-                alt = alternates.draft_alternate(be, sp, ctx, two.second, 4)
+                alt = alternates.draft_alternate(be, sp, ctx, two.second, self.length)
                 branches.append((len(chain), alt))
             chain.append(tok)
             ctx.append(tok)
@@ -101,10 +89,12 @@ class TreeModelDrafter(DrafterBase):
         return {}
 
 
+@pytest.mark.parametrize("length", [4, 1], ids=["drafted", "alone"])
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_local_trees_are_token_identical(target, tree_target, sp) -> None:
+def test_local_trees_are_token_identical(target, tree_target, sp, length) -> None:
+    """length 1: the second choice alone, as a node sends it for Open.second_choices."""
     p = ModelParams(str(models.default_draft(progress=False)), n_ctx=N_CTX, n_threads=1)
-    drafter = TreeModelDrafter(LlamaBackend(p, load_model(p)))
+    drafter = TreeModelDrafter(LlamaBackend(p, load_model(p)), length=length)
     verified = taken = 0
     for text in (CODE, PROSE):
         prompt = target.tokens(text)
@@ -164,15 +154,15 @@ def _settle(drafter):
     return settle
 
 
+@pytest.mark.parametrize("kind", ["drafted", "alone"])
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_threaded_trees_everywhere_are_token_identical(target, tree_target, sp,
+def test_threaded_trees_everywhere_are_token_identical(target, tree_target, sp, kind,
                                                        monkeypatch) -> None:
-    monkeypatch.setattr(alternates, "BranchParams",
-                        partial(BranchParams, top_below=1.0, value_min=0.0))
-    p = ModelParams(str(models.default_draft(progress=False)), n_ctx=N_CTX, n_threads=1)
-    drafter = ThreadedDrafter(LlamaBackend(p, load_model(p)))
-    drafter.branches = BranchParams(per_chunk=4, length=4)
-    verified = 0
+    """drafted: an alternate drafted at every position; alone: the second choice alone
+    at every position (Open.second_choices), none worth drafting."""
+    drafter = threaded_alternates_everywhere(monkeypatch, N_CTX,
+                                             value_min=0.0 if kind == "drafted" else 1.0)
+    verified = alone = 0.0
 
     try:
         for text in (CODE, PROSE):
@@ -182,16 +172,19 @@ def test_threaded_trees_everywhere_are_token_identical(target, tree_target, sp,
                 eng = Engine(tree_target, drafter)
                 gen = eng.generate(request(prompt, N, sp, n_max=k, policy="fixed"))
                 _check(target, text, want, run_to_end(gen, on_step=_settle(drafter)),
-                       f"threaded, draft-max {k}")
+                       f"threaded {kind}, draft-max {k}")
                 verified += eng.tree_yield.rounds
+                alone += gen.stats.drafter.get("second_choices_taken", 0.0)
     finally:
         drafter.end()
     assert verified > 0
+    assert (alone > 0) is (kind == "alone"), alone
 
 
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_remote_pipelined_trees_are_token_identical(target, tree_target, node, sp) -> None:
-    verified = received = 0.0
+    """The node's own choice of alternates: drafted ones and second choices alone."""
+    verified = received = alone = 0.0
     for text in (CODE, PROSE):
         prompt = target.tokens(text)
         want = target.plain(prompt, sp, N)
@@ -204,6 +197,7 @@ def test_remote_pipelined_trees_are_token_identical(target, tree_target, node, s
                        f"remote, draft-max {k}")
                 verified += eng.tree_yield.rounds
                 received += gen.stats.drafter.get("alternates_received", 0.0)
+                alone += gen.stats.drafter.get("second_choices", 0.0)
             finally:
                 remote.close()
-    assert received > 0 and verified > 0, (received, verified)
+    assert received > alone > 0 and verified > 0, (received, alone, verified)

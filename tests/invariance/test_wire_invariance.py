@@ -9,20 +9,17 @@ import time
 from dataclasses import replace
 
 import pytest
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
+from wire_helpers import (
     CODE,
     GREEDY,
     N_CTX,
     PROSE,
     SEEDED,
     draft_model_path,
-    node_fixture,
-    node_proc_fixture,
     node_process,
     ref,
     request,
     run_to_end,
-    target_fixture,
 )
 
 from specwire.backend.llama import LlamaBackend

@@ -8,39 +8,11 @@ latest verdict, never an empty draft taken from a stale branch's `done`.
 from __future__ import annotations
 
 import pytest
-from fakes import Forward
+from branch_fakes import PROMPT, ScriptedDrafter
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.link.branch import BranchDrafter
-from specwire.link.messages import Chunk, TargetMessage, Verdict
+from specwire.link.messages import Chunk, Verdict
 from specwire.link.transport import protocol
-
-V = 100
-PROMPT = [1, 2, 3, 4]
-
-
-class ScriptedDrafter(BranchDrafter):
-    """A live session whose chunks arrive, one per wait, from a script."""
-
-    def __init__(self, pipelined: bool = False) -> None:
-        super().__init__(Forward(), V, pipelined=pipelined, sync_timeout_s=0.5)
-        self.sent: list[TargetMessage] = []
-        self.script: list[Chunk] = []
-        self.waits = 0
-
-    def _live(self) -> bool:
-        return True
-
-    def _post(self, msg: TargetMessage) -> None:
-        self.sent.append(msg)
-
-    def _open(self, session: int, history: list[int]) -> None:
-        """Nothing to start: the script answers each wait."""
-
-    def _await(self, left_s: float) -> None:
-        self.waits += 1
-        if self.script:
-            self.on_chunk(self.session, self.script.pop(0))
 
 
 def _chunk(gen: int, start: int, tokens: list[int], done: bool = True) -> Chunk:

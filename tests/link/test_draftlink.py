@@ -13,22 +13,20 @@ import random
 
 import numpy as np
 import pytest
-from fakes import FakeBackend, FakeModel, Forward
+from branch_fakes import Joined, _wire
+from fakes import FakeBackend, FakeModel
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
-from specwire.link.branch import BranchDrafter
 from specwire.link.messages import (
     Chunk,
     Close,
     Failure,
     Open,
     ProtocolError,
-    TargetMessage,
     Verdict,
     pad_sparse,
 )
 from specwire.link.rule import AHEAD, LEFT, PASSED, follow
-from specwire.link.session import DraftSession
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.sample.sampling import SparseDraft
@@ -97,15 +95,6 @@ def _sparse(tokens: list[int], k: int, seed: int) -> list[SparseDraft]:
         ids = np.asarray([t, *rs.choice([i for i in range(50) if i != t], k - 2, replace=False)])
         out.append(SparseDraft(t, ids, rs.dirichlet(np.ones(len(ids))).astype(np.float32)))
     return pad_sparse(out, k)   # k - 1 ids each, padded to k with zero mass
-
-
-def _wire(m: TargetMessage | Chunk | Failure):
-    """Through protobuf and bytes and back, as the other end reads it."""
-    if isinstance(m, Chunk | Failure):
-        data = protocol.draft_to_pb(m).SerializeToString()
-        return protocol.draft_from_pb(pb.DraftMessage.FromString(data))
-    data = protocol.target_to_pb(m).SerializeToString()
-    return protocol.target_from_pb(pb.TargetMessage.FromString(data))
 
 
 def _same_chunk(a: Chunk, b: Chunk) -> bool:
@@ -190,48 +179,6 @@ def test_the_edge_refuses_what_is_not_a_message() -> None:
 
 
 # ============================================================================ both ends agree
-
-
-class Joined(BranchDrafter):
-    """A BranchDrafter whose drafter is a DraftSession reached by function call: each
-    message is handled, and answered, before the call returns."""
-
-    def __init__(self, backend: FakeBackend, pipelined: bool = False) -> None:
-        super().__init__(Forward(), backend.n_vocab, pipelined=pipelined, lookahead=6,
-                         sync_timeout_s=0.05)
-        self.backend = backend
-        self.node: DraftSession | None = None
-        self.outcomes = {"kept": 0, "dropped": 0}  # what the rule made of each verdict
-
-    def _live(self) -> bool:
-        return self.node is not None
-
-    def _post(self, msg: TargetMessage) -> None:
-        if isinstance(msg, Verdict):
-            gen = self.node.gen
-            self.node.step(msg) if not self.pipelined else self._pipelined_step(msg)
-            self.outcomes["kept" if self.node.gen == gen else "dropped"] += 1
-        else:
-            self.node = None
-
-    def _pipelined_step(self, v: Verdict) -> None:
-        """The pipelined session's work for one verdict, on this thread: apply it, then
-        draft what the lookahead allows (what its own thread would do next)."""
-        self.node._apply(v)
-        if not self.node.stalled and len(self.node.branch) < self.node._limit():
-            self.node._draft_burst()
-
-    def _open(self, session: int, history: list[int]) -> None:
-        self.node = DraftSession(self.backend, self.open_message(history),
-                                 lambda m: self.on_chunk(session, m))
-        self.node.announce()
-        if self.pipelined:
-            self.node._draft_burst()
-        else:
-            self.node.step(None)
-
-    def _await(self, left_s: float) -> None:
-        """Nothing more is coming: everything was answered during the call."""
 
 
 def _verify(rng: random.Random, draft: list[int], n_vocab: int) -> tuple[int, int]:

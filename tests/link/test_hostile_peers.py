@@ -23,16 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from hostile_node import FILLER, Peer, Script, block, frame, hostile_node
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
-    CODE,
-    GREEDY,
-    ROOT,
-    SEEDED,
-    request,
-    run_to_end,
-    target_fixture,
-    wait_for,
-)
+from wire_helpers import CODE, GREEDY, ROOT, SEEDED, request, run_to_end, wait_for
 
 from specwire.config import ConfigError, VerifyMode
 from specwire.drafters.base import Capabilities, Draft, StatelessDrafter

@@ -13,62 +13,15 @@ import socket
 import threading
 import time
 
-import grpc
 import pytest
+from sync_calls import FakeService, _open, _round, _verdict
 
-from specwire.link.messages import Chunk, Failure, Verdict
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport.channel import Link, LinkSettings
 from specwire.link.transport.channels import SyncLine
 from specwire.link.transport.h2.connection import Connection, H2Error
 from specwire.link.transport.h2.server import SyncServer
-from specwire.link.transport.protocol import ProtocolError
-
-
-class EchoCall:
-    """Answers every verdict with a chunk whose start counts the call's messages."""
-
-    def __init__(self, service: FakeService, send, context) -> None:
-        if service.hold is not None:         # holds the connection's thread
-            service.entered.set()
-            service.hold.wait(10)
-        if len([c for c in service.calls if not c.ended]) >= service.max_calls:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
-        service.calls.append(self)
-        service.peers.add(context.peer())
-        self.service = service
-        self.send, self.taken, self.ended, self.error = send, 0, False, ""
-
-    def take(self, msg) -> bool:
-        if self.service.barrier is not None and not isinstance(msg, ProtocolError):
-            self.service.barrier.wait()      # passes only when two calls draft at once
-        if isinstance(msg, ProtocolError):
-            self.error = str(msg)
-            self.send(Failure(str(msg)))
-            return False
-        if not isinstance(msg, Verdict) and msg.WhichOneof("kind") == "close":
-            return False                     # (a verdict comes decoded: roundcodec.py)
-        self.taken += 1
-        self.send(Chunk(gen=0, start=self.taken, tokens=[]))
-        return True
-
-    def end(self) -> None:
-        assert not self.ended, "a call ends once"
-        self.ended = True
-
-
-class FakeService:
-    def __init__(self, max_calls: int = 8) -> None:
-        self.calls: list[EchoCall] = []
-        self.peers: set[str] = set()
-        self.max_calls = max_calls
-        self.barrier: threading.Barrier | None = None
-        self.hold: threading.Event | None = None
-        self.entered = threading.Event()
-
-    def sync_call(self, send, context) -> EchoCall:
-        return EchoCall(self, send, context)
 
 
 @pytest.fixture(name="served")
@@ -86,21 +39,6 @@ def served_fixture():
     finally:
         conn.close()
         server.close()
-
-
-def _open(conn: Connection) -> int:
-    return conn.request(protocol.SESSION_PATH, "node", (), "http")
-
-
-def _verdict() -> bytes:
-    return pb.TargetMessage(verdict=pb.Verdict(position=1)).SerializeToString()
-
-
-def _round(conn: Connection, sid: int) -> int:
-    conn.send_message(sid, _verdict())
-    data = conn.recv_message(sid, 5)
-    assert data is not None
-    return pb.DraftMessage.FromString(data).chunk.start
 
 
 def test_calls_on_one_connection_are_served_side_by_side(served) -> None:

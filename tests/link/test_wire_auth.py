@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 import pytest
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
+from wire_helpers import (
     CODE,
     GREEDY,
     RawSession,
@@ -16,7 +16,6 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     ref,
     request,
     run_to_end,
-    target_fixture,
     wait_for,
 )
 

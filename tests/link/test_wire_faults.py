@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
+from wire_helpers import (
     CODE,
     GREEDY,
     FakeNode,
@@ -19,12 +19,9 @@ from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     _random_chunk,
     chunk,
     error,
-    node_fixture,
-    node_proc_fixture,
     ref,
     request,
     run_to_end,
-    target_fixture,
     wait_for,
 )
 

@@ -9,19 +9,16 @@ import time
 
 import grpc
 import pytest
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
+from wire_helpers import (
     CODE,
     GREEDY,
     PROSE,
     SEEDED,
     RawSession,
     _sync_open,
-    node_fixture,
-    node_proc_fixture,
     ref,
     request,
     run_to_end,
-    target_fixture,
 )
 
 from specwire.engine.engine import Engine

@@ -9,11 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from wire_helpers import (
-    GREEDY,
-    SEEDED,
-    _random_chunk,
-)
+from wire_helpers import GREEDY, SEEDED, _random_chunk
 
 from specwire.link.messages import Chunk
 from specwire.link.transport import protocol

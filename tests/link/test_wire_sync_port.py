@@ -9,19 +9,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
-    CODE,
-    GREEDY,
-    FakeNode,
-    RawSession,
-    _sync_open,
-    node_fixture,
-    node_proc_fixture,
-    ref,
-    request,
-    run_to_end,
-    target_fixture,
-)
+from wire_helpers import CODE, GREEDY, FakeNode, RawSession, _sync_open, ref, request, run_to_end
 
 from specwire.bench.netemu import LinkEmulator
 from specwire.engine.engine import Engine

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from test_server import run_serve
+from serve_process import run_serve
 from wire_helpers import (
     GREEDY,
     N_CTX,
@@ -32,7 +32,6 @@ from wire_helpers import (
     node_process,
     request,
     run_to_end,
-    target_fixture,  # noqa: F401 - registers the "target" fixture
     wait_for,
 )
 

@@ -8,7 +8,6 @@ so that a silent peer is dropped within a second.
 
 from __future__ import annotations
 
-import queue
 import socket
 import threading
 import time
@@ -17,6 +16,7 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
+from node_calls import Stream, _open
 from wire_helpers import CODE, GREEDY, Target, draft_model_path, request, run_to_end, wait_for
 
 from specwire.config import ModelParams
@@ -63,31 +63,6 @@ def _figures(node: RunningNode) -> dict[str, float]:
 
 def _history(node: RunningNode) -> list[int]:
     return node.service.model.tokenize(CODE)
-
-
-def _open(history: list[int], want: int = 3, **kw) -> pb.TargetMessage:
-    kw = {"mode": pb.VERIFY_GREEDY, "lookahead": 8, **kw}
-    return pb.TargetMessage(open=pb.Open(
-        history=history, sampling=protocol.sampling_to_pb(GREEDY), pipelined=False, want=want,
-        **kw))
-
-
-class Stream:
-    """A Session (or Ping) call driven by hand."""
-
-    def __init__(self, method, metadata=()) -> None:
-        self.q: queue.Queue = queue.Queue()
-        self.call = method(iter(self.q.get, None), metadata=metadata, timeout=30)
-
-    def send(self, msg) -> None:
-        self.q.put(msg)
-
-    def next(self):
-        return next(self.call)
-
-    def close(self) -> None:
-        self.q.put(None)
-        self.call.cancel()
 
 
 def test_silent_session_is_ended_and_its_slot_freed(start_node) -> None:

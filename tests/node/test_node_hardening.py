@@ -17,7 +17,7 @@ import time
 
 import grpc
 import pytest
-from wire_helpers import (  # noqa: F401 - target_fixture registers the fixture
+from wire_helpers import (
     CODE,
     GREEDY,
     FakeNode,
@@ -25,7 +25,6 @@ from wire_helpers import (  # noqa: F401 - target_fixture registers the fixture
     ref,
     request,
     run_to_end,
-    target_fixture,
     wait_for,
 )
 

@@ -374,7 +374,7 @@ def test_each_api_key_is_a_scope_of_its_own_and_a_salt_narrows_it() -> None:
     """serve with several API keys: requests of one key share a scope, requests of another
     key (or with a salt) get another; without keys the salt alone decides."""
     import httpx
-    from test_server import ToyBackend, serve_app
+    from toy_server import ToyBackend, serve_app
 
     from specwire.drafters.base import NoDrafter
     from specwire.engine.engine import Engine

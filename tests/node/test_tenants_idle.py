@@ -12,9 +12,9 @@ import time
 
 import grpc
 import pytest
-from test_node_admission import Stream, _open
-from test_sync_mux import FakeService, _round
-from test_sync_mux import _open as _sync_open
+from node_calls import Stream, _open
+from sync_calls import FakeService, _round
+from sync_calls import _open as _sync_open
 from wire_helpers import N_CTX, draft_model_path, wait_for
 
 from specwire.config import ModelParams

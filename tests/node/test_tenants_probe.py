@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from test_node_admission import Stream, _open
+from node_calls import Stream, _open
 from wire_helpers import (
     GREEDY,
     N_CTX,
@@ -35,7 +35,6 @@ from wire_helpers import (
     node_process,
     request,
     run_to_end,
-    target_fixture,  # noqa: F401 - registers the "target" fixture
     wait_for,
 )
 
@@ -183,8 +182,9 @@ def test_the_time_to_the_first_draft_tells_nothing_across_tenants(target) -> Non
     """The node's own timing, without a target in between: the time from an Open of
     [opening, tokens before, guess, filler] to its first draft, for the true guess and
     three others at each of the 8 positions, from mallory and then (the control) from
-    alice. Printed for docs/memory.md; the test asserts that at each position mallory's
-    cache_n is the same for every guess (the node's work is the same) and alice's is not."""
+    alice. Printed for benchmarks/NOTES.md (section 12); the test asserts that at each
+    position mallory's cache_n is the same for every guess (the node's work is the same)
+    and alice's is not."""
     settings = NodeSettings(model=ModelParams(draft_model_path(), n_ctx=N_CTX), port=0,
                             tokens={ALICE: "alice", MALLORY: "mallory"}, cache_sessions=512)
     node = node_mod.start(settings)

@@ -15,8 +15,8 @@ import dataclasses
 import sys
 
 import pytest
+from branch_fakes import ScriptedDrafter
 from fakes import FakeBackend, FakeBatch, FakeModel
-from test_branch import ScriptedDrafter
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters import lockstep

@@ -9,9 +9,11 @@ wrong parent, position or kept path changes the output.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 import pytest
+from branch_fakes import _work
 from fakes import FakeBatch, FakeClock, FakeModel
 
 from specwire.backend.base import BackendError
@@ -256,8 +258,8 @@ def test_the_adaptive_engine_sends_chains_on_a_steep_curve(monkeypatch) -> None:
 
 
 def _tree_link(trees_on: bool):
+    from branch_fakes import Branching
     from fakes import FakeBackend
-    from test_alternates import Branching
 
     d = Branching(FakeBackend(DRAFT, n_ctx=1024))
     d.branches = BranchParams(per_chunk=4, length=4, value_min=0.0, top_below=1.0)
@@ -374,18 +376,6 @@ def _node(tree: int, lookahead: int = 16):
     return DraftSession(FakeBackend(SURE_DRAFT, n_ctx=1024), o, sent.append), sent
 
 
-def _work(node) -> None:
-    """What the session's thread does until it would wait (DraftSession._next_work)."""
-    while True:
-        j = node._alternate_first()
-        if j is not None:
-            node._draft_late_alternate(j)
-        elif not node.stalled and len(node.branch) < node._limit():
-            node._draft_burst()
-        else:
-            return
-
-
 def _alternate_lags(sent: list) -> list[int]:
     """For each alternate sent: how many branch tokens past its position had gone out
     before it (0: it came right after its position)."""
@@ -484,3 +474,124 @@ def test_the_target_says_tree_only_where_it_verifies_trees() -> None:
     assert d.open_message(list(PROMPT)).tree == 0
     d.tree, d.branches = 3, None
     assert d.open_message(list(PROMPT)).tree == 0
+
+
+# -- second choices alone (Open.second_choices) --------------------------------------------
+
+
+def _second_choice_link(monkeypatch):
+    """A link whose node hesitates everywhere (top_below 1) but finds no drafted alternate
+    worth it (value_min 1): it sends only second choices alone."""
+    from specwire.link import alternates
+
+    monkeypatch.setattr(alternates, "BranchParams",
+                        partial(BranchParams, top_below=1.0, value_min=1.0))
+    return _tree_link(True)
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_second_choices_alone_verified_as_trees_are_lossless(sp, k, monkeypatch) -> None:
+    """Both ends of a branch session: the node sends its second choice alone with each
+    position, the target hangs it in the tree, a round that walks into it keeps it and
+    the target's next token, both ends start the next branch afresh, and the output is
+    plain decoding's."""
+    drafter = _second_choice_link(monkeypatch)
+    eng, fb = _engine(leaves=5, drafter=drafter)
+    gen = eng.generate(Request(list(PROMPT), 80, sp, DraftParams(n_max=k, policy="fixed",
+                                                                  p_min=0.0)))
+    assert gen.run() == _plain(PROMPT, sp, 80)
+    st = drafter.stats()
+    assert fb.trees and st["alternates_received"] == st["second_choices"] > 0, st
+    assert st["alternate_trees"] == st["second_choices_taken"] > 0 and st["stale_chunks"] == 0, st
+    drafter.end()
+
+
+def test_a_node_sends_second_choices_alone_only_when_asked() -> None:
+    """Open.second_choices (with tree): one-token alternates at sent positions, with the
+    position's own chunk, at most a chunk's alternates; never a drafted alternate where
+    one went. Without it, or without tree, no alternate is a lone token."""
+    from fakes import FakeBackend
+
+    from specwire.link.messages import Open
+    from specwire.link.session import DraftSession
+
+    def run(**kw):
+        sent: list = []
+        o = Open(list(PROMPT), GREEDY, VerifyMode.GREEDY, pipelined=True, lookahead=8,
+                 alternates=2, alternate_len=4, **kw)
+        node = DraftSession(FakeBackend(SURE_DRAFT, n_ctx=1024), o, sent.append)
+        _work(node)
+        return node, sent
+
+    node, sent = run(tree=2, second_choices=True)
+    singles = [(c, a) for c in sent for a in c.alternates if len(a.tokens) == 1]
+    assert singles
+    for c, a in singles:
+        assert c.start <= a.at < c.start + len(c.tokens)      # with its position
+        j = a.at - len(PROMPT)
+        assert a.tokens[0] == node.choices[j].second != node.branch[j]
+    assert all(len(c.alternates) <= 2 for c in sent)
+    ats = [a.at for c in sent for a in c.alternates]
+    assert len(ats) == len(set(ats))                           # one alternate a position
+    for kw in ({"tree": 2}, {"tree": 0, "second_choices": True}):
+        old, old_sent = run(**kw)
+        assert old.branch == node.branch
+        assert all(len(a.tokens) > 1 for c in old_sent for a in c.alternates), kw
+
+
+def test_a_second_choice_alone_outside_a_tree_is_not_taken(monkeypatch) -> None:
+    """A round that verified the chain only, rejected where a lone second choice was sent,
+    the target's token being it: nothing of it is left to verify, so the verdict does not
+    take it (both ends start afresh, as after any rejection)."""
+    drafter = _second_choice_link(monkeypatch)
+    drafter.begin(list(PROMPT), GREEDY, DraftParams(n_max=4, p_min=0.0))
+    draft = drafter.propose(list(PROMPT), 4)
+    node = drafter.node
+    single = next(a for a in (node.alts.get(len(PROMPT) + j) for j in range(len(draft)))
+                  if a is not None and len(a) == 1)
+    at = next(p for p, t in node.alts.items() if t == single)
+    a = at - len(PROMPT)
+    history = [*PROMPT, *draft.tokens[:a], single[0]]
+    gen = node.gen
+    drafter.learn(history, a, a + 1)
+    assert node.gen == gen + 1 and node.committed == history
+    assert drafter.stats()["alternate_rounds"] == 0
+    assert drafter.propose(history, 4).tokens == node.branch[:4]
+    drafter.end()
+
+
+def test_open_second_choices_travels_and_older_peers_ignore_it() -> None:
+    """Open.second_choices (field 17): unset, no byte; set, two bytes, which a parser
+    that predates it skips."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    from specwire.link.messages import Open
+    from specwire.link.transport import protocol
+
+    def o(**kw):
+        return Open([1, 2, 3], GREEDY, VerifyMode.GREEDY, pipelined=True, lookahead=16,
+                    alternates=2, alternate_len=4, tree=3, **kw)
+
+    m = protocol.open_to_pb(o(second_choices=True))
+    assert protocol.open_from_pb(pb.Open.FromString(m.SerializeToString())).second_choices
+    assert m.ByteSize() == protocol.open_to_pb(o()).ByteSize() + 3
+    fdp = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(fdp)
+    old_open = next(t for t in fdp.message_type if t.name == "Open")
+    fields = [f for f in old_open.field if f.name != "second_choices"]
+    del old_open.field[:]
+    old_open.field.extend(fields)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    OldOpen = message_factory.GetMessageClass(pool.FindMessageTypeByName("specwire.v1.Open"))
+    old = OldOpen.FromString(m.SerializeToString())
+    assert (old.tree, old.alternates) == (3, 2) and not hasattr(old, "second_choices")
+
+
+def test_the_target_asks_for_second_choices_where_it_verifies_trees() -> None:
+    d = _tree_link(True)
+    d.tree = 3
+    assert d.open_message(list(PROMPT)).second_choices
+    d.tree = 0
+    assert not d.open_message(list(PROMPT)).second_choices

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from test_server import run_serve
+from serve_process import run_serve
 
 pytestmark = pytest.mark.slow
 

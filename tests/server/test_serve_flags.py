@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import run_serve
+from serve_process import run_serve
 
 from specwire.cli.args import CliError
 from specwire.cli.commands import compat
@@ -538,7 +538,7 @@ def test_llamacpp_speculation_counters_beside_specwires() -> None:
 
 @pytest.fixture
 def toy_app():
-    from test_server import SpyDrafter, ToyBackend, serve_app
+    from toy_server import SpyDrafter, ToyBackend, serve_app
 
     from specwire.config import SamplingParams
     from specwire.engine.engine import Engine
@@ -789,7 +789,7 @@ def test_infill_feeds_the_ngram_drafter_with_input_extra() -> None:
     alphabet, which only the extra file holds, so with it most tokens come from accepted
     drafts, and without it none can; the tokens are the same with and without the draft
     (speculative false)."""
-    from test_server import ToyBackend, serve_app
+    from toy_server import ToyBackend, serve_app
 
     from specwire.config import DraftParams, SamplingParams
     from specwire.drafters.ngram.drafter import KEEP, NgramDrafter

@@ -18,7 +18,8 @@ import time
 
 import httpx
 import pytest
-from test_server import ROOT, _free_port, _metric, _sse, _wait_healthy
+from serve_process import ROOT, _free_port, _wait_healthy
+from toy_server import _metric, _sse
 
 pytestmark = pytest.mark.slow
 

@@ -11,33 +11,22 @@ Three layers:
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import socket
-import ssl
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
+from serve_process import run_serve
+from toy_server import SpyDrafter, ToyBackend, _ignore, _metric, _sse, serve_app
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.base import NoDrafter
 from specwire.engine.engine import Engine
 from specwire.server import ServerSettings, create_app, schemas
 from specwire.server.errors import ApiError
 from specwire.server.slots import JobQueue, QueueFull
 from specwire.server.stops import StopMatcher
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------------------ stop strings
 
@@ -144,109 +133,12 @@ def test_parse_defaults_limits_and_prompts() -> None:
 # ------------------------------------------------------------- the app over a toy engine
 
 
-class ToyBackend:
-    """A 128-token "model" that writes the alphabet after any token, one char a token.
-
-    Slow on purpose (`delay` per evaluation) so that streams can be caught mid-way.
-    """
-
-    name, n_vocab, n_ctx = "toy.gguf", 128, 4096
-
-    def __init__(self, delay: float = 0.01) -> None:
-        self.delay = delay
-        self._tokens: list[int] = []
-
-    @property
-    def n_past(self) -> int:
-        return len(self._tokens)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self._tokens
-
-    def eval(self, tokens, logits: str = "last") -> np.ndarray:
-        time.sleep(self.delay)
-        self._tokens.extend(tokens)
-        at = {"all": list(range(len(tokens))), "last": [len(tokens) - 1], "none": []}[logits]
-        rows = np.zeros((len(at), self.n_vocab), dtype=np.float32)
-        for r, i in enumerate(at):
-            t = tokens[i]
-            rows[r, t + 1 if 97 <= t < 122 else 97] = 20.0
-        return rows
-
-    def truncate(self, n: int) -> None:
-        del self._tokens[n:]
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list:
-        return [min(ord(c), 127) for c in text]
-
-    def detokenize(self, tokens) -> bytes:
-        return bytes(tokens)
-
-    def is_eog(self, token: int) -> bool:
-        return token == 0
-
-    def vocab_fingerprint(self) -> str:
-        return "toy"
-
-    def chat_template(self) -> str | None:
-        return None
-
-
-class SpyDrafter(NoDrafter):
-    name = "spy"
-
-    def __init__(self) -> None:
-        self.begun, self.ended = 0, threading.Event()
-
-    def begin(self, prompt, sampling, params, **guide) -> None:
-        self.begun += 1
-        self.ended.clear()
-
-    def end(self) -> None:
-        self.ended.set()
-
-
-@contextlib.contextmanager
-def serve_app(app) -> Iterator[str]:
-    """Run an app with uvicorn on a thread; yield its base URL."""
-    import uvicorn
-
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-
-
 @pytest.fixture
 def toy() -> Iterator[tuple[str, SpyDrafter]]:
     spy = SpyDrafter()
     settings = ServerSettings(sampling=SamplingParams(temperature=0.0), queue_size=1)
     with serve_app(create_app(Engine(ToyBackend(), spy), settings)) as url:
         yield url, spy
-
-
-def _sse(lines: Iterator[str]) -> Iterator[dict | str]:
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[6:]
-            yield data if data == "[DONE]" else json.loads(data)
-
-
-def _metric(url: str, name: str, headers: dict | None = None) -> float:
-    text = httpx.get(url + "/metrics", headers=headers).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("specwire:" + name) and not line.startswith("#"))
 
 
 def test_toy_stream_and_stop_string_across_tokens(toy) -> None:
@@ -350,21 +242,10 @@ def test_serve_refuses_bad_flags_before_loading_models() -> None:
             args.func(args)
 
 
-def _ignore(fn, *a, **kw) -> None:
-    with contextlib.suppress(httpx.HTTPError):
-        fn(*a, **kw)
-
-
 # -------------------------------------------------------------------- the real server (slow)
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -377,59 +258,6 @@ def server() -> Iterator[str]:
                    "--api-key", KEY) as (url, log):
         assert f"listening on {url}" in log()
         yield url
-
-
-@contextlib.contextmanager
-def run_serve(*flags: str, no_traceback: bool = False,
-              https: str | None = None) -> Iterator[tuple[str, Callable]]:
-    """`python -m specwire serve` on a free port with these flags, once healthy: yields its
-    URL and a reader of its log so far. no_traceback: its log, once stopped, has none.
-    https: the CA file to trust, for a server started with --ssl-*-file."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "specwire", "serve", "--port", str(port), *flags]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    url = f"{'https' if https else 'http'}://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        def text() -> str:
-            log.seek(0)
-            return log.read().decode(errors="replace")
-
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            _wait_healthy(proc, url, log,
-                          verify=ssl.create_default_context(cafile=https) if https else True)
-            yield url, text
-        finally:
-            stop_process(proc)
-        if no_traceback:
-            assert "Traceback" not in text(), text()[-3000:]
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    """Ask a server process to end; kill it if it has not within 15 s."""
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float = 180,
-                  verify: ssl.SSLContext | bool = True) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited ({proc.returncode}):\n{log.read().decode()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1, verify=verify).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail("server did not become healthy")
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

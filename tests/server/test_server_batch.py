@@ -13,7 +13,8 @@ import time
 
 import httpx
 import pytest
-from test_server import _metric, run_serve
+from serve_process import run_serve
+from toy_server import _metric
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """What a client may hold on `serve`, and shutdown (server/deadlines.py, server/drain.py).
 
-The toy app (test_server.py's engine, no model) under uvicorn with serve's protocol and
-server, over real sockets: a connection that sends no request, or half of its headers,
+The toy app (support/toy_server.py's engine, no model) under uvicorn with serve's protocol
+and server, over real sockets: a connection that sends no request, or half of its headers,
 is closed at its header deadline; one over --max-connections is closed at once; a body
 that does not arrive in time is a 408; bodies in reading past --max-reading are a 503
 with Retry-After. On shutdown, a waiting request gets a 503 with Retry-After at once, a
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import uvicorn
-from test_server import SpyDrafter, ToyBackend, _sse
+from toy_server import SpyDrafter, ToyBackend, _sse
 
 from specwire.config import SamplingParams
 from specwire.engine.engine import Engine

@@ -1,7 +1,7 @@
 """Property: no body, however wrong, gets a 5xx, on the toy engine (fast, hypothesis).
 
-test_server_fuzz.py's strategies against the app over test_server.py's toy engine (no
-model), in this process through Starlette's TestClient: the request checks are the
+support/fuzz_bodies.py's strategies against the app over support/toy_server.py's toy engine
+(no model), in this process through Starlette's TestClient: the request checks are the
 server's, whatever the engine. Derandomized and bounded, so the fast suite runs the same
 examples every time in about a second; the slow file sends them, random and many, to a
 real `specwire serve` on the bundled pair, draft node included.
@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
+from fuzz_bodies import GETS, POSTS, _check, _raw_bodies, bodies, constrained, segment
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server import ToyBackend
-from test_server_fuzz import GETS, POSTS, _check, _raw_bodies, bodies, constrained, segment
+from toy_server import ToyBackend
 
 from specwire.config import SamplingParams
 from specwire.drafters.base import NoDrafter

@@ -1,6 +1,6 @@
 """What a request may hold (server/limits.py) and the figures of /metrics, over real HTTP.
 
-The app runs in-process under uvicorn over the toy engine of test_server.py (no
+The app runs in-process under uvicorn over the toy engine of support/toy_server.py (no
 model needed): every hostile body below must get one 4xx with an OpenAI-style
 error body naming the problem, never a 500; the server's limits answer before
 the work they guard (a full queue before the body is parsed, an obviously
@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from test_server import SpyDrafter, ToyBackend, _ignore, _metric, _sse, serve_app
+from toy_server import SpyDrafter, ToyBackend, _ignore, _metric, _sse, serve_app
 
 from specwire.backend import llama
 from specwire.config import SamplingParams

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_invariance_structured import LOGPROB_TOLERANCE, same_alternatives
-from test_server import run_serve
+from invariance_checks import LOGPROB_TOLERANCE, same_alternatives
+from serve_process import run_serve
 
 pytestmark = pytest.mark.slow
 

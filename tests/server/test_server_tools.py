@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import run_serve
-from test_tools import OUTPUTS, _request
+from serve_process import run_serve
+from tool_outputs import OUTPUTS, _request
 
 from specwire.server import tool_calls
 

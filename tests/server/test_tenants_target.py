@@ -23,7 +23,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from fakes import FakeBackend, FakeModel
-from test_server import ToyBackend, serve_app
+from toy_server import ToyBackend, serve_app
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.model import ModelDrafter
@@ -213,7 +213,7 @@ def test_two_api_keys_on_the_bundled_pair(drafting: list[str]) -> None:
     reuses nothing of the slot's caches (cache_n, draft_cache_n) and sees the same
     whether A wrote the secret or another text; A's own next turn reuses its prompt;
     every answer equals plain decoding (speculative false)."""
-    from test_server import run_serve
+    from serve_process import run_serve
 
     keys = ("victim-key-0123", "attacker-key-0123")
     auth = [{"Authorization": f"Bearer {k}"} for k in keys]

@@ -1,6 +1,6 @@
 """The live page at GET /: its figures agree with /metrics, it obeys --api-key and --no-webui.
 
-Fast tests run the app over test_server's toy engine with the real n-gram
+Fast tests run the app over support/toy_server.py's toy engine with the real n-gram
 drafter (the toy writes the alphabet, so prompt lookup drafts and is kept).
 The browser test (tests/server/test_webui_browser.py) loads the page in Chromium
 against `specwire serve` on the bundled models.
@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from test_server import ToyBackend, serve_app
+from toy_server import ToyBackend, serve_app
 
 from specwire.cli.main import build_parser
 from specwire.config import DraftParams, SamplingParams
@@ -141,7 +141,7 @@ def test_no_webui_means_404() -> None:
 
 
 def test_an_unreachable_draft_node_shows_down_with_its_error() -> None:
-    from test_server import _free_port
+    from serve_process import _free_port
 
     from specwire.link.remote import RemoteDrafter
     from specwire.link.transport.channel import Link, LinkSettings

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from browser_helpers import Browser, find_chromium
-from test_server import _free_port, _wait_healthy, stop_process
+from serve_process import _free_port, _wait_healthy, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "browser-key"

@@ -1,8 +1,8 @@
 """Fixtures and helpers for the draft link end to end: tests/link/test_wire_*.py,
 tests/invariance/test_wire_invariance.py and the tests that start a real node.
 
-Import the fixtures (`*_fixture`, registered under the names in quotes) into
-the test module:
+Its fixtures (`*_fixture`, registered under the names in quotes for every test by
+conftest.py's pytest_plugins):
 
 * "target": the bundled F32 target (-c 1024, one thread), one per test module,
   with `plain(...)`, a cache of plain decoding references on it;

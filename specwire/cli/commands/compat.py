@@ -1,17 +1,11 @@
 """llama-server's and ik_llama.cpp's flags that specwire does not implement, each handled.
 
-A user's llama-server command line should start `specwire serve` unchanged. So every flag
-of today's llama-server and of ik_llama.cpp's server is either implemented (in cliargs.py,
-cliplacement.py or the command itself), or listed here as one of:
-
-* IGNORED: accepted with a one-line warning saying what it does there and why it does
-  nothing here (a speed switch of ik_llama.cpp's own kernels, a logging or memory-layout
-  option, a drafting knob: speculation cannot change specwire's output);
-* REFUSED: a one-line error, because accepting it would change the output silently
-  (a sampler or a model feature specwire does not have). A refused flag given its
-  neutral value (`--mirostat 0`, `--typical 1`) changes nothing and is only warned about.
-
-`nargs` is how many values the flag takes (0, 1, or "?" for an optional one).
+A user's llama-server command line should start `specwire serve` unchanged, so every flag
+of both servers is implemented or listed here: IGNORED (a one-line warning saying why it
+does nothing here: a kernel speed switch, a logging or memory-layout option, a drafting
+knob) or REFUSED (a one-line error, since accepting it would silently change the output;
+given its neutral value, such as `--mirostat 0`, it is only warned about). `nargs` is how
+many values the flag takes (0, 1, or "?").
 """
 
 from __future__ import annotations

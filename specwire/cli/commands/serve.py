@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
 from specwire.cli.args import (
     CliError,
@@ -27,6 +28,9 @@ from specwire.cli.args import (
 )
 from specwire.cli.commands import compat
 from specwire.text import reasoning
+
+if TYPE_CHECKING:
+    from specwire.server import ServerSettings
 
 log = logging.getLogger("specwire.serve")
 
@@ -41,6 +45,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         "/tokenize, /detokenize and GET /health, /v1/models, /props, /metrics with "
         "speculative decoding (bundled pair by default), and a live page at GET /.")
     g = p.add_argument_group("server")
+    _add_listen_args(g)
+    _add_endpoint_args(g)
+    _add_constraint_args(g)
+    _add_chat_args(g)
+    _add_slot_args(g)
+    _add_limit_args(g)
+    _add_cache_args(g)
+    add_log_args(p)
+    add_model_args(p)
+    add_lookup_cache_arg(p)
+    add_sampling_args(p)
+    add_emulation_args(p)
+    compat.add_rpc_arg(p)
+    compat.add_compat_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_listen_args(g: argparse._ActionsContainer) -> None:
+    """Where serve listens, who may ask (API keys, TLS), and its HTTP threads."""
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free port)")
     g.add_argument("--api-key", default=os.environ.get("SPECWIRE_API_KEY"),
@@ -56,6 +79,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--threads-http", type=int, default=-1, metavar="N",
                    help="threads that parse, tokenize and render requests (-1: the "
                    "default pool)")
+
+
+def _add_endpoint_args(g: argparse._ActionsContainer) -> None:
+    """The optional endpoints (/metrics, /slots, slot files) and what every request gets:
+    infill order, the warm-up, special tokens' text, parallel tool calls."""
     g.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                    help="GET /metrics (Prometheus): on by default here, unlike "
                    "llama-server; --no-metrics turns it off (404)")
@@ -76,6 +104,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("-ptc", "--parallel-tool-calls", action="store_true",
                    help="chat requests may make several tool calls in one reply unless they "
                    "say parallel_tool_calls: false (default: off, as in llama-server)")
+
+
+def _add_constraint_args(g: argparse._ActionsContainer) -> None:
+    """A grammar or JSON schema for every request without a constraint of its own."""
     c = g.add_mutually_exclusive_group()
     c.add_argument("--grammar", metavar="GBNF", default=None,
                    help="constrain every request that has no constraint of its own")
@@ -85,6 +117,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a JSON schema every request without its own constraint follows")
     c.add_argument("-jf", "--json-schema-file", metavar="FILE", default=None,
                    help="--json-schema, read from FILE")
+
+
+def _add_chat_args(g: argparse._ActionsContainer) -> None:
+    """The chat template and its variables, reasoning, the model's name and the live page."""
     g.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
                    help="a JSON object of template variables every chat request gets "
                    "(its own chat_template_kwargs win), e.g. '{\"enable_thinking\": false}'")
@@ -105,6 +141,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "them as reasoning_content (default auto)")
     g.add_argument("--reasoning-budget", type=int, default=-1,
                    help="-1: unlimited thinking; 0: thinking off (enable_thinking false)")
+
+
+def _add_slot_args(g: argparse._ActionsContainer) -> None:
+    """Slots, the waiting queue and the tokens a request may ask for."""
     g.add_argument("-np", "--parallel", type=int, default=1,
                    help="slots: requests generating at once, batched into one decode per step "
                    "(each has its own sequence of the KV cache, of -c tokens, and its own "
@@ -113,6 +153,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests that may wait for a slot; more are refused with 429")
     g.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=-1,
                    help="most tokens per request (-1: up to the context size)")
+
+
+def _add_limit_args(g: argparse._ActionsContainer) -> None:
+    """Bounds on what clients may send and hold: bodies, time, connections."""
     g.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body; more is refused with 413 (default 8 MiB: a "
                    "full 1M-token context as token ids)")
@@ -136,6 +180,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="without --api-key, requests must name an IP address or localhost "
                    "in Host (DNS rebinding); this allows one more name (repeatable)")
+
+
+def _add_cache_args(g: argparse._ActionsContainer) -> None:
+    """Which slot's cache a request reuses, context shift, and the prompt cache file."""
     g.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1,
                    help="a request goes to the idle slot whose cached prompt shares most "
                    "with it, if more than this share of its prompt (0: least recently used "
@@ -160,14 +208,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--keep", type=int, default=0, metavar="N",
                    help="prompt tokens a context shift keeps (default 0, -1: all); a "
                    "request's n_keep overrides it")
-    add_log_args(p)
-    add_model_args(p)
-    add_lookup_cache_arg(p)
-    add_sampling_args(p)
-    add_emulation_args(p)
-    compat.add_rpc_arg(p)
-    compat.add_compat_args(p)
-    p.set_defaults(func=run)
 
 
 def add_log_args(p: argparse.ArgumentParser) -> None:
@@ -330,13 +370,8 @@ def ssl_files(a: argparse.Namespace) -> dict:
 
 
 def run(a: argparse.Namespace) -> int:
-    import uvicorn
-
-    from specwire.build import build_engine
-    from specwire.cli.settings import engine_settings
-    from specwire.server import ServerSettings, create_app, deadlines
-    from specwire.server.drain import DrainingServer
-    from specwire.text import chat
+    """Check the flags, build the engines and the app, then serve until stopped."""
+    from specwire.server import create_app
 
     setup_logging(a)
     compat.check_compat(a)
@@ -346,6 +381,27 @@ def run(a: argparse.Namespace) -> int:
     kwargs = template_kwargs(a.chat_template_kwargs)
     tls = ssl_files(a)
     grammar = server_grammar(a)
+    _check_limits(a)
+    _check_chat_and_cache_flags(a)
+    settings = _server_settings(a, keys, kwargs, grammar)
+    engines = _build_engines(a, grammar)
+    sock = _listen(a.host, a.port)
+    app = create_app(engines, settings)
+    _log_emulation_at_shutdown(app, engines[0].target)
+    _save_lookup_cache_at_shutdown(app, engines)
+    _keep_prompt_cache(app, a)
+    server = _http_server(app, a, tls)
+    _log_listening(a, sock, engines, tls)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        _close(engines)
+    return 0
+
+
+def _check_limits(a: argparse.Namespace) -> None:
+    """The numeric server flags, each in its range (CliError naming the flag)."""
     if a.timeout < 1:
         raise CliError(f"--timeout: must be >= 1, got {a.timeout}")
     if a.threads_http == 0 or a.threads_http < -1:
@@ -374,6 +430,13 @@ def run(a: argparse.Namespace) -> int:
                        f"{a.max_reading}")
     if a.logit_bias_max < 0:
         raise CliError(f"--logit-bias-max: must be >= 0, got {a.logit_bias_max}")
+
+
+def _check_chat_and_cache_flags(a: argparse.Namespace) -> None:
+    """The chat template (--chat-template-file read into a.chat_template), reasoning and
+    cache flags."""
+    from specwire.text import chat
+
     if a.chat_template_file:
         try:
             with open(a.chat_template_file, encoding="utf-8") as f:
@@ -402,23 +465,38 @@ def run(a: argparse.Namespace) -> int:
             and not chat.is_jinja(a.chat_template)):
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
                        f"{', '.join(sorted(chat.TEMPLATES))} (or a Jinja template)")
-    settings = ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
-                              chat_template=a.chat_template,
-                              api_key=",".join(keys) or None,
-                              queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui,
-                              max_body=a.max_body, reasoning_format=a.reasoning_format,
-                              reasoning_budget=a.reasoning_budget,
-                              slot_prompt_similarity=a.slot_prompt_similarity,
-                              logit_bias_max=a.logit_bias_max, body_timeout_s=a.body_timeout,
-                              max_reading=a.max_reading,
-                              allowed_hosts=(*a.allowed_host, *_named(a.host)),
-                              metrics=a.metrics, special=a.special,
-                              threads_http=a.threads_http, template_kwargs=kwargs,
-                              verbose_prompt=a.verbose_prompt, grammar=grammar,
-                              parallel_tool_calls=a.parallel_tool_calls, slots=a.slots,
-                              spm_infill=a.spm_infill,
-                              slot_save_path=slot_folder(a.slot_save_path),
-                              n_keep=a.keep, context_shift=a.context_shift)
+
+
+def _server_settings(a: argparse.Namespace, keys: tuple[str, ...], kwargs: dict,
+                     grammar) -> ServerSettings:  # noqa: ANN001 - GrammarSpec, imported late
+    """The flags checked -> the app's ServerSettings."""
+    from specwire.server import ServerSettings
+
+    return ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
+                          chat_template=a.chat_template,
+                          api_key=",".join(keys) or None,
+                          queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui,
+                          max_body=a.max_body, reasoning_format=a.reasoning_format,
+                          reasoning_budget=a.reasoning_budget,
+                          slot_prompt_similarity=a.slot_prompt_similarity,
+                          logit_bias_max=a.logit_bias_max, body_timeout_s=a.body_timeout,
+                          max_reading=a.max_reading,
+                          allowed_hosts=(*a.allowed_host, *_named(a.host)),
+                          metrics=a.metrics, special=a.special,
+                          threads_http=a.threads_http, template_kwargs=kwargs,
+                          verbose_prompt=a.verbose_prompt, grammar=grammar,
+                          parallel_tool_calls=a.parallel_tool_calls, slots=a.slots,
+                          spm_infill=a.spm_infill,
+                          slot_save_path=slot_folder(a.slot_save_path),
+                          n_keep=a.keep, context_shift=a.context_shift)
+
+
+def _build_engines(a: argparse.Namespace, grammar) -> list:  # noqa: ANN001 - GrammarSpec
+    """The engine (its -np sequences) from the model flags, checked against the server-wide
+    grammar, warmed up, with --cache-reuse and --context-shift set."""
+    from specwire.build import build_engine
+    from specwire.cli.settings import engine_settings
+
     engine_s = engine_settings(a)
     engines = [build_engine(engine_s, n_seq=a.parallel)]
     check_grammar(grammar, engines[0].target)
@@ -428,17 +506,26 @@ def run(a: argparse.Namespace) -> int:
         e.cache_reuse = a.cache_reuse
         if a.context_shift:
             shift_contexts(e)
-    sock = _listen(a.host, a.port)
-    app = create_app(engines, settings)
-    _log_emulation_at_shutdown(app, engines[0].target)
-    _save_lookup_cache_at_shutdown(app, engines)
-    _keep_prompt_cache(app, a)
+    return engines
+
+
+def _http_server(app, a: argparse.Namespace, tls: dict):  # noqa: ANN001, ANN201 - FastAPI, uvicorn
+    """uvicorn for the app, with the connection bounds and the draining shutdown."""
+    import uvicorn
+
+    from specwire.server import deadlines
+    from specwire.server.drain import DrainingServer
+
     verbose = getattr(a, "verbose", False)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning",
                             access_log=verbose, timeout_keep_alive=a.timeout, **tls,
                             http=deadlines.protocol(a.header_timeout, a.max_connections),
                             limit_concurrency=a.max_connections + 1)
-    server = DrainingServer(config, app.state.scheduler, a.shutdown_timeout)
+    return DrainingServer(config, app.state.scheduler, a.shutdown_timeout)
+
+
+def _log_listening(a: argparse.Namespace, sock: socket.socket, engines: list, tls: dict) -> None:
+    """The line a user looks for: the URL (with the real port), the pair and the slots."""
     port = sock.getsockname()[1]
     host = f"[{a.host}]" if ":" in a.host else a.host
     target, drafter = engines[0].target, engines[0].drafter
@@ -448,17 +535,16 @@ def run(a: argparse.Namespace) -> int:
              target.n_ctx)
     if a.webui:
         log.info("live page: %s://%s:%d/", scheme, host, port)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-        for e in engines:
-            if e.lookup_file is not None:    # saved as the lifespan ended, unless it never ran
-                e.lookup_file.close()
-        for e in engines:
-            for d in e.drafters:
-                d.close()
-    return 0
+
+
+def _close(engines: list) -> None:
+    """After serving: the lookup caches' files and every drafter closed."""
+    for e in engines:
+        if e.lookup_file is not None:    # saved as the lifespan ended, unless it never ran
+            e.lookup_file.close()
+    for e in engines:
+        for d in e.drafters:
+            d.close()
 
 
 def _named(host: str) -> tuple[str, ...]:

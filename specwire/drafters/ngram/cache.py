@@ -1,35 +1,13 @@
 """Sequences from earlier requests, for n-gram lookups that the current history cannot serve.
 
-A user's repository is rewritten many times: the second request for the same
-file finds the first one's answer here. The cache is bounded by total tokens
-(oldest sequence out first), keyed by KEY-grams (each mapped to its latest
-occurrence), and a match grows backwards against the current history like an
-in-history one, so its length means the same to the drafter's calibration.
-A sequence already held (the same request again) is stored once, refreshed.
-
-Tenants: every sequence belongs to a cache scope (the request's, DraftParams.cache_scope:
-a digest of its API key and cache_salt; "" without either), and a lookup finds only its
-own scope's sequences, so one client's drafts never copy, nor reveal through
-draft_n_accepted, another client's text. A single-tenant server has one scope, "".
-
-A cache may outlive the process (--lookup-cache-dynamic FILE, persist.py): save()
-writes its sequences, oldest first, under a header naming the target's vocabulary
-(its size and the fingerprint the link's handshake compares), and load() refuses a
-file of another format, version or vocabulary, or one cut short, in one line.
-
-File format, little-endian throughout (version 2; version 1, read still, had no scope
-table and no scope index, every sequence of scope ""):
-
-    magic     8 bytes  b"SWLOOKUP"
-    version   u32      2
-    n_vocab   u32      the target's vocabulary size
-    fp_len    u32      then fp_len bytes: the vocabulary fingerprint (ASCII)
-    n_scopes  u32      then n_scopes x (u32 length, the scope's ASCII bytes, NULs to a
-                       multiple of 4); scope index 0 is "", index i the table's i-th entry
-    n_seqs    u32      sequences that follow, oldest first
-    n_tokens  u64      their tokens in all
-    n_seqs x (u32 scope index, u32 length, then length u32 token ids)
-    crc32     u32      of every byte before it
+A user's repository is rewritten many times: the second request for the same file finds
+the first one's answer here. The cache is bounded by total tokens (oldest out first),
+keyed by KEY-grams (each at its latest occurrence), and a match grows backwards against
+the current history like an in-history one, so its length means the same to the drafter's
+calibration. Every sequence belongs to a cache scope (DraftParams.cache_scope) and a lookup
+finds only its own scope's, so one client's drafts never copy another's text. save() and
+load() keep it in a file (version 2, described in docs/memory.md) that load() refuses,
+in one line, if it is of another format, version or vocabulary, or cut short.
 """
 
 from __future__ import annotations
@@ -92,6 +70,30 @@ def read_file(path: str | os.PathLike) -> CacheFileContents | None:
     def bad(problem: str) -> LookupCacheError:
         return LookupCacheError(f"lookup cache {name}: {problem}")
 
+    version, n_vocab, fingerprint, table, at = _read_header(data, bad)
+    head = at + _COUNTS.size
+    if len(data) < head:
+        raise bad(f"truncated: {len(data)} bytes, not even a header")
+    n_seqs, n_tokens = _COUNTS.unpack_from(data, at)
+    per_seq = 2 if version >= 2 else 1
+    want = head + 4 * (per_seq * n_seqs + n_tokens) + _CRC.size
+    if len(data) < want:
+        raise bad(f"truncated: {len(data)} bytes, its header promises {want} "
+                  f"({n_seqs} sequences, {n_tokens} tokens)")
+    if len(data) > want:
+        raise bad(f"corrupt: {len(data) - want} bytes past its end")
+    (crc,) = _CRC.unpack_from(data, want - _CRC.size)
+    if zlib.crc32(memoryview(data)[:want - _CRC.size]) != crc:
+        raise bad("corrupt: its checksum does not match its contents")
+    words = np.frombuffer(data, dtype="<u4", count=per_seq * n_seqs + n_tokens, offset=head)
+    sequences, scopes = _read_sequences(words, per_seq, n_seqs, table, bad)
+    return CacheFileContents(n_vocab, fingerprint, sequences, scopes)
+
+
+def _read_header(data: bytes, bad: Callable[[str], LookupCacheError]
+                 ) -> tuple[int, int, str, list[str], int]:
+    """The header up to the counts: (version, n_vocab, fingerprint, the scope table, the
+    counts' offset), each field checked against the file's length."""
     if not data:
         raise bad("truncated: the file is empty")
     if len(data) < len(MAGIC) or data[:len(MAGIC)] != MAGIC:
@@ -132,21 +134,13 @@ def read_file(path: str | os.PathLike) -> CacheFileContents | None:
             except UnicodeDecodeError:
                 raise bad("corrupt header (a cache scope is not text)") from None
             at += padded
-    head = at + _COUNTS.size
-    if len(data) < head:
-        raise bad(f"truncated: {len(data)} bytes, not even a header")
-    n_seqs, n_tokens = _COUNTS.unpack_from(data, at)
-    per_seq = 2 if version >= 2 else 1
-    want = head + 4 * (per_seq * n_seqs + n_tokens) + _CRC.size
-    if len(data) < want:
-        raise bad(f"truncated: {len(data)} bytes, its header promises {want} "
-                  f"({n_seqs} sequences, {n_tokens} tokens)")
-    if len(data) > want:
-        raise bad(f"corrupt: {len(data) - want} bytes past its end")
-    (crc,) = _CRC.unpack_from(data, want - _CRC.size)
-    if zlib.crc32(memoryview(data)[:want - _CRC.size]) != crc:
-        raise bad("corrupt: its checksum does not match its contents")
-    words = np.frombuffer(data, dtype="<u4", count=per_seq * n_seqs + n_tokens, offset=head)
+    return version, n_vocab, fingerprint, table, at
+
+
+def _read_sequences(words: np.ndarray, per_seq: int, n_seqs: int, table: list[str],
+                    bad: Callable[[str], LookupCacheError]
+                    ) -> tuple[list[np.ndarray], list[str]]:
+    """The n_seqs sequences and their scopes from the words after the counts."""
     sequences, scopes, i = [], [], 0
     for _ in range(n_seqs):
         if i + per_seq > len(words):
@@ -163,7 +157,7 @@ def read_file(path: str | os.PathLike) -> CacheFileContents | None:
         i += length
     if i != len(words):
         raise bad("corrupt: its sequences do not add up to its token count")
-    return CacheFileContents(n_vocab, fingerprint, sequences, scopes)
+    return sequences, scopes
 
 
 def encode(sequences: Sequence[Sequence[int]], n_vocab: int, fingerprint: str,
@@ -253,7 +247,8 @@ class LookupCache:
         return len(self._seqs)
 
     def add(self, sequence: Sequence[int], scope: str = "") -> None:
-        """Keep a finished sequence in `scope`; evict the oldest ones beyond the bound."""
+        """Keep a finished sequence in `scope`; evict the oldest ones beyond the bound. A
+        sequence already held (the same request again) is stored once, refreshed."""
         seq = tuple(sequence)
         if len(seq) <= KEY or len(seq) > self.max_tokens:
             return

@@ -1,32 +1,14 @@
 """Prompt-lookup drafting: no model, just the history (and earlier requests) copying itself.
 
-When the answer repeats the prompt (renaming variables, refactoring code,
-quoting), the tokens that followed the last occurrence of the current suffix
-are an excellent guess, and finding them costs microseconds. What llama.cpp's
-n-gram types fix in advance (key length 12 for ngram-simple, 24 for ngram-mod,
-48 or 64 tokens a draft), this drafter learns from what verification keeps:
-
-* the lookup finds the *longest* earlier match (ngram_index.py) and, when the
-  current history has only a shorter one, a longer match in earlier requests
-  (ngram_cache.py, bounded);
-* a copied token i of a match of length n is, in effect, predicted by a match
-  of length n + i; MatchCalibration counts per such length how often the target
-  kept it, and a draft goes on while P(every token so far is kept) stays above a
-  threshold: the value of one more token against its verification cost on this
-  machine, i.e. tokens/s x the seconds one more drafted token adds to a
-  verification. The adaptive policy's stop_threshold() when begin is given the
-  policy; else the rate it measures (RoundCost: tokens appended over the time
-  from its proposal to the next one) times the slope of the target's verification
-  cost (policy/costs.py, which the engine hands it), or a fixed `keep`. A first
-  token below it means no draft at all: a plain step, which is how a useless match
-  stops costing verification;
-* it learns from the history itself (how far its offer agrees with the tokens
-  that were appended), so it learns also from rounds where its draft was cut,
-  discarded (--draft-min) or not used (the hybrid drafter).
-
-The cross-request cache is looked up and fed within the request's cache scope only
-(DraftParams.cache_scope: its API key's and cache_salt's), and a request with
-cache_prompt false is not kept in it (DraftParams.cache_store), as on the draft node.
+When the answer repeats the prompt (renaming, refactoring, quoting), the tokens that
+followed the last occurrence of the current suffix are an excellent guess at almost no
+cost. Where llama.cpp's n-gram types fix key and draft lengths in advance, this drafter
+finds the longest match (ngram/index.py, then earlier requests of the same cache scope in
+ngram/cache.py) and learns from verification how far to copy: MatchCalibration counts how
+often the target kept a token per effective match length, and a draft goes on while
+P(every token so far is kept) stays above the threshold (the adaptive policy's, or the
+measured rate times the verification slope, or `keep`); below it at the first token there
+is no draft. docs/drafting.md section 2 has the rule and its measurements.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ class LinkCounters:
     alternate_rounds: float = 0  # rounds after a rejection that verify an alternate
     alternate_misses: float = 0  # rejections at an alternate the target did not pick
     alternate_trees: float = 0  # rounds that kept tokens of an alternate verified in a tree
+    second_choices: float = 0  # ...of them one-token alternates (Open.second_choices)
+    second_choices_taken: float = 0  # tree rounds that kept one
     # Pipelined: rounds with no draft at all (after a rejection or not), and rounds
     # that waited for the drafter (bubble.py): their time, and those that waited
     # in vain (no token came by the deadline: a plain step after all).

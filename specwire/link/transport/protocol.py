@@ -118,7 +118,8 @@ def open_to_pb(o: Open) -> pb.Open:
                    want=o.want, p_min=o.p_min, top_k_q=o.top_k_q, timing=o.timing,
                    calibrated=o.calibrated, keep_min=o.keep_min, alternates=o.alternates,
                    alternate_len=o.alternate_len, cache_scope=o.cache_scope,
-                   no_store=o.no_store, tree=o.tree)
+                   no_store=o.no_store, tree=o.tree,
+                   second_choices=o.second_choices)
 
 
 def open_from_pb(m: pb.Open) -> Open:
@@ -126,7 +127,8 @@ def open_from_pb(m: pb.Open) -> Open:
                 pipelined=m.pipelined, lookahead=m.lookahead, want=m.want, p_min=m.p_min,
                 top_k_q=m.top_k_q, timing=m.timing, calibrated=m.calibrated,
                 keep_min=m.keep_min, alternates=m.alternates, alternate_len=m.alternate_len,
-                cache_scope=m.cache_scope, no_store=m.no_store, tree=m.tree)
+                cache_scope=m.cache_scope, no_store=m.no_store, tree=m.tree,
+                second_choices=m.second_choices)
 
 
 def verdict_from_pb(m: pb.Verdict) -> Verdict:

@@ -75,7 +75,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., repeat_last_n: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("history", "sampling", "mode", "pipelined", "lookahead", "want", "p_min", "top_k_q", "timing", "calibrated", "keep_min", "alternates", "alternate_len", "cache_scope", "no_store", "tree")
+    __slots__ = ("history", "sampling", "mode", "pipelined", "lookahead", "want", "p_min", "top_k_q", "timing", "calibrated", "keep_min", "alternates", "alternate_len", "cache_scope", "no_store", "tree", "second_choices")
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class Open(_message.Message):
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     NO_STORE_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    SECOND_CHOICES_FIELD_NUMBER: _ClassVar[int]
     history: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     mode: VerifyMode
@@ -108,7 +109,8 @@ class Open(_message.Message):
     cache_scope: str
     no_store: bool
     tree: int
-    def __init__(self, history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., pipelined: _Optional[bool] = ..., lookahead: _Optional[int] = ..., want: _Optional[int] = ..., p_min: _Optional[float] = ..., top_k_q: _Optional[int] = ..., timing: _Optional[bool] = ..., calibrated: _Optional[bool] = ..., keep_min: _Optional[float] = ..., alternates: _Optional[int] = ..., alternate_len: _Optional[int] = ..., cache_scope: _Optional[str] = ..., no_store: _Optional[bool] = ..., tree: _Optional[int] = ...) -> None: ...
+    second_choices: bool
+    def __init__(self, history: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., pipelined: _Optional[bool] = ..., lookahead: _Optional[int] = ..., want: _Optional[int] = ..., p_min: _Optional[float] = ..., top_k_q: _Optional[int] = ..., timing: _Optional[bool] = ..., calibrated: _Optional[bool] = ..., keep_min: _Optional[float] = ..., alternates: _Optional[int] = ..., alternate_len: _Optional[int] = ..., cache_scope: _Optional[str] = ..., no_store: _Optional[bool] = ..., tree: _Optional[int] = ..., second_choices: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("position", "accepted", "tokens", "gen", "want", "keep_min", "alternate")

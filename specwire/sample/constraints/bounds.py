@@ -1,20 +1,13 @@
 """Bounds on a constraint, checked in Python before llama.cpp or its converter sees it.
 
-llama.cpp's GBNF parser recurses once per nested group and its left-recursion check
-once per rule along a chain of leftmost references, with no limit: a grammar nested
-30000 deep overflows the C stack and the whole server dies. A `{m,n}` over a long
-literal is copied m times, and the left-recursion check visits every leftmost path
-without memoising, so a small text can also ask for gigabytes or hours. llama.cpp caps
-a repetition count at 2000 (more: a parse error for the minimum, "unbounded" for the
-maximum), and so does this module, as a refusal.
-
-* `check_schema`: repetition counts of a JSON schema (minLength, maxLength, minItems,
-  maxItems, and `{m,n}` in patterns) before the schema is converted to GBNF;
-* `check_gbnf`: one pass over a GBNF text, without recursion: its size, nesting depth,
-  repetition counts, the elements llama.cpp would build, and the depth and work of
-  llama.cpp's left-recursion walk.
-
-Each refusal is a ConfigError that starts with the request field it came from.
+llama.cpp's GBNF parser and its left-recursion check recurse without limit (a grammar
+nested 30000 deep overflows the C stack and kills the server), a `{m,n}` over a literal is
+copied m times, and the left-recursion walk does not memoise, so a small text can ask for
+gigabytes or hours. `check_schema` bounds a JSON schema's repetition counts before it is
+converted; `check_gbnf` makes one non-recursive pass over a GBNF text (size, nesting,
+repetitions, the elements llama.cpp would build, the left-recursion walk's depth and work).
+Repetition counts are capped at 2000, as llama.cpp caps them. Each refusal is a ConfigError
+that starts with the request field it came from.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """llama.cpp's own grammar engine (GBNF), driven through llama-cpp-python's C API.
 
-llama.cpp keeps a grammar's parse state inside a sampler object: applying it to
-a llama_token_data_array sets the logit of every token the grammar cannot take
-next to -inf, and accepting a token advances the state. Its cost grows with the
-candidates (a whole 262k vocabulary takes tens of milliseconds), so callers ask
-about the few best tokens first (`allowed` takes any id array) and only fall back
-to the whole vocabulary when none of them fits.
-
-The state only ever advances along tokens that were committed to the output
-(the verifier samples each position from the current state and accepts its own
-sample), so the target needs no rollback; a drafter that follows the grammar
-speculatively works on a `clone()`.
+llama.cpp keeps a grammar's parse state in a sampler: applying it sets the logit of every
+token the grammar cannot take next to -inf, and accepting a token advances it. Its cost
+grows with the candidates (a whole 262k vocabulary is costly), so callers ask about the
+few best tokens first (`allowed` takes any id array) and fall back to the whole vocabulary
+only when none fits. The state advances only along committed tokens, so the target needs
+no rollback; a drafter that follows the grammar speculatively works on a `clone()`.
 """
 
 from __future__ import annotations
@@ -129,7 +124,7 @@ class Grammar:
         """Advance the parse state by one token.
 
         llama.cpp aborts the process on a token its grammar cannot take, so that is
-        checked first (one candidate: microseconds) and refused with an exception.
+        checked first (one candidate: cheap) and refused with an exception.
         """
         if not self.allowed(np.array([token]))[0]:
             raise ConfigError(f"{self.spec.origin}: token {token} does not fit the grammar here")

@@ -3,8 +3,8 @@
 A drafter that follows the target's grammar is asked to draft after histories
 that are not all committed: a pipelined draft drafts on after its own branch,
 which the next verdict may cut. So the state is not advanced in place: the
-trail keeps the state after each position (a llama.cpp sampler clone, a few
-microseconds each), finds the longest common prefix with the history it is
+trail keeps the state after each position (a llama.cpp sampler clone, cheap
+beside a decode), finds the longest common prefix with the history it is
 asked about, and advances a copy from there.
 """
 
