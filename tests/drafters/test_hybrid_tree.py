@@ -16,20 +16,9 @@ import time
 
 import pytest
 from fakes import FakeBackend, FakeBatch, FakeClock
-from test_hybrid import FAKE_GREEDY, SAMPLED, TARGET, AheadSpy, V, lookup, reference
-from test_invariance import explain_mismatch
-from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
-    CODE,
-    GREEDY,
-    N_CTX,
-    PROSE,
-    SEEDED,
-    node_fixture,
-    node_proc_fixture,
-    request,
-    run_to_end,
-    target_fixture,
-)
+from hybrid_fakes import FAKE_GREEDY, SAMPLED, TARGET, AheadSpy, V, lookup, reference
+from invariance_checks import explain_mismatch
+from wire_helpers import CODE, GREEDY, N_CTX, PROSE, SEEDED, request, run_to_end
 
 from specwire.config import DraftParams
 from specwire.drafters import hybrid as hybrid_mod
