@@ -131,10 +131,13 @@ def lookup_file(s: DraftSettings, target: Backend) -> CacheFile | None:
 
 def tree_branches(s: EngineSettings, n_seq: int) -> int:
     """--draft-tree for the target: side branches come from a pipelined drafter (a draft
-    node or a draft model on its own thread), to one sequence alone in its decode."""
+    node or a draft model on its own thread) or the hybrid (its second candidate), to
+    one sequence alone in its decode."""
     d = s.draft
     if n_seq != 1:
         return 0
+    if d.hybrid:
+        return d.remote.tree if d.kind == "remote" else d.tree
     if d.kind == "remote" and d.remote.pipelined and not d.hybrid:
         return d.remote.tree
     return d.tree if d.threaded else 0

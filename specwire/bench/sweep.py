@@ -93,7 +93,8 @@ def run(s: Settings, bench: BenchSettings, sampling: SamplingParams,
             check(bench.target.placement)                    # both, before either loads
             if bench.draft is not None:
                 check(bench.draft.placement, dict(bench.draft_flags))
-            tree = bench.remote.tree if any(m in ("remote-pipelined", "local-pipelined")
+            tree = bench.remote.tree if any(m in ("remote-pipelined", "local-pipelined",
+                                                  "hybrid", "hybrid-pipelined")
                                             for m in s.modes) else 0
             target = LlamaBackend(bench.target, tree_branches=tree)
         except BackendError as e:

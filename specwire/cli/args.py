@@ -263,7 +263,8 @@ def _add_pipeline_args(d: argparse._ActionsContainer) -> None:
         metavar="N",
         help="pipelined drafting: verify up to N of those second choices beside the draft in "
         "the same target decode (a tree), where the measured verification cost says the "
-        "extra tokens pay; the round then keeps whichever path the target takes (0: "
+        "extra tokens pay; the round then keeps whichever path the target takes; with "
+        "--draft-hybrid, also its lookup's copy and the model's draft where they differ (0: "
         "chains only; at most 4; one sequence, -np 1)",
     )
     d.add_argument(

@@ -36,13 +36,16 @@ class Draft:
 
     branches: side branches a target may verify beside the chain in one decode
     (sample/tree.py), each (offset, tokens): tokens[0] in place of tokens[offset],
-    the rest after it; none reaches deeper than the chain.
+    the rest after it; none reaches deeper than the chain. gain: the tokens the
+    drafter expects its branches to add to the chain's (None: it has no estimate; the
+    tree rule then uses the yield it learnt, policy/tree.py).
     """
 
     tokens: list[int] = field(default_factory=list)
     sparse: list[SparseDraft] | None = None
     confidence: list[float] | None = None
     branches: list[tuple[int, list[int]]] | None = None
+    gain: float | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -53,6 +56,7 @@ class Draft:
             None if self.sparse is None else self.sparse[:n],
             None if self.confidence is None else self.confidence[:n],
             None if self.branches is None else cut_branches(self.branches, n),
+            self.gain if n >= len(self.tokens) else None,
         )
 
 

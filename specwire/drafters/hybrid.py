@@ -7,7 +7,12 @@ with the engine's cost models (policy/costs.py; the hybrid alone times its model
 into t_d), and verifies the better. A model in this process is asked only when its
 candidate, catch-up included, is worth more, or as a probe now and then; a drafter that
 works ahead costs nothing to ask and is always asked. Under the adaptive policy both drafts
-stop at the policy's per-token threshold. docs/drafting.md section 3 has the measurements.
+stop at the policy's per-token threshold. Where the candidates differ, both may be verified
+in one decode as a tree (the longer the chain, the other a branch from where they part),
+when that is worth more than the better alone; the draft carries the tokens the branch is
+expected to add (Draft.gain) for the engine's tree rule (policy/tree.py). Both candidates
+learn from the history the round kept, whichever path it took. docs/drafting.md section 3
+has the measurements.
 """
 
 from __future__ import annotations
@@ -32,6 +37,37 @@ PROBE_MAX = 128
 MIN_REALISED = 1.5
 #: Tokens a probe asks the model for: enough to judge it, no more to verify.
 PROBE_TOKENS = 2
+
+
+def parting(a: Sequence[int], b: Sequence[int]) -> int:
+    """Where two drafts of one history part: their common prefix's length."""
+    return kept_prefix(a, b)
+
+
+def reach(keep: Sequence[float]) -> list[float]:
+    """P(depth i + 1 is kept) for each i: the running products of per-token chances."""
+    out, run = [], 1.0
+    for p in keep:
+        run *= p
+        out.append(run)
+    return out
+
+
+def tree_kept(chain: Sequence[float], branch: Sequence[float], at: int) -> float:
+    """Expected draft tokens kept of a chain and a branch that shares its first `at`
+    tokens, from each one's chances of reaching each depth (reach()): up to `at` the
+    likelier of the two (they are the same tokens), past it their sum (one token cannot
+    be both), never more than the chance of reaching the parting."""
+    total = 0.0
+    for d in range(max(len(chain), len(branch))):
+        c = chain[d] if d < len(chain) else 0.0
+        b = branch[d] if d < len(branch) else 0.0
+        if d < at:
+            total += max(c, b)
+        else:
+            cap = 1.0 if at == 0 else max(chain[at - 1], branch[at - 1])
+            total += min(cap, c + b)
+    return total
 
 
 def kept_prefix(draft: Sequence[int], new: Sequence[int]) -> int:
@@ -111,7 +147,12 @@ class HybridDrafter(DrafterBase):
         self._round: tuple[int, list[int] | None, int, float] | None = None
         self._idle = 0  # plain steps in a row where the model was not worth asking
         self._drafting_s = 0.0  # the round in progress: the model's drafting time
-        self.counters = {"ngram_rounds": 0.0, "model_rounds": 0.0, "drafted": 0.0}
+        #: trees: rounds handed out as a tree of both candidates; tree_ngram_kept and
+        #: tree_model_kept: of those, the ones whose kept tokens went further along the
+        #: lookup's or the model's candidate
+        self.counters = {"ngram_rounds": 0.0, "model_rounds": 0.0, "drafted": 0.0,
+                         "trees": 0.0, "tree_ngram_kept": 0.0, "tree_model_kept": 0.0}
+        self._tree: tuple[list[int], list[int]] | None = None  # the tree in progress
 
     @property
     def backend(self):
@@ -249,7 +290,15 @@ class HybridDrafter(DrafterBase):
             est, w = self.est, 1.0 - self.alpha
             est.model_len = (w * est.model_len + self.alpha * len(draft) if est.model_len
                              else float(len(draft)))
-        if use_ngram:
+        self._tree = None
+        use_ngram = self._agreeing(offer, draft, use_ngram)
+        tree = self._both(offer, draft, use_ngram)
+        if tree is not None:
+            self.ngram.take(offer)
+            out, self._tree = tree, (list(offer.tokens), list(draft.tokens))
+            self.counters["trees"] += 1
+            use_ngram = False       # the model's draft is verified (for its realised yield)
+        elif use_ngram:
             out = self.ngram.take(offer)
             self.counters["ngram_rounds"] += 1
         else:
@@ -259,7 +308,75 @@ class HybridDrafter(DrafterBase):
         self.counters["drafted"] += len(out)
         self._drafting_s = -1.0 if use_ngram or not out.tokens else 0.0
         model_tokens = None if draft is None else list(draft.tokens)
-        self._round = (len(history), model_tokens, len(out), time.perf_counter())
+        # the decode's draft tokens, a tree's branch included (its verification's size)
+        sent = len(out) + sum(len(t) for _, t in out.branches or ())
+        self._round = (len(history), model_tokens, sent, time.perf_counter())
+        return out
+
+    def _agreeing(self, offer: Offer, draft: Draft | None, use_ngram: bool) -> bool:
+        """Where one candidate is the other's prefix, the longer holds both, and their
+        agreement makes the shared tokens likelier than either alone says: whether to
+        verify the lookup's (else the model's), valuing the longer with the likelier
+        chance per depth over the shared part against each candidate alone."""
+        if draft is None or not draft.tokens or not offer.tokens:
+            return use_ngram
+        ng, md = list(offer.tokens), list(draft.tokens)
+        at = parting(ng, md)
+        if at < min(len(ng), len(md)) or len(ng) == len(md):
+            return use_ngram
+        r_ng, r_md = reach(offer.keep), reach([self.acceptance] * len(md))
+        t_ng, t_md = self._verify_s(len(ng)), self._verify_s(len(md))
+        if t_ng is None or t_md is None:
+            return use_ngram
+        longer_ng = len(ng) > len(md)
+        t_long = t_ng if longer_ng else t_md
+        both = (1.0 + tree_kept(r_ng if longer_ng else r_md, r_md if longer_ng else r_ng,
+                                at)) / t_long
+        if both > max((1.0 + sum(r_ng)) / t_ng, (1.0 + sum(r_md)) / t_md):
+            return longer_ng
+        return use_ngram
+
+    def _both(self, offer: Offer, draft: Draft | None, use_ngram: bool) -> Draft | None:
+        """Both candidates as one tree, where they differ and a tree of them beats the
+        better candidate alone in expected tokens per second of verification; None
+        otherwise. Each is cut where the tree is worth most (a long copy beside a short
+        model draft, or the reverse, often pays where both whole do not); the longer of
+        the two paths is the chain, the other a branch from where they part. Drafting
+        is spent by now: only verification counts. The model's own alternates are left
+        out of such a tree: a whole second candidate is the likelier branch."""
+        if draft is None or not draft.tokens or not offer.tokens:
+            return None
+        ng, md = list(offer.tokens), list(draft.tokens)
+        at = parting(ng, md)
+        if at >= min(len(ng), len(md)):
+            return None         # one is the other's prefix: the longer holds both
+        r_ng, r_md = reach(offer.keep), reach([self.acceptance] * len(md))
+        alone = 0.0
+        for r in (r_ng, r_md):
+            t = self._verify_s(len(r))
+            if t is None:
+                return None
+            alone = max(alone, (1.0 + sum(r)) / t)
+        best: tuple[float, int, int, float] | None = None   # rate, ng cut, model cut, E
+        for i in range(at + 1, len(ng) + 1):
+            for j in range(at + 1, len(md) + 1):
+                t = self._verify_s(i + j - at)
+                if t is None:
+                    return None
+                kept = tree_kept(r_ng[:i], r_md[:j], at)
+                rate = (1.0 + kept) / t
+                if rate > alone and (best is None or rate > best[0]):
+                    best = (rate, i, j, kept)
+        if best is None:
+            return None
+        _, i, j, kept = best
+        if i > j or i == j and use_ngram:
+            out, chain, branch = self.ngram.draft(ng[:i]), r_ng[:i], md[at:j]
+        else:
+            out = Draft(md[:j], None if draft.sparse is None else draft.sparse[:j],
+                        None if draft.confidence is None else draft.confidence[:j])
+            chain, branch = r_md[:j], ng[at:i]
+        out.branches, out.gain = [(at, list(branch))], kept - sum(chain)
         return out
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
@@ -274,9 +391,17 @@ class HybridDrafter(DrafterBase):
         verify_s = time.perf_counter() - t
         if self.own_costs:
             self.costs.observe(handed + 1, verify_s)
+        if self._tree is not None:
+            ng_tokens, md_tokens = self._tree
+            self._tree = None
+            new = history[base:base + appended]
+            ng_kept, md_kept = kept_prefix(ng_tokens, new), kept_prefix(md_tokens, new)
+            if ng_kept != md_kept:
+                self.counters["tree_ngram_kept" if ng_kept > md_kept else "tree_model_kept"] += 1
         if self._drafting_s >= 0.0 and handed:     # the model's draft was verified
             w = 1.0 - self.alpha
-            self.est.model_tokens = w * self.est.model_tokens + accepted + 1
+            # what the round kept, on whichever path (a tree's may leave the chain)
+            self.est.model_tokens = w * self.est.model_tokens + appended
             self.est.model_s = w * self.est.model_s + self._drafting_s + verify_s
             self.est.model_rounds = w * self.est.model_rounds + 1.0
         if model_tokens is None:        # a model in this process that was not asked
@@ -294,7 +419,7 @@ class HybridDrafter(DrafterBase):
     def end(self) -> None:
         self.ngram.end()
         self.model.end()
-        self._round = None
+        self._round, self._tree = None, None
 
     def close(self) -> None:
         """Close the model drafter's connection, if it has one."""

@@ -33,7 +33,7 @@ def plan(batch: BatchBackend, part: Part, draft: Draft, mode: VerifyMode, policy
         tree = trees.build(part.tokens[-1], draft.tokens, draft.branches[: leaves - 1])
         extra = len(tree) - 1 - len(draft.tokens)
         if len(tree) <= batch.n_batch and tree_pays(policy, len(draft.tokens), extra,
-                                                    tree_yield):
+                                                    tree_yield, draft.gain):
             part.tokens[:] = list(tree.tokens)
             part.parents = list(tree.parents)
             return tree

@@ -40,10 +40,13 @@ class TreeYield:
         self.taken += gained > 0
 
 
-def tree_pays(policy: Policy, chain: int, extra: int, tree_yield: TreeYield) -> bool:
+def tree_pays(policy: Policy, chain: int, extra: int, tree_yield: TreeYield,
+              gain: float | None = None) -> bool:
     """Verify `extra` side-branch tokens beside a chain of `chain` draft tokens: whether
-    the tokens they are expected to add are worth more than the longer decode. A fixed
-    policy has no curve: the tree is sent as the drafter made it."""
+    the tokens they are expected to add (`gain`, where the drafter estimated it, as the
+    hybrid does for its second candidate; else the learnt yield per branch token) are
+    worth more than the longer decode. A fixed policy has no curve: the tree is sent as
+    the drafter made it."""
     if extra <= 0:
         return False
     if not isinstance(policy, AdaptivePolicy):
@@ -53,4 +56,5 @@ def tree_pays(policy: Policy, chain: int, extra: int, tree_yield: TreeYield) -> 
     rate = policy.rate(chain)
     if rate <= 0.0:
         return False
-    return tree_yield.per_token * extra / rate > cost_s
+    added = tree_yield.per_token * extra if gain is None else gain
+    return added / rate > cost_s

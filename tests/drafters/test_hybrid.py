@@ -13,44 +13,20 @@ import subprocess
 import sys
 
 import pytest
-from fakes import FakeBackend, FakeClock, FakeModel, FixedDrafter, SpyDrafter
+from fakes import FakeBackend, FakeClock, FixedDrafter, SpyDrafter
+from hybrid_fakes import FAKE_GREEDY, OTHER, PROMPT, SAMPLED, TARGET, AheadSpy, V, lookup, reference
 from wire_helpers import CODE, GREEDY, PROSE, SEEDED, request, run_to_end
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters import hybrid as hybrid_mod
 from specwire.drafters import lockstep as lockstep_mod
-from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.hybrid import HybridDrafter
 from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram import drafter as ngram_mod
-from specwire.drafters.ngram.drafter import KEEP, NgramDrafter
 from specwire.engine import engine as engine_mod
 from specwire.engine import round as round_mod
 from specwire.engine import sequence as sequence_mod
 from specwire.engine.engine import Engine, Request
-from specwire.sample import sampling
-
-V = 32
-TARGET = FakeModel(n_vocab=V, seed=0)
-OTHER = TARGET.perturbed(0.7, seed=5)
-PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]
-FAKE_GREEDY = SamplingParams(temperature=0.0)
-SAMPLED = SamplingParams(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05, seed=1234)
-
-
-def lookup() -> NgramDrafter:
-    """Stops at the fixed KEEP: fake rounds take no time worth measuring."""
-    return NgramDrafter(keep=KEEP)
-
-
-def reference(params: SamplingParams, n: int, prompt=PROMPT) -> list[int]:
-    hist, out = list(prompt), []
-    for _ in range(n):
-        row = TARGET.row(hist)
-        t = sampling.coupled(row, params, len(hist), sampling.recent_window(hist, params))
-        out.append(t)
-        hist.append(t)
-    return out
 
 
 def clocked(monkeypatch) -> FakeClock:
@@ -118,37 +94,6 @@ def test_without_matches_the_model_drafts(monkeypatch) -> None:
     st = hybrid.stats()
     assert gen.tokens == reference(SAMPLED, 40, [31, 30, 29])
     assert st["model_rounds"] > st["ngram_rounds"] and gen.stats.draft_n_accepted > 0
-
-
-class AheadSpy(DrafterBase):
-    """A model that drafts ahead (as a node or a thread does): records what learn() hears."""
-
-    name = "ahead"
-    capabilities = Capabilities(pipelined=True)
-
-    def __init__(self, fn) -> None:
-        self.fn, self.learned, self.drafts = fn, [], []
-
-    def begin(self, prompt, sampling_, params, **guide) -> None:
-        self.learned, self.drafts = [], []
-
-    def propose(self, history, max_n) -> Draft:
-        self.drafts.append((len(history), list(self.fn(history, max_n))))
-        return Draft(list(self.drafts[-1][1]))
-
-    def learn(self, history, accepted, appended) -> None:
-        base, draft = self.drafts[-1]
-        new = history[base:base + appended]
-        kept = next((i for i, (t, h) in enumerate(zip(draft, new, strict=False))
-                     if t != h),
-                    min(len(draft), len(new)))
-        self.learned.append((accepted, kept))
-
-    def end(self) -> None:
-        pass
-
-    def stats(self) -> dict[str, float]:
-        return {}
 
 
 def test_a_model_that_works_ahead_is_always_asked_and_told_what_the_history_kept() -> None:

@@ -343,6 +343,10 @@ def test_the_target_gets_tree_sequences_for_one_pipelined_sequence() -> None:
     assert tree_branches(s("--draft-url", "h:1"), 4) == 0                      # -np 4
     assert tree_branches(s("--draft-url", "h:1", "--draft-mode", "sync"), 1) == 0
     assert tree_branches(s("--no-draft"), 1) == 0
+    # the hybrid's second candidate is a branch, with a node or a local model
+    assert tree_branches(s("--draft-url", "h:1", "--draft-hybrid"), 1) == 4
+    assert tree_branches(s("--draft-hybrid", "--draft-tree", "2"), 1) == 2
+    assert tree_branches(s("--draft-hybrid"), 4) == 0
 
 
 def test_a_tree_that_would_not_fit_the_batch_is_sent_as_its_chain() -> None:
