@@ -1,7 +1,7 @@
 """The synchronous port serving several calls on one connection (link/transport/h2/mux.py), and
 the link's failure accounting shared by them (Link.failed's epoch).
 
-A real SyncServer on a real socket, driven by link/transport/h2/connection.py's client
+A real H2Server on a real socket, driven by link/transport/h2/connection.py's client
 Connection; the service is a fake whose calls answer each message with a chunk numbering it, so the
 tests see the multiplexing alone: calls served side by side, and one call's end (a
 cancel, bad bytes, silence past its deadline) leaving the others going.
@@ -13,7 +13,6 @@ import socket
 import threading
 import time
 
-import grpc
 import pytest
 
 from specwire.link.messages import Chunk, Failure, Verdict
@@ -22,25 +21,34 @@ from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport.channel import Link, LinkSettings
 from specwire.link.transport.channels import SyncLine
 from specwire.link.transport.h2.connection import Connection, H2Error
-from specwire.link.transport.h2.server import SyncServer
+from specwire.link.transport.h2.grpcframe import Status
+from specwire.link.transport.h2.server import H2Server
 from specwire.link.transport.protocol import ProtocolError
+from specwire.node.server import _decode, _encode
 
 
 class EchoCall:
     """Answers every verdict with a chunk whose start counts the call's messages."""
+
+    status, idle_s = (Status.OK, ""), None
 
     def __init__(self, service: FakeService, send, context) -> None:
         if service.hold is not None:         # holds the connection's thread
             service.entered.set()
             service.hold.wait(10)
         if len([c for c in service.calls if not c.ended]) >= service.max_calls:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+            context.abort(Status.RESOURCE_EXHAUSTED, "busy")
         service.calls.append(self)
         service.peers.add(context.peer())
         self.service = service
-        self.send, self.taken, self.ended, self.error = send, 0, False, ""
+        self.send = lambda m: send(_encode(m))
+        self.taken, self.ended, self.error = 0, False, ""
 
-    def take(self, msg) -> bool:
+    def take(self, data) -> bool:
+        try:
+            msg = data if isinstance(data, ProtocolError) else _decode(data)
+        except ProtocolError as e:
+            msg = e
         if self.service.barrier is not None and not isinstance(msg, ProtocolError):
             self.service.barrier.wait()      # passes only when two calls draft at once
         if isinstance(msg, ProtocolError):
@@ -67,15 +75,15 @@ class FakeService:
         self.hold: threading.Event | None = None
         self.entered = threading.Event()
 
-    def sync_call(self, send, context) -> EchoCall:
+    def call(self, path, send, context) -> EchoCall:
         return EchoCall(self, send, context)
 
 
 @pytest.fixture(name="served")
 def served_fixture():
-    """A SyncServer of the fake service (1 s per call's Open) and a client connection."""
+    """An H2Server of the fake service (1 s per call's Open) and a client connection."""
     service = FakeService(max_calls=3)
-    server = SyncServer(service, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
+    server = H2Server(service.call, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
                         session_idle_s=1.0, max_streams=8)
     server.start()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
@@ -208,7 +216,7 @@ def test_a_node_serving_one_call_at_a_time_sends_the_next_session_elsewhere() ->
     session's open gives None (the drafter then uses the main port) instead of breaking the
     connection the first one uses; once the first ends, the next opens there again."""
     service = FakeService()
-    server = SyncServer(service, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
+    server = H2Server(service.call, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
                         session_idle_s=5.0, max_streams=1)
     server.start()
     link = Link(f"127.0.0.1:{server.port}", LinkSettings(), "f", 10, "t")

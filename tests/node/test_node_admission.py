@@ -265,7 +265,7 @@ def test_idle_connections_close_and_targets_carry_on(start_node, sync_port) -> N
             assert run_to_end(g) == target.plain(prompt, GREEDY, 16)
             assert g.stats.draft_n_accepted > 0
             if node.sync is not None:       # the node drops the idle connection meanwhile
-                wait_for(lambda: node.sync._slots._value == 4 * 8, 5, "the idle close")
+                wait_for(lambda: node.sync._slots._value == 4 * 8 + 16, 5, "the idle close")
             else:
                 time.sleep(2.0)
         assert rd.counters.reconnects == 0
@@ -293,7 +293,7 @@ def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
             ok = alive(line)
             if not crossed:  # the first check only: the close lands right after it
                 crossed.append(ok)
-                wait_for(lambda: node.sync._slots._value == 4 * 8, 5, "the idle close")
+                wait_for(lambda: node.sync._slots._value == 4 * 8 + 16, 5, "the idle close")
             return ok
 
         monkeypatch.setattr(linkset.SyncLine, "alive", alive_then_closed)
@@ -305,8 +305,10 @@ def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
             opened.set()
             return sid
 
-        def idle_as_it_opens(conn, timeout_s: float) -> None:  # the node's side
-            if not crossed:  # its first idle deadline passes with the Open in, unread
+        def idle_as_it_opens(conn, timeout_s: float) -> None:  # the node's sync port
+            if not crossed and not conn.client and \
+                    conn.sock.getsockname()[1] == node.sync.port:
+                # its first idle deadline passes with the Open in, unread
                 crossed.append(opened.wait(5))
                 raise TimeoutError
             wait(conn, timeout_s)

@@ -311,7 +311,7 @@ def test_the_node_says_tree_in_its_hello_and_the_target_asks_for_it() -> None:
     from specwire.link.transport import grpc_client
     from specwire.node import server
 
-    assert '"tree"' in inspect.getsource(server.DraftNodeService.Hello)
+    assert "\"tree\"" in inspect.getsource(server.DraftNodeService.hello)
 
     class Link:
         def __init__(self, modes):
