@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+import specwire_pb2_grpc as pbg
 from wire_helpers import (  # noqa: F401 - the *_fixture names register fixtures
     CODE,
     GREEDY,
@@ -27,7 +28,6 @@ from specwire.bench.netemu import LinkEmulator
 from specwire.engine.engine import Engine
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.channel import LinkSettings
 from specwire.link.transport.h2.connection import Connection, H2Error
 

@@ -17,13 +17,13 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
+import specwire_pb2_grpc as pbg
 from wire_helpers import CODE, GREEDY, Target, draft_model_path, request, run_to_end, wait_for
 
 from specwire.config import ModelParams
 from specwire.engine.engine import Engine
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.h2 import server as sync_server
 from specwire.node import kv_cache
 from specwire.node import server as node_mod
@@ -287,7 +287,7 @@ def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
 
     crossed: list[bool] = []
     if crossing == "under-open":
-        alive = linkset.SyncLine.alive
+        alive = linkset.Line.alive
 
         def alive_then_closed(line) -> bool:
             ok = alive(line)
@@ -296,12 +296,12 @@ def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
                 wait_for(lambda: node.sync._slots._value == 4 * 8 + 16, 5, "the idle close")
             return ok
 
-        monkeypatch.setattr(linkset.SyncLine, "alive", alive_then_closed)
+        monkeypatch.setattr(linkset.Line, "alive", alive_then_closed)
     else:
-        opened, open_, wait = threading.Event(), linkset.SyncLine.open, http2.Connection.wait
+        opened, open_, wait = threading.Event(), linkset.Line.open, http2.Connection.wait
 
-        def open_and_tell(line, first, timeout_s: float) -> int | None:
-            sid = open_(line, first, timeout_s)
+        def open_and_tell(line, first, timeout_s: float, on_message=None) -> int | None:
+            sid = open_(line, first, timeout_s, on_message)
             opened.set()
             return sid
 
@@ -313,7 +313,7 @@ def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
                 raise TimeoutError
             wait(conn, timeout_s)
 
-        monkeypatch.setattr(linkset.SyncLine, "open", open_and_tell)
+        monkeypatch.setattr(linkset.Line, "open", open_and_tell)
         monkeypatch.setattr(http2.Connection, "wait", idle_as_it_opens)
     node = start_node(idle_s=0.5)
     target = Target()

@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+import specwire_pb2_grpc as pbg
 from test_node_admission import Stream, _open
 from test_sync_mux import FakeService, _round
 from test_sync_mux import _open as _sync_open
@@ -20,7 +21,6 @@ from wire_helpers import N_CTX, draft_model_path, wait_for
 from specwire.config import ModelParams
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.h2.connection import Connection
 from specwire.link.transport.h2.server import H2Server
 from specwire.node import server as node_mod

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import specwire_pb2_grpc as pbg
 from test_node_admission import Stream, _open
 from wire_helpers import (
     GREEDY,
@@ -42,7 +43,6 @@ from wire_helpers import (
 from specwire.config import ModelParams
 from specwire.engine.engine import Engine
 from specwire.link.transport import protocol
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.channel import LinkSettings
 from specwire.link.transport.h2 import mux as sync_mux
 from specwire.node import server as node_mod

@@ -25,10 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=7070)
     p.add_argument("--sync-port", type=int, default=None,
-                   help="a second port serving the same calls as --port, advertised to "
-                   "targets at connect (default: --port + 1; 0: any free port)")
+                   help="also serve on this port (0: any free one), advertised to targets "
+                   "for their synchronous sessions (default: none, --port serves every call)")
     p.add_argument("--no-sync-port", action="store_true",
-                   help="no second port: --port serves every call")
+                   help="no second port (the default; kept for older command lines)")
     p.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="close a target's connection (either port) after this long without "
                    "a call; the target reconnects for its next request without noticing")
@@ -88,8 +88,7 @@ def run(a: argparse.Namespace) -> int:
     compat.check_rpc(a)
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in 0..65535, got {a.port}")
-    sync_port = None if a.no_sync_port else (
-        a.sync_port if a.sync_port is not None else (a.port + 1 if a.port else 0))
+    sync_port = None if a.no_sync_port else a.sync_port
     if sync_port is not None and not 0 <= sync_port <= 65535:
         raise CliError(f"--sync-port: must be in 0..65535, got {sync_port}")
     if sync_port and sync_port == a.port:
