@@ -12,7 +12,8 @@ drafting took (an idle core wakes up slower, so the hold matters), put it in
 proportion:
 * the round trip itself: a raw TCP ping-pong with a bare echo process, the
   least any transport pays between two processes of this machine;
-* the node's gRPC Ping echo: one gRPC message exchange (grpcio's own threads).
+* the node's gRPC Ping echo: one gRPC message exchange on the link's own
+  connection (link/transport/h2/ at both ends), held as long.
 The same draft model drafting in this process gives each round its hold.
 
 As on two machines, this process and the node keep to disjoint halves of the
@@ -24,7 +25,6 @@ CPUs (bench/cpus.py); --shared-cpus measures them sharing every CPU instead.
 from __future__ import annotations
 
 import argparse
-import queue
 import socket
 import statistics
 import subprocess
@@ -33,8 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 from specwire.assets import models
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.bench import cpus
@@ -42,8 +40,8 @@ from specwire.bench.modes import DraftNode
 from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.drafters.model import ModelDrafter
 from specwire.link.remote import RemoteDrafter
+from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.channel import Link, LinkSettings
 
 PROMPT = "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
@@ -51,7 +49,7 @@ PROMPT = "def mean(values):\n    total = 0\n    for v in values:\n        total 
 
 def measure(k: int, rounds: int, port: int = 0, split: bool = True, poll: bool = True,
             node_args: tuple[str, ...] = ()) -> dict:
-    """node_args: more `specwire draft` flags (`--no-sync-port`: sessions on the main port)."""
+    """node_args: more `specwire draft` flags."""
     halves = cpus.halves() if split else None
     with cpus.pinned(halves[0] if halves else None):
         r = _measure(k, rounds, port, halves[1] if halves else None, poll, node_args)
@@ -74,11 +72,13 @@ def _measure(k: int, rounds: int, port: int, node_cpus: set[int] | None,
         if not poll:
             remote.transport.forecast = None
         try:
-            with grpc.insecure_channel(url) as channel:
-                echoes = {"ping": _Pinger(channel), "tcp": tcp}
-                r = _alternate(target, local, remote, echoes, k, rounds)
-                # The sync port is h2 (link/transport/h2/), the main port grpcio.
-                return {**r, "stack": "h2" if link.sync_port() else "grpcio"}
+            remote.handshake()
+            pinger = _Pinger(link)
+            try:
+                r = _alternate(target, local, remote, {"ping": pinger, "tcp": tcp}, k, rounds)
+            finally:
+                pinger.close()
+            return {**r, "stack": "h2"}   # both ends: link/transport/h2/
         finally:
             remote.close()
 
@@ -126,24 +126,28 @@ def _echo_server() -> None:
 
 
 class _Pinger:
-    """One Ping stream: send a ping held hold_s on the node, wait for its pong."""
+    """One Ping stream on the link's connection: send a ping held hold_s on the node, wait
+    for its pong."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
-        self._sent: queue.SimpleQueue = queue.SimpleQueue()
-        self._replies = pbg.DraftNodeStub(channel).Ping(iter(self._sent.get, None))
+    def __init__(self, link: Link) -> None:
+        self._line = line = link.line()
+        with line.lock:
+            self._sid = line.conn.request(protocol.PING_PATH, line.authority, link.metadata(),
+                                          "http")
         self._seq = 0
 
     def __call__(self, hold_s: float) -> float:
         """Seconds from sending to the pong, minus the hold."""
         self._seq += 1
         t0 = time.perf_counter()
-        self._sent.put(pb.PingMessage(seq=self._seq, hold_us=int(hold_s * 1e6)))
-        pong = next(self._replies)
-        assert pong.seq == self._seq
+        ping = pb.PingMessage(seq=self._seq, hold_us=int(hold_s * 1e6))
+        self._line.send(self._sid, ping.SerializeToString(), False, 10.0)
+        data = self._line.recv(self._sid, 10.0)
+        assert data is not None and pb.Pong.FromString(data).seq == self._seq
         return time.perf_counter() - t0 - hold_s
 
     def close(self) -> None:
-        self._sent.put(None)
+        self._line.release(self._sid, closed=False)
 
 
 def _alternate(target, local, remote, echoes, k: int, rounds: int) -> dict[str, float]:

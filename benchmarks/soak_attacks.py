@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import socket
 import threading
 import time
@@ -133,26 +132,30 @@ class SilentPeers(Attacker):
 
     def _silent_call(self) -> None:
         """One Session without an Open, on its own thread until the node ends it."""
-        import grpc
-
-        from specwire.link.transport import specwire_pb2_grpc as pbg
+        from specwire.link.transport import protocol
+        from specwire.link.transport.h2.connection import Connection, GrpcStatus, H2Error
 
         def hold() -> None:
-            q: queue.Queue = queue.Queue()
-            with grpc.insecure_channel(f"{self.host}:{self.main_port}") as ch:
-                call = pbg.DraftNodeStub(ch).Session(iter(q.get, None), timeout=120)
-                self.count("main_opened")
-                try:
-                    for _ in call:
-                        pass
-                    self.count("main_ended_by_node")
-                except grpc.RpcError as e:
-                    self.count("main_ended_by_node" if e.code() in (
-                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                        grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN,
-                        grpc.StatusCode.INVALID_ARGUMENT) else f"main_{e.code().name}")
-                finally:
-                    q.put(None)
+            try:
+                sock = socket.create_connection((self.host, self.main_port), timeout=5)
+                conn = Connection(sock, client=True, max_message=1 << 20)
+                conn.handshake(5)
+                sid = conn.request(protocol.SESSION_PATH, f"{self.host}:{self.main_port}", (),
+                                   "http")
+            except (OSError, H2Error, TimeoutError):
+                self.count("main_refused")
+                return
+            self.count("main_opened")
+            try:
+                while conn.recv_message(sid, 120.0) is not None:
+                    pass
+                self.count("main_ended_by_node")
+            except GrpcStatus:
+                self.count("main_ended_by_node")   # DEADLINE_EXCEEDED: no Open in time
+            except (H2Error, TimeoutError) as e:
+                self.count(f"main_{type(e).__name__}")
+            finally:
+                conn.close()
 
         threading.Thread(target=hold, name="soak-silent-call", daemon=True).start()
 

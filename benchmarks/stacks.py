@@ -1,18 +1,16 @@
-"""Do the link's two protocol stacks and its hand encoding pay for themselves?
+"""Does the link's hand encoding pay for itself?
 
-Two questions of issue 24, answered on this machine:
+A question of issue 24, answered on this machine (its other one, grpcio against
+h2, is answered in docs/protocol.md "One stack": both ends now speak only h2):
 * sync: a synchronous round's link cost (benchmarks/link_overhead.py, the same
-  node and model, the bundled pair) with the session on the node's sync port
-  (h2, link/transport/h2/), on its main port (grpcio, `--no-sync-port`), and on
-  the sync port with roundcodec off on both ends (h2-pb), alternating `--repeat`
-  times so that all see the same load;
+  node and model, the bundled pair) with roundcodec on (h2) and off on both ends
+  (h2-pb), alternating `--repeat` times so that both see the same load;
 * codec: link/transport/roundcodec.py's hand encoding of a round's two messages
   (a Verdict out, a DraftChunk of k tokens back) against the protobuf path it
   replaces (domain message -> protobuf object -> SerializeToString, and
   FromString -> domain message), per message, warm (in a loop) and cold (a pass
   over `--evict-mb` of memory before each call, as after a round's wait).
-Pipelined sessions have no h2 side to compare: the sync port serves only
-synchronous Session calls. The load average is printed with the figures.
+The load average is printed with the figures.
 
     python -m benchmarks.stacks [-k 4] [--rounds 60] [--repeat 2] [--codec-only]
 """
@@ -122,16 +120,15 @@ def protobuf_only() -> Iterator[None]:
 
 
 def sync(k: int, rounds: int, repeat: int) -> list[dict]:
-    """link_overhead's figures per run, alternating: h2 (the sync port), grpcio (the main
-    port), and h2 with roundcodec off (protobuf for every message)."""
+    """link_overhead's figures per run, alternating: h2, and h2 with roundcodec off
+    (protobuf for every message)."""
     from benchmarks import link_overhead  # loads the models: only for this part
 
     runs = []
     for _ in range(repeat):
-        for name, args, codec_on in (("h2", (), True), ("grpcio", ("--no-sync-port",), True),
-                                     ("h2-pb", (), False)):
+        for name, codec_on in (("h2", True), ("h2-pb", False)):
             with contextlib.nullcontext() if codec_on else protobuf_only():
-                r = link_overhead.measure(k, rounds, node_args=args)
+                r = link_overhead.measure(k, rounds)
             assert r["stack"] == name.split("-")[0], (name, r["stack"])
             runs.append({**r, "stack": name, "load": os.getloadavg()[0]})
     return runs

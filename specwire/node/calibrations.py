@@ -26,7 +26,7 @@ def target_key(context, identity: str = "") -> tuple[str, str]:
     (protocol.TARGET_HEADER, random per target process) when it sends one."""
     if identity:
         return "identity", identity
-    peer = context.peer()   # "ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"; the sync port: "1.2.3.4:5678"
+    peer = context.peer()   # "1.2.3.4:5678"; grpcio's spelling: "ipv4:1.2.3.4:5678"
     if peer.startswith(("ipv4:", "ipv6:")):
         peer = peer[5:]
     host = peer.rsplit(":", 1)[0].strip("[]")

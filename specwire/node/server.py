@@ -3,43 +3,38 @@
 Each Session stream gets its own llama.cpp context over the shared weights, so
 sequences from several targets are isolated from each other. Contexts and the
 KV caches of finished sessions are kept (node/kv_cache.py, --cache-ram and
---cache-sessions), so a chat's next turn evaluates only its new tokens. The node runs
-grpcio's threaded server rather than grpc.aio: a session is compute, and on a
-thread per RPC a synchronous round (read verdict, draft, write chunk) happens
-on one thread. Handing each message between an event loop and a drafting
-thread cost about a millisecond per round here (benchmarks/link_overhead.py).
+--cache-sessions), so a chat's next turn evaluates only its new tokens. Every call
+is served by link/transport/h2/server.py, a thread per connection: a synchronous
+round (read verdict, draft, write chunk) happens on that thread, a pipelined
+session drafts on a thread of its own. The calls here are its handlers
+(link/transport/h2/mux.py's Handler), one object per call.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
-import queue
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
+from google.protobuf.message import DecodeError
 
 from specwire.backend.llama import Model, load_model, open_contexts
 from specwire.config import ModelParams
 from specwire.emulate.hold import HoldCounters, Regime, emulate
-from specwire.link.messages import Verdict
+from specwire.link.messages import Chunk, DraftMessage, Failure, Verdict
 from specwire.link.session import DraftSession, error_message
-from specwire.link.transport import protocol
+from specwire.link.transport import protocol, roundcodec
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
-from specwire.link.transport.channel import KEEPALIVE_MS
-from specwire.link.transport.h2.server import SyncServer, tls_context
+from specwire.link.transport.h2.grpcframe import Status
+from specwire.link.transport.h2.server import H2Server, tls_context
 from specwire.link.transport.protocol import ProtocolError
 from specwire.node.calibrations import Calibrations, target_key
 from specwire.node.kv_cache import KvCache
 from specwire.node.metrics import NodeMetrics
 from specwire.node.tenants import Quotas, certificate_subject, identity, token_name
-from specwire.node.watchdog import Lease, Watchdog
 
 log = logging.getLogger("specwire.node")
 
@@ -54,7 +49,7 @@ class NodeSettings:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # mutual TLS: require client certificates from this CA
     max_sessions: int = 8
-    sync_port: int | None = None  # the synchronous port (0: any free one; None: none)
+    sync_port: int | None = None  # a second port serving the same calls (0: any free; None: none)
     seed: int | None = None  # overrides each target's sampling seed for this node's drafts
     cache_ram_mib: int = 8192  # finished sessions' KV caches kept in RAM (0: none kept)
     cache_sessions: int = 32  # and at most this many of them
@@ -64,7 +59,7 @@ class NodeSettings:
     sessions_per_identity: int = 0  # most sessions one identity holds at once (0: no limit)
     metrics_port: int | None = None  # Prometheus figures (node/metrics.py; None: off)
     idle_s: float = 120.0  # a connection with no call this long is closed (both ports)
-    sync_per_address: int = 8  # sync-port connections one peer address holds (0: no cap)
+    per_address: int = 8  # connections one peer address holds on a port (0: no cap)
     shutdown_s: float = 10.0  # on SIGTERM: open sessions get this long, then are closed
     cache_ttl_s: float = 900.0  # cached sessions unused this long are forgotten (0: never)
     #: --emulate: every draft context is held to this regime (emulate/hold.py)
@@ -90,7 +85,9 @@ MAX_PING_HOLD_US = 1_000_000
 MAX_CALIBRATIONS = 64
 
 
-class DraftNodeService(pbg.DraftNodeServicer):
+class DraftNodeService:
+    """The node's calls (Hello, Ping, Session), admission and memory, for every port."""
+
     def __init__(self, settings: NodeSettings, model: Model) -> None:
         self.settings, self.model = settings, model
         # What verdicts taught about the draft's confidence, kept across sessions, per target.
@@ -100,8 +97,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
         self._in_use = 0  # admitted calls open now (for /metrics)
         self.draining = False  # shutting down: no new sessions
         self._in_use_lock = threading.Lock()
-        self.watchdog = Watchdog()
-        self.sync_port = 0  # advertised in Hello once the sync server listens
+        self.sync_port = 0  # advertised in Hello once the second port listens
         self.holds = HoldCounters()   # what --emulate's holds saw, logged per session
         regime = settings.emulation
         self.memory = KvCache(settings.model, model, settings.cache_ram_mib,
@@ -142,7 +138,7 @@ class DraftNodeService(pbg.DraftNodeServicer):
         log.info("POST /purge: %d cached entries of token:%s purged", n, name)
         return 200, {"purged": n, "identity": f"token:{name}"}
 
-    def _authorize(self, context: grpc.ServicerContext) -> None:
+    def _authorize(self, context) -> None:
         want, tokens = self.settings.token, self.settings.tokens
         if not want and not tokens:
             return
@@ -157,17 +153,28 @@ class DraftNodeService(pbg.DraftNodeServicer):
                 "missing token" if not got else "wrong token",
             )
             self.metrics.refuse("token")
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "draft node: bad or missing token")
+            context.abort(Status.UNAUTHENTICATED, "draft node: bad or missing token")
 
-    def Hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:  # noqa: N802
-        self._authorize(context)
-        self.metrics.peer("main", context.peer())
+    def call(self, path: str, send, context, port: str = "main"):
+        """The handler of a new call on `port` (link/transport/h2/mux.py's Handler), or
+        context.abort if it may not start: the token checked first, and a Session or Ping
+        admitted (one of --max-sessions slots). send(bytes, last) writes its messages."""
+        if path == protocol.SESSION_PATH:
+            return SessionCall(self, send, context, port)
+        if path == protocol.PING_PATH:
+            return PingCall(self, send, context, port)
+        if path == protocol.HELLO_PATH:
+            self._authorize(context)
+            self.metrics.peer(port, context.peer())
+            return HelloCall(self, send)
+        context.abort(Status.UNIMPLEMENTED, f"draft node: no method {path[:80]!r}")
+
+    def hello(self, request: pb.HelloRequest) -> pb.HelloReply:
+        """The node's answer to a Hello; ProtocolError for another protocol version."""
         if request.protocol_version != protocol.PROTOCOL_VERSION:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
+            raise ProtocolError(
                 f"protocol version {request.protocol_version} not supported "
-                f"(this node speaks {protocol.PROTOCOL_VERSION})",
-            )
+                f"(this node speaks {protocol.PROTOCOL_VERSION})")
         return pb.HelloReply(
             protocol_version=protocol.PROTOCOL_VERSION,
             vocab_fingerprint=self.model.fingerprint(),
@@ -180,52 +187,6 @@ class DraftNodeService(pbg.DraftNodeServicer):
             sync_port=self.sync_port,
         )
 
-    def Ping(self, request_iterator, context):  # noqa: N802
-        """Echo each ping after hold_us of busy work, as a drafting round keeps the node busy.
-
-        The time a message exchange takes depends on what the CPUs did meanwhile
-        (an idle core wakes up slower), so the hold spins rather than sleeps. A Ping
-        stream is admitted like a session (it holds one of --max-sessions slots and
-        spins a core like one), each hold is at most MAX_PING_HOLD_US, and a stream
-        silent for HANDSHAKE_S is ended.
-        """
-        with self._admitted(context, "Ping"), \
-                self.watchdog.watch(HANDSHAKE_S, context.cancel) as lease:
-            for ping in request_iterator:
-                lease.feed()
-                if ping.hold_us > MAX_PING_HOLD_US:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"ping: hold_us above {MAX_PING_HOLD_US}")
-                until = time.perf_counter() + ping.hold_us / 1e6
-                while time.perf_counter() < until:
-                    pass
-                yield pb.Pong(seq=ping.seq)
-                lease.feed()
-
-    def Session(self, request_iterator, context):  # noqa: N802
-        with self._admitted(context, "Session"):
-            yield from self._serve(request_iterator, context)
-
-    def sync_call(self, send, context) -> SyncCall:
-        """A synchronous Session for a transport that writes from the calling thread (the
-        sync port, link/transport/h2/server.py), admitted now (context.abort if it may not be):
-        the transport hands it each message as it arrives (a Verdict it decoded itself, or
-        protobuf), and each message goes to `send` as it is drafted, as a domain message
-        (link/messages.py; the transport encodes it), with no generator or thread
-        between the session and the socket.
-        Several such calls may share one connection, a stream each."""
-        return SyncCall(self, send, context)
-
-    @contextlib.contextmanager
-    def _admitted(self, context, method: str):
-        """The token checked, and one of --max-sessions slots held for the block."""
-        who = self._admit(context, method)
-        try:
-            yield
-        finally:
-            self._release()
-            self.quotas.leave(who)
-
     def _admit(self, context, method: str, port: str = "main") -> str:
         """The token checked, and one of --max-sessions slots taken (context.abort if not),
         within the identity's quota; the identity."""
@@ -233,18 +194,18 @@ class DraftNodeService(pbg.DraftNodeServicer):
         self.metrics.peer(port, context.peer())
         if self.draining:
             self.metrics.refuse("draining")
-            context.abort(grpc.StatusCode.UNAVAILABLE, "draft node shutting down")
+            context.abort(Status.UNAVAILABLE, "draft node shutting down")
         if not self._slots.acquire(blocking=False):
             self.metrics.refuse("busy")
             context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.RESOURCE_EXHAUSTED,
                 f"draft node busy: {self.settings.max_sessions} sessions open",
             )
         who = self.identity(context)
         if not self.quotas.enter(who):
             self._slots.release()
             self.metrics.refuse("quota")
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            context.abort(Status.RESOURCE_EXHAUSTED,
                           f"draft node: {self.quotas.per_identity} sessions open for this "
                           "identity (--sessions-per-identity)")
         with self._in_use_lock:
@@ -261,46 +222,6 @@ class DraftNodeService(pbg.DraftNodeServicer):
         with self._in_use_lock:
             self._in_use -= 1
         self._slots.release()
-
-    def _serve(self, requests, context):
-        """Open, then drafts out and verdicts in until Close; a broken peer gets a DraftError."""
-        session: DraftSession | None = None
-        out: list[pb.DraftMessage] = []
-        lease = self.watchdog.watch(HANDSHAKE_S, context.cancel)
-        try:
-            first = _first_open(requests)
-            if first is None:   # the stream ended, or the watchdog ended it
-                if lease.expired:
-                    self.metrics.refuse("silent")
-                return
-            lease.timeout_s = SESSION_IDLE_S
-            lease.feed()
-            if first.pipelined:
-                outbox: queue.SimpleQueue[pb.DraftMessage | None] = queue.SimpleQueue()
-                session = self._open(first, lambda m: outbox.put(protocol.draft_to_pb(m)),
-                                     context)
-                yield from _pipelined(session, outbox, _verdicts(requests, lease), context)
-                return
-            session = self._open(first, lambda m: out.append(protocol.draft_to_pb(m)), context)
-            session.announce()
-            yield from _drain(out)
-            session.step(None)
-            yield from _drain(out)
-            for verdict in _verdicts(requests, lease):
-                session.step(verdict)
-                yield from _drain(out)
-        except grpc.RpcError:
-            if lease.expired:
-                self.metrics.refuse("silent")
-                log.info("session from %s ended: silent past its deadline (%s)", context.peer(),
-                         "no Open" if session is None else "no verdict")
-        except Exception as e:  # noqa: BLE001 - the node must survive any one session
-            log.info("session from %s ends: %s", context.peer(), e)
-            yield from _drain(out)
-            yield protocol.draft_to_pb(error_message(e))
-        finally:
-            lease.release()
-            self._close(session)
 
     def _open(self, m: pb.Open, send, context) -> DraftSession:
         """Check everything the Open says, then take a llama.cpp context (from memory).
@@ -340,51 +261,149 @@ class DraftNodeService(pbg.DraftNodeServicer):
                          h.prompt_over)
 
 
-class SyncCall:
-    """One synchronous Session on the sync port, fed one message at a time: the Open, then
-    verdicts until a Close. Holds an admission slot from its creation to end(). An error
-    of this session is sent to its target as a DraftError and ends it alone."""
+def _encode(msg: DraftMessage) -> bytes:
+    """A session's message as bytes: a plain chunk written directly (roundcodec.py),
+    anything else by protobuf."""
+    data = roundcodec.chunk_bytes(msg) if isinstance(msg, Chunk) else None
+    return data if data is not None else protocol.draft_to_pb(msg).SerializeToString()
 
-    __slots__ = ("service", "send", "context", "session", "_ended", "_who")
 
-    def __init__(self, service: DraftNodeService, send, context) -> None:
-        self._who = service._admit(context, "Session", "sync")
-        self.service, self.send, self.context = service, send, context
-        self.session: DraftSession | None = None
+class HelloCall:
+    """A Hello: one request, one reply."""
+
+    __slots__ = ("service", "send", "status")
+    idle_s = None
+
+    def __init__(self, service: DraftNodeService, send) -> None:
+        self.service, self.send, self.status = service, send, (Status.OK, "")
+
+    def take(self, data: bytes | ProtocolError) -> bool:
+        try:
+            if isinstance(data, ProtocolError):
+                raise data
+            self.send(self.service.hello(pb.HelloRequest.FromString(data)).SerializeToString())
+        except DecodeError:
+            self.status = (Status.INTERNAL, "undecodable HelloRequest")
+        except ProtocolError as e:
+            self.status = (Status.FAILED_PRECONDITION, str(e))
+        return False
+
+    def end(self) -> None:
+        pass
+
+
+class PingCall:
+    """A Ping stream: each PingMessage answered by a Pong after hold_us of busy work, as a
+    drafting round keeps the node busy.
+
+    The time a message exchange takes depends on what the CPUs did meanwhile (an idle
+    core wakes up slower), so the hold spins rather than sleeps. A Ping stream is
+    admitted like a session (it holds one of --max-sessions slots and spins a core like
+    one), each hold is at most MAX_PING_HOLD_US, and a stream silent for HANDSHAKE_S is
+    ended.
+    """
+
+    __slots__ = ("service", "send", "status", "_who", "_ended")
+    idle_s = HANDSHAKE_S
+
+    def __init__(self, service: DraftNodeService, send, context, port: str) -> None:
+        self._who = service._admit(context, "Ping", port)
+        self.service, self.send, self.status = service, send, (Status.OK, "")
         self._ended = False
 
-    def take(self, msg: pb.TargetMessage | Verdict | ProtocolError) -> bool:
-        """One message of the call (or why none could be read); False once it is over. A
-        verdict in its common encoding comes decoded by the transport
-        (link/transport/roundcodec.py)."""
+    def take(self, data: bytes | ProtocolError) -> bool:
+        if isinstance(data, ProtocolError):
+            self.service.metrics.refuse("silent")
+            self.status = (Status.DEADLINE_EXCEEDED, f"ping: {data}")
+            return False
         try:
-            if isinstance(msg, ProtocolError):
-                raise msg
+            ping = pb.PingMessage.FromString(data)
+        except DecodeError:
+            self.status = (Status.INTERNAL, "undecodable PingMessage")
+            return False
+        if ping.hold_us > MAX_PING_HOLD_US:
+            self.status = (Status.INVALID_ARGUMENT, f"ping: hold_us above {MAX_PING_HOLD_US}")
+            return False
+        until = time.perf_counter() + ping.hold_us / 1e6
+        while time.perf_counter() < until:
+            pass
+        self.send(pb.Pong(seq=ping.seq).SerializeToString())
+        return True
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.service._release()
+            self.service.quotas.leave(self._who)
+
+
+class SessionCall:
+    """One Session, fed one message at a time: the Open, then verdicts until a Close.
+    Synchronous, each verdict is applied and drafted on at once (on the connection's
+    thread, or a worker of it); pipelined, the session drafts on its own thread and its
+    chunks go out as they are drafted. Holds an admission slot from its creation to
+    end(). An error of this session is sent to its target as a DraftError and ends it
+    alone."""
+
+    __slots__ = ("service", "send", "context", "session", "status", "_ended", "_who")
+    idle_s = None
+
+    def __init__(self, service: DraftNodeService, send, context, port: str = "main") -> None:
+        self._who = service._admit(context, "Session", port)
+        self.service, self.send, self.context = service, send, context
+        self.session: DraftSession | None = None
+        self.status = (Status.OK, "")
+        self._ended = False
+
+    def _out(self, msg: DraftMessage) -> None:
+        """A message of the session; a pipelined session's error is its last."""
+        last = isinstance(msg, Failure) and self.session is not None and self.session.pipelined
+        self.send(_encode(msg), last)
+
+    def take(self, data: bytes | ProtocolError) -> bool:
+        """One message of the call (or why none came in time); False once it is over. A
+        verdict in its common encoding is decoded directly (link/transport/roundcodec.py)."""
+        try:
+            if isinstance(data, ProtocolError):   # silent past its deadline
+                self.service.metrics.refuse("silent")
+                if self.session is None:          # nothing to tell a peer that never spoke
+                    log.info("session from %s ended: %s", self.context.peer(), data)
+                    self.status = (Status.DEADLINE_EXCEEDED, str(data))
+                    return False
+                raise data
+            msg = _decode(data)
             if isinstance(msg, Verdict):
                 if self.session is None:
                     raise ProtocolError("unexpected verdict message")
-                self.session.step(msg)
+                self._verdict(msg)
                 return True
             kind = msg.WhichOneof("kind")
             if self.session is None:
                 if kind != "open":
                     raise ProtocolError(f"unexpected {kind} message")
-                if msg.open.pipelined:
-                    raise ProtocolError("pipelined sessions are served on the node's main port")
-                self.session = self.service._open(msg.open, self.send, self.context)
-                self.session.announce()
-                self.session.step(None)
+                self.session = self.service._open(msg.open, self._out, self.context)
+                if self.session.pipelined:
+                    self.session.start()
+                else:
+                    self.session.announce()
+                    self.session.step(None)
                 return True
             if kind == "close":
                 return False
             if kind != "verdict":
                 raise ProtocolError(f"unexpected {kind} message")
-            self.session.step(protocol.verdict_from_pb(msg.verdict))
+            self._verdict(protocol.verdict_from_pb(msg.verdict))
             return True
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
             log.info("session from %s ends: %s", self.context.peer(), e)
-            self.send(error_message(e))
+            self.send(_encode(error_message(e)))
             return False
+
+    def _verdict(self, v: Verdict) -> None:
+        if self.session.pipelined:
+            self.session.push(v)
+        else:
+            self.session.step(v)
 
     def end(self) -> None:
         """The call is over (however it ended): its context kept, its slot freed. Once."""
@@ -398,96 +417,38 @@ class SyncCall:
             self.service.quotas.leave(self._who)
 
 
-def _first_open(requests) -> pb.Open | None:
-    """The session's Open, which must come first; None if the stream ended before it."""
-    first = next(requests, None)
-    if first is None:
-        return None
-    if isinstance(first, Verdict):
-        raise ProtocolError("unexpected verdict message")
-    if first.WhichOneof("kind") != "open":
-        raise ProtocolError(f"unexpected {first.WhichOneof('kind')} message")
-    return first.open
-
-
-def _drain(out: list[pb.DraftMessage]):
-    yield from out
-    out.clear()
-
-
-def _verdicts(requests, lease: Lease | None = None):
-    """The verdicts after the Open, until Close; anything else is a ProtocolError. Each
-    message moves the lease's deadline on, ACTIVE_IDLE_S once the first has come."""
-    for m in requests:
-        if lease is not None:
-            lease.timeout_s = min(lease.timeout_s, ACTIVE_IDLE_S)
-            lease.feed()
-        if isinstance(m, Verdict):  # decoded by the sync port (link/transport/roundcodec.py)
-            yield m
-            continue
-        kind = m.WhichOneof("kind")
-        if kind == "close":
-            return
-        if kind != "verdict":
-            raise ProtocolError(f"unexpected {kind} message")
-        yield protocol.verdict_from_pb(m.verdict)
-
-
-def _pipelined(session: DraftSession, outbox: queue.SimpleQueue, verdicts, context):
-    """The session drafts on its own thread into outbox; a reader thread feeds it verdicts."""
-    context.add_callback(lambda: outbox.put(None))  # the RPC ended: stop yielding
-
-    def read() -> None:
-        try:
-            for verdict in verdicts:
-                session.push(verdict)
-        except grpc.RpcError:
-            pass
-        except Exception as e:  # noqa: BLE001 - reported to the peer, the node stays up
-            outbox.put(protocol.draft_to_pb(error_message(e)))
-        finally:
-            outbox.put(None)
-
-    session.start()
-    threading.Thread(target=read, name="session-reader", daemon=True).start()
-    while (msg := outbox.get()) is not None:
-        yield msg
-        if msg.WhichOneof("kind") == "error":
-            break
-
-
-def _credentials(s: NodeSettings) -> grpc.ServerCredentials | None:
-    if not s.tls_cert:
-        return None
-    with open(s.tls_cert, "rb") as f:
-        cert = f.read()
-    with open(s.tls_key or s.tls_cert, "rb") as f:
-        key = f.read()
-    ca = None
-    if s.tls_client_ca:
-        with open(s.tls_client_ca, "rb") as f:
-            ca = f.read()
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-    )
+def _decode(data: bytes) -> pb.TargetMessage | Verdict:
+    """A target's message: a verdict in its common encoding decoded directly, anything
+    else by protobuf; ProtocolError for bytes that are neither."""
+    verdict = roundcodec.verdict_from_bytes(data)
+    if verdict is not None:
+        return verdict
+    try:
+        return pb.TargetMessage.FromString(data)
+    except DecodeError:
+        raise ProtocolError("undecodable frame: not a TargetMessage") from None
 
 
 @dataclass(slots=True)
 class RunningNode:
     """A started node: its gRPC server, its service, its other ports."""
 
-    server: grpc.Server
+    server: H2Server
     service: DraftNodeService
     port: int
-    sync: SyncServer | None
+    sync: H2Server | None
     metrics_port: int | None
 
+    def _servers(self) -> list[H2Server]:
+        return [self.server] + ([self.sync] if self.sync is not None else [])
+
     def drain(self, grace_s: float) -> None:
-        """No new sessions (both ports refuse them, UNAVAILABLE); those open get grace_s to
-        end, then the node stops (what is left is cancelled, a GOAWAY on the main port)."""
+        """No new sessions (refused UNAVAILABLE; every connection gets a GOAWAY and no new
+        one is accepted); those open get grace_s to end, then the node stops (what is left
+        is ended)."""
         self.service.draining = True
-        if self.sync is not None:
-            self.sync.close()
+        for server in self._servers():
+            server.drain()
         open_ = self.service.in_use()
         log.info("draft node shutting down: %d session%s open get up to %.0f s",
                  open_, "" if open_ == 1 else "s", grace_s)
@@ -497,10 +458,11 @@ class RunningNode:
         self.stop(grace_s=max(0.0, min(1.0, deadline - time.monotonic())))
 
     def stop(self, grace_s: float = 1.0) -> None:
-        if self.sync is not None:
-            self.sync.close()
+        """Every call ended and every connection closed (waiting up to grace_s + 2 s for
+        their threads), then the metrics port and the memory."""
+        for server in self._servers():
+            server.stop(grace_s + 2.0)
         self.service.metrics.close()
-        self.server.stop(grace=grace_s).wait()
         self.service.memory.close()
 
 
@@ -508,46 +470,47 @@ def start(settings: NodeSettings) -> RunningNode:
     """Load the model and start serving on every configured port (returns at once)."""
     model = load_model(settings.model)
     model.fingerprint()  # computed once, before the first Hello
-    server = grpc.server(
-        ThreadPoolExecutor(settings.max_sessions + 4, thread_name_prefix="node-rpc"),
-        options=[
-            ("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-            # A connection with no call for this long is closed (one refused for its token
-            # has none); targets reconnect on their next call without noticing.
-            ("grpc.max_connection_idle_ms", int(settings.idle_s * 1000)),
-            # Targets ping every KEEPALIVE_MS while a session is open
-            # (link/transport/channel.py): allow it, rather than answering GOAWAY too_many_pings.
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ],
-        # Every admitted session and ping holds a call, plus short Hellos; more are refused
-        # by grpcio (RESOURCE_EXHAUSTED) before they take a thread.
-        maximum_concurrent_rpcs=2 * settings.max_sessions + 8,
-    )
     service = DraftNodeService(settings, model)
-    pbg.add_DraftNodeServicer_to_server(service, server)
-    address = f"{settings.host}:{settings.port}"
-    creds = _credentials(settings)
-    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot listen on {address}")
-    sync = _sync_server(settings, service)
+    server = _server(settings, service, settings.port, "main")
+    sync = None
+    if settings.sync_port is not None:
+        sync = _server(settings, service, settings.sync_port, "sync")
+        service.sync_port = sync.port
     metrics_port = None
     if settings.metrics_port is not None:
         metrics_port = service.metrics.serve(settings.host, settings.metrics_port,
                                              settings.token, purge=service.purge_for)
     server.start()
+    if sync is not None:
+        sync.start()
     log.info(
         "draft node serving %s on %s:%d (%s, token %s)",
         model.name,
         settings.host,
-        port,
-        "TLS" if creds else "plain text",
+        server.port,
+        "TLS" if settings.tls_cert else "plain text",
         "required" if settings.token else "off",
     )
-    return RunningNode(server, service, port, sync, metrics_port)
+    return RunningNode(server, service, server.port, sync, metrics_port)
+
+
+def _server(settings: NodeSettings, service: DraftNodeService, port: int,
+            name: str) -> H2Server:
+    """A listening port serving every call of the service (not yet accepting)."""
+    tls = None
+    if settings.tls_cert:
+        tls = tls_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    n = settings.max_sessions
+    try:
+        return H2Server(
+            lambda path, send, context: service.call(path, send, context, name),
+            settings.host, port, tls,
+            # Every admitted session and ping holds a call, plus short Hellos.
+            max_connections=4 * n + 16, idle_s=settings.idle_s,
+            session_idle_s=SESSION_IDLE_S, max_streams=2 * n + 8,
+            active_idle_s=ACTIVE_IDLE_S, per_address=settings.per_address, name=name)
+    except OSError as e:
+        raise OSError(f"cannot listen on {settings.host}:{port}: {e}") from e
 
 
 def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
@@ -586,18 +549,3 @@ def _purge_on_sighup(service: DraftNodeService) -> None:
         log.info("SIGHUP: %d cached entries purged", service.memory.purge())
 
     signal.signal(signal.SIGHUP, purge)
-
-
-def _sync_server(settings: NodeSettings, service: DraftNodeService) -> SyncServer | None:
-    if settings.sync_port is None:
-        return None
-    tls = None
-    if settings.tls_cert:
-        tls = tls_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-    sync = SyncServer(service, settings.host, settings.sync_port, tls,
-                      max_connections=4 * settings.max_sessions, idle_s=settings.idle_s,
-                      session_idle_s=SESSION_IDLE_S, max_streams=settings.max_sessions + 4,
-                      active_idle_s=ACTIVE_IDLE_S, per_address=settings.sync_per_address)
-    service.sync_port = sync.port
-    sync.start()
-    return sync

@@ -108,10 +108,20 @@ def _agrees(fast, slow, data: bytes) -> None:
 
 
 def test_the_node_takes_a_verdict_the_port_decoded_but_never_first() -> None:
-    from specwire.node.server import _first_open, _verdicts
+    from types import SimpleNamespace
+
+    from specwire.node.server import SessionCall, _decode
 
     v = Verdict(3, 0, [1])
-    with pytest.raises(ProtocolError, match="unexpected verdict"):
-        _first_open(iter([v]))
+    assert _decode(roundcodec.verdict_bytes(v)) == v
     close = pb.TargetMessage(close=pb.Close())
-    assert list(_verdicts(iter([v, protocol.target_to_pb(v), close, v]))) == [v, v]
+    assert _decode(close.SerializeToString()) == close
+    with pytest.raises(ProtocolError, match="undecodable"):
+        _decode(b"\xff\xff\xff")
+    sent: list[tuple[bytes, bool]] = []
+    service = SimpleNamespace(_admit=lambda *a: "", _close=lambda s: None,
+                              _release=lambda: None, quotas=SimpleNamespace(leave=lambda who: None))
+    call = SessionCall(service, lambda data, last=False: sent.append((data, last)),
+                       SimpleNamespace(peer=lambda: "test"))
+    assert not call.take(roundcodec.verdict_bytes(v))
+    assert "unexpected verdict" in pb.DraftMessage.FromString(sent[0][0]).error.message

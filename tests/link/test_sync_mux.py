@@ -1,7 +1,7 @@
 """The synchronous port serving several calls on one connection (link/transport/h2/mux.py), and
 the link's failure accounting shared by them (Link.failed's epoch).
 
-A real SyncServer on a real socket, driven by link/transport/h2/connection.py's client
+A real H2Server on a real socket, driven by link/transport/h2/connection.py's client
 Connection; the service is a fake whose calls answer each message with a chunk numbering it, so the
 tests see the multiplexing alone: calls served side by side, and one call's end (a
 cancel, bad bytes, silence past its deadline) leaving the others going.
@@ -19,17 +19,16 @@ from sync_calls import FakeService, _open, _round, _verdict
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport.channel import Link, LinkSettings
-from specwire.link.transport.channels import SyncLine
 from specwire.link.transport.h2.connection import Connection, H2Error
-from specwire.link.transport.h2.server import SyncServer
+from specwire.link.transport.h2.server import H2Server
 
 
 @pytest.fixture(name="served")
 def served_fixture():
-    """A SyncServer of the fake service (1 s per call's Open) and a client connection."""
+    """An H2Server of the fake service (1 s per call's Open) and a client connection."""
     service = FakeService(max_calls=3)
-    server = SyncServer(service, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
-                        session_idle_s=1.0, max_streams=8)
+    server = H2Server(service.call, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
+                      session_idle_s=1.0, max_streams=8)
     server.start()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     conn = Connection(sock, client=True, max_message=protocol.MAX_MESSAGE_BYTES)
@@ -142,16 +141,15 @@ def test_one_failure_of_a_shared_link_backs_it_off_once() -> None:
 
 
 def test_a_node_serving_one_call_at_a_time_sends_the_next_session_elsewhere() -> None:
-    """A sync port that allows one stream per connection (an older node): a second
-    session's open gives None (the drafter then uses the main port) instead of breaking the
+    """A node that allows one stream per connection: a second session's open gives None
+    (the drafter then counts the cap and decodes plainly) instead of breaking the
     connection the first one uses; once the first ends, the next opens there again."""
     service = FakeService()
-    server = SyncServer(service, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
-                        session_idle_s=5.0, max_streams=1)
+    server = H2Server(service.call, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
+                      session_idle_s=5.0, max_streams=1)
     server.start()
     link = Link(f"127.0.0.1:{server.port}", LinkSettings(), "f", 10, "t")
-    link.hello = pb.HelloReply(sync_port=server.port)
-    line = SyncLine(link.connect_sync(), link)
+    line = link.line()
     try:
         opened = []
         first = line.open(lambda: opened.append(1) or _verdict(), 5)

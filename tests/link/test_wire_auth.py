@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import pytest
+import specwire_pb2_grpc as pbg
 from wire_helpers import (
     CODE,
     GREEDY,
@@ -21,7 +22,6 @@ from wire_helpers import (
 
 from specwire.engine.engine import Engine
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.channel import LinkError, LinkSettings
 
 # ============================================================================ authentication

@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+import specwire_pb2_grpc as pbg
 from wire_helpers import (
     CODE,
     GREEDY,
@@ -23,7 +24,6 @@ from wire_helpers import (
 
 from specwire.engine.engine import Engine
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
 
 # ============================================================================ node robustness
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
+import specwire_pb2_grpc as pbg
 from node_calls import Stream, _open
 from wire_helpers import CODE, GREEDY, Target, draft_model_path, request, run_to_end, wait_for
 
@@ -23,7 +24,6 @@ from specwire.config import ModelParams
 from specwire.engine.engine import Engine
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.h2 import server as sync_server
 from specwire.node import kv_cache
 from specwire.node import server as node_mod
@@ -240,7 +240,7 @@ def test_idle_connections_close_and_targets_carry_on(start_node, sync_port) -> N
             assert run_to_end(g) == target.plain(prompt, GREEDY, 16)
             assert g.stats.draft_n_accepted > 0
             if node.sync is not None:       # the node drops the idle connection meanwhile
-                wait_for(lambda: node.sync._slots._value == 4 * 8, 5, "the idle close")
+                wait_for(lambda: node.sync._slots._value == 4 * 8 + 16, 5, "the idle close")
             else:
                 time.sleep(2.0)
         assert rd.counters.reconnects == 0
@@ -262,31 +262,33 @@ def test_a_session_crossing_the_idle_close_opens_on_a_new_connection(
 
     crossed: list[bool] = []
     if crossing == "under-open":
-        alive = linkset.SyncLine.alive
+        alive = linkset.Line.alive
 
         def alive_then_closed(line) -> bool:
             ok = alive(line)
             if not crossed:  # the first check only: the close lands right after it
                 crossed.append(ok)
-                wait_for(lambda: node.sync._slots._value == 4 * 8, 5, "the idle close")
+                wait_for(lambda: node.sync._slots._value == 4 * 8 + 16, 5, "the idle close")
             return ok
 
-        monkeypatch.setattr(linkset.SyncLine, "alive", alive_then_closed)
+        monkeypatch.setattr(linkset.Line, "alive", alive_then_closed)
     else:
-        opened, open_, wait = threading.Event(), linkset.SyncLine.open, http2.Connection.wait
+        opened, open_, wait = threading.Event(), linkset.Line.open, http2.Connection.wait
 
-        def open_and_tell(line, first, timeout_s: float) -> int | None:
-            sid = open_(line, first, timeout_s)
+        def open_and_tell(line, first, timeout_s: float, on_message=None) -> int | None:
+            sid = open_(line, first, timeout_s, on_message)
             opened.set()
             return sid
 
-        def idle_as_it_opens(conn, timeout_s: float) -> None:  # the node's side
-            if not crossed:  # its first idle deadline passes with the Open in, unread
+        def idle_as_it_opens(conn, timeout_s: float) -> None:  # the node's sync port
+            if not crossed and not conn.client and \
+                    conn.sock.getsockname()[1] == node.sync.port:
+                # its first idle deadline passes with the Open in, unread
                 crossed.append(opened.wait(5))
                 raise TimeoutError
             wait(conn, timeout_s)
 
-        monkeypatch.setattr(linkset.SyncLine, "open", open_and_tell)
+        monkeypatch.setattr(linkset.Line, "open", open_and_tell)
         monkeypatch.setattr(http2.Connection, "wait", idle_as_it_opens)
     node = start_node(idle_s=0.5)
     target = Target()

@@ -3,7 +3,7 @@
 * The target (bundled model) against a fake node whose sessions take the Open and then
   say nothing, not even after the Close: each request's session was a thread and a
   stream held for ever (30 requests, 30 threads); now the call is cancelled
-  CLOSE_GRACE_S after the Close, and the threads go back to what they were.
+  (RST_STREAM) right after the Close, and the threads go back to what they were.
 * An in-process node (bundled draft) told to drain: a new session is refused
   (UNAVAILABLE), the open one is ended within the grace period, and the drain returns.
 """
@@ -17,6 +17,7 @@ import time
 
 import grpc
 import pytest
+import specwire_pb2_grpc as pbg
 from wire_helpers import (
     CODE,
     GREEDY,
@@ -30,10 +31,8 @@ from wire_helpers import (
 
 from specwire.config import ModelParams
 from specwire.engine.engine import Engine
-from specwire.link.transport import grpc_client as client
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.node import server as node_mod
 from specwire.node.server import NodeSettings
 
@@ -59,8 +58,7 @@ def _session_threads() -> int:
     return sum(t.name == "draft-session" and t.is_alive() for t in threading.enumerate())
 
 
-def test_sessions_on_a_silent_node_are_cancelled_after_close(target, monkeypatch) -> None:
-    monkeypatch.setattr(client, "CLOSE_GRACE_S", 0.5)
+def test_sessions_on_a_silent_node_are_cancelled_after_close(target) -> None:
     prompt, n = target.tokens(CODE), 6
     want = ref(target, GREEDY, n)
     before = _session_threads()

@@ -99,7 +99,7 @@ class _Flaky:
 
 def test_sync_accept_loop_outlives_emfile(monkeypatch) -> None:
     monkeypatch.setattr(sync_server, "ACCEPT_PAUSE_S", 0.01)
-    srv = sync_server.SyncServer(None, "127.0.0.1", 0, None, max_connections=4, idle_s=5,
+    srv = sync_server.H2Server(None, "127.0.0.1", 0, None, max_connections=4, idle_s=5,
                                  session_idle_s=5)
     srv._sock = _Flaky(srv._sock, failures=5)
     srv.start()
@@ -121,12 +121,14 @@ class _Recording:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def sync_call(self, send, context):
+    def call(self, path, send, context):
         self.calls.append(context.peer())
         return _Held()
 
 
 class _Held:
+    status, idle_s = (0, ""), None
+
     def take(self, msg) -> bool:
         return True
 
@@ -158,7 +160,8 @@ def _until(conn: Connection, done, within_s: float = 5.0) -> None:
 def test_connections_per_address_are_capped() -> None:
     """Peers of one address hold at most per_address connections: the next is closed at
     once, whatever it sends; one closing lets the next in."""
-    srv = sync_server.SyncServer(_Recording(), "127.0.0.1", 0, None, max_connections=16,
+    service = _Recording()
+    srv = sync_server.H2Server(service.call, "127.0.0.1", 0, None, max_connections=16,
                                  idle_s=30, session_idle_s=30, per_address=2)
     srv.start()
     try:
@@ -178,8 +181,8 @@ def test_connections_per_address_are_capped() -> None:
         client = Connection(fourth, client=True, max_message=1 << 20)
         client.handshake(5)
         sid = client.request(protocol.SESSION_PATH, "node", (), "http")
-        _until(client, lambda: srv.service.calls)
-        assert sid and len(srv.service.calls) == 1     # served: the slot was freed
+        _until(client, lambda: service.calls)
+        assert sid and len(service.calls) == 1     # served: the slot was freed
         client.close()
         for s in (*held, third):
             s.close()
@@ -194,7 +197,7 @@ def test_one_deadline_from_connect_to_an_admitted_call(monkeypatch) -> None:
     A peer that opens its call in time is admitted."""
     monkeypatch.setattr(sync_server, "HANDSHAKE_TIMEOUT_S", 1.0)
     service = _Recording()
-    srv = sync_server.SyncServer(service, "127.0.0.1", 0, None, max_connections=8,
+    srv = sync_server.H2Server(service.call, "127.0.0.1", 0, None, max_connections=8,
                                  idle_s=30, session_idle_s=30)
     srv.start()
     try:

@@ -309,9 +309,8 @@ class FakeCall:
 
 
 def test_admission_knows_each_token_and_holds_each_to_its_quota() -> None:
-    import grpc
-
     from specwire.config import ModelParams
+    from specwire.link.transport.h2.grpcframe import Status
     from specwire.node.server import DraftNodeService, NodeSettings
 
     alice, bob, shared = "a" * 20, "b" * 20, "s" * 20
@@ -321,7 +320,7 @@ def test_admission_knows_each_token_and_holds_each_to_its_quota() -> None:
     assert service._admit(FakeCall(alice), "Session") == "token:alice"
     with pytest.raises(Refused) as e:
         service._admit(FakeCall(alice), "Session")
-    assert e.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.args[0] == Status.RESOURCE_EXHAUSTED
     assert "--sessions-per-identity" in e.value.args[1]
     assert service._admit(FakeCall(bob), "Session") == "token:bob"
     assert service._admit(FakeCall(shared), "Session") == ""   # the single --token
@@ -330,7 +329,7 @@ def test_admission_knows_each_token_and_holds_each_to_its_quota() -> None:
     assert service._admit(FakeCall(alice), "Session") == "token:alice"
     with pytest.raises(Refused) as e:
         service._admit(FakeCall("c" * 20), "Session")
-    assert e.value.args[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert e.value.args[0] == Status.UNAUTHENTICATED
     assert service.metrics.refused == {"quota": 1, "token": 1}
 
 

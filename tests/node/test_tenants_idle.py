@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+import specwire_pb2_grpc as pbg
 from node_calls import Stream, _open
 from sync_calls import FakeService, _round
 from sync_calls import _open as _sync_open
@@ -20,9 +21,8 @@ from wire_helpers import N_CTX, draft_model_path, wait_for
 from specwire.config import ModelParams
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.h2.connection import Connection
-from specwire.link.transport.h2.server import SyncServer
+from specwire.link.transport.h2.server import H2Server
 from specwire.node import server as node_mod
 from specwire.node.server import NodeSettings
 
@@ -56,7 +56,7 @@ def test_a_started_session_silent_past_its_deadline_is_ended(monkeypatch) -> Non
 
 def test_the_sync_port_gives_a_started_call_the_shorter_deadline() -> None:
     service = FakeService(max_calls=3)
-    server = SyncServer(service, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
+    server = H2Server(service.call, "127.0.0.1", 0, None, max_connections=4, idle_s=30,
                         session_idle_s=30.0, max_streams=8, active_idle_s=ACTIVE_S)
     server.start()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)

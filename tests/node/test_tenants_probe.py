@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import specwire_pb2_grpc as pbg
 from node_calls import Stream, _open
 from wire_helpers import (
     GREEDY,
@@ -41,7 +42,6 @@ from wire_helpers import (
 from specwire.config import ModelParams
 from specwire.engine.engine import Engine
 from specwire.link.transport import protocol
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.channel import LinkSettings
 from specwire.link.transport.h2 import mux as sync_mux
 from specwire.node import server as node_mod
@@ -147,18 +147,19 @@ def test_a_tenant_cannot_read_another_tenants_conversation(target, node) -> None
 
 
 def test_a_client_certificate_is_the_same_identity_on_both_ports(target, tmp_path) -> None:
-    """With mutual TLS the peer's identity is its certificate's subject, spelt alike by
-    grpcio (the main port) and by the synchronous port: one target, one scope."""
+    """With mutual TLS the peer's identity is its certificate's subject, spelt alike on
+    the main port and on the synchronous port: one target, one scope."""
     c = make_certs(tmp_path)
     settings = NodeSettings(model=ModelParams(draft_model_path(), n_ctx=N_CTX), port=0,
                             sync_port=0, tls_cert=c["server_cert"], tls_key=c["server_key"],
                             tls_client_ca=c["ca"])
     node = node_mod.start(settings)
-    seen: list[tuple[bool, str]] = []   # (on the sync port, the identity)
+    seen: list[tuple[int, str]] = []   # (the node's port, the identity)
     identity = node.service.identity
 
     def recording(ctx) -> str:
-        seen.append((isinstance(ctx, sync_mux.Context), identity(ctx)))
+        assert isinstance(ctx, sync_mux.Context)
+        seen.append((ctx.port, identity(ctx)))
         return seen[-1][1]
 
     node.service.identity = recording
@@ -175,7 +176,7 @@ def test_a_client_certificate_is_the_same_identity_on_both_ports(target, tmp_pat
                 rd.close()
     finally:
         node.stop()
-    assert set(seen) == {(False, "cert:CN=target"), (True, "cert:CN=target")}, seen
+    assert set(seen) == {(node.port, "cert:CN=target"), (node.sync.port, "cert:CN=target")}, seen
 
 
 def test_the_time_to_the_first_draft_tells_nothing_across_tenants(target) -> None:

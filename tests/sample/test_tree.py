@@ -313,18 +313,19 @@ def test_the_node_says_tree_in_its_hello_and_the_target_asks_for_it() -> None:
     from specwire.link.transport import grpc_client
     from specwire.node import server
 
-    assert '"tree"' in inspect.getsource(server.DraftNodeService.Hello)
+    assert "\"tree\"" in inspect.getsource(server.DraftNodeService.hello)
 
     class Link:
         def __init__(self, modes):
             self.hello = pb.HelloReply(modes=modes)
 
     t = object.__new__(grpc_client.GrpcTransport)
-    t._call = object()
     for modes, want in ((["greedy", "coupled", "rejection"], False),
                         (["greedy", "coupled", "rejection", "tree"], True)):
-        t._call_link = Link(modes)
+        t._call = grpc_client._Call(None, Link(modes), 0, 0, pipelined=True)
         assert t.trees() is want
+        t._call.pipelined = False      # a synchronous session carries no alternates
+        assert t.trees() is False
     t._call = None
     assert t.trees() is False
 

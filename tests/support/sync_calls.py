@@ -1,34 +1,41 @@
-"""A fake service for the h2 SyncServer (each call echoes a chunk per verdict) and one round
+"""A fake service for the H2Server (each call echoes a chunk per verdict) and one round
 of a call driven by hand over a client Connection."""
 
 from __future__ import annotations
 
 import threading
 
-import grpc
-
 from specwire.link.messages import Chunk, Failure, Verdict
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport.h2.connection import Connection
+from specwire.link.transport.h2.grpcframe import Status
 from specwire.link.transport.protocol import ProtocolError
+from specwire.node.server import _decode, _encode
 
 
 class EchoCall:
     """Answers every verdict with a chunk whose start counts the call's messages."""
+
+    status, idle_s = (Status.OK, ""), None
 
     def __init__(self, service: FakeService, send, context) -> None:
         if service.hold is not None:         # holds the connection's thread
             service.entered.set()
             service.hold.wait(10)
         if len([c for c in service.calls if not c.ended]) >= service.max_calls:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+            context.abort(Status.RESOURCE_EXHAUSTED, "busy")
         service.calls.append(self)
         service.peers.add(context.peer())
         self.service = service
-        self.send, self.taken, self.ended, self.error = send, 0, False, ""
+        self.send = lambda m: send(_encode(m))
+        self.taken, self.ended, self.error = 0, False, ""
 
-    def take(self, msg) -> bool:
+    def take(self, data) -> bool:
+        try:
+            msg = data if isinstance(data, ProtocolError) else _decode(data)
+        except ProtocolError as e:
+            msg = e
         if self.service.barrier is not None and not isinstance(msg, ProtocolError):
             self.service.barrier.wait()      # passes only when two calls draft at once
         if isinstance(msg, ProtocolError):
@@ -55,7 +62,7 @@ class FakeService:
         self.hold: threading.Event | None = None
         self.entered = threading.Event()
 
-    def sync_call(self, send, context) -> EchoCall:
+    def call(self, path, send, context) -> EchoCall:
         return EchoCall(self, send, context)
 
 

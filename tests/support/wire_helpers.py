@@ -36,6 +36,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import specwire_pb2_grpc as pbg
 
 from specwire.backend.llama import LlamaBackend
 from specwire.bench.netemu import LinkEmulator
@@ -44,7 +45,6 @@ from specwire.engine.engine import Engine, Generation, Request
 from specwire.link.remote import RemoteDrafter
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
 from specwire.link.transport.channel import Link, LinkSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,13 +180,14 @@ class NodeProcess:
                *(["--sync-port", str(self.sync_port)] if self.sync_port else []), *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SPECWIRE_TOKEN", None)
+        seen = len(self.log())   # the log is appended to across restarts: this start's part
         log = open(self.log_path, "a")  # noqa: SIM115 - the child owns it
         with log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
         banner = f"listening on 127.0.0.1:{self.port}"
-        while banner not in self.log():
+        while banner not in self.log()[seen:]:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"draft node did not start ({cmd}):\n{self.log()[-3000:]}")

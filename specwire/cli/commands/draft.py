@@ -25,17 +25,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=7070)
     p.add_argument("--sync-port", type=int, default=None,
-                   help="port for synchronous sessions, served without grpcio's thread "
-                   "hand-offs; targets learn it at connect (default: --port + 1; 0: any "
-                   "free port)")
+                   help="also serve on this port (0: any free one), advertised to targets "
+                   "for their synchronous sessions (default: none, --port serves every call)")
     p.add_argument("--no-sync-port", action="store_true",
-                   help="serve synchronous sessions on --port like the rest")
+                   help="no second port (the default; kept for older command lines)")
     p.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="close a target's connection (either port) after this long without "
                    "a call; the target reconnects for its next request without noticing")
-    p.add_argument("--sync-conn-per-address", type=int, default=8, metavar="N",
-                   help="most connections to the sync port from one peer address at once "
-                   "(default 8; 0: no cap but the total, 4 x --max-sessions)")
+    p.add_argument("--conn-per-address", "--sync-conn-per-address", type=int, default=8,
+                   metavar="N", dest="conn_per_address",
+                   help="most connections to a port from one peer address at once "
+                   "(default 8; 0: no cap but the total, 4 x --max-sessions + 16)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context per sequence")
     p.add_argument("-s", "--seed", type=int, default=None,
                    help="this node's sampling seed for every session (default: each target's "
@@ -88,8 +88,7 @@ def run(a: argparse.Namespace) -> int:
     compat.check_rpc(a)
     if not 0 <= a.port <= 65535:
         raise CliError(f"--port: must be in 0..65535, got {a.port}")
-    sync_port = None if a.no_sync_port else (
-        a.sync_port if a.sync_port is not None else (a.port + 1 if a.port else 0))
+    sync_port = None if a.no_sync_port else a.sync_port
     if sync_port is not None and not 0 <= sync_port <= 65535:
         raise CliError(f"--sync-port: must be in 0..65535, got {sync_port}")
     if sync_port and sync_port == a.port:
@@ -112,8 +111,9 @@ def run(a: argparse.Namespace) -> int:
     for flag in ("cache_ram_per_identity", "cache_sessions_per_identity"):
         if getattr(a, flag) < 0:
             raise CliError(f"--{flag.replace('_', '-')}: must be >= 0, got {getattr(a, flag)}")
-    if a.sync_conn_per_address < 0:
-        raise CliError(f"--sync-conn-per-address: must be >= 0, got {a.sync_conn_per_address}")
+    if a.conn_per_address < 0:
+        raise CliError(f"--conn-per-address (--sync-conn-per-address): must be >= 0, got "
+                       f"{a.conn_per_address}")
     if a.sessions_per_identity < 0:
         raise CliError(f"--sessions-per-identity: must be >= 0, got {a.sessions_per_identity}")
     tokens = None
@@ -140,7 +140,7 @@ def run(a: argparse.Namespace) -> int:
                             max_sessions=a.max_sessions, seed=a.seed, sync_port=sync_port,
                             metrics_port=a.metrics_port, cache_ram_mib=a.cache_ram,
                             cache_sessions=a.cache_sessions, idle_s=a.idle_timeout,
-                            sync_per_address=a.sync_conn_per_address,
+                            per_address=a.conn_per_address,
                             cache_ram_per_identity_mib=a.cache_ram_per_identity,
                             cache_sessions_per_identity=a.cache_sessions_per_identity,
                             shutdown_s=a.shutdown_timeout, cache_ttl_s=a.cache_ttl,

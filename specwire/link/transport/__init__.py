@@ -1,2 +1,3 @@
 """How the link's messages travel: the protobuf edge (protocol.py, specwire.proto), the
-grpcio client and its channels, and the synchronous sessions on HTTP/2 (h2/)."""
+target's transport and its connections (grpc_client.py, channel.py, channels.py), and
+gRPC over HTTP/2 for both ends (h2/)."""

@@ -111,8 +111,8 @@ class Branch(Protocol):
 
 class Transport:
     """How a BranchDrafter's messages travel to its drafter and back: one implementation
-    per way of carrying them (GrpcTransport over gRPC and the synchronous port,
-    grpc_client.py; InProcessTransport by function call, link/threaded.py).
+    per way of carrying them (GrpcTransport over gRPC, grpc_client.py;
+    InProcessTransport by function call, link/threaded.py).
 
     The branch calls these hooks (on the engine thread); the transport calls back only
     what Branch lists.

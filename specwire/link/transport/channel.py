@@ -1,13 +1,13 @@
-"""One --draft-url: its channel, handshake, health and reconnection backoff.
+"""One --draft-url: its connection, handshake, health and reconnection backoff.
 
 The handshake runs before any sequence uses the node, so a node with another
 vocabulary, protocol version or a wrong token fails at connect with a message
 naming it, never as garbage tokens later. Hello and every Session stream share
-one blocking channel, so a target's sessions (all slots of `serve -np N`, see
-link/transport/channels.py) reach the node's main port on one HTTP/2 connection, a
-stream each. A failure of one session backs the link off for new sessions but
-leaves the connection, and the other sessions on it, alone; only a failure of
-the connection itself (UNAVAILABLE, or a failed Hello) drops it.
+one HTTP/2 connection (a Line, link/transport/channels.py), so a target's sessions
+(all slots of `serve -np N`) reach the node on one connection, a stream each. A
+failure of one session backs the link off for new sessions but leaves the
+connection, and the other sessions on it, alone; only a failure of the connection
+itself (or a failed Hello) drops it, and the next call makes a new one.
 """
 
 from __future__ import annotations
@@ -21,27 +21,19 @@ import threading
 import time
 from dataclasses import dataclass
 
-import grpc
-
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
-from specwire.link.transport import specwire_pb2_grpc as pbg
-from specwire.link.transport.h2.connection import Connection, H2Error
+from specwire.link.transport.channels import Line, LinkError
+from specwire.link.transport.h2.connection import Connection, GrpcStatus, H2Error
+from specwire.link.transport.h2.grpcframe import Status
 from specwire.link.transport.peertext import peer_text
+
+__all__ = ["Link", "LinkError", "LinkSettings", "loopback"]
 
 log = logging.getLogger("specwire.remote")
 
-
-#: gRPC keepalive on the link: a ping after this long without frames, answered within the
-#: timeout or the connection is closed.
-KEEPALIVE_MS = 20_000
-KEEPALIVE_TIMEOUT_MS = 10_000
 #: Session streams per link when the node did not say how many sessions it admits.
 MAX_STREAMS = 64
-
-
-class LinkError(Exception):
-    """A draft node could not be used; the message says why."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,7 +48,7 @@ class LinkSettings:
 
 
 class Link:
-    """A channel to one draft node, with exponential backoff after failures."""
+    """A connection to one draft node, with exponential backoff after failures."""
 
     def __init__(
         self, url: str, settings: LinkSettings, fingerprint: str, n_vocab: int, target_name: str
@@ -69,7 +61,7 @@ class Link:
         if settings.token and not settings.tls_ca and not loopback(self.url):
             log.warning("draft node %s: the token goes to it in clear text over the network; "
                         "give --draft-tls-ca (and the node --tls-cert/--tls-key)", self.url)
-        self._session_channel: grpc.Channel | None = None
+        self._lines: dict[int, Line] = {}  # by port: the main one, the synchronous one
         self._lock = threading.Lock()
         self.up = False
         self.hello: pb.HelloReply | None = None
@@ -114,40 +106,58 @@ class Link:
     def ready_to_try(self) -> bool:
         return self.up or time.monotonic() >= self.retry_at
 
-    def session_stub(self) -> pbg.DraftNodeStub:
-        """A stub on the link's blocking channel, for Hello and Session streams.
-
-        Sessions use grpcio's blocking API rather than grpc.aio: its threads
-        move a message between the caller and the wire with fewer wake-ups (a cheaper
-        synchronous round in benchmarks/link_overhead.py). The channel is dropped when
-        the link fails, so that a restarted node is reached
-        on a fresh connection rather than after grpc's own reconnection backoff.
-        """
-        return pbg.DraftNodeStub(self._sessions())
-
-    def connect_sessions(self, timeout_s: float) -> bool:
-        """Open the session channel's connection now (a TLS handshake of its own), so that
-        the first session does not wait for it; False if it is not ready in time."""
+    def address(self) -> tuple[str, int]:
+        """(host, port) of the node."""
+        host, port = self.url.rsplit(":", 1)
         try:
-            grpc.channel_ready_future(self._sessions()).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
-            return False
-        return True
+            return host.strip("[]"), int(port)
+        except ValueError:
+            raise LinkError(f"--draft-url {self.url}: the port is not a number") from None
 
     def sync_port(self) -> int:
-        """The node's synchronous port (link/transport/h2/server.py), 0 if it has none."""
+        """The port the node advertised for synchronous sessions (HelloReply.sync_port), 0
+        for none: then they are streams of the main connection like the rest."""
         return self.hello.sync_port if self.hello is not None else 0
 
-    def sync_address(self) -> tuple[str, int]:
-        """(host, port) of the synchronous port: the URL's host, the port Hello gave."""
-        return self.url.rsplit(":", 1)[0].strip("[]"), self.sync_port()
+    def line(self, port: int = 0) -> Line:
+        """The connection to the node's port (0: the URL's), made if needed (also when
+        the node closed the one it had, as it does after --idle-timeout); LinkError if it
+        cannot be made."""
+        port = port or self.address()[1]
+        with self._lock:
+            line = self._lines.get(port)
+            if line is not None and not line.broken() and line.alive():
+                return line
+            self._lines.pop(port, None)
+        if line is not None:
+            line.close()
+        made = Line(self._connect(port), self, port)
+        with self._lock:
+            other = self._lines.get(port)
+            if other is None:
+                self._lines[port] = made
+                return made
+        made.close()   # another thread made one meanwhile: use it
+        return other
 
-    def connect_sync(self) -> Connection:
-        """A connection to the node's synchronous port: TCP, TLS as configured, HTTP/2.
+    def drop_line(self, line: Line) -> None:
+        """Close a broken line; the next call on its port makes a new one."""
+        with self._lock:
+            if self._lines.get(line.port) is line:
+                del self._lines[line.port]
+        line.close()
 
-        Raises LinkError with the reason; the caller then uses the main port.
-        """
-        (host, port), s = self.sync_address(), self.settings
+    def _drop(self) -> None:
+        """Close the connections, ending every call on them."""
+        with self._lock:
+            lines, self._lines = list(self._lines.values()), {}
+        for line in lines:
+            line.close()
+
+    def _connect(self, port: int) -> Connection:
+        """A connection to the node's port: TCP, TLS as configured, HTTP/2. LinkError if
+        it cannot be made."""
+        host, s = self.address()[0], self.settings
         try:
             sock = socket.create_connection((host, port), timeout=s.connect_timeout_s)
             if s.tls_ca:
@@ -158,57 +168,33 @@ class Link:
                 sock = ctx.wrap_socket(sock, server_hostname=host)
             conn = Connection(sock, client=True, max_message=protocol.MAX_MESSAGE_BYTES)
             conn.handshake(s.connect_timeout_s)
-        except (OSError, H2Error) as e:
-            raise LinkError(f"sync port {host}:{port}: {e}") from None
+        except (OSError, H2Error, TimeoutError) as e:
+            raise LinkError(f"{host}:{port}: UNAVAILABLE: {e}") from None
         return conn
 
-    def _sessions(self) -> grpc.Channel:
-        """The blocking channel for sessions, made when first needed."""
-        with self._lock:
-            if self._session_channel is None:
-                self._session_channel = self._make_channel()
-            return self._session_channel
-
-    def _drop_session_channel(self) -> None:
-        with self._lock:
-            channel, self._session_channel = self._session_channel, None
-        if channel is not None:
-            channel.close()
-
-    def _make_channel(self) -> grpc.Channel:
-        """The blocking channel: one connection of its own, no retries."""
-        opts = [
-            ("grpc.max_receive_message_length", protocol.MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", protocol.MAX_MESSAGE_BYTES),
-            ("grpc.enable_retries", 0),
-            # A connection of its own: grpc would otherwise share one TCP connection among
-            # channels to the same address, and a failure of one Link would hit the others.
-            ("grpc.use_local_subchannel_pool", 1),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-            # A frozen node (or a link that drops packets) is found within
-            # KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS while a session is open; the node permits
-            # pings this often (node/server.py).
-            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-            ("grpc.keepalive_permit_without_calls", 0),
-            ("grpc.http2.max_pings_without_data", 0),
-        ]
-        s = self.settings
-        if not s.tls_ca:
-            return grpc.insecure_channel(self.url, options=opts)
-        ca = _read(s.tls_ca)
-        cert = _read(s.tls_cert) if s.tls_cert else None
-        key = _read(s.tls_key) if s.tls_key else None
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=ca, private_key=key, certificate_chain=cert
-        )
-        return grpc.secure_channel(self.url, creds, options=opts)
+    def _hello(self, req: pb.HelloRequest) -> pb.HelloReply:
+        """The Hello call over the link's connection; LinkError with the reason."""
+        try:
+            line = self.line()
+        except LinkError as e:
+            self.failed(str(e))
+            raise
+        try:
+            data = line.unary(protocol.HELLO_PATH, req.SerializeToString(),
+                              self.settings.connect_timeout_s)
+            return pb.HelloReply.FromString(data)
+        except GrpcStatus as e:
+            self.failed(f"{_status_name(e.code)}: {peer_text(e.message)}")
+        except (H2Error, TimeoutError, OSError) as e:
+            self.failed(f"UNAVAILABLE: {e}")
+        except Exception as e:  # noqa: BLE001 - a reply protobuf cannot parse
+            self.failed(f"INTERNAL: undecodable HelloReply ({type(e).__name__})")
+        raise LinkError(self.last_error)
 
     async def connect(self) -> None:
         """Handshake (again if needed); raises LinkError with the reason. Hello goes over
-        the sessions' blocking channel (on an executor thread), so that it adds no
-        connection of its own."""
+        the sessions' connection (on an executor thread), so that it adds no connection
+        of its own."""
         if self.up:
             return
         req = pb.HelloRequest(
@@ -217,14 +203,8 @@ class Link:
             n_vocab=self.n_vocab,
             target_model=self.target_name,
         )
-        stub = self.session_stub()
         t0 = time.perf_counter()
-        try:
-            reply = await asyncio.get_running_loop().run_in_executor(None, lambda: stub.Hello(
-                req, timeout=self.settings.connect_timeout_s, metadata=self.metadata()))
-        except grpc.RpcError as e:
-            self.failed(_reason(e))
-            raise LinkError(self.last_error) from None
+        reply = await asyncio.get_running_loop().run_in_executor(None, self._hello, req)
         self.rtt_s = time.perf_counter() - t0
         self._check(reply)
         # `failures` stays: it is reset by a session that drafts (worked()), so a node that
@@ -236,9 +216,9 @@ class Link:
         )
 
     async def close(self) -> None:
-        """Close the channel (its connection goes with it)."""
+        """Close the connection."""
         self.up = False
-        self._drop_session_channel()
+        self._drop()
 
     def _check(self, r: pb.HelloReply) -> None:
         if r.protocol_version != protocol.PROTOCOL_VERSION:
@@ -280,7 +260,7 @@ class Link:
         self.violations += hostile
         self.last_error = reason
         if reconnect:
-            self._drop_session_channel()
+            self._drop()
         s = self.settings
         n = self.failures + self.violations
         pause = backoff_s or min(s.backoff_max_s, s.backoff_min_s * 2 ** (n - 1))
@@ -299,12 +279,8 @@ def loopback(url: str) -> bool:
         return False
 
 
-def _reason(e: grpc.RpcError) -> str:
-    if isinstance(e, grpc.Call):
-        return f"{e.code().name}: {peer_text(e.details())}"
-    return peer_text(e)
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _status_name(code: int) -> str:
+    try:
+        return Status(code).name
+    except ValueError:
+        return f"status {code}"

@@ -47,7 +47,10 @@ AUTH_HEADER = "authorization"
 #: Call metadata naming the target process, so that a node keeps a calibration per target.
 TARGET_HEADER = "specwire-target"
 TARGET_ID = secrets.token_hex(8)  # random per process: one target, one id
-SESSION_PATH = f"/{pb.DESCRIPTOR.services_by_name['DraftNode'].full_name}/Session"
+_SERVICE = pb.DESCRIPTOR.services_by_name["DraftNode"].full_name
+SESSION_PATH = f"/{_SERVICE}/Session"
+HELLO_PATH = f"/{_SERVICE}/Hello"
+PING_PATH = f"/{_SERVICE}/Ping"
 
 _MODES = {
     VerifyMode.GREEDY: pb.VERIFY_GREEDY,

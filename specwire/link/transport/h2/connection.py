@@ -91,6 +91,11 @@ class Connection:
         self._tls = isinstance(sock, ssl.SSLSocket)
         self._readable, self._writable = select.poll(), select.poll()
         self._readable.register(sock, select.POLLIN)
+        # Another thread's wake() ends this one's wait early (a message to send, a drain).
+        self._waker, self._wakee = socket.socketpair()
+        self._waker.setblocking(False)
+        self._wakee.setblocking(False)
+        self._readable.register(self._wakee, select.POLLIN)
         self._writable.register(sock, select.POLLOUT)
         self.window = min(max_message + 5, 2**31 - 1)
         config = h2.config.H2Configuration(client_side=client, header_encoding="utf-8")
@@ -115,8 +120,12 @@ class Connection:
             _E.StreamEnded: self._on_end,
             _E.StreamReset: self._on_reset,
             _E.ConnectionTerminated: self._on_goaway,
+            _E.PingAckReceived: self._on_ping_ack,
         }
         self.goaway: int | None = None  # the error code of the peer's GOAWAY
+        self.goaway_sent = False  # ours went out (drain): no new streams from the peer
+        self.heard_at = time.monotonic()  # when bytes last came from the peer
+        self.ping_sent: float | None = None  # when our unanswered PING went out
         self.closed = False
 
     # -- setup ------------------------------------------------------------------------
@@ -310,10 +319,36 @@ class Connection:
             return False
         return not self.closed and self.goaway is None
 
+    def wake(self) -> None:
+        """From any thread: end the owner's current wait now (it returns as if a frame that
+        carries nothing had arrived)."""
+        with contextlib.suppress(OSError):   # already pending, or the connection is closed
+            self._waker.send(b"\0")
+
+    def announce_goaway(self) -> None:
+        """Server: a GOAWAY (NO_ERROR) naming the last stream opened, so that the peer
+        opens no new stream while those it has go on to their end (a drain). Written
+        beside h2, which after a GOAWAY of its own would send no more frames."""
+        if self.goaway_sent or self.closed:
+            return
+        self.goaway_sent = True
+        last = max(self._h2.streams, default=0)
+        frame = (8).to_bytes(3, "big") + b"\x07\0" + (0).to_bytes(4, "big") + \
+            last.to_bytes(4, "big") + (0).to_bytes(4, "big")
+        self._write(self._h2.data_to_send() + frame, time.monotonic() + SEND_TIMEOUT_S)
+
+    def ping(self) -> None:
+        """A PING (keepalive); its ACK clears ping_sent."""
+        self._call(self._h2.ping, os.urandom(8))
+        self.ping_sent = time.monotonic()
+        self._flush(time.monotonic() + SEND_TIMEOUT_S)
+
     def close(self, code: int = h2.errors.ErrorCodes.NO_ERROR) -> None:
         if self.closed:
             return
         self.closed = True
+        self._waker.close()
+        self._wakee.close()
         try:
             # A GOAWAY, unless h2 already queued one for a protocol error.
             with contextlib.suppress(h2.exceptions.H2Error):
@@ -397,9 +432,15 @@ class Connection:
         sock = self.sock
         while True:
             left = 0.0 if until is None else until - time.monotonic()
-            if left > 0 and not (self._tls and sock.pending()) and \
-                    not self._readable.poll(left * 1000):
-                return None
+            if left > 0 and not (self._tls and sock.pending()):
+                ready = self._readable.poll(left * 1000)
+                if not ready:
+                    return None
+                if any(fd == self._wakee.fileno() for fd, _ in ready):
+                    with contextlib.suppress(OSError):
+                        self._wakee.recv(4096)
+                    if len(ready) == 1:
+                        return b""   # woken: nothing read
             try:
                 data = sock.recv(65536)
             except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
@@ -410,6 +451,7 @@ class Connection:
                 self._lost(f"connection lost: {e}")
             if not data:
                 self._lost("connection closed by the peer")
+            self.heard_at = time.monotonic()
             return data
 
     def _flush(self, deadline: float) -> None:
@@ -496,6 +538,9 @@ class Connection:
         if stream is not None:
             stream.reset, stream.ended = int(e.error_code), True
 
+    def _on_ping_ack(self, e) -> None:
+        self.ping_sent = None
+
     def _on_goaway(self, e) -> None:
         self.goaway = int(e.error_code)
         last = e.last_stream_id if e.last_stream_id is not None else 0
@@ -516,6 +561,8 @@ class Connection:
 
     def _lost(self, why: str) -> NoReturn:
         self.closed = True
+        self._waker.close()
+        self._wakee.close()
         with contextlib.suppress(OSError):
             self.sock.close()
         raise H2Error(why)

@@ -9,6 +9,7 @@ naming the problem, never in an exception of another kind.
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +23,22 @@ MAX_QUEUED = 256
 #: gRPC's status codes are 0..16; anything else in a trailer is malformed.
 MAX_STATUS_CODE = 16
 _STATUS = re.compile(r"[0-9]{1,2}")  # ASCII digits only: "²".isdigit() is True
+
+
+class Status(enum.IntEnum):
+    """gRPC's status codes (the ones this link uses), as they travel in grpc-status."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    FAILED_PRECONDITION = 9
+    RESOURCE_EXHAUSTED = 8
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    UNAUTHENTICATED = 16
 
 
 class H2Error(Exception):

@@ -1,19 +1,20 @@
-"""The synchronous port's calls of one connection, served together on its thread.
+"""The gRPC calls of one server connection, served together on its thread.
 
-A target with several slots (`serve -np N`) opens its synchronous sessions as
-streams of one connection (link/transport/channels.py). The connection's thread reads
-whatever arrives, for whichever stream, and hands each call its messages in
-turn: a verdict in, the session drafts, its chunk out, on this thread as for a
-single call (link/transport/h2/server.py says why). When verdicts of several calls are
-waiting at once (a batch target sends all its slots' verdicts before it waits,
-Capabilities.asks_ahead), their sessions draft side by side on worker threads, as they
-would on connections of their own, while this thread alone reads and writes the
-connection, sending each chunk as it is ready. Each call keeps its own deadlines
-(its Open within the handshake deadline, each next message within the session's
-idle time) and its own admission slot; what ends one call (a Close, a cancel, a
-malformed message, a deadline, a stream without flow-control credit) ends it
-alone. Only the connection failing, or HTTP/2 abuse on it (floods.py), ends
-every call on it.
+A target opens all its sessions (every slot of `serve -np N`), its Hello and its
+pings as streams of one connection (link/transport/channels.py). The connection's
+thread reads whatever arrives, for whichever stream, and hands each call its
+messages in turn. A synchronous round (a verdict in, the session drafts, its chunk
+out) happens on this thread (link/transport/h2/server.py says why). When messages
+of several calls are waiting at once (a batch target sends all its slots' verdicts
+before it waits, Capabilities.asks_ahead), their calls take them side by side on
+worker threads, as they would on connections of their own, while this thread alone
+reads and writes the connection, sending each message as it is ready. A call whose
+messages are made on a thread of its own (a pipelined session drafting) hands them
+to this thread the same way, waking its wait. Each call keeps its own deadlines (its
+first message within the handshake deadline, each next one within its idle time)
+and its own admission slot; what ends one call (a Close, a cancel, a malformed
+message, a deadline, a stream without flow-control credit) ends it alone. Only the
+connection failing, or HTTP/2 abuse on it (floods.py), ends every call on it.
 """
 
 from __future__ import annotations
@@ -22,19 +23,16 @@ import contextlib
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
-import grpc
-from google.protobuf.message import DecodeError
-
-from specwire.link.messages import Chunk, DraftMessage, Verdict
-from specwire.link.transport import protocol, roundcodec
-from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport.h2.connection import Connection, H2Error, Stream
+from specwire.link.transport.h2.grpcframe import Status
 from specwire.link.transport.protocol import ProtocolError
 
 log = logging.getLogger("specwire.node")
@@ -43,17 +41,33 @@ log = logging.getLogger("specwire.node")
 class Abort(Exception):
     """What a service raises (through its context) to refuse or end a call with a status."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: Status, details: str) -> None:
         super().__init__(details)
         self.code, self.details = code, details
 
 
-class Context:
-    """What DraftNodeService asks of grpcio's ServicerContext."""
+class Handler(Protocol):
+    """A service's side of one call. `take` gets each message's bytes (or why none could
+    be read) and says whether the call goes on; `end` is called once, however it ended;
+    `status` is the (code, details) the call ends with; `idle_s`, if not None, replaces
+    the session's idle time between messages (a Ping stream's)."""
 
-    def __init__(self, stream: Stream, peer: str, subject: str = "") -> None:
+    status: tuple[int, str]
+    idle_s: float | None
+
+    def take(self, data: bytes | ProtocolError) -> bool: ...
+
+    def end(self) -> None: ...
+
+
+class Context:
+    """The call's metadata, peer and client certificate, as a service asks for them (the
+    names of grpcio's ServicerContext)."""
+
+    def __init__(self, stream: Stream, peer: str, subject: str = "", port: int = 0) -> None:
         self._metadata = tuple((k, v) for k, v in stream.headers if not k.startswith(":"))
         self._peer, self._subject = peer, subject
+        self.port = port  # the node's port the call came to
 
     def auth_context(self) -> dict[str, list[bytes]]:
         """As grpcio's: the mutual-TLS client certificate's subject, when there is one."""
@@ -65,7 +79,7 @@ class Context:
     def peer(self) -> str:
         return self._peer
 
-    def abort(self, code: grpc.StatusCode, details: str):
+    def abort(self, code: Status, details: str):
         raise Abort(code, details)
 
 
@@ -74,7 +88,7 @@ class _Call:
     """A live call: the service's side of it, and when it must next hear from its target."""
 
     stream: Stream
-    handler: object  # the service's call: take(message or ProtocolError) -> bool, end()
+    handler: Handler | None
     deadline: float
     silent: str  # what its deadline's expiry means, for the error
     timeout_s: float
@@ -88,17 +102,22 @@ class Calls:
     def __init__(self, conn: Connection, peer: str, start: Callable, handshake_s: float,
                  idle_s: float, session_idle_s: float, active_idle_s: float | None = None,
                  subject: str = "", first_call_by: float | None = None) -> None:
-        """start(send, context): the service's call for a new stream (it may abort). A call
-        waits session_idle_s for its first verdict, active_idle_s for each next one;
+        """start(path, send, context): the service's Handler for a new stream (it may
+        abort); send(message, last=False) writes a message of the call, from any thread
+        (last: the call ends after it). A call waits session_idle_s for its second
+        message, active_idle_s for each next one (or its handler's idle_s);
         subject: the peer's client certificate's (mutual TLS). first_call_by: the monotonic
         time by which a call must be admitted (default: handshake_s from now)."""
         self.conn, self.peer, self._start = conn, peer, start
         self.handshake_s, self.idle_s, self.session_idle_s = handshake_s, idle_s, session_idle_s
         self.active_idle_s = session_idle_s if active_idle_s is None else active_idle_s
         self.subject = subject
+        self.port = conn.sock.getsockname()[1] if conn.sock.family != socket.AF_UNIX else 0
         self.first_call_by = first_call_by
         self.calls: dict[int, _Call] = {}
         self.served = 0  # calls admitted so far
+        self.draining = False  # set from another thread (then conn.wake()): GOAWAY, finish
+        self.stopping = False  # likewise: end every call and the connection now
         self._owner = threading.get_ident()  # the thread that reads and writes conn
         self._pool: ThreadPoolExecutor | None = None  # made when two calls first draft at once
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # from the workers
@@ -113,15 +132,20 @@ class Calls:
         idle_until: float | None = (self.first_call_by if self.first_call_by is not None
                                     else time.monotonic() + self.handshake_s)
         try:
-            while not conn.closed and conn.goaway is None:
+            while not conn.closed and conn.goaway is None and not self.stopping:
+                if self.draining:
+                    conn.announce_goaway()
                 if not self.calls and idle_until is not None and \
                         time.monotonic() >= idle_until:
                     raise TimeoutError("no call before the deadline")  # what came late waits
                 while (stream := conn.take_request()) is not None:
-                    if self._open(stream) == grpc.StatusCode.UNAUTHENTICATED and \
+                    if self._open(stream) == Status.UNAUTHENTICATED and \
                             not self.calls:
                         return  # only a target that was let in may keep a connection idle
                 self._serve_all()
+                self._pass_events()
+                if self.draining and not self.calls:
+                    return
                 if self.calls:
                     idle_until = None
                     until = min(c.deadline for c in self.calls.values())
@@ -137,25 +161,27 @@ class Calls:
                     self._expire()
         finally:
             for call in list(self.calls.values()):
+                if self.stopping:
+                    call.handler.status = (Status.UNAVAILABLE, "draft node shutting down")
                 self._end(call)
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
 
-    def _open(self, stream: Stream) -> grpc.StatusCode | None:
+    def _open(self, stream: Stream) -> Status | None:
         """Admit a new stream's call, or finish it at once with why not."""
         conn, headers = self.conn, dict(stream.headers)
         refusal = _refusal(headers)
         if refusal is not None:
-            conn.finish(stream.sid, grpc.StatusCode.UNIMPLEMENTED.value[0], refusal,
-                        headers_sent=False)
+            conn.finish(stream.sid, Status.UNIMPLEMENTED, refusal, headers_sent=False)
             return None
         call = _Call(stream, None, time.monotonic() + self.handshake_s, "no Open",
                      self.handshake_s)
         try:
-            call.handler = self._start(lambda msg: self._send(call, msg),
-                                       Context(stream, self.peer, self.subject))
+            call.handler = self._start(headers.get(":path", ""),
+                                       lambda msg, last=False: self._send(call, msg, last),
+                                       Context(stream, self.peer, self.subject, self.port))
         except Abort as e:
-            self._finish(call, e.code.value[0], e.details)
+            self._finish(call, int(e.code), e.details)
             return e.code
         self.calls[stream.sid] = call
         self.served += 1
@@ -177,21 +203,16 @@ class Calls:
             self._end(call)  # the target half-closed or cancelled it (a Close), or we reset
             #                  it (no flow-control credit for a chunk)
 
-    def _next(self, call: _Call) -> pb.TargetMessage | Verdict | ProtocolError:
-        """The call's next message (there is one), its deadline moved on. A verdict in its
-        common encoding comes decoded (roundcodec.py), anything else as protobuf."""
+    def _next(self, call: _Call) -> bytes:
+        """The call's next message (there is one), its deadline moved on."""
         data = self.conn.recv_message(call.stream.sid, 0.0)
         call.heard += 1
-        wait = self.session_idle_s if call.heard == 1 else self.active_idle_s
+        wait = call.handler.idle_s
+        if wait is None:
+            wait = self.session_idle_s if call.heard == 1 else self.active_idle_s
         call.deadline = time.monotonic() + wait
         call.silent, call.timeout_s = "the target sent nothing", wait
-        verdict = roundcodec.verdict_from_bytes(data)
-        if verdict is not None:
-            return verdict
-        try:
-            return pb.TargetMessage.FromString(data)
-        except DecodeError:
-            return ProtocolError("undecodable frame: not a TargetMessage")
+        return data
 
     def _together(self, ready: list[_Call]) -> None:
         """One message to each of these calls, their sessions drafting on worker threads;
@@ -210,8 +231,8 @@ class Calls:
             kind, call, value = events.get()
             if kind == "send":
                 try:
-                    if failure is None:
-                        self._send(call, value)
+                    if failure is None and self._send(call, *value):
+                        over.append(call)
                 except H2Error as e:
                     failure = e
                 continue
@@ -232,29 +253,40 @@ class Calls:
             call.handler.take(ProtocolError(f"{call.silent} for {call.timeout_s:g} s"))
             self._end(call)
 
-    def _send(self, call: _Call, msg: DraftMessage) -> None:
-        """A session's message out on the call's stream; a stream the target cancelled takes
-        none. From a worker, the message goes to this connection's thread, which sends it.
-        A plain chunk's bytes are written directly (roundcodec.py), anything else by
-        protobuf."""
+    def _pass_events(self) -> None:
+        """Send what other threads handed over (a pipelined session's drafts), ending the
+        calls whose last message that was."""
+        events = self._events
+        while True:
+            try:
+                kind, call, value = events.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "send" and self._send(call, *value) and \
+                    self.calls.get(call.stream.sid) is call:
+                self._end(call)
+
+    def _send(self, call: _Call, data: bytes, last: bool = False) -> bool:
+        """A call's message out on its stream; a stream the target cancelled takes none.
+        From another thread, the message goes to this connection's thread, which sends it
+        (and is woken for it). Returns `last` (the call is to end) on this thread."""
         if threading.get_ident() != self._owner:
-            self._events.put(("send", call, msg))
-            return
+            self._events.put(("send", call, (data, last)))
+            self.conn.wake()
+            return False
         sid = call.stream.sid
         if call.stream.reset is not None or sid not in self.conn.streams:
-            return
+            return last
         if not call.sent:
             self.conn.respond(sid)
             call.sent = True
-        data = roundcodec.chunk_bytes(msg) if isinstance(msg, Chunk) else None
-        if data is None:
-            data = protocol.draft_to_pb(msg).SerializeToString()
         try:
             self.conn.send_message(sid, data)
         except H2Error:
             if self.conn.closed:
                 raise
             # This stream alone (no credit from its target): it was reset, the rest go on.
+        return last
 
     def _end(self, call: _Call) -> None:
         """The call is over: its slot freed, its status sent if its stream is still open."""
@@ -262,7 +294,7 @@ class Calls:
         try:
             call.handler.end()
         finally:
-            self._finish(call, 0, "")
+            self._finish(call, *call.handler.status)
 
     def _finish(self, call: _Call, code: int, details: str) -> None:
         sid = call.stream.sid
@@ -277,8 +309,7 @@ class Calls:
                 raise
 
 
-def _work(call: _Call, msg: pb.TargetMessage | Verdict | ProtocolError,
-          events: queue.SimpleQueue) -> None:
+def _work(call: _Call, msg: bytes, events: queue.SimpleQueue) -> None:
     """A worker's turn: the call takes its message; ("done", call, result) when it did."""
     try:
         result: bool | BaseException = call.handler.take(msg)
@@ -288,9 +319,8 @@ def _work(call: _Call, msg: pb.TargetMessage | Verdict | ProtocolError,
 
 
 def _refusal(headers: dict[str, str]) -> str | None:
-    """Why this port does not serve a stream with these headers, or None."""
-    if headers.get(":path") != protocol.SESSION_PATH:
-        return f"this port serves only synchronous {protocol.SESSION_PATH} calls"
+    """Why no call is served on a stream with these headers (the service refuses an
+    unknown method itself), or None."""
     if not headers.get("content-type", "").startswith("application/grpc") or \
             headers.get("grpc-encoding", "identity") != "identity":
         return "expected content-type application/grpc without compression"

@@ -1,28 +1,30 @@
-"""The draft node's synchronous port: Session calls served on the connection's own thread.
+"""The draft node's gRPC server: every call (Hello, Ping, Session) over h2, a thread per
+connection.
 
 A synchronous round is one verdict in and one chunk out, and its cost is the
 target's wait. grpcio's server hands each message between its poller and a
 handler thread; here the thread that owns a connection reads the verdict,
-drafts and writes the chunk (link/transport/h2/connection.py says why that matters). It speaks
-the same gRPC as the main port, so any gRPC client can use it, and it serves
-only synchronous Session calls (DraftNodeService.sync_call): the sessions of
-one target's slots as streams of one connection, served in turn by its thread
-(link/transport/h2/mux.py), each with its own deadlines and admission slot. Pipelined
-sessions, Hello and Ping stay on the main port.
+drafts and writes the chunk (link/transport/h2/connection.py says why that matters). A
+pipelined session drafts on a thread of its own and hands each chunk to the
+connection's thread (link/transport/h2/mux.py). It speaks standard gRPC, so any gRPC
+client can be a target: the calls of one target's slots are streams of one
+connection, served in turn by its thread, each with its own deadlines and
+admission slot.
 
 Its deadlines are the main port's: one deadline, HANDSHAKE_TIMEOUT_S from the
 connection's accept, covers its TLS handshake, its HTTP/2 preface and the headers of a
 call the service admits (its token checked), so that a peer that sends nothing, sends
 slowly or never authenticates is closed by it however it spreads its bytes; a call
-must then send its Open as soon, a connection with no
-call open for `idle_s` is closed with a GOAWAY (the main port's
-grpc.max_connection_idle_ms; `specwire draft --idle-timeout`), and a session
+must then send its first message as soon, a connection with no
+call open for `idle_s` is closed with a GOAWAY (`specwire draft --idle-timeout`), and a session
 whose target sends nothing for `session_idle_s` ends. A target that finds its
 connection closed opens a new one for its next session without failing it.
 
 Connections are bounded in all (`max_connections`) and per peer address
-(`per_address`, `specwire draft --sync-conn-per-address`): peers of one address cannot
-hold every connection slot, whatever they send.
+(`per_address`, `specwire draft --conn-per-address`): peers of one address cannot
+hold every connection slot, whatever they send. A drain (SIGTERM) stops accepting,
+sends every connection a GOAWAY that lets its open calls finish, and `stop` then
+ends what is left.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 
 from specwire.link.transport import protocol
 from specwire.link.transport.h2.connection import Connection, H2Error
@@ -48,18 +51,20 @@ TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
                        errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
 
 
-class SyncServer:
-    """Listens on its own port; one thread per connection, connections bounded."""
+class H2Server:
+    """Listens on one port; one thread per connection, connections bounded."""
 
-    def __init__(self, service, host: str, port: int, tls: ssl.SSLContext | None,
+    def __init__(self, start: Callable, host: str, port: int, tls: ssl.SSLContext | None,
                  max_connections: int, idle_s: float, session_idle_s: float,
                  max_streams: int = 1, active_idle_s: float | None = None,
-                 per_address: int = 0) -> None:
-        """max_streams: calls one connection may have open at once (a target's slots share
+                 per_address: int = 0, name: str = "node") -> None:
+        """start(path, send, context): the service's handler of a new call (mux.Calls).
+        max_streams: calls one connection may have open at once (a target's slots share
         one connection, link/transport/channels.py); admission bounds the sessions, not this.
         active_idle_s: a started session's longest silence (session_idle_s by default).
-        per_address: connections one peer address may hold at once (0: up to the total)."""
-        self.service, self.tls = service, tls
+        per_address: connections one peer address may hold at once (0: up to the total).
+        name: the port's name in logs."""
+        self.start_call, self.tls, self.name = start, tls, name
         self.max_streams = max_streams
         self.idle_s, self.session_idle_s = idle_s, session_idle_s
         self.active_idle_s = active_idle_s
@@ -70,14 +75,39 @@ class SyncServer:
         self._by_address: dict[str, int] = {}   # open connections per peer address
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="sync-accept", daemon=True)
+        self._live: set[Calls] = set()  # the connections being served, for drain and stop
+        self._thread = threading.Thread(target=self._accept, name="node-accept", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
+        """No new connections."""
         self._closed = True
         self._sock.close()
+
+    def drain(self) -> None:
+        """No new connections, and a GOAWAY on each open one: its calls go on to their end,
+        then it closes."""
+        self.close()
+        with self._lock:
+            live = list(self._live)
+        for calls in live:
+            calls.draining = True
+            calls.conn.wake()
+
+    def stop(self, wait_s: float = 2.0) -> None:
+        """Every call ended and every connection closed now, waiting up to wait_s for
+        their threads to finish."""
+        self.close()
+        with self._lock:
+            live = list(self._live)
+        for calls in live:
+            calls.stopping = True
+            calls.conn.wake()
+        deadline = time.monotonic() + wait_s
+        while self._live and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _accept(self) -> None:
         while True:
@@ -86,7 +116,8 @@ class SyncServer:
             except OSError as e:
                 if self._closed or e.errno not in TRANSIENT:
                     return  # closed
-                log.warning("sync port: accept failed (%s); retrying", e.strerror or e)
+                log.warning("%s port: accept failed (%s); retrying", self.name,
+                            e.strerror or e)
                 time.sleep(ACCEPT_PAUSE_S)   # out of descriptors: some close meanwhile
                 continue
             if not self._enter(addr[0]):
@@ -94,11 +125,12 @@ class SyncServer:
                 continue
             if not self._slots.acquire(blocking=False):
                 self._leave(addr[0])
-                log.warning("refused connection from %s:%d on the sync port: too many", *addr[:2])
+                log.warning("refused connection from %s:%d on the %s port: too many",
+                            *addr[:2], self.name)
                 sock.close()
                 continue
             threading.Thread(target=self._serve, args=(sock, addr[0], addr[1]),
-                             name="sync-conn", daemon=True).start()
+                             name="node-conn", daemon=True).start()
 
     def _enter(self, address: str) -> bool:
         """One more connection from this address, unless it holds per_address already."""
@@ -110,8 +142,8 @@ class SyncServer:
                 self._by_address[address] = n + 1
                 full = False
         if full:
-            log.warning("refused connection from %s on the sync port: %d open from that "
-                        "address (--sync-conn-per-address)", address, n)
+            log.warning("refused connection from %s on the %s port: %d open from that "
+                        "address (--conn-per-address)", address, self.name, n)
         return not full
 
     def _leave(self, address: str) -> None:
@@ -136,19 +168,26 @@ class SyncServer:
             conn = Connection(sock, client=False, max_message=protocol.MAX_MESSAGE_BYTES,
                               max_streams=self.max_streams)
             conn.handshake(max(0.0, deadline - time.monotonic()))
-            calls = Calls(conn, peer, self.service.sync_call, HANDSHAKE_TIMEOUT_S, self.idle_s,
+            calls = Calls(conn, peer, self.start_call, HANDSHAKE_TIMEOUT_S, self.idle_s,
                           self.session_idle_s, self.active_idle_s, _subject(sock),
                           first_call_by=deadline)
+            with self._lock:
+                self._live.add(calls)
+            if self._closed:
+                calls.draining = True
             calls.run()
         except TimeoutError:
             if calls is not None and calls.served:
-                log.info("sync connection from %s closed: idle for %g s", peer, self.idle_s)
+                log.info("connection from %s closed: idle for %g s", peer, self.idle_s)
             else:
-                log.warning("sync connection from %s closed: no call within %g s", peer,
+                log.warning("connection from %s closed: no call within %g s", peer,
                             HANDSHAKE_TIMEOUT_S)
         except (H2Error, OSError) as e:  # OSError covers TLS errors
-            log.warning("sync connection from %s closed: %s", peer, e)
+            log.warning("connection from %s closed: %s", peer, e)
         finally:
+            if calls is not None:
+                with self._lock:
+                    self._live.discard(calls)
             if conn is not None:
                 conn.close()
             else:
@@ -173,7 +212,7 @@ _SHORT = {"commonName": "CN", "organizationName": "O", "organizationalUnitName":
 
 
 def tls_context(cert: str, key: str | None, client_ca: str | None) -> ssl.SSLContext:
-    """TLS as the main port serves it, with HTTP/2 negotiated by ALPN as gRPC requires."""
+    """TLS for the node's ports, with HTTP/2 negotiated by ALPN as gRPC requires."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(cert, key or cert)
     ctx.set_alpn_protocols(["h2"])
