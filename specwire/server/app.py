@@ -220,8 +220,9 @@ def _slot_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
 
     if settings.slots:
         @api.get("/slots")
-        async def slots() -> list:
-            return scheduler.slot_states()
+        async def slots(request: Request) -> list:
+            key = getattr(request.state, "key_scope", "")    # another key's slots: no details
+            return scheduler.slot_states(schemas.joined_scope(key) if key else None)
 
     @api.get("/lora-adapters")
     async def lora_adapters() -> list:
