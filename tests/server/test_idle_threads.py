@@ -1,9 +1,9 @@
 """serve's request threads (anyio's worker pool) shrink back once the server is idle.
 
 anyio retires a worker idle for MAX_IDLE_TIME only when it hands out the next piece of
-work, so after a burst the pool kept its busiest size until the next request (the soak's
-target ended with a thread more than it started with). retire_idle_workers hands it a
-no-op now and then; here with the idle time made short, on a real event loop.
+work, so after a burst the pool keeps its busiest size until the next request.
+retire_idle_workers hands it a no-op now and then; here with the idle time made short,
+on a real event loop.
 """
 
 from __future__ import annotations
