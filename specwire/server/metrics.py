@@ -4,10 +4,9 @@ One registry per app holds the generations' counters and gauges (plain numbers k
 a lock by the worker threads and turned into families at scrape time, so that their names
 and meanings stay stable), histograms of time to first token, time per output token and
 round duration, the state read at scrape time (queue, link, contexts, Python threads by
-name, process), and
-llama.cpp's own speculation counters (`llamacpp:` prefix, vLLM's schema) so that dashboards
-built for those work unchanged. `Metrics.figures()` returns the same samples as numbers,
-keyed as the exposition writes them, for the pages that show them.
+name, process), and llama.cpp's own speculation counters (`llamacpp:` prefix, vLLM's
+schema) so that dashboards built for those work unchanged. `Metrics.figures()` returns the
+same samples as numbers, keyed as the exposition writes them, for the pages that show them.
 """
 
 from __future__ import annotations
