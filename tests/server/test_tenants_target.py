@@ -282,8 +282,9 @@ def test_what_one_scope_teaches_sets_no_other_scopes_draft_lengths() -> None:
     cache_salt) sends three requests the lookup copies well, or three it copies badly;
     tenant B's next request (another salt) drafts and keeps the same tokens either way,
     as the n-gram drafter's calibration and yield are learnt per scope. The control, A
-    and B without salts (one scope), in the same servers: what A sent changes B's
-    drafts, so the probe can tell A's texts apart where the state is shared."""
+    and B without salts (one scope), in the same servers, is printed, not asserted: on
+    main at d7e212f B drafts and keeps 6 of 6 after either text there too, so this test
+    shows only that nothing differs; test_scoped_learning.py asserts the control."""
     from test_server import run_serve
 
     def seen(a_text: str) -> tuple[tuple, tuple]:
@@ -313,7 +314,8 @@ def test_what_one_scope_teaches_sets_no_other_scopes_draft_lengths() -> None:
     junk_scoped, junk_shared = seen(JUNK_TEXT)
     assert copying_scoped == junk_scoped
     assert copying_scoped[1] > 0                 # B's lookup drafts: the probe is live
-    assert copying_shared[1:] != junk_shared[1:]  # the control: shared, A's text tells
+    print(f"one scope (the control): B drafted, kept {copying_shared[1:]} after A's copying "
+          f"text, {junk_shared[1:]} after its junk")
     assert copying_shared[0] == junk_shared[0] == copying_scoped[0]
 
 
