@@ -19,6 +19,10 @@ are then checked against plain decoding (the same prompt with speculative false,
 the end), and the serving process's and the node's threads, descriptors and memory
 are read from /proc every 30 s.
 
+Both processes' threads by name and descriptors by kind (a socket by its port and
+state) are read at the start and at the end, each after --settle-s idle seconds; the
+soak fails, naming what differs, if the target's are not the same at the end.
+
 What it reports is read from the target's and the node's /metrics
 (prometheus_client): resident memory and open files cold (before any request),
 at the start (after a warm-up: each kind of request once on every slot, so
@@ -28,12 +32,14 @@ measured in the field), after the first interval (one full node restart cycle)
 and at the end; open requests and contexts at the end. Client-side it counts
 answers by status and times each successful request end to end. Goals: no
 5xx, no transport error outside a cut stream, memory growth from the start
-(after warm-up) under 5%, nothing left open at the end; growth from cold and
-from the first interval are reported beside it.
+(after warm-up) under 5%, nothing left open at the end, every greedy answer
+equal to plain decoding's, the target's threads and descriptors at the end
+those of the start; growth from cold and from the first interval are reported
+beside it.
 
     python -m benchmarks.soak --minutes 10 --clients 8 [--restart-every 60]
         [--ctx 1024] [-np 2] [--draft-mode auto|sync|pipelined] [--attackers]
-        [--out soak.json]
+        [--settle-s 16] [--out soak.json]
 """
 
 from __future__ import annotations
@@ -243,8 +249,10 @@ def _kinds(a: argparse.Namespace) -> dict[str, int]:
 
 def _plain_check(url: str, greedy: dict[str, list[list[int]]]) -> dict:
     """Each greedy answer against plain decoding: the prompt once more, speculative false,
-    as long as the longest answer; an answer must be a prefix of it."""
+    as long as the longest answer; an answer must be a prefix of it. The first few that
+    are not are kept: the prompt, where they part, and both continuations from there."""
     checked = differ = 0
+    unlike: list[dict] = []
     with httpx.Client(base_url=url, timeout=600) as c:
         for prompt, answers in greedy.items():
             n = max(len(t) for t in answers)
@@ -253,8 +261,17 @@ def _plain_check(url: str, greedy: dict[str, list[list[int]]]) -> dict:
             plain = r.json()["tokens"]
             for t in answers:
                 checked += 1
-                differ += plain[:len(t)] != t
-    return {"greedy_answers_checked": checked, "greedy_answers_unlike_plain": differ}
+                if plain[:len(t)] != t:
+                    differ += 1
+                    at = next(i for i, (a, b) in enumerate(zip(t, plain, strict=False))
+                              if a != b) if any(
+                        a != b for a, b in zip(t, plain, strict=False)) else min(len(t),
+                                                                                  len(plain))
+                    if len(unlike) < 5:
+                        unlike.append({"prompt": prompt, "at": at, "answer": t[at:at + 8],
+                                       "plain": plain[at:at + 8]})
+    return {"greedy_answers_checked": checked, "greedy_answers_unlike_plain": differ,
+            "greedy_unlike": unlike}
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -309,6 +326,7 @@ def run(a: argparse.Namespace) -> dict:
     try:
         report["cold"] = _resources(_scrape(url), _scrape(node_url))
         _warm_up(url, a)
+        time.sleep(a.settle_s)   # idle, as at the end: the request threads' pool shrinks
         report["start"] = _resources(_scrape(url), _scrape(node_url))
         tally = Tally()
         t0 = time.monotonic()
@@ -326,6 +344,7 @@ def run(a: argparse.Namespace) -> dict:
                               "node": attacks.proc_figures(node.proc.pid)})
 
         sample()
+        report["names_start"] = _names(serve, node, url)
         for c in [*clients, *hostile]:
             c.start()
         restarts, warm, by_interval = 0, None, []
@@ -358,7 +377,11 @@ def run(a: argparse.Namespace) -> dict:
             time.sleep(12.0)  # the node's 10 s deadline for the last silent call
             report["attackers"] = {h.name: h.report() for h in hostile}
             report |= _plain_check(url, tally.greedy)
+        time.sleep(a.settle_s)   # idle, as the start was read
         sample()
+        report["names_end"] = _names(serve, node, url)
+        report["serve_names_differ"] = attacks.names_differ(report["names_start"]["serve"],
+                                                            report["names_end"]["serve"])
         report["over_time"] = over_time
         end = _resources(_scrape(url), _scrape(node_url))
         report |= {"warm": warm, "end": end, "node_restarts": restarts,
@@ -370,6 +393,23 @@ def run(a: argparse.Namespace) -> dict:
     report["target_tracebacks"] = serve.log().count("Traceback")
     report["node_tracebacks"] = node.log().count("Traceback")
     return report
+
+
+def _names(serve: Process, node: Process, url: str) -> dict:
+    """Both processes' threads by name and descriptors by kind (soak_attacks.proc_names),
+    and the target's Python threads by name (its /metrics: /proc names them all python)."""
+    time.sleep(0.5)      # the last scrape's connection closed on the server's side too
+    out = {"serve": attacks.proc_names(serve.proc.pid), "node": attacks.proc_names(node.proc.pid)}
+    # read after /proc: the scrape's own connection is not among the descriptors
+    out["serve"]["python_threads"] = {
+        k[len('specwire:threads{name="'):-2]: int(v) for k, v in _scrape(url).items()
+        if k.startswith('specwire:threads{name="')}
+    return out
+
+
+def _counts(names: dict) -> str:
+    serve = names["serve"]
+    return f"{sum(serve['threads'].values())}/{sum(serve['fds'].values())}"
 
 
 def _summary(t: Tally, cold: dict, start: dict, warm: dict | None, end: dict) -> dict:
@@ -410,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-mode", choices=["auto", "sync", "pipelined"], default="auto")
     p.add_argument("--attackers", action="store_true",
                    help="issue 23's attackers beside the clients (soak_attacks.py)")
+    p.add_argument("--settle-s", type=float, default=16.0,
+                   help="idle seconds before the start's and the end's readings (anyio "
+                   "retires a request thread idle for 10 s; serve asks it every 5 s)")
     p.add_argument("--log-dir", help="where the server's and the node's logs go")
     p.add_argument("--out", help="write the report as JSON here too")
     a = p.parse_args(argv)
@@ -418,16 +461,21 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
+    differ = report["serve_names_differ"]
     ok = report["count_5xx"] == 0 and report["target_rss_growth_pct"] < 5 and \
         not any(report["open_at_end"].values()) and \
-        not report.get("greedy_answers_unlike_plain", 0)
+        not report.get("greedy_answers_unlike_plain", 0) and not differ
+    if differ:
+        print(f"[soak] the target's threads or descriptors at the end differ from the "
+              f"start's (end minus start, by name): {differ}", flush=True)
     print(f"[soak] {'PASS' if ok else 'FAIL'}: {report['served_2xx']} served, "
           f"{report['count_5xx']} 5xx, p99 {report['latency_s']['p99']:.2f} s, target RSS "
           f"{report['target_rss_growth_pct']:+.1f}% from the start after warm-up "
           f"({report['target_rss_growth_from_cold_pct']:+.1f}% from cold, "
           f"{report['target_rss_growth_after_first_interval_pct']:+.1f}% after the first "
           f"interval), open at end "
-          f"{report['open_at_end']}", flush=True)
+          f"{report['open_at_end']}, threads/fds start {_counts(report['names_start'])} "
+          f"end {_counts(report['names_end'])}", flush=True)
     return 0 if ok else 1
 
 

@@ -190,3 +190,68 @@ def proc_figures(pid: int) -> dict[str, float]:
     with contextlib.suppress(OSError):
         out["fds"] = float(len(os.listdir(f"/proc/{pid}/fd")))
     return out
+
+
+def proc_names(pid: int) -> dict[str, dict[str, int]]:
+    """A process's threads by name (/proc/PID/task/*/comm) and its descriptors by kind
+    (the readlink of /proc/PID/fd/*, a socket's or a pipe's inode left out), counted:
+    two readings that differ name what was made and not released between them."""
+    threads: Counter = Counter()
+    fds: Counter = Counter()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/comm") as f:
+                threads[f.read().strip()] += 1
+    sockets = _tcp_sockets(pid)
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    fds[sockets.get(link[8:-1], "socket")] += 1
+                else:
+                    fds[link.split(":[", 1)[0] if ":[" in link else link] += 1
+    return {"threads": dict(sorted(threads.items())), "fds": dict(sorted(fds.items()))}
+
+
+_TCP_STATES = {"01": "established", "06": "time-wait", "07": "close", "08": "close-wait",
+               "0A": "listen"}
+
+
+def _tcp_sockets(pid: int) -> dict[str, str]:
+    """inode -> "tcp listen :PORT", "tcp in :PORT STATE" (accepted on a port the process
+    listens on), "tcp out :PORT STATE" (connected to PORT) or "unix [PATH]", from
+    /proc/PID/net/tcp, tcp6 and unix."""
+    rows = []
+    for name in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{name}") as f:
+            rows += [line.split() for line in list(f)[1:]]
+    listening = {int(r[1].rsplit(":", 1)[1], 16) for r in rows if r[3] == "0A"}
+    out = {}
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/net/unix") as f:
+        for line in list(f)[1:]:
+            parts = line.split()
+            if len(parts) >= 7:
+                out[parts[6]] = f"unix {parts[7]}" if len(parts) > 7 else "unix"
+    for r in rows:
+        local, remote = int(r[1].rsplit(":", 1)[1], 16), int(r[2].rsplit(":", 1)[1], 16)
+        state = _TCP_STATES.get(r[3], r[3])
+        if r[3] == "0A":
+            out[r[9]] = f"tcp listen :{local}"
+        elif local in listening:
+            out[r[9]] = f"tcp in :{local} {state}"
+        else:
+            out[r[9]] = f"tcp out :{remote} {state}"
+    return out
+
+
+def names_differ(start: dict[str, dict[str, int]],
+                 end: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """What end holds more or fewer of than start, per thread name and descriptor kind."""
+    out: dict[str, dict[str, int]] = {}
+    for part in ("threads", "fds", "python_threads"):
+        a, b = Counter(start.get(part, {})), Counter(end.get(part, {}))
+        diff = {k: b[k] - a[k] for k in sorted(set(a) | set(b)) if b[k] != a[k]}
+        if diff:
+            out[part] = diff
+    return out

@@ -126,7 +126,8 @@ def lookup_file(s: DraftSettings, target: Backend) -> CacheFile | None:
     if s.lookup_cache is None:
         return None
     from specwire.drafters.ngram.persist import CacheFile
-    return CacheFile(s.lookup_cache, target.n_vocab, target.vocab_fingerprint())
+    return CacheFile(s.lookup_cache, target.n_vocab, target.vocab_fingerprint(),
+                     scope_share=s.lookup_share)
 
 
 def tree_branches(s: EngineSettings, n_seq: int) -> int:
@@ -148,16 +149,18 @@ def build_drafter(s: DraftSettings, target: Backend,
                   cache: LookupCache | None = None) -> Drafter:
     """cache: the n-gram lookup's cache of earlier requests, shared by the drafters that
     are given it (None: one of its own, in memory)."""
+    if s.ngram and cache is None:
+        from specwire.drafters.ngram.cache import LookupCache
+        cache = LookupCache(scope_share=s.lookup_share)
     if s.hybrid:
         from specwire.drafters.hybrid import HybridDrafter
         from specwire.drafters.ngram.drafter import NgramDrafter
-        return HybridDrafter(NgramDrafter(cache=True if cache is None else cache),
-                             build_model_drafter(s, target, wrap))
+        return HybridDrafter(NgramDrafter(cache=cache), build_model_drafter(s, target, wrap))
     if s.kind == "none":
         return NoDrafter()
     if s.kind == "ngram":
         from specwire.drafters.ngram.drafter import NgramDrafter
-        return NgramDrafter(cache=True if cache is None else cache)
+        return NgramDrafter(cache=cache)
     return build_model_drafter(s, target, wrap)
 
 

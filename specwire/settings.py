@@ -55,6 +55,9 @@ class DraftSettings:
     #: --lookup-cache-dynamic: the file of the cache the n-gram drafters share, loaded at
     #: build and saved by the command (None: each drafter's cache in memory only)
     lookup_cache: str | None = None
+    #: --lookup-cache-per-identity: the tokens of the n-gram lookup cache each cache scope
+    #: is sure to keep (None: a quarter of the cache; drafters/ngram/cache.py)
+    lookup_share: int | None = None
 
     @property
     def ngram(self) -> bool:

@@ -177,11 +177,19 @@ def rope_params(a: argparse.Namespace) -> Rope:
 
 
 def add_lookup_cache_arg(p: argparse.ArgumentParser) -> None:
-    """--lookup-cache-dynamic (generate, serve): the n-gram drafter's cache as a file."""
+    """--lookup-cache-dynamic (generate, serve): the n-gram drafter's cache as a file;
+    --lookup-cache-per-identity: each cache scope's share of it."""
+    from specwire.drafters.ngram.cache import DEFAULT_TOKENS as LOOKUP_TOKENS
     p.add_argument("-lcd", "--lookup-cache-dynamic", metavar="FNAME", default=None,
                    help="the n-gram drafter's cache of earlier requests (--draft-ngram, "
                    "--draft-hybrid), kept in FNAME across restarts: loaded at start (none "
                    "yet: an empty cache), saved at the end (serve: also every few requests)")
+    p.add_argument("--lookup-cache-per-identity", type=int, default=None, metavar="TOKENS",
+                   help="tokens of the n-gram drafter's cache of earlier requests that each "
+                   "cache scope (API key and cache_salt) is sure to keep: once the cache is "
+                   "full, a scope above it evicts its own oldest requests, then the least "
+                   "recently used scope's go (default: a quarter of the cache's "
+                   f"{LOOKUP_TOKENS} tokens)")
 
 
 def add_draft_args(d: argparse._ActionsContainer) -> None:

@@ -39,7 +39,8 @@ def engine_settings(a: argparse.Namespace) -> EngineSettings:
                           tree=getattr(a, "draft_tree", 0),
                           lockstep=(kind == "model" and not getattr(a, "draft_hybrid", False)
                                     and getattr(a, "draft_mode", "auto") != "pipelined"),
-                          flags=draft_flag_names(), lookup_cache=lookup)
+                          flags=draft_flag_names(), lookup_cache=lookup,
+                          lookup_share=lookup_share(a))
     emu, scale = emulation_args(a)
     return EngineSettings(target, draft, verify, emu, scale is None)
 
@@ -61,6 +62,14 @@ def lookup_cache(a: argparse.Namespace, kind: str) -> str | None:
     flags_log.warning("--lookup-cache-dynamic: ignored: it is the n-gram drafter's cache of "
                       "earlier requests, and %s", why)
     return None
+
+
+def lookup_share(a: argparse.Namespace) -> int | None:
+    """--lookup-cache-per-identity TOKENS (None without the flag: the cache's default)."""
+    share = getattr(a, "lookup_cache_per_identity", None)
+    if share is not None and share < 0:
+        raise CliError(f"--lookup-cache-per-identity: must be >= 0 tokens, got {share}")
+    return share
 
 
 def drafter_kind(a: argparse.Namespace) -> str:

@@ -25,6 +25,7 @@ from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Capabilities, Draft, Drafter, DrafterBase
 from specwire.drafters.ngram.drafter import NgramDrafter, Offer
 from specwire.policy.costs import DraftCost, PerToken, VerifyCost
+from specwire.policy.scoped import Scoped
 from specwire.policy.throughput import expected_tokens
 
 #: Plain steps in a row without asking a model that did not look worth it, at first...
@@ -135,6 +136,9 @@ class HybridDrafter(DrafterBase):
         # asking costs the target nothing when the model drafts on its own (node, thread)
         self.ahead = self.model.capabilities.pipelined
         self.est = estimates if estimates is not None else HybridEstimates()
+        #: per cache scope, what its requests taught (`estimates` is scope ""'s; each other
+        #: scope starts from the priors, policy/scoped.py); begin picks one
+        self.learned: Scoped[HybridEstimates] = Scoped(HybridEstimates, self.est)
         #: the target's verification cost; without an engine's (use_costs), the rounds'
         #: own times feed it (own_costs)
         self.costs, self.own_costs = VerifyCost(), True
@@ -170,6 +174,7 @@ class HybridDrafter(DrafterBase):
               policy=None, grammar=None) -> None:
         """Both stop at the policy's threshold (the lookup's as LookupStop prices it); the
         grammar is not passed on (the model drafts free, the target applies it)."""
+        self.est = self.learned.get(params.cache_scope)
         self.ngram.begin(prompt, sampling, params,
                          policy=None if policy is None else LookupStop(policy))
         self.model.begin(prompt, sampling, params, policy=policy)

@@ -28,6 +28,7 @@ from specwire.engine.scheduler import Batch, BatchScheduler
 from specwire.engine.sequence import SequenceState, adapter_scales
 from specwire.engine.stats import Stats
 from specwire.policy.adaptive import AdaptivePolicy, Policy, PolicyMemory
+from specwire.policy.scoped import Scoped
 from specwire.policy.tree import TreeYield
 from specwire.sample.constraints.grammar import Grammar
 from specwire.sample.logprobs import TokenProb
@@ -194,8 +195,9 @@ class Engine:
         #: target's and a local draft model's) hold; "" for every request of a server
         #: without API keys or cache_salt
         self.scopes = [""] * self.batch.n_seq
-        #: what side branches of verified trees added (policy/tree.py)
-        self.tree_yield = TreeYield()
+        #: what side branches of verified trees added (policy/tree.py), per cache scope
+        #: (policy/scoped.py); scope ""'s is tree_yield
+        self.tree_yields: Scoped[TreeYield] = Scoped(TreeYield)
         #: llama-server's --context-shift: a full context drops half of what follows the
         #: request's n_keep tokens and generation goes on (False: it stops there). Only
         #: for a target whose cache can shift (its `shift`; see enable_context_shift).
@@ -207,6 +209,15 @@ class Engine:
         #: --lookup-cache-dynamic: the n-gram drafters' cache file (build.py sets it), which
         #: the command saves when it ends
         self.lookup_file: CacheFile | None = None
+
+    @property
+    def tree_yield(self) -> TreeYield:
+        """Scope ""'s tree yield (a server without API keys or cache_salt has no other)."""
+        return self.tree_yields.get("")
+
+    @tree_yield.setter
+    def tree_yield(self, value: TreeYield) -> None:
+        self.tree_yields = Scoped(TreeYield, value)
 
     @property
     def n_seq(self) -> int:
@@ -261,7 +272,8 @@ class Engine:
         (given the policy and the grammar), the target's cache."""
         req, target, drafter = s.req, s.target, s.drafter
         s.started = True
-        s.batch, s.tree_yield = self.batch, self.tree_yield
+        s.batch = self.batch
+        s.tree_yield = self.tree_yields.get(req.draft.cache_scope)
         s.context_shift = self.context_shift
         s.t0 = time.perf_counter()
         s.grammar = (Grammar.for_backend(req.grammar, target) if req.grammar is not None
@@ -270,7 +282,8 @@ class Engine:
         s.probs = s.verifier.probs
         # Plain requests leave the learned policies alone: they would teach them nothing.
         if req.draft.enabled:
-            s.policy = self.policy(s.seq, req.draft.policy, req.draft.n_max)
+            s.policy = self.policy(s.seq, req.draft.policy, req.draft.n_max,
+                                   req.draft.cache_scope)
         prompt = req.prompt
         n_adapters = len(adapter_scales(target))
         if req.lora is not None and len(req.lora) != n_adapters:
@@ -306,22 +319,24 @@ class Engine:
         s.prefilled = kept
         s.stats.prompt_n, s.stats.cache_n = len(prompt) - kept, kept
 
-    def policy(self, seq: int, name: str, n_max: int) -> Policy:
-        """Sequence seq's policy for (name, n_max). A sequence's first one starts from what
-        the most experienced other sequence learned (the costs are the machine's, the
-        acceptance the drafter's), not from the priors. Its verification cost
-        is the target's (self.costs), which every decode feeds; its drafting cost the
-        sequence's draft backend's (memory.draft)."""
+    def policy(self, seq: int, name: str, n_max: int, scope: str = "") -> Policy:
+        """Sequence seq's policy for (name, n_max) in cache scope `scope`. A sequence's
+        first one starts from what the most experienced other sequence learned in the same
+        scope (the costs are the machine's, the acceptance the drafter's on that scope's
+        text), not from the priors. Its verification cost is the target's (self.costs),
+        which every decode feeds; its drafting cost the sequence's draft backend's
+        (memory.draft)."""
         memory = self.memories[seq]
         key = (name, n_max)
-        if key not in memory.policies:
-            donors = [m for m in self.memories if key in m.policies]
+        if key not in memory.by_scope.get(scope):
+            held = [(m, m.by_scope.peek(scope)) for m in self.memories]
+            donors = [(m, p[key]) for m, p in held if p is not None and key in p]
             if donors:
-                best = max(donors, key=lambda m: _experience(m.policies[key]))
+                best, donor = max(donors, key=lambda d: _experience(d[1]))
                 keep = {id(self.costs): self.costs, id(best.draft): best.draft}
-                memory.policies[key] = copy.deepcopy(best.policies[key], keep)
+                memory.by_scope.get(scope)[key] = copy.deepcopy(donor, keep)
                 memory.draft.adopt(best.draft)
-        policy = memory.policy(name, n_max)
+        policy = memory.policy(name, n_max, scope)
         if isinstance(policy, AdaptivePolicy):
             policy.costs, policy.own_costs = self.costs, False
             policy.draft = memory.draft

@@ -36,6 +36,7 @@ from specwire.link.messages import (
 from specwire.link.rule import LEFT, follow, take_alternate, take_tree_alternate
 from specwire.link.transport.base import LinkCounters, Transport
 from specwire.policy.costs import VerifyCost
+from specwire.policy.scoped import Scoped
 
 log = logging.getLogger("specwire.branch")
 
@@ -75,6 +76,10 @@ class BranchDrafter(DrafterBase):
         # more than a plain step (drafters/bubble.py); None never waits. Off where the
         # engine's step holds other sequences, or another drafter's draft may be ready.
         self.bubble: BubbleWait | None = BubbleWait() if pipelined else None
+        #: per cache scope, the bubble rule's estimates (acceptance and rate are learned
+        #: from that scope's text: policy/scoped.py); begin picks one
+        self.bubbles: Scoped[BubbleWait] | None = (
+            Scoped(self._fresh_bubble, self.bubble) if pipelined else None)
         self._cv = threading.Condition()
         self._session = 0  # bumps at every open: older chunks are ignored
         self._history: list[int] = []
@@ -119,7 +124,7 @@ class BranchDrafter(DrafterBase):
     def never_wait(self) -> None:
         """Never hold a round for a fresh branch: the step carries other sequences, or
         another drafter's draft may be ready."""
-        self.bubble = None
+        self.bubble = self.bubbles = None
 
     # -- what the transport calls back ---------------------------------------------
 
@@ -164,6 +169,8 @@ class BranchDrafter(DrafterBase):
         the drafter is told the policy's threshold and judges its confidence itself. (A
         pipelined drafter drafts on its own core and is never stopped early.)"""
         self._policy = policy
+        if self.bubble is not None and self.bubbles is not None:
+            self.bubble = self.bubbles.get(params.cache_scope)
         self._sampling, self._params = f32_sampling(sampling), params
         self._history = list(prompt)
         self._active, self._late, self._want = True, False, params.n_max
@@ -175,8 +182,15 @@ class BranchDrafter(DrafterBase):
 
     def use_costs(self, costs: VerifyCost, draft: object = None) -> None:
         """The bubble rule reads the target's verification cost (the engine's)."""
-        if self.bubble is not None:
-            self.bubble.costs, self.bubble.own_costs = costs, False
+        if self.bubble is not None and self.bubbles is not None:
+            for scope in self.bubbles.scopes():
+                bubble = self.bubbles.peek(scope)
+                bubble.costs, bubble.own_costs = costs, False
+
+    def _fresh_bubble(self) -> BubbleWait:
+        """A new scope's bubble rule: the priors, reading the machine's verification cost."""
+        assert self.bubble is not None
+        return BubbleWait(costs=self.bubble.costs, own_costs=self.bubble.own_costs)
 
     def ask(self, history: Sequence[int], max_n: int) -> None:
         """Synchronous: send this round's verdict and k now; the propose that follows finds

@@ -8,7 +8,9 @@ module joins the two and builds the drafter the --draft-url flags name.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from specwire.drafters.base import Capabilities, LinkStatus
@@ -58,6 +60,26 @@ class RemoteDrafter(BranchDrafter):
         self.transport.close()
 
 
+#: The most threads the handshakes' pool holds (each slot's drafter may greet each node).
+MAX_HELLO_THREADS = 8
+
+
+def hello_pool(n: int) -> ThreadPoolExecutor:
+    """The pool the links' blocking Hello calls run on (their loop's default executor),
+    its min(n, MAX_HELLO_THREADS) threads all started now. asyncio's own default pool
+    starts a thread whenever a call finds none idle and keeps it for good: the slots'
+    drafters greeting a restarted node at once each left one more. Started whole at
+    start-up, the pool is the same size at the end as at the start; more calls at once
+    wait for a thread."""
+    size = max(1, min(n, MAX_HELLO_THREADS))
+    pool = ThreadPoolExecutor(size, thread_name_prefix="draft-hello")
+    gate = threading.Barrier(size + 1)
+    for _ in range(size):        # each waits for the others: one thread apiece
+        pool.submit(gate.wait)
+    gate.wait()
+    return pool
+
+
 def make_remote_drafter(urls: list[str], remote: RemoteSettings, target) -> object:
     """Build the drafter for --draft-url flags: gRPC nodes, or a llama-server over HTTP."""
     return make_remote_drafters(urls, remote, target, 1)[0]
@@ -84,6 +106,7 @@ def make_remote_drafters(urls: list[str], remote: RemoteSettings, target, n: int
     shared = LinkSet([
         Link(u, settings, target.vocab_fingerprint(), target.n_vocab, target.name) for u in urls
     ])
+    shared.loop.set_default_executor(hello_pool(len(urls) * n))
     drafters = [RemoteDrafter(shared, target.n_vocab, pipelined=remote.pipelined)
                 for _ in range(n)]
     for drafter in drafters:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from specwire.policy import throughput
 from specwire.policy.costs import DraftCost, VerifyCost
+from specwire.policy.scoped import Scoped
 from specwire.policy.throughput import VerifyCurve
 
 #: Bins of a draft model's top probability, for calibrating it against acceptance.
@@ -500,20 +501,31 @@ class PolicyMemory:
     A server learns what drafting costs on its machine and how often its drafter
     is right once, not again at the start of every request; with 64-token
     replies the first rounds' guesses are a tenth of the work. One policy per
-    (name, --draft-max) pair, since a request may change either.
+    (name, --draft-max) pair, since a request may change either, and per cache
+    scope (policy/scoped.py): what one tenant's text taught never sets another's
+    draft lengths. The costs are the machine's and shared.
     """
 
-    policies: dict[tuple[str, int], Policy] = field(default_factory=dict)
+    #: per cache scope, (name, n_max) -> policy
+    by_scope: Scoped[dict[tuple[str, int], Policy]] = field(
+        default_factory=lambda: Scoped(dict))
     #: the target's verification cost, which they read (an engine's, fed by its decodes)
     costs: VerifyCost = field(default_factory=VerifyCost)
     #: the draft backend's drafting cost, which they read (one engine's sequences of a
     #: shared draft context share one)
     draft: DraftCost = field(default_factory=DraftCost)
 
-    def policy(self, name: str, n_max: int) -> Policy:
+    @property
+    def policies(self) -> dict[tuple[str, int], Policy]:
+        """Scope ""'s policies (a server without API keys or cache_salt has no other)."""
+        return self.by_scope.get("")
+
+    def policy(self, name: str, n_max: int, scope: str = "") -> Policy:
+        """Scope's policy for (name, n_max), started for a new sequence."""
+        policies = self.by_scope.get(scope)
         key = (name, n_max)
-        if key not in self.policies:
-            self.policies[key] = make_policy(name, n_max)
-        policy = self.policies[key]
+        if key not in policies:
+            policies[key] = make_policy(name, n_max)
+        policy = policies[key]
         policy.start()
         return policy

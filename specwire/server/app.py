@@ -45,7 +45,7 @@ from starlette.concurrency import run_in_threadpool
 
 from specwire.backend.base import Backend
 from specwire.engine.engine import Engine
-from specwire.server import limits, schemas
+from specwire.server import idle_threads, limits, schemas
 from specwire.server.deadlines import BodyBudget
 from specwire.server.errors import ApiError, install_handlers
 from specwire.server.metrics import CONTENT_TYPE, Metrics
@@ -157,9 +157,11 @@ def _lifespan(served: _Served) -> Callable:
             limiter.total_tokens = settings.threads_http
             log.info("HTTP request threads: %d", limiter.total_tokens)
         scheduler.start()
+        retiring = asyncio.create_task(idle_threads.retire_idle_workers())
         try:
             yield
         finally:
+            retiring.cancel()
             await run_in_threadpool(scheduler.stop)
 
     return lifespan
@@ -218,8 +220,9 @@ def _slot_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
 
     if settings.slots:
         @api.get("/slots")
-        async def slots() -> list:
-            return scheduler.slot_states()
+        async def slots(request: Request) -> list:
+            key = getattr(request.state, "key_scope", "")    # another key's slots: no details
+            return scheduler.slot_states(schemas.joined_scope(key) if key else None)
 
     @api.get("/lora-adapters")
     async def lora_adapters() -> list:

@@ -3,14 +3,15 @@
 One registry per app holds the generations' counters and gauges (plain numbers kept behind
 a lock by the worker threads and turned into families at scrape time, so that their names
 and meanings stay stable), histograms of time to first token, time per output token and
-round duration, the state read at scrape time (queue, link, contexts, process), and
-llama.cpp's own speculation counters (`llamacpp:` prefix, vLLM's schema) so that dashboards
-built for those work unchanged. `Metrics.figures()` returns the same samples as numbers,
-keyed as the exposition writes them, for the pages that show them.
+round duration, the state read at scrape time (queue, link, contexts, Python threads by
+name, process), and llama.cpp's own speculation counters (`llamacpp:` prefix, vLLM's
+schema) so that dashboards built for those work unchanged. `Metrics.figures()` returns the
+same samples as numbers, keyed as the exposition writes them, for the pages that show them.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -211,6 +212,9 @@ class Metrics:
         yield _gauge("contexts_open", "llama.cpp contexts open in this process (target and "
                      "local draft; a draft node reports its own).", ("side",),
                      [(("target",), _open_contexts())])
+        yield _gauge("threads", "Python threads of this process by name (numbers left out): "
+                     "a count that grows and stays names what holds them.", ("name",),
+                     sorted(thread_names().items()))
 
 
     def _llama_families(self) -> Iterator[Metric]:
@@ -256,6 +260,15 @@ def _gauge(name: str, help_: str, labels: tuple[str, ...],
     for values, v in samples:
         family.add_metric(list(values), float(v))
     return family
+
+
+def thread_names() -> dict[tuple[str], int]:
+    """Live Python threads counted by name, digits dropped ("Thread-12 (run)" counts as
+    "Thread- (run)", "asyncio_0" as "asyncio_")."""
+    counts: Counter = Counter()
+    for t in threading.enumerate():
+        counts[(re.sub(r"\d+", "", t.name)[:80],)] += 1
+    return dict(counts)
 
 
 def _open_contexts() -> int:

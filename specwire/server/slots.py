@@ -578,17 +578,23 @@ class Scheduler:
                 e.target.set_lora_scales(scales)
         return self.lora_adapters()
 
-    def slot_states(self) -> list[dict]:
+    def slot_states(self, scope: str | None = None) -> list[dict]:
         """GET /slots: each slot as llama-server lists it (id, n_ctx, is_processing,
         speculative, the running request's settings with its n_keep, n_discard and LoRA
-        scales), plus its drafter and cached tokens."""
+        scales), plus its drafter and cached tokens. scope: the caller's cache scope, with
+        API keys (None: none): a slot whose cache holds another scope's tokens shows
+        neither their count nor the request's settings (its seed, its prompt's length),
+        only that it is busy."""
         out = []
         for s in self.slots:
             job = s.job
             req = job.request if job is not None else None
             entry = {"id": s.index, "n_ctx": s.target.n_ctx, "is_processing": job is not None,
-                     "speculative": s.drafter.name != "none",
-                     "drafter": s.drafter.name, "n_cached": s.target.n_past}
+                     "speculative": s.drafter.name != "none", "drafter": s.drafter.name}
+            if scope is not None and s.scope != scope:
+                out.append(entry)
+                continue
+            entry["n_cached"] = s.target.n_past
             if req is not None:
                 entry["params"] = {"n_predict": req.n_predict, **req.sampling.to_dict(),
                                    "speculative.n_max": req.draft.n_max,

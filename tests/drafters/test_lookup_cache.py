@@ -23,6 +23,7 @@ import pytest
 from fakes import FakeBackend, FakeModel
 
 from specwire.build import build_drafter, lookup_file
+from specwire.cli.args import CliError
 from specwire.cli.main import build_parser
 from specwire.cli.settings import engine_settings
 from specwire.drafters.ngram import cache as cachemod
@@ -132,6 +133,65 @@ def test_a_lookup_sees_its_own_scope_only() -> None:
     assert [sc for sc, _ in c.scoped()] == ["B", "A"]
     c._drop(next(iter(c._seqs)))
     assert c.match([1, 2, 3, 4], "B") is None and c.match([1, 2, 3, 4], "A") is not None
+
+
+def _seq(scope_mark: int, i: int, n: int = 10) -> list[int]:
+    """A sequence of n distinct tokens, unlike every other (scope_mark, i)'s."""
+    return [1000 * scope_mark + 20 * i + j for j in range(n)]
+
+
+def test_a_flooding_scope_evicts_its_own_sequences_never_anothers_share() -> None:
+    """One bound, per-scope shares: the victim keeps its 30 tokens (its share is 40)
+    while another scope floods the cache with 50 sequences; the flood makes room from
+    its own oldest ones. Without shares (scope_share = the whole cache) the same flood
+    evicts the victim's first, oldest first: the control."""
+    for share, victim_kept in ((40, 3), (100, 0)):
+        c = LookupCache(max_tokens=100, scope_share=share)
+        for i in range(3):
+            c.add(_seq(1, i), "victim")
+        for i in range(50):
+            c.add(_seq(2, i), "flood")
+        assert c.tokens <= 100
+        assert c.scope_tokens("victim") == 10 * victim_kept
+        assert c.scope_tokens("flood") == c.tokens - 10 * victim_kept
+        held = [seq for sc, seq in c.scoped() if sc == "flood"]
+        assert held == [tuple(_seq(2, i)) for i in range(50 - len(held), 50)]  # the newest
+        if victim_kept:
+            assert c.match(_seq(1, 0)[:6], "victim") is not None
+
+
+def test_with_no_scope_above_its_share_the_least_recently_used_scope_goes() -> None:
+    """Scopes of 30 tokens each in a cache of 100 with shares of 40: none is above its
+    share, so room comes from the least recently used scope; a lookup that finds a
+    sequence marks its scope used."""
+    c = LookupCache(max_tokens=100, scope_share=40)
+    for s in range(3):
+        for i in range(3):
+            c.add(_seq(s, i), f"s{s}")
+    assert c.match(_seq(0, 0)[:6], "s0") is not None     # s0 used: s1 is the oldest now
+    c.add(_seq(3, 0), "s3")
+    assert c.tokens == 100 and len(c) == 10               # at the bound: nothing out
+    c.add(_seq(3, 1), "s3")
+    assert c.scope_tokens("s1") == 20 and c.scope_tokens("s0") == 30
+    assert c.scoped()[0] == ("s0", tuple(_seq(0, 0)))
+    c.add(_seq(3, 2), "s3")
+    c.add(_seq(3, 3), "s3")
+    assert [c.scope_tokens(f"s{s}") for s in range(4)] == [30, 0, 30, 40]
+
+
+def test_alone_a_scope_may_fill_the_whole_cache_oldest_out_first() -> None:
+    """A single-tenant server (scope "") keeps what it kept before shares: the bound,
+    oldest out first."""
+    c = LookupCache(max_tokens=100)
+    assert c.scope_share == 25                                  # the default: a quarter
+    for i in range(15):
+        c.add(_seq(0, i))
+    assert c.sequences() == [tuple(_seq(0, i)) for i in range(5, 15)]
+
+
+def test_a_negative_share_is_refused() -> None:
+    with pytest.raises(ValueError, match="scope_share"):
+        LookupCache(scope_share=-1)
 
 
 def test_loading_keeps_the_newest_within_max_tokens(tmp_path: Path) -> None:
@@ -410,6 +470,27 @@ def test_the_flag_reaches_the_drafter_settings(command: str, spelling: str,
     assert engine_settings(a).draft.lookup_cache == path
     hybrid = parse(command, "--draft-url", "box:7070", "--draft-hybrid", spelling, path)
     assert engine_settings(hybrid).draft.lookup_cache == path
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_share_per_identity_reaches_the_drafters_caches(command: str,
+                                                          tmp_path: Path) -> None:
+    """--lookup-cache-per-identity TOKENS: each cache scope's share of the n-gram cache, in
+    memory and in a file's; a negative one is refused naming the flag."""
+    tail = ["x"] if command == "generate" else []
+    a = parse(command, "--draft-ngram", "--lookup-cache-per-identity", "5000", *tail)
+    s = engine_settings(a).draft
+    assert s.lookup_share == 5000
+    target = FakeBackend(FakeModel(n_vocab=V, seed=1))
+    assert build_drafter(s, target).cache.scope_share == 5000
+    assert engine_settings(parse(command, "--draft-ngram", *tail)).draft.lookup_share is None
+    assert build_drafter(DraftSettings(kind="ngram"), target).cache.scope_share == \
+        cachemod.DEFAULT_TOKENS // cachemod.DEFAULT_SHARE
+    filed = DraftSettings(kind="ngram", lookup_cache=str(tmp_path / "l.bin"), lookup_share=64)
+    assert lookup_file(filed, target).cache.scope_share == 64
+    with pytest.raises(CliError, match="--lookup-cache-per-identity"):
+        engine_settings(parse(command, "--draft-ngram", "--lookup-cache-per-identity", "-1",
+                              *tail))
 
 
 @pytest.mark.parametrize("argv, why", [

@@ -6,7 +6,9 @@ maxLength 30000 (llama.cpp's parser recursed 30000 deep and the server segfaulte
 pattern repeating 30000 times, a long literal repeated 2000 times, a chain of leftmost
 rules, through /completion (grammar, json_schema), /v1/completions, /v1/chat/completions
 (response_format, tools). Each gets a 400 that names its field within seconds, the
-process stays up, and a normal constrained request is still answered.
+process stays up, and a normal constrained request is still answered. (/infill takes
+the same constraints, checked by the same code; the bundled target has no FIM tokens, so
+test_serve_flags.py sends them to /infill on a toy target that has.)
 """
 
 from __future__ import annotations

@@ -821,6 +821,29 @@ def test_infill_feeds_the_ngram_drafter_with_input_extra() -> None:
     assert bare["tokens"] == fed["tokens"] and bare["timings"]["draft_n_accepted"] == 0
 
 
+def test_infill_refuses_hostile_constraints_naming_the_field() -> None:
+    """/infill takes /completion's constraints: issue 23's schema and grammar get the 400
+    naming their field before anything reaches llama.cpp (the bundled target, which has no
+    FIM tokens, refuses /infill before them: test_constraint_survival.py cannot send them)."""
+    from test_constraint_survival import NESTED, WIDE
+    from test_server import ToyBackend, serve_app
+
+    from specwire.engine.engine import Engine
+    from specwire.server import ServerSettings, create_app
+
+    class FimToy(ToyBackend):
+        def fim_tokens(self) -> dict[str, int]:
+            return {"pre": 1, "suf": 2, "mid": 3, "sep": 4}
+
+    body = {"input_prefix": "x = ", "input_suffix": "\n", "n_predict": 4}
+    with serve_app(create_app(Engine(FimToy(delay=0.0)), ServerSettings())) as url:
+        for extra, field in (({"json_schema": WIDE}, "json_schema.maxLength"),
+                             ({"grammar": NESTED}, "grammar: ")):
+            r = httpx.post(url + "/infill", json={**body, **extra}, timeout=60)
+            assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+        assert httpx.post(url + "/infill", json=body, timeout=60).status_code == 200
+
+
 @pytest.mark.slow
 def test_infill_on_a_fim_model_is_the_same_with_and_without_a_draft(fim_pair) -> None:
     from specwire.assets.moe import FIM_TOKENS

@@ -194,6 +194,9 @@ def test_metrics_histograms_process_and_python_figures(toy_url) -> None:
     assert figures["process_open_fds"] > 0
     # the toy engine opens no llama.cpp context: the gauge shows only other tests' contexts
     assert figures['specwire:contexts_open{side="target"}'] == llama.open_contexts()
+    # Python threads by name, digits left out: the batch thread, the server's own
+    assert figures['specwire:threads{name="batch"}'] >= 1
+    assert figures['specwire:threads{name="MainThread"}'] == 1
     assert "# TYPE specwire:requests_total counter" in text
     live = app.state.metrics.figures()          # the same figures as Python numbers
     for key in ("specwire:tokens_predicted_total", "specwire:time_to_first_token_seconds_count",

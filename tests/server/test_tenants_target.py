@@ -134,6 +134,27 @@ def test_the_victim_still_reuses_its_own_caches() -> None:
         assert back["content"] == again["content"] and salted["content"] == first["content"]
 
 
+def test_get_slots_shows_another_keys_slot_without_its_details() -> None:
+    """GET /slots with API keys: the slot A's request filled shows A its cached tokens,
+    and B only that it exists (no n_cached, no request settings); without keys, all."""
+    with serve_app(_app("key-victim,key-attacker")) as url, \
+            httpx.Client(base_url=url, timeout=30) as c:
+        _post(c, "key-victim", OPENING + SECRET)
+
+        def slot0(key: str) -> dict:
+            r = c.get("/slots", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return r.json()[0]
+
+        assert slot0("key-victim")["n_cached"] > len(OPENING)
+        theirs = slot0("key-attacker")
+        assert "n_cached" not in theirs and "params" not in theirs and "n_prompt_tokens" \
+            not in theirs and theirs["id"] == 0 and theirs["is_processing"] is False
+    with serve_app(_app(None)) as url, httpx.Client(base_url=url, timeout=30) as c:
+        _post(c, None, OPENING + SECRET)
+        assert c.get("/slots").json()[0]["n_cached"] > len(OPENING)
+
+
 # ------------------------------------------------------------------------- invariance
 
 TARGET = FakeModel(n_vocab=48, seed=3)
@@ -253,3 +274,55 @@ def test_two_api_keys_on_the_bundled_pair(drafting: list[str]) -> None:
         assert [r[0] for r in seen["secret"]] == [
             ask(1, opening + secret[:i + 1] + filler, speculative=False)["tokens"]
             for i in range(3)]
+
+
+@pytest.mark.slow
+def test_what_one_scope_teaches_sets_no_other_scopes_draft_lengths() -> None:
+    """`serve --draft-ngram --draft-policy fixed` on the bundled target: tenant A (its own
+    cache_salt) sends three requests the lookup copies well, or three it copies badly;
+    tenant B's next request (another salt) drafts and keeps the same tokens either way,
+    as the n-gram drafter's calibration and yield are learnt per scope. The control, A
+    and B without salts (one scope), in the same servers, is printed, not asserted: on
+    main at d7e212f B drafts and keeps 6 of 6 after either text there too, so this test
+    shows only that nothing differs; test_scoped_learning.py asserts the control."""
+    from test_server import run_serve
+
+    def seen(a_text: str) -> tuple[tuple, tuple]:
+        with run_serve("-t", "1", "--draft-ngram", "--draft-policy", "fixed", "-c", "1024",
+                       "-np", "1", no_traceback=True) as (url, _), \
+                httpx.Client(base_url=url, timeout=300) as c:
+            def ask(prompt: str, salt: str | None, n: int) -> tuple:
+                body = {"prompt": prompt, "n_predict": n, "temperature": 0,
+                        "return_tokens": True, **({"cache_salt": salt} if salt else {})}
+                r = c.post("/completion", json=body)
+                assert r.status_code == 200, r.text
+                t = r.json()["timings"]
+                return (tuple(r.json()["tokens"]), t.get("draft_n", 0),
+                        t.get("draft_n_accepted", 0))
+
+            out = []
+            for a_salt, b_salt in (("tenant-a", "tenant-b"), (None, None)):
+                for i in range(3):
+                    ask(a_text.format(i=i), a_salt, 48)
+                # 8 tokens: at most 8 rounds, all before the drafter's yield (timed)
+                # replaces its fixed stop (RoundCost), so B's rounds are a function of
+                # what its scope learnt, not of this machine's load
+                out.append(ask(B_TEXT, b_salt, 8))
+            return out[0], out[1]
+
+    copying_scoped, copying_shared = seen(COPY_TEXT)
+    junk_scoped, junk_shared = seen(JUNK_TEXT)
+    assert copying_scoped == junk_scoped
+    assert copying_scoped[1] > 0                 # B's lookup drafts: the probe is live
+    print(f"one scope (the control): B drafted, kept {copying_shared[1:]} after A's copying "
+          f"text, {junk_shared[1:]} after its junk")
+    assert copying_shared[0] == junk_shared[0] == copying_scoped[0]
+
+
+#: What the lookup copies well (the answer repeats the prompt's list) and badly (a
+#: repeated cycle of words the model does not go on with), and B's probe.
+COPY_TEXT = ("Copy the list exactly. List {i}: apples, pears, plums, figs, dates, limes, "
+             "kiwis, grapes, lemons, cherries. Copy: apples, pears, plums, figs, dates,")
+JUNK_TEXT = "zebra {i} quartz violin ember " * 12 + "Now write a sentence about the sea."
+B_TEXT = ("Repeat: red, green, blue, yellow, purple, orange, pink, brown, black, white. "
+          "Again: red, green, blue,")

@@ -5,7 +5,9 @@ the first one's answer here. The cache is bounded by total tokens (oldest out fi
 keyed by KEY-grams (each at its latest occurrence), and a match grows backwards against
 the current history like an in-history one, so its length means the same to the drafter's
 calibration. Every sequence belongs to a cache scope (DraftParams.cache_scope) and a lookup
-finds only its own scope's, so one client's drafts never copy another's text. save() and
+finds only its own scope's, so one client's drafts never copy another's text. Each scope
+is sure of a share of the bound (--lookup-cache-per-identity): once full, a scope above
+its share evicts its own oldest, else the least recently used scope's go. save() and
 load() keep it in a file (version 2, described in docs/memory.md) that load() refuses,
 in one line, if it is of another format, version or vocabulary, or cut short.
 """
@@ -19,7 +21,7 @@ import tempfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +30,8 @@ from specwire.config import ConfigError
 #: Length of the n-grams the cache is keyed by: shorter keys match noise across requests.
 KEY = 4
 DEFAULT_TOKENS = 1 << 17
+#: A scope's share of the bound when none is given: four tenants each keep theirs whole.
+DEFAULT_SHARE = 4
 
 MAGIC = b"SWLOOKUP"
 VERSION = 2
@@ -223,16 +227,31 @@ class CachedMatch:
     length: int
 
 
+@dataclass(slots=True)
+class _ScopeHeld:
+    """What one cache scope holds: its tokens, and its sequences' ids oldest first."""
+
+    tokens: int = 0
+    ids: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+
 class LookupCache:
     """Finished sequences (prompt and output), at most max_tokens of them in all, each in
     the cache scope of the request it came from."""
 
     def __init__(self, max_tokens: int = DEFAULT_TOKENS, n_max: int = 64,
-                 vocab: tuple[int, str] | None = None) -> None:
-        """vocab: (size, fingerprint) of the target's vocabulary, which save() records."""
+                 vocab: tuple[int, str] | None = None,
+                 scope_share: int | None = None) -> None:
+        """vocab: (size, fingerprint) of the target's vocabulary, which save() records.
+        scope_share: the tokens each cache scope is sure to keep (None: a quarter of
+        max_tokens)."""
         if max_tokens < 0:
             raise ValueError(f"lookup cache: max_tokens must be >= 0, got {max_tokens}")
+        if scope_share is not None and scope_share < 0:
+            raise ValueError(f"lookup cache: scope_share must be >= 0, got {scope_share}")
         self.max_tokens, self.n_max, self.vocab = max_tokens, n_max, vocab
+        self.scope_share = (max_tokens // DEFAULT_SHARE if scope_share is None
+                            else min(scope_share, max_tokens))
         #: called after each sequence kept (persist.py counts them to save now and then)
         self.on_add: Callable[[], None] | None = None
         # id -> (scope, tokens), oldest first
@@ -240,6 +259,9 @@ class LookupCache:
         self._by_tokens: dict[tuple[str, tuple[int, ...]], int] = {}
         # scope -> KEY-gram -> (id, end): a lookup sees its own scope's grams only
         self._index: dict[str, dict[tuple[int, ...], tuple[int, int]]] = {}
+        # scope -> its tokens held, and its sequences' ids, oldest first; least recently
+        # used scope first (a sequence kept, or a lookup that found one, uses it)
+        self._scopes: OrderedDict[str, _ScopeHeld] = OrderedDict()
         self._next_id = 0
         self.tokens = 0
 
@@ -259,13 +281,32 @@ class LookupCache:
         self._seqs[sid] = (scope, seq)
         self._by_tokens[(scope, seq)] = sid
         self.tokens += len(seq)
+        held = self._scopes.get(scope)
+        if held is None:
+            held = self._scopes[scope] = _ScopeHeld()
+        self._scopes.move_to_end(scope)
+        held.tokens += len(seq)
+        held.ids[sid] = None
         index = self._index.setdefault(scope, {})
         for end in range(KEY, len(seq)):
             index[seq[end - KEY:end]] = (sid, end)
         while self.tokens > self.max_tokens:
-            self._drop(next(iter(self._seqs)))
+            self._drop(self._victim())
         if self.on_add is not None:
             self.on_add()
+
+    def _victim(self) -> int:
+        """The sequence to drop for room: the oldest of the least recently used scope
+        above its share, else the oldest of the least recently used scope."""
+        for held in self._scopes.values():
+            if held.tokens > self.scope_share:
+                return next(iter(held.ids))
+        return next(iter(next(iter(self._scopes.values())).ids))
+
+    def scope_tokens(self, scope: str) -> int:
+        """Tokens held in `scope`."""
+        held = self._scopes.get(scope)
+        return held.tokens if held is not None else 0
 
     def sequences(self) -> list[tuple[int, ...]]:
         """The sequences held, oldest first (a snapshot: adding later does not change it)."""
@@ -290,11 +331,12 @@ class LookupCache:
 
     @classmethod
     def load(cls, path: str | os.PathLike, n_vocab: int, fingerprint: str,
-             max_tokens: int = DEFAULT_TOKENS, n_max: int = 64) -> LookupCache:
+             max_tokens: int = DEFAULT_TOKENS, n_max: int = 64,
+             scope_share: int | None = None) -> LookupCache:
         """The cache saved at path for this vocabulary (empty if there is no such file);
         LookupCacheError, naming the file, if it is cut short, of another format or
         version, or of another vocabulary. Beyond max_tokens, the oldest are left out."""
-        cache = cls(max_tokens, n_max, (n_vocab, fingerprint))
+        cache = cls(max_tokens, n_max, (n_vocab, fingerprint), scope_share)
         got = read_file(path)
         if got is None:
             return cache
@@ -318,6 +360,11 @@ class LookupCache:
         scope, seq = self._seqs.pop(sid)
         self._by_tokens.pop((scope, seq), None)
         self.tokens -= len(seq)
+        held = self._scopes[scope]
+        held.tokens -= len(seq)
+        del held.ids[sid]
+        if not held.ids:
+            del self._scopes[scope]
         index = self._index[scope]
         for end in range(KEY, len(seq)):
             key = seq[end - KEY:end]
@@ -335,6 +382,7 @@ class LookupCache:
         hit = index.get(tuple(history[len(history) - KEY:])) if index is not None else None
         if hit is None:
             return None
+        self._scopes.move_to_end(scope)
         sid, end = hit
         seq = self._seqs[sid][1]
         n, size = KEY, len(history)

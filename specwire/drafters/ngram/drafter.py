@@ -25,6 +25,7 @@ from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.ngram.cache import LookupCache
 from specwire.drafters.ngram.index import HistoryIndex, continuation
 from specwire.policy.costs import DraftCost, VerifyCost
+from specwire.policy.scoped import Scoped
 from specwire.sample.sampling import SparseDraft
 
 #: Bins of a copied token's effective match length (match length + tokens copied before it).
@@ -122,7 +123,9 @@ class NgramDrafter(DrafterBase):
     stop threshold without a steering policy (0: copy up to the asked length, as a
     classic prompt lookup does; None: measured, RoundCost). cache: sequences of
     earlier requests (None: none). calibration and cost may be shared by drafters
-    that take turns on one target (bench builds one per prompt).
+    that take turns on one target (bench builds one per prompt): they are cache scope
+    ""'s; each other scope learns its own from the priors (policy/scoped.py), so that
+    one tenant's text never sets another's draft lengths.
     """
 
     name = "ngram"
@@ -145,6 +148,9 @@ class NgramDrafter(DrafterBase):
         self.cache = cache if isinstance(cache, LookupCache) else None
         self.calibration = calibration if calibration is not None else MatchCalibration()
         self.cost = cost if cost is not None else RoundCost()
+        #: per cache scope, what its requests taught: (calibration, cost); begin picks one
+        self.learned: Scoped[tuple[MatchCalibration, RoundCost]] = Scoped(
+            self._fresh, (self.calibration, self.cost))
         self._asked: tuple[float, int] | None = None  # (when, tokens handed out) this round
         self.policy = None
         self._point_q = False
@@ -155,7 +161,13 @@ class NgramDrafter(DrafterBase):
 
     def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
         """The target's verification cost (a lookup has no draft backend to price)."""
-        self.cost.costs, self.cost.own_costs = costs, False
+        for scope in self.learned.scopes():
+            cost = self.learned.peek(scope)[1]
+            cost.costs, cost.own_costs = costs, False
+
+    def _fresh(self) -> tuple[MatchCalibration, RoundCost]:
+        """A new scope's calibration and yield: the priors, beside the machine's costs."""
+        return MatchCalibration(), RoundCost(costs=self.cost.costs, own_costs=self.cost.own_costs)
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
               policy=None, grammar=None) -> None:
@@ -164,6 +176,7 @@ class NgramDrafter(DrafterBase):
         self.index.clear()
         self._offer, self._history = None, prompt
         self._scope, self._store = params.cache_scope, params.cache_store
+        self.calibration, self.cost = self.learned.get(self._scope)
         # Rejection mode needs q for every token: a lookup is deterministic, so q is a
         # point mass on it (accepted with probability p(x), else norm(max(0, p - q))).
         self._point_q = params.mode is VerifyMode.REJECTION and not sampling.greedy
