@@ -63,14 +63,14 @@ class ClassicNgramDrafter(StatelessDrafter):
         # The n-grams ending at the last token are indexed on the next call, so
         # a lookup never finds the suffix itself.
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
         self._sync(history)
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(history) < n:
                 continue
             start = self._index.get(tuple(history[len(history) - n :]))
             if start is not None:
-                tokens = list(history[start : start + max_n])
+                tokens = list(history[start : start + k])
                 self.drafted += len(tokens)
                 if self._point_q:
                     one = np.ones(1, dtype=np.float32)

@@ -201,19 +201,19 @@ class HybridDrafter(DrafterBase):
 
     # -- a round ---------------------------------------------------------------------------
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        offer = self.ngram.usable(self.ngram.offer(history, max_n))
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        offer = self.ngram.usable(self.ngram.offer(history, k))
         if self.ahead:
-            draft = self.model.propose(history, max_n)
+            draft = self.model.propose(history, k)
             ng, m = self.ngram_rate(offer), self.model_rate(len(draft), 0.0)
             use_ngram = bool(offer.tokens) and (
                 offer.expected_kept() > expected_tokens(self.acceptance, len(draft)) - 1.0
                 if ng is None or m is None else ng > m)
             return self._hand_out(history, offer, draft, use_ngram)
-        k = self.est.model_len or max_n
+        model_k = self.est.model_len or k
         behind = self._behind(history)
         self._asked_last = False
-        ng, m = self.ngram_rate(offer), self.model_rate(min(k, max_n), behind=behind)
+        ng, m = self.ngram_rate(offer), self.model_rate(min(model_k, k), behind=behind)
         if offer.tokens and (ng is None and offer.expected_kept() >= 1.0
                              or ng is not None and m is not None and ng > m):
             return self._hand_out(history, offer, None, True)
@@ -233,7 +233,7 @@ class HybridDrafter(DrafterBase):
             return self._hand_out(history, offer, None, False)
         self._probing, self._idle = worse, 0
         t0 = time.perf_counter()
-        draft = self.model.propose(history, min(max_n, PROBE_TOKENS) if worse else max_n)
+        draft = self.model.propose(history, min(k, PROBE_TOKENS) if worse else k)
         took = time.perf_counter() - t0
         if draft.tokens:
             if not behind:              # a steady round: its time is drafting

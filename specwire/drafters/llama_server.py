@@ -44,13 +44,13 @@ class LlamaServerDrafter(DrafterBase):
               policy=None, grammar=None) -> None:
         self._p_min = params.p_min
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        if time.monotonic() < self._retry_at or max_n <= 0:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        if time.monotonic() < self._retry_at or k <= 0:
             return Draft()
         body = json.dumps(
             {
                 "prompt": list(history),
-                "n_predict": max_n,
+                "n_predict": k,
                 "temperature": 0.0,
                 "top_k": 1,
                 "cache_prompt": True,
@@ -68,7 +68,7 @@ class LlamaServerDrafter(DrafterBase):
         finally:
             self.counters["wait_ms"] += 1000 * (time.perf_counter() - t0)
         self._failures = 0
-        return Draft(tokens[:max_n])
+        return Draft(tokens[:k])
 
     def _post(self, body: bytes) -> list[int]:
         if self._conn is None:

@@ -22,7 +22,7 @@ from specwire.drafters.ngram.drafter import NgramDrafter
 SP, DP = SamplingParams(), DraftParams()
 
 
-def brute(history: Sequence[int], max_n: int, n_max: int, n_min: int) -> list[int]:
+def brute(history: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]:
     """The definition: longest suffix first, its latest occurrence ending before the end."""
     h = list(history)
     for n in range(n_max, n_min - 1, -1):
@@ -32,7 +32,7 @@ def brute(history: Sequence[int], max_n: int, n_max: int, n_min: int) -> list[in
         for end in range(len(h) - 1, n - 1, -1):
             if h[end - n:end] == suffix:
                 out: list[int] = []
-                for i in range(max_n):
+                for i in range(k):
                     out.append(h[end + i] if end + i < len(h) else out[end + i - len(h)])
                 return out
     return []
@@ -43,10 +43,10 @@ def lookup(n_max: int = 4, n_min: int = 1) -> NgramDrafter:
     return NgramDrafter(n_max, n_min, keep=0.0, cache=None)
 
 
-def _fresh(history: Sequence[int], max_n: int, n_max: int = 4, n_min: int = 1) -> list[int]:
+def _fresh(history: Sequence[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:
     d = lookup(n_max, n_min)
     d.begin(history, SP, DP)
-    return d.propose(history, max_n).tokens
+    return d.propose(history, k).tokens
 
 
 def test_the_longest_suffix_wins_over_a_later_shorter_one() -> None:
@@ -58,7 +58,7 @@ def test_the_longest_suffix_wins_over_a_later_shorter_one() -> None:
 
 
 def test_the_latest_occurrence_is_used_and_max_n_respected() -> None:
-    """Two earlier [1 2] occurrences: the later one's continuation, cut to max_n."""
+    """Two earlier [1 2] occurrences: the later one's continuation, cut to k."""
     h = [1, 2, 7, 7, 1, 2, 9, 9, 9, 5, 1, 2]
     assert _fresh(h, 2, n_max=2) == [9, 9]
     # at the end of history the copy continues through itself
@@ -115,9 +115,9 @@ def test_incremental_index_matches_brute_force_through_rollbacks(n_max: int, n_m
             hist.append(int(gen.integers(0, 5)))
         else:
             hist.extend(gen.integers(0, 5, size=3).tolist())
-        max_n = int(gen.integers(1, 8))
-        got = d.propose(hist, max_n).tokens
-        assert got == brute(hist, max_n, n_max, n_min), (step, hist)
+        k = int(gen.integers(1, 8))
+        got = d.propose(hist, k).tokens
+        assert got == brute(hist, k, n_max, n_min), (step, hist)
         nonempty += bool(got)
     assert nonempty > 100
 

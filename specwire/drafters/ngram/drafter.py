@@ -191,10 +191,10 @@ class NgramDrafter(DrafterBase):
             return self.policy.stop_threshold()
         return self.keep if self.keep is not None else self.cost.threshold()
 
-    def offer(self, history: Sequence[int], max_n: int) -> Offer:
+    def offer(self, history: Sequence[int], k: int) -> Offer:
         """The draft a lookup gives now, cut where it stops paying; remembered for learn()."""
         self._history = history
-        found = self._lookup(history, max_n)
+        found = self._lookup(history, k)
         if found is None:
             self._offer = None
             return Offer([], [])
@@ -204,20 +204,20 @@ class NgramDrafter(DrafterBase):
         self._offer = (len(history), offer)
         return offer
 
-    def _lookup(self, history: Sequence[int], max_n: int) -> tuple[list[int], int, bool] | None:
-        if max_n <= 0:
+    def _lookup(self, history: Sequence[int], k: int) -> tuple[list[int], int, bool] | None:
+        if k <= 0:
             return None
         here = self.index.match(history)
         there = self.cache.match(history, self._scope) if self.cache is not None else None
         if there is not None and (here is None or there.length > here.length):
-            tokens = list(there.tokens[there.end:there.end + max_n])
+            tokens = list(there.tokens[there.end:there.end + k])
             return (tokens, there.length, True) if tokens else None
         if here is None:
             return None
-        return continuation(history, here.end, max_n), here.length, False
+        return continuation(history, here.end, k), here.length, False
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        return self.take(self.usable(self.offer(history, max_n)))
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        return self.take(self.usable(self.offer(history, k)))
 
     def usable(self, offer: Offer) -> Offer:
         """The offer cut where P(every token so far is kept) falls below the threshold."""

@@ -29,12 +29,12 @@ class Match:
     length: int
 
 
-def continuation(source: Sequence[int], end: int, max_n: int) -> list[int]:
-    """Up to max_n tokens copied from source[end:], continuing through the copy itself
+def continuation(source: Sequence[int], end: int, k: int) -> list[int]:
+    """Up to k tokens copied from source[end:], continuing through the copy itself
     once source runs out: a match near the end of a repeating pattern repeats it."""
     out: list[int] = []
     n = len(source)
-    for i in range(max_n):
+    for i in range(k):
         pos = end + i
         out.append(source[pos] if pos < n else out[pos - n])
     return out
