@@ -233,12 +233,12 @@ class LookupCache:
     """Finished sequences (prompt and output), at most max_tokens of them in all, each in
     the cache scope of the request it came from."""
 
-    def __init__(self, max_tokens: int = DEFAULT_TOKENS, n_max: int = 64,
+    def __init__(self, max_tokens: int = DEFAULT_TOKENS, match_max: int = 64,
                  vocab: tuple[int, str] | None = None) -> None:
         """vocab: (size, fingerprint) of the target's vocabulary, which save() records."""
         if max_tokens < 0:
             raise ValueError(f"lookup cache: max_tokens must be >= 0, got {max_tokens}")
-        self.max_tokens, self.n_max, self.vocab = max_tokens, n_max, vocab
+        self.max_tokens, self.match_max, self.vocab = max_tokens, match_max, vocab
         #: called after each sequence kept (persist.py counts them to save now and then)
         self.on_add: Callable[[], None] | None = None
         # id -> (scope, tokens), oldest first
@@ -295,11 +295,11 @@ class LookupCache:
 
     @classmethod
     def load(cls, path: str | os.PathLike, n_vocab: int, fingerprint: str,
-             max_tokens: int = DEFAULT_TOKENS, n_max: int = 64) -> LookupCache:
+             max_tokens: int = DEFAULT_TOKENS, match_max: int = 64) -> LookupCache:
         """The cache saved at path for this vocabulary (empty if there is no such file);
         LookupCacheError, naming the file, if it is cut short, of another format or
         version, or of another vocabulary. Beyond max_tokens, the oldest are left out."""
-        cache = cls(max_tokens, n_max, (n_vocab, fingerprint))
+        cache = cls(max_tokens, match_max, (n_vocab, fingerprint))
         got = read_file(path)
         if got is None:
             return cache
@@ -343,7 +343,7 @@ class LookupCache:
         sid, end = hit
         seq = self._seqs[sid][1]
         n, size = KEY, len(history)
-        limit = min(self.n_max, end, size)
+        limit = min(self.match_max, end, size)
         while n < limit and seq[end - n - 1] == history[size - n - 1]:
             n += 1
         return CachedMatch(seq, end, n)

@@ -50,7 +50,7 @@ LENGTH_EDGES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 _LOWS = (1, *LENGTH_EDGES)
 #: P(every token so far is kept) below which a draft stops, when no policy steers it.
 KEEP = 0.3
-DEFAULT_N_MAX = 64
+DEFAULT_MATCH_MAX = 64
 
 
 def _bin(length: int) -> int:
@@ -136,7 +136,7 @@ class Offer:
 class NgramDrafter(DrafterBase):
     """Longest-match lookup with learned stops and a cross-request cache.
 
-    n_max, n_min: the longest match measured and the shortest one used. keep: a fixed
+    match_max, match_min: the longest match measured and the shortest one used. keep: a fixed
     stop threshold without a steering policy (0: copy up to the asked length, as a
     classic prompt lookup does; None: measured, RoundCost). cache: sequences of
     earlier requests (None: none). calibration and cost may be shared by drafters
@@ -150,16 +150,17 @@ class NgramDrafter(DrafterBase):
     # equal per-token chances, so the adaptive policy asks it for the most
     capabilities = Capabilities(provides_q=True, deterministic=True, stops=True)
 
-    def __init__(self, n_max: int = DEFAULT_N_MAX, n_min: int = 1, *, keep: float | None = None,
+    def __init__(self, match_max: int = DEFAULT_MATCH_MAX, match_min: int = 1, *,
+                 keep: float | None = None,
                  cache: LookupCache | None | bool = True,
                  calibration: MatchCalibration | None = None,
                  cost: RoundCost | None = None) -> None:
         if keep is not None and not 0.0 <= keep <= 1.0:
             raise ValueError(f"ngram keep threshold: must be in [0, 1], got {keep}")
-        self.index = HistoryIndex(n_max, n_min)
-        self.n_max, self.n_min, self.keep = n_max, n_min, keep
+        self.index = HistoryIndex(match_max, match_min)
+        self.match_max, self.match_min, self.keep = match_max, match_min, keep
         if cache is True:
-            cache = LookupCache(n_max=n_max)
+            cache = LookupCache(match_max=match_max)
         self.cache = cache if isinstance(cache, LookupCache) else None
         self.calibration = calibration if calibration is not None else MatchCalibration()
         self.cost = cost if cost is not None else RoundCost()
