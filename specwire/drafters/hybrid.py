@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Capabilities, Draft, Drafter, DrafterBase
@@ -91,6 +91,18 @@ class LookupStop:
         return p.round_rate() * (p.verify_cost(2) - p.verify_cost(1))
 
 
+@dataclass(slots=True)
+class HybridCounters:
+    """Which drafter's draft the hybrid handed out, cumulative over its life."""
+
+    ngram_rounds: float = 0
+    model_rounds: float = 0
+    drafted: float = 0  # tokens handed out, from either
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
 class HybridDrafter(DrafterBase):
     """Composes an NgramDrafter and a model drafter (local, threaded or remote).
 
@@ -124,7 +136,7 @@ class HybridDrafter(DrafterBase):
         self._round: tuple[int, list[int] | None, int, float] | None = None
         self._idle = 0  # plain steps in a row where the model was not worth asking
         self._drafting_s = 0.0  # the round in progress: the model's drafting time
-        self.counters = {"ngram_rounds": 0.0, "model_rounds": 0.0, "drafted": 0.0}
+        self.counters = HybridCounters()
 
     @property
     def backend(self):
@@ -262,12 +274,12 @@ class HybridDrafter(DrafterBase):
                              else float(len(draft)))
         if use_ngram:
             out = self.ngram.take(offer)
-            self.counters["ngram_rounds"] += 1
+            self.counters.ngram_rounds += 1
         else:
             out = draft if draft is not None else Draft()
             if out.tokens:
-                self.counters["model_rounds"] += 1
-        self.counters["drafted"] += len(out)
+                self.counters.model_rounds += 1
+        self.counters.drafted += len(out)
         self._drafting_s = -1.0 if use_ngram or not out.tokens else 0.0
         model_tokens = None if draft is None else list(draft.tokens)
         self._round = (len(history), model_tokens, len(out), time.perf_counter())
@@ -313,4 +325,4 @@ class HybridDrafter(DrafterBase):
 
     def stats(self) -> dict[str, float]:
         return {**self.model.stats(), **{k: v for k, v in self.ngram.stats().items()
-                                          if k != "drafted"}, **self.counters}
+                                          if k != "drafted"}, **self.counters.as_dict()}

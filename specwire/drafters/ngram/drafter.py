@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -133,6 +133,19 @@ class Offer:
         return total
 
 
+@dataclass(slots=True)
+class NgramCounters:
+    """A lookup drafter's counters, cumulative over its life (Drafter.stats)."""
+
+    drafted: float = 0  # tokens handed out as drafts
+    cache_drafts: float = 0  # drafts found in the lookup cache rather than the history
+    stopped_early: float = 0  # offers cut short by the calibrated stop
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters that moved, by name."""
+        return {f.name: float(v) for f in fields(self) if (v := getattr(self, f.name))}
+
+
 class NgramDrafter(DrafterBase):
     """Longest-match lookup with learned stops and a cross-request cache.
 
@@ -170,7 +183,7 @@ class NgramDrafter(DrafterBase):
         self._offer: tuple[int, Offer] | None = None  # (len(history) at the offer, offer)
         self._history: Sequence[int] = ()
         self._scope, self._store = "", True   # the request's cache scope; keep it after?
-        self.counters = {"drafted": 0.0, "cache_drafts": 0.0, "stopped_early": 0.0}
+        self.counters = NgramCounters()
 
     def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
         """The target's verification cost (a lookup has no draft backend to price)."""
@@ -229,7 +242,7 @@ class NgramDrafter(DrafterBase):
                 break
             n += 1
         if n < len(offer.tokens):
-            self.counters["stopped_early"] += 1
+            self.counters.stopped_early += 1
         return Offer(offer.tokens[:n], offer.keep[:n], offer.length, offer.cached)
 
     def take(self, offer: Offer) -> Draft:
@@ -237,9 +250,9 @@ class NgramDrafter(DrafterBase):
         needs."""
         tokens = offer.tokens
         self._asked = (time.perf_counter(), len(tokens))
-        self.counters["drafted"] += len(tokens)
+        self.counters.drafted += len(tokens)
         if offer.cached and tokens:
-            self.counters["cache_drafts"] += 1
+            self.counters.cache_drafts += 1
         return self.draft(tokens)
 
     def draft(self, tokens: list[int]) -> Draft:
@@ -278,4 +291,4 @@ class NgramDrafter(DrafterBase):
         self.policy = None
 
     def stats(self) -> dict[str, float]:
-        return {k: v for k, v in self.counters.items() if v}
+        return self.counters.as_dict()
