@@ -109,6 +109,7 @@ class DraftSession:
         self.confidence: list[float] = []  # calibrated sessions: per branch token
         self.gen = 0
         self.sent = 0  # branch tokens already sent
+        #: how far past the last verdict to draft now: the lookahead, or the round's k
         self.reach = self.lookahead if self.pipelined else open_msg.k
         self.stalled = False  # p_min ended the branch; wait for a verdict
         self.timing = open_msg.timing
