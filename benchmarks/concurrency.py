@@ -55,7 +55,7 @@ class WarmUpError(RuntimeError):
 class Server:
     """A configuration and the process that serves it."""
 
-    config: table.Config
+    config: table.Variant
     process: ServerProcess
 
 
@@ -113,16 +113,16 @@ def parse_roots(items: list[str] | None) -> list[tuple[str, Path]]:
 
 
 def configs(roots: list[tuple[str, Path]], variants: list[str],
-            llama: bool) -> list[table.Config]:
+            llama: bool) -> list[table.Variant]:
     """Every tree's variants, then llama-server's; specwire rows are compared with it."""
     def label(server: str, v: str) -> str:
         return f"{server} {'plain' if v == 'plain' else '-md'}"
 
-    out = [table.Config(label(name, v), label(name, "plain"),
+    out = [table.Variant(label(name, v), label(name, "plain"),
                         label(LLAMA, v) if llama else None)
            for name, _ in roots for v in variants]
     if llama:
-        out += [table.Config(label(LLAMA, v), label(LLAMA, "plain")) for v in variants]
+        out += [table.Variant(label(LLAMA, v), label(LLAMA, "plain")) for v in variants]
     return out
 
 
@@ -152,7 +152,7 @@ def load_prompts(spec: str) -> list[tuple[str, str]]:
     return text
 
 
-def build_servers(a: argparse.Namespace, flags: ServerFlags, confs: list[table.Config],
+def build_servers(a: argparse.Namespace, flags: ServerFlags, confs: list[table.Variant],
                   roots: dict[str, Path], log_dir: Path) -> list[Server]:
     out = []
     for conf in confs:

@@ -18,7 +18,7 @@ from benchmarks.burst import Burst
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
+class Variant:
     """One server configuration; plain names its plain partner, rival the llama-server one."""
 
     label: str
@@ -111,7 +111,7 @@ def _ratio(num: float, den: float | None) -> str:
     return f"{num / den:.2f}x" if den else "-"
 
 
-def markdown(configs: list[Config], levels: list[int],
+def markdown(configs: list[Variant], levels: list[int],
              cells: dict[tuple[str, int], Cell]) -> str:
     """One row per configuration and level, in the order given."""
     rivals = any(c.rival for c in configs)

@@ -96,10 +96,10 @@ class ReplayedModel(DrafterBase):
             same += 1
         return self.costs.catch_up(len(history) - same) + self.costs.draft * max(n - 1, 0)
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
         rec = self.record
         pos = len(history) - len(rec.prompt)
-        tokens, conf = rec.drafts[pos][:max_n], rec.confidence[pos][:max_n]
+        tokens, conf = rec.drafts[pos][:k], rec.confidence[pos][:k]
         if self.stop_rule is not None:
             n = 0
             while n < len(tokens) and self.stop_rule(n, conf[n]):

@@ -60,7 +60,7 @@ class KeyCopy(StatelessDrafter):
     def __init__(self, key: int = 12, most: int = 48) -> None:
         self.key, self.most = key, most
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
         n, key = len(history), self.key
         if n <= key + self.most + 1:
             return Draft()
@@ -68,7 +68,7 @@ class KeyCopy(StatelessDrafter):
         for j in range(n - key - 1, 0, -1):
             if list(history[j:j + key]) == pattern:
                 follow = min(self.most, n - j - key)
-                return Draft(list(history[j + key:j + key + min(follow, max_n)])
+                return Draft(list(history[j + key:j + key + min(follow, k)])
                              if follow >= key else [])
         return Draft()
 

@@ -36,7 +36,7 @@ from specwire.link.transport import specwire_pb2 as pb
 
 def _messages(k: int) -> tuple[Verdict, Chunk]:
     """A round's two messages as the link sends them: a verdict of one token, k drafted."""
-    verdict = Verdict(412, 3, [1734], gen=7, want=k)
+    verdict = Verdict(412, 3, [1734], gen=7, k=k)
     chunk = Chunk(7, 416, [1000 + 37 * i for i in range(k)], busy_us=5210)
     return verdict, chunk
 

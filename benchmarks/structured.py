@@ -57,6 +57,20 @@ class _Ignoring:
         return getattr(self._inner, name)
 
 
+@dataclass(slots=True)
+class _Totals:
+    """One configuration's decoding over all prompts."""
+
+    tokens: int = 0
+    s: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens, "s": self.s, "drafted": self.drafted,
+                "accepted": self.accepted, "tok_per_s": self.tokens / self.s}
+
+
 @dataclass
 class _GrammarCost:
     calls: int = 0
@@ -97,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                "schema/plain": (grammar, None), "schema/draft-ignores": (grammar,
                                                                          _Ignoring(drafter)),
                "schema/draft-follows": (grammar, drafter)}
-    totals = {k: {"tokens": 0, "s": 0.0, "drafted": 0, "accepted": 0} for k in configs}
+    totals = {k: _Totals() for k in configs}
     cost = {k: _GrammarCost() for k in configs}
     _instrument(current := _GrammarCost(), target.n_vocab)
     for text in PROMPTS[: a.prompts]:
@@ -115,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             dt = gen.stats.predicted_ms / 1000      # decoding only, not the prompt
             outputs[name] = gen.tokens
             tot = totals[name]
-            tot["tokens"] += len(gen.tokens)
-            tot["s"] += dt
-            tot["drafted"] += gen.stats.draft_n
-            tot["accepted"] += gen.stats.draft_n_accepted
+            tot.tokens += len(gen.tokens)
+            tot.s += dt
+            tot.drafted += gen.stats.draft_n
+            tot.accepted += gen.stats.draft_n_accepted
             c = cost[name]
             c.calls += current.calls - before[0]
             c.ids += current.ids - before[1]
@@ -135,11 +149,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{'grammar calls':>13s} {'ids/token':>9s} {'full scans':>10s} {'grammar ms':>10s}")
     for name, tot in totals.items():
         c = cost[name]
-        rate = tot["accepted"] / tot["drafted"] if tot["drafted"] else float("nan")
-        print(f"{name:24s} {tot['tokens'] / tot['s']:7.2f} {rate:7.2f} {tot['drafted']:8d} "
-              f"{c.calls:13d} {c.ids / max(tot['tokens'], 1):9.0f} {c.full:10d} "
+        rate = tot.accepted / tot.drafted if tot.drafted else float("nan")
+        print(f"{name:24s} {tot.tokens / tot.s:7.2f} {rate:7.2f} {tot.drafted:8d} "
+              f"{c.calls:13d} {c.ids / max(tot.tokens, 1):9.0f} {c.full:10d} "
               f"{1000 * c.seconds:10.1f}")
-    print(json.dumps({k: {**v, "tok_per_s": v["tokens"] / v["s"]} for k, v in totals.items()}))
+    print(json.dumps({k: v.as_dict() for k, v in totals.items()}))
     return 0
 
 

@@ -180,7 +180,7 @@ def test_summary_medians_ratios_and_text_check() -> None:
     assert cells[("plain", 2)].median == 7.5
     md2 = cells[("md", 2)]
     assert md2.median == 30.0 and md2.acceptance == 0.5 and (md2.same, md2.compared) == (2, 4)
-    confs = [table.Config("plain", "plain"), table.Config("md", "plain")]
+    confs = [table.Variant("plain", "plain"), table.Variant("md", "plain")]
     md = table.markdown(confs, [1, 2], cells)
     rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line
             for line in md.splitlines()[2:]}
@@ -197,7 +197,7 @@ def test_errors_and_short_answers_are_counted() -> None:
     cells = table.summarize([("a", bad)], n_predict=8, reference={})
     assert cells[("a", 2)].errors == ["HTTP 500: x"] and cells[("a", 2)].short == 1
     assert bad.aggregate_tps == 7.0
-    md = table.markdown([table.Config("a", "a", "llama-server plain")], [2], cells)
+    md = table.markdown([table.Variant("a", "a", "llama-server plain")], [2], cells)
     assert "x llama-server" in md and "| 2 |" in md.splitlines()[2]
 
 

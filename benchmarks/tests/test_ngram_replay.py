@@ -27,8 +27,8 @@ class Oracle(StatelessDrafter):
     def __init__(self, prompt, output) -> None:
         self.full = [*prompt, *output]
 
-    def propose(self, history, max_n) -> Draft:
-        return Draft(self.full[len(history):len(history) + max_n])
+    def propose(self, history, k) -> Draft:
+        return Draft(self.full[len(history):len(history) + k])
 
 
 def test_curve_cost_interpolates_and_extends() -> None:

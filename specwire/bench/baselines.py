@@ -20,18 +20,19 @@ from specwire.sample.sampling import SparseDraft
 
 
 class ClassicNgramDrafter(StatelessDrafter):
-    """Matches the longest suffix of n_max..n_min tokens seen earlier in the history.
+    """Matches the longest suffix of match_max..match_min tokens seen earlier in the history.
 
     An index maps each n-gram to the position just after its latest earlier
-    occurrence; it is extended incrementally, so a round costs O(n_max).
+    occurrence; it is extended incrementally, so a round costs O(match_max).
     """
 
     name = "ngram-classic"
 
-    def __init__(self, n_max: int = 4, n_min: int = 1) -> None:
-        if not 1 <= n_min <= n_max:
-            raise ValueError(f"ngram sizes: need 1 <= n_min <= n_max, got {n_min}, {n_max}")
-        self.n_max, self.n_min = n_max, n_min
+    def __init__(self, match_max: int = 4, match_min: int = 1) -> None:
+        if not 1 <= match_min <= match_max:
+            raise ValueError("ngram sizes: need 1 <= match_min <= match_max, "
+                             f"got {match_min}, {match_max}")
+        self.match_max, self.match_min = match_max, match_min
         self._index: dict[tuple[int, ...], int] = {}
         self._seen: list[int] = []
         self._point_q = False
@@ -56,21 +57,21 @@ class ClassicNgramDrafter(StatelessDrafter):
             self._index.clear()
             self._seen, common = [], 0
         for end in range(max(common, 1), len(history)):
-            for n in range(self.n_min, self.n_max + 1):
+            for n in range(self.match_min, self.match_max + 1):
                 if end - n >= 0:
                     self._index[tuple(history[end - n : end])] = end
         self._seen = list(history[:-1]) if len(history) > 1 else []
         # The n-grams ending at the last token are indexed on the next call, so
         # a lookup never finds the suffix itself.
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
         self._sync(history)
-        for n in range(self.n_max, self.n_min - 1, -1):
+        for n in range(self.match_max, self.match_min - 1, -1):
             if len(history) < n:
                 continue
             start = self._index.get(tuple(history[len(history) - n :]))
             if start is not None:
-                tokens = list(history[start : start + max_n])
+                tokens = list(history[start : start + k])
                 self.drafted += len(tokens)
                 if self._point_q:
                     one = np.ones(1, dtype=np.float32)

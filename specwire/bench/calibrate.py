@@ -86,7 +86,7 @@ def measure(s: MeasureSettings) -> Measurement:
     from specwire.backend.llama import LlamaBackend, check_pair, load_model
     from specwire.backend.placement import check
     from specwire.bench import prompts as prompt_sets
-    from specwire.bench.runner import Config, Workload, run_config
+    from specwire.bench.runner import RunParams, Workload, run_config
     from specwire.config import ConfigError, DraftParams, SamplingParams
     from specwire.drafters.model import ModelDrafter
     from specwire.engine.engine import Engine
@@ -105,9 +105,9 @@ def measure(s: MeasureSettings) -> Measurement:
     tokens = [prompt_sets.tokenize(p, target) for p in plist]
     work = Workload(plist, tokens, SamplingParams(temperature=0.0), DraftParams(),
                     n_predict=s.n_predict)
-    plain = run_config(Engine(target), work, Config("plain"))
+    plain = run_config(Engine(target), work, RunParams("plain"))
     spec = run_config(Engine(target, ModelDrafter(draft)), work,
-                      Config("local", DraftParams().n_max))
+                      RunParams("local", DraftParams().n_max))
     drafted = sum(r.stats["draft_n"] for r in spec)
     accepted = sum(r.stats["draft_n_accepted"] for r in spec)
     return Measurement(

@@ -24,7 +24,7 @@ from typing import Any
 
 from specwire.bench import cpus
 from specwire.bench.netemu import LinkEmulator
-from specwire.bench.runner import Config
+from specwire.bench.runner import RunParams
 from specwire.config import ConfigError
 from specwire.settings import BenchSettings
 
@@ -198,7 +198,7 @@ class Drafters:
         return self._draft_backend
 
     @contextlib.contextmanager
-    def build(self, cfg: Config) -> Iterator[tuple[Any, LinkEmulator | None]]:
+    def build(self, cfg: RunParams) -> Iterator[tuple[Any, LinkEmulator | None]]:
         """(drafter, emulator or None) for one configuration; remote ones closed after."""
         if cfg.mode in ("plain", "local", "local-pipelined", "ngram", "ngram-classic", "random",
                         "hybrid"):
@@ -226,7 +226,7 @@ class Drafters:
                 drafter.close()
                 emu.cut()   # the closed drafter's channel may linger; the next one starts clean
 
-    def _in_process(self, cfg: Config) -> Any:
+    def _in_process(self, cfg: RunParams) -> Any:
         mode = cfg.mode
         if mode == "local":
             from specwire.drafters.model import ModelDrafter
@@ -252,13 +252,13 @@ class Drafters:
         from specwire.drafters.base import NoDrafter
         return NoDrafter()
 
-    def _ngram(self, cfg: Config) -> Any:
+    def _ngram(self, cfg: RunParams) -> Any:
         from specwire.drafters.ngram.drafter import MatchCalibration, NgramDrafter, RoundCost
         calibration, cost = self._ngram_memory.setdefault(cfg.label(),
                                                           (MatchCalibration(), RoundCost()))
         return NgramDrafter(cache=None, calibration=calibration, cost=cost)
 
-    def _hybrid(self, cfg: Config, model: Any) -> Any:
+    def _hybrid(self, cfg: RunParams, model: Any) -> Any:
         from specwire.drafters.hybrid import HybridDrafter, HybridEstimates
         estimates = self._hybrid_memory.setdefault(cfg.label(), HybridEstimates())
         return HybridDrafter(self._ngram(cfg), model, estimates=estimates)

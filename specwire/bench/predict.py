@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from specwire.bench.modes import MODEL_MODES
-from specwire.bench.runner import Config
+from specwire.bench.runner import RunParams
 from specwire.policy.plan import free_bound
 from specwire.policy.throughput import (
     PlanInputs,
@@ -114,7 +114,7 @@ def fit_acceptance(kept: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Rounds,
+def predict(cfg: RunParams, plain_tps: float, draft_tps: float | None, rounds: Rounds,
             verify: VerifyCurve | None, measured_tps: float) -> dict | None:
     """plan's tokens/s for cfg and its error against the measured rate (None if unknown).
 
@@ -167,7 +167,7 @@ def predict(cfg: Config, plain_tps: float, draft_tps: float | None, rounds: Roun
     return _result(plan_mode, rounds.k, rounds.share, rate, plain_tps, measured_tps, inputs)
 
 
-def bound(cfg: Config, plain_tps: float, rounds: Rounds, verify: VerifyCurve | None,
+def bound(cfg: RunParams, plain_tps: float, rounds: Rounds, verify: VerifyCurve | None,
           measured_tps: float) -> dict | None:
     """What a free and instant drafter with this configuration's acceptance would reach on
     this target (plan.free_bound at k <= --draft-max), and the share of it measured.

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specwire.bench.runner import Config, PromptRun, format_bps, format_ms
+from specwire.bench.runner import PromptRun, RunParams, format_bps, format_ms
 
 REMOTE = ("remote-sync", "remote-pipelined", "remote-chains", "llama-server")
 
@@ -100,7 +100,7 @@ def token_match(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None,
 # --------------------------------------------------------------------------- one record
 
 
-def time_split(cfg: Config, runs: Sequence[PromptRun]) -> dict:
+def time_split(cfg: RunParams, runs: Sequence[PromptRun]) -> dict:
     """Where the decoding time went: draft, network, verify, and the rest (overhead).
 
     The engine times how long it waits on the drafter and how long verification
@@ -193,7 +193,7 @@ def by_category(runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None) ->
     return out
 
 
-def aggregate(cfg: Config, runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None,
+def aggregate(cfg: RunParams, runs: Sequence[PromptRun], plain: Sequence[PromptRun] | None,
               lossless: bool) -> dict:
     """One configuration's record: every figure bench reports, plus per-prompt data."""
     drafted = sum(r.stats.get("draft_n", 0) for r in runs)

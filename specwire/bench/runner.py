@@ -27,7 +27,7 @@ WARMUP_TOKENS = 8
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
+class RunParams:
     """One point of the sweep. rtt/bandwidth only matter for remote modes."""
 
     mode: str
@@ -113,14 +113,14 @@ def reset_state(engine: Engine) -> None:
         backend.truncate(0)
 
 
-def draft_params(work: Workload, cfg: Config) -> DraftParams:
+def draft_params(work: Workload, cfg: RunParams) -> DraftParams:
     if not cfg.drafting:
         return work.draft.with_(enabled=False)
     return work.draft.with_(n_max=cfg.draft_max, policy=cfg.policy, enabled=True,
                             n_min=min(work.draft.n_min, cfg.draft_max))
 
 
-def warm_up(engine: Engine, work: Workload, cfg: Config) -> None:
+def warm_up(engine: Engine, work: Workload, cfg: RunParams) -> None:
     """A short generation on the first prompt, discarded."""
     reset_state(engine)
     n = min(WARMUP_TOKENS, work.budget(0))
@@ -128,7 +128,7 @@ def warm_up(engine: Engine, work: Workload, cfg: Config) -> None:
                             work.ignore_eos)).run()
 
 
-def run_config(engine: Engine, work: Workload, cfg: Config, link: LinkEmulator | None = None,
+def run_config(engine: Engine, work: Workload, cfg: RunParams, link: LinkEmulator | None = None,
                on_prompt: Callable[[PromptRun], None] | None = None) -> list[PromptRun]:
     """Warm up, then every prompt from empty caches; one PromptRun per prompt."""
     warm_up(engine, work, cfg)
@@ -142,7 +142,7 @@ def run_config(engine: Engine, work: Workload, cfg: Config, link: LinkEmulator |
     return runs
 
 
-def run_prompt(engine: Engine, work: Workload, cfg: Config, i: int,
+def run_prompt(engine: Engine, work: Workload, cfg: RunParams, i: int,
                link: LinkEmulator | None) -> PromptRun:
     reset_state(engine)
     if link is not None:

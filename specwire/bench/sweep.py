@@ -23,8 +23,8 @@ from specwire.bench import calibrate, plots, predict, report
 from specwire.bench.modes import MODEL_MODES, REMOTE_MODES, Drafters
 from specwire.bench.prompts import Prompt, PromptError, resolve, tokenize
 from specwire.bench.runner import (
-    Config,
     PromptRun,
+    RunParams,
     Workload,
     run_config,
     run_prompt,
@@ -35,7 +35,7 @@ from specwire.settings import BenchSettings
 
 
 @dataclass(slots=True)
-class Settings:
+class SweepSettings:
     """The sweep, checked: what to run, over which values, and where to write."""
 
     prompts: str
@@ -55,26 +55,26 @@ class Settings:
     interleave: bool = True
 
 
-def configurations(s: Settings) -> list[Config]:
+def configurations(s: SweepSettings) -> list[RunParams]:
     """Plain first, then each mode over its sweep (links only for remote modes).
 
     The adaptive policy chooses its own length, so it runs once per mode and link,
     capped at the largest --draft-max, however many fixed lengths are swept.
     """
-    out = [Config("plain")]
+    out = [RunParams("plain")]
     for mode in s.modes:
         if mode == "plain":
             continue
         links: list[tuple[float | None, float | None]] = (
             [(r, b) for r in s.rtts for b in s.bandwidths] if mode in REMOTE_MODES
             else [(None, None)])
-        out += [Config(mode, k, pol, rtt, bw) for rtt, bw in links
+        out += [RunParams(mode, k, pol, rtt, bw) for rtt, bw in links
                 for k in s.draft_max for pol in s.policies
                 if pol == "fixed" or k == max(s.draft_max)]
     return out
 
 
-def run(s: Settings, bench: BenchSettings, sampling: SamplingParams,
+def run(s: SweepSettings, bench: BenchSettings, sampling: SamplingParams,
         draft: DraftParams) -> dict:
     """Run the sweep; write results.json and the plots; return the results."""
     from specwire.backend.base import BackendError
@@ -119,8 +119,8 @@ def run(s: Settings, bench: BenchSettings, sampling: SamplingParams,
     return results
 
 
-def _emulate(bench: BenchSettings, s: Settings, target: Any, drafters: Drafters
-             ) -> tuple[Any, Settings, dict, dict]:
+def _emulate(bench: BenchSettings, s: SweepSettings, target: Any, drafters: Drafters
+             ) -> tuple[Any, SweepSettings, dict, dict]:
     """--emulate: fit the scale to the real pair (unless given), hold the target and the
     local draft, start any draft node holding its drafts alike, and turn the swept round
     trips (emulated time) into wall time. (target, settings, counters, what to record)."""
@@ -174,7 +174,7 @@ def node_holds(log_path: Path) -> dict | None:
     return {"decodes": d, "over": o, "prompt_chunks": p, "prompt_over": po}
 
 
-def _workload(plist: list[Prompt], target: Any, bench: BenchSettings, s: Settings,
+def _workload(plist: list[Prompt], target: Any, bench: BenchSettings, s: SweepSettings,
               sampling: SamplingParams, draft: DraftParams) -> Workload:
     """Tokenize every prompt once; refuse one that cannot fit the context with its budget
     (the draft model's too, when a mode runs it)."""
@@ -195,7 +195,7 @@ def _workload(plist: list[Prompt], target: Any, bench: BenchSettings, s: Setting
     return work
 
 
-def _calibrate(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload) -> dict:
+def _calibrate(cfgs: list[RunParams], target: Any, drafters: Drafters, work: Workload) -> dict:
     """Draft speed and verification curve for the plan predictions (a few seconds)."""
     out: dict[str, Any] = {"draft_tps": None, "verify_cost": None}
     if not any(c.drafting for c in cfgs):
@@ -208,8 +208,8 @@ def _calibrate(cfgs: list[Config], target: Any, drafters: Drafters, work: Worklo
     return out
 
 
-def _run_all(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload, s: Settings,
-             stack: contextlib.ExitStack) -> list[list[PromptRun]]:
+def _run_all(cfgs: list[RunParams], target: Any, drafters: Drafters, work: Workload,
+             s: SweepSettings, stack: contextlib.ExitStack) -> list[list[PromptRun]]:
     from tqdm import tqdm
 
     from specwire.engine.engine import Engine
@@ -243,8 +243,8 @@ def _run_all(cfgs: list[Config], target: Any, drafters: Drafters, work: Workload
     return runs
 
 
-def _results(bench: BenchSettings, s: Settings, cfgs: list[Config], runs: list[list[PromptRun]],
-             calib: dict, sampling: SamplingParams, draft: DraftParams,
+def _results(bench: BenchSettings, s: SweepSettings, cfgs: list[RunParams],
+             runs: list[list[PromptRun]], calib: dict, sampling: SamplingParams, draft: DraftParams,
              elapsed_s: float) -> dict:
     plain = runs[0]
     lossless = sampling.greedy or draft.mode is VerifyMode.COUPLED
@@ -283,7 +283,7 @@ def _rounds(rec: dict) -> predict.Rounds:
                           rejected=rec.get("rejected_rounds"))
 
 
-def _prediction(rec: dict, cfg: Config, plain_tps: float, calib: dict) -> dict | None:
+def _prediction(rec: dict, cfg: RunParams, plain_tps: float, calib: dict) -> dict | None:
     measured = report.overall_rate(rec) or 0.0
     rounds = _rounds(rec)
     if cfg.mode in MODEL_MODES:

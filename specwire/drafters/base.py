@@ -124,8 +124,8 @@ class Drafter(Protocol):
         adaptive policy whose stop rule drafts follow (None: the drafter's own rule);
         grammar: the request's, which drafts may follow (more of them accepted)."""
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        """Up to max_n tokens that would follow history (history[-1] is the newest token)."""
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        """Up to k tokens that would follow history (history[-1] is the newest token)."""
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
         """The round ended: `appended` tokens were added to history, `accepted` of them drafted."""
@@ -166,7 +166,7 @@ class DrafterBase:
     def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
         pass
 
-    def ask(self, history: Sequence[int], max_n: int) -> None:
+    def ask(self, history: Sequence[int], k: int) -> None:
         """Capabilities.asks_ahead: a round is coming (propose follows in the same step);
         send its request now."""
 
@@ -207,7 +207,7 @@ class NoDrafter(StatelessDrafter):
     name = "none"
     capabilities = Capabilities(deterministic=True)
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
         return Draft()
 
     def rebase(self, history: Sequence[int]) -> None:

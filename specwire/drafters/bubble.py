@@ -80,12 +80,12 @@ class BubbleWait:
         return (not self.vain and self.arrivals >= MIN_ARRIVALS
                 and self.costs.times.rounds() >= MIN_ROUNDS)
 
-    def aim(self, have: int, max_n: int, since_s: float, fresh: bool) -> tuple[int, float]:
+    def aim(self, have: int, k: int, since_s: float, fresh: bool) -> tuple[int, float]:
         """(tokens to wait for, seconds to wait at most) for a round that has `have` draft
-        tokens, may verify max_n, and comes `since_s` after the last verdict; `fresh`: the
+        tokens, may verify k, and comes `since_s` after the last verdict; `fresh`: the
         branch being drafted started at that verdict (else it runs on, a token per slope).
         (have, 0.0) means verify what is there."""
-        if have >= max_n or not self.ready():
+        if have >= k or not self.ready():
             return have, 0.0
         verify = self.costs.times
         plain, r = verify(1), self.rate
@@ -95,7 +95,7 @@ class BubbleWait:
         best_m, best_wait, best = have, 0.0, now
         # Only batches priced by rounds seen: beyond them the curve is VERIFY_SLOPE's guess,
         # a GPU's, which on a CPU target prices a batch of 5 at 1.4 steps, not 1.9.
-        for m in range(have + 1, min(max_n, verify.largest() - 1) + 1):
+        for m in range(have + 1, min(k, verify.largest() - 1) + 1):
             wait = max(0.0, c + d * m - since_s) if fresh else d * (m - have)
             if wait > plain:  # longer than a plain step would take: never worth the risk
                 break

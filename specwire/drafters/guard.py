@@ -73,11 +73,11 @@ class DraftGuard:
         self._live = False
         self._start(prompt)
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
         if not self._live and not self._start(history):
             return Draft()
         try:
-            draft = self._checked(self.drafter.propose(history, max_n), max_n)
+            draft = self._checked(self.drafter.propose(history, k), k)
         except Exception as e:  # noqa: BLE001 - the boundary: any failure is plain decoding
             self._failed("propose", e)
             return Draft()
@@ -85,37 +85,37 @@ class DraftGuard:
             self.failures = 0
         return draft
 
-    def ask(self, history: Sequence[int], max_n: int) -> None:
+    def ask(self, history: Sequence[int], k: int) -> None:
         """Let a live drafter that declares asks_ahead send this round's request now."""
         if not self._live or not self.capabilities.asks_ahead:
             return
         try:
-            self.drafter.ask(history, max_n)
+            self.drafter.ask(history, k)
         except Exception as e:  # noqa: BLE001
             self._failed("ask", e)
 
-    def drafting(self, history: Sequence[int], max_n: int) -> Drafting | Draft:
+    def drafting(self, history: Sequence[int], k: int) -> Drafting | Draft:
         """A draft to be stepped in lockstep with other sequences' (`draft_together`) from
         a drafter that declares lockstep, then handed to `drafted`; any other drafter's
         draft now, as propose gives it."""
         if not self.capabilities.lockstep:
-            return self.propose(history, max_n)
+            return self.propose(history, k)
         if not self._live and not self._start(history):
             return Draft()
         try:
-            return self.drafter.draft_in_steps(history, max_n)
+            return self.drafter.draft_in_steps(history, k)
         except Exception as e:  # noqa: BLE001
             self._failed("propose", e)
             return Draft()
 
-    def drafted(self, run: Drafting | Draft, max_n: int) -> Draft:
+    def drafted(self, run: Drafting | Draft, k: int) -> Draft:
         """The draft of a finished `drafting` (checked, as propose's), or the Draft itself."""
         if isinstance(run, Draft):
             return run
         try:
             if run.error is not None:
                 raise run.error
-            draft = self._checked(run.draft, max_n)
+            draft = self._checked(run.draft, k)
         except Exception as e:  # noqa: BLE001
             self._failed("propose", e)
             return Draft()
@@ -198,14 +198,14 @@ class DraftGuard:
         self._live = True
         return True
 
-    def _checked(self, draft: object, max_n: int) -> Draft:
+    def _checked(self, draft: object, k: int) -> Draft:
         if not isinstance(draft, Draft):
             raise DrafterFailure(f"proposed a {type(draft).__name__}, not a Draft")
         tokens = draft.tokens
         if not tokens:
             return draft
-        if len(tokens) > max_n:
-            draft = draft.cut(max_n)
+        if len(tokens) > k:
+            draft = draft.cut(k)
             tokens = draft.tokens
         if not all(type(t) is int or isinstance(t, int | np.integer) for t in tokens):
             raise DrafterFailure("proposed token ids that are not integers")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Capabilities, Draft, Drafter, DrafterBase
@@ -115,6 +115,22 @@ class LookupStop:
         return p.round_rate() * (p.verify_cost(2) - p.verify_cost(1))
 
 
+@dataclass(slots=True)
+class HybridCounters:
+    """Which drafter's draft the hybrid handed out, cumulative over its life."""
+
+    ngram_rounds: float = 0
+    model_rounds: float = 0
+    drafted: float = 0  # tokens handed out, from either
+    trees: float = 0  # rounds handed out as a tree of both candidates
+    #: of those, the ones whose kept tokens went further along the lookup's / the model's
+    tree_ngram_kept: float = 0
+    tree_model_kept: float = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
 class HybridDrafter(DrafterBase):
     """Composes an NgramDrafter and a model drafter (local, threaded or remote).
 
@@ -151,11 +167,7 @@ class HybridDrafter(DrafterBase):
         self._round: tuple[int, list[int] | None, int, float] | None = None
         self._idle = 0  # plain steps in a row where the model was not worth asking
         self._drafting_s = 0.0  # the round in progress: the model's drafting time
-        #: trees: rounds handed out as a tree of both candidates; tree_ngram_kept and
-        #: tree_model_kept: of those, the ones whose kept tokens went further along the
-        #: lookup's or the model's candidate
-        self.counters = {"ngram_rounds": 0.0, "model_rounds": 0.0, "drafted": 0.0,
-                         "trees": 0.0, "tree_ngram_kept": 0.0, "tree_model_kept": 0.0}
+        self.counters = HybridCounters()
         self._tree: tuple[list[int], list[int]] | None = None  # the tree in progress
 
     @property
@@ -239,19 +251,19 @@ class HybridDrafter(DrafterBase):
 
     # -- a round ---------------------------------------------------------------------------
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        offer = self.ngram.usable(self.ngram.offer(history, max_n))
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        offer = self.ngram.usable(self.ngram.offer(history, k))
         if self.ahead:
-            draft = self.model.propose(history, max_n)
+            draft = self.model.propose(history, k)
             ng, m = self.ngram_rate(offer), self.model_rate(len(draft), 0.0)
             use_ngram = bool(offer.tokens) and (
                 offer.expected_kept() > expected_tokens(self.acceptance, len(draft)) - 1.0
                 if ng is None or m is None else ng > m)
             return self._hand_out(history, offer, draft, use_ngram)
-        k = self.est.model_len or max_n
+        model_k = self.est.model_len or k
         behind = self._behind(history)
         self._asked_last = False
-        ng, m = self.ngram_rate(offer), self.model_rate(min(k, max_n), behind=behind)
+        ng, m = self.ngram_rate(offer), self.model_rate(min(model_k, k), behind=behind)
         if offer.tokens and (ng is None and offer.expected_kept() >= 1.0
                              or ng is not None and m is not None and ng > m):
             return self._hand_out(history, offer, None, True)
@@ -271,7 +283,7 @@ class HybridDrafter(DrafterBase):
             return self._hand_out(history, offer, None, False)
         self._probing, self._idle = worse, 0
         t0 = time.perf_counter()
-        draft = self.model.propose(history, min(max_n, PROBE_TOKENS) if worse else max_n)
+        draft = self.model.propose(history, min(k, PROBE_TOKENS) if worse else k)
         took = time.perf_counter() - t0
         if draft.tokens:
             if not behind:              # a steady round: its time is drafting
@@ -301,16 +313,16 @@ class HybridDrafter(DrafterBase):
         if tree is not None:
             self.ngram.take(offer)
             out, self._tree = tree, (list(offer.tokens), list(draft.tokens))
-            self.counters["trees"] += 1
+            self.counters.trees += 1
             use_ngram = False       # the model's draft is verified (for its realised yield)
         elif use_ngram:
             out = self.ngram.take(offer)
-            self.counters["ngram_rounds"] += 1
+            self.counters.ngram_rounds += 1
         else:
             out = draft if draft is not None else Draft()
             if out.tokens:
-                self.counters["model_rounds"] += 1
-        self.counters["drafted"] += len(out)
+                self.counters.model_rounds += 1
+        self.counters.drafted += len(out)
         self._drafting_s = -1.0 if use_ngram or not out.tokens else 0.0
         model_tokens = None if draft is None else list(draft.tokens)
         # the decode's draft tokens, a tree's branch included (its verification's size)
@@ -402,7 +414,10 @@ class HybridDrafter(DrafterBase):
             new = history[base:base + appended]
             ng_kept, md_kept = kept_prefix(ng_tokens, new), kept_prefix(md_tokens, new)
             if ng_kept != md_kept:
-                self.counters["tree_ngram_kept" if ng_kept > md_kept else "tree_model_kept"] += 1
+                if ng_kept > md_kept:
+                    self.counters.tree_ngram_kept += 1
+                else:
+                    self.counters.tree_model_kept += 1
         if self._drafting_s >= 0.0 and handed:     # the model's draft was verified
             w = 1.0 - self.alpha
             # what the round kept, on whichever path (a tree's may leave the chain)
@@ -432,4 +447,4 @@ class HybridDrafter(DrafterBase):
 
     def stats(self) -> dict[str, float]:
         return {**self.model.stats(), **{k: v for k, v in self.ngram.stats().items()
-                                          if k != "drafted"}, **self.counters}
+                                          if k != "drafted"}, **self.counters.as_dict()}

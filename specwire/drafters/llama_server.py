@@ -15,11 +15,26 @@ import logging
 import time
 import urllib.parse
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 from specwire.config import DraftParams, SamplingParams
 from specwire.drafters.base import Capabilities, Draft, DrafterBase, LinkStatus
 
 log = logging.getLogger("specwire.remote")
+
+
+@dataclass(slots=True)
+class HttpCounters:
+    """A llama-server drafter's counters, cumulative over its life (Drafter.stats)."""
+
+    bytes_up: float = 0
+    bytes_down: float = 0
+    requests: float = 0
+    errors: float = 0
+    wait_ms: float = 0.0  # time propose spent on the HTTP round trip
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
 
 
 class LlamaServerDrafter(DrafterBase):
@@ -38,19 +53,19 @@ class LlamaServerDrafter(DrafterBase):
         self._retry_at = 0.0
         self._failures = 0
         self.name = f"llama-server:{url}"
-        self.counters = {"bytes_up": 0, "bytes_down": 0, "requests": 0, "errors": 0, "wait_ms": 0.0}
+        self.counters = HttpCounters()
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams, params: DraftParams, *,
               policy=None, grammar=None) -> None:
         self._p_min = params.p_min
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        if time.monotonic() < self._retry_at or max_n <= 0:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        if time.monotonic() < self._retry_at or k <= 0:
             return Draft()
         body = json.dumps(
             {
                 "prompt": list(history),
-                "n_predict": max_n,
+                "n_predict": k,
                 "temperature": 0.0,
                 "top_k": 1,
                 "cache_prompt": True,
@@ -66,9 +81,9 @@ class LlamaServerDrafter(DrafterBase):
             self._fail(str(e))
             return Draft()
         finally:
-            self.counters["wait_ms"] += 1000 * (time.perf_counter() - t0)
+            self.counters.wait_ms += 1000 * (time.perf_counter() - t0)
         self._failures = 0
-        return Draft(tokens[:max_n])
+        return Draft(tokens[:k])
 
     def _post(self, body: bytes) -> list[int]:
         if self._conn is None:
@@ -77,9 +92,9 @@ class LlamaServerDrafter(DrafterBase):
         self._conn.request("POST", self._path, body, {"Content-Type": "application/json"})
         resp = self._conn.getresponse()
         data = resp.read(1 << 20)
-        self.counters["requests"] += 1
-        self.counters["bytes_up"] += len(body)
-        self.counters["bytes_down"] += len(data)
+        self.counters.requests += 1
+        self.counters.bytes_up += len(body)
+        self.counters.bytes_down += len(data)
         if resp.status != 200:
             raise ValueError(f"HTTP {resp.status}: {data[:200]!r}")
         tokens = json.loads(data).get("tokens")
@@ -90,7 +105,7 @@ class LlamaServerDrafter(DrafterBase):
         return tokens
 
     def _fail(self, reason: str) -> None:
-        self.counters["errors"] += 1
+        self.counters.errors += 1
         self._failures += 1
         pause = min(5.0, 0.25 * 2 ** (self._failures - 1))
         self._retry_at = time.monotonic() + pause
@@ -106,7 +121,7 @@ class LlamaServerDrafter(DrafterBase):
         pass
 
     def stats(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.counters.items()}
+        return self.counters.as_dict()
 
     def status(self) -> tuple[LinkStatus, ...]:
         """Up unless resting after a failure; a llama-server has no node details to give."""

@@ -91,18 +91,18 @@ class ModelDrafter(DrafterBase):
         kept = reusable_prefix(self.backend.tokens, prompt)
         self._cache_use = (kept, len(prompt) - kept)
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        return self.draft_from(history, max_n)
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        return self.draft_from(history, k)
 
-    def draft_in_steps(self, history: Sequence[int], max_n: int) -> Drafting:
+    def draft_in_steps(self, history: Sequence[int], k: int) -> Drafting:
         """This sequence's draft in progress, for draft_together (drafters/lockstep.py) to
         step beside the other sequences of the same draft context."""
-        return Drafting(self._steps(history, max_n), self.backend, self.shared, self.seq,
+        return Drafting(self._steps(history, k), self.backend, self.shared, self.seq,
                         self.cost)
 
-    def draft_from(self, history: Sequence[int], max_n: int, on_token=None,
+    def draft_from(self, history: Sequence[int], k: int, on_token=None,
                    at_choice=None) -> Draft:
-        """Draft up to max_n tokens after history, alone.
+        """Draft up to k tokens after history, alone.
 
         on_token(i, token, sparse_or_None) is called as each token is drafted (a draft
         node streams it from there) and may return False to stop early.
@@ -110,7 +110,7 @@ class ModelDrafter(DrafterBase):
         and token is chosen for the next position: a node drafts its alternates there
         (it must leave the cache holding ctx).
         """
-        steps = self._steps(history, max_n, on_token, at_choice)
+        steps = self._steps(history, k, on_token, at_choice)
         try:
             want = next(steps)
             while True:
@@ -118,13 +118,13 @@ class ModelDrafter(DrafterBase):
         except StopIteration as stop:
             return stop.value
 
-    def _steps(self, history: Sequence[int], max_n: int, on_token=None,
+    def _steps(self, history: Sequence[int], k: int, on_token=None,
                at_choice=None) -> DraftSteps:
         """The draft as steps: yields the tokens to evaluate (the history's catch-up, then
         each drafted token), is sent their last logits row, returns the draft."""
         be, sp, dp = self.backend, self.sampling, self.params
-        max_n = min(max_n, be.n_ctx - len(history))
-        if max_n <= 0:
+        k = min(k, be.n_ctx - len(history))
+        if k <= 0:
             return Draft()
         kept = sync_prefix(be, history)
         row = yield list(history[kept:])
@@ -136,7 +136,7 @@ class ModelDrafter(DrafterBase):
         grammar = self._grammar_after(history)
         allow = _cheap(grammar, be.n_vocab) if grammar is not None else None
         try:
-            for i in range(max_n):
+            for i in range(k):
                 if draft.confidence is not None:
                     p = sampling.top_prob(row)
                     if not (stop_rule(i, p) if stop_rule else p >= dp.p_min):
@@ -162,7 +162,7 @@ class ModelDrafter(DrafterBase):
                 ctx.append(tok)
                 if on_token is not None and on_token(i, tok, sd) is False:
                     break
-                if i + 1 == max_n:
+                if i + 1 == k:
                     break
                 row = yield [tok]
         finally:

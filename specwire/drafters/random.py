@@ -24,7 +24,7 @@ class RandomDrafter(StatelessDrafter):
         self.n_vocab = n_vocab
         self._rng = np.random.default_rng(seed)     # its own generator, never the global one
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        self.drafted += max_n
-        return Draft([int(t) for t in self._rng.integers(0, self.n_vocab, max_n)])
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        self.drafted += k
+        return Draft([int(t) for t in self._rng.integers(0, self.n_vocab, k)])
 

@@ -50,7 +50,7 @@ USELESS_LIMIT = 3
 
 
 class BranchDrafter(DrafterBase):
-    """Pipelined (never waits) or synchronous (waits for `want` tokens, with a deadline)."""
+    """Pipelined (never waits) or synchronous (waits for `k` tokens, with a deadline)."""
 
     name = "branch"
     remote = False  # its q comes over the network (RemoteDrafter)
@@ -88,8 +88,8 @@ class BranchDrafter(DrafterBase):
         self._params = DraftParams()
         self._active = False
         self._late = False  # sync mode: the drafter missed a deadline; stop waiting
-        self._want = 0
-        self._want_told = 0  # the want the drafter last heard
+        self._k = 0
+        self._k_told = 0  # the k the drafter last heard
         # Synchronous: branch tokens kept in the first round since the last verdict, None
         # while no round has ended since it.
         self._accepted: int | None = None
@@ -153,9 +153,9 @@ class BranchDrafter(DrafterBase):
         return self._active
 
     @property
-    def want(self) -> int:
+    def k(self) -> int:
         """The tokens the current round asks for."""
-        return self._want
+        return self._k
 
     def restart(self) -> None:
         """Open a new session on the current history (a reconnect)."""
@@ -173,7 +173,7 @@ class BranchDrafter(DrafterBase):
             self.bubble = self.bubbles.get(params.cache_scope)
         self._sampling, self._params = f32_sampling(sampling), params
         self._history = list(prompt)
-        self._active, self._late, self._want = True, False, params.n_max
+        self._active, self._late, self._k = True, False, params.n_max
         self._drafted, self._starving, self._starved_at = 0, False, None
         self._proposed_at = self._verdict_at = None
         self._fresh_gen = -1
@@ -192,20 +192,20 @@ class BranchDrafter(DrafterBase):
         assert self.bubble is not None
         return BubbleWait(costs=self.bubble.costs, own_costs=self.bubble.own_costs)
 
-    def ask(self, history: Sequence[int], max_n: int) -> None:
+    def ask(self, history: Sequence[int], k: int) -> None:
         """Synchronous: send this round's verdict and k now; the propose that follows finds
         it told and only waits (a batch's sessions then draft at the same time)."""
         if self.pipelined or not self.transport.live():
             return
         self._history = history if isinstance(history, list) else list(history)
-        self._want = max_n
+        self._k = k
         self._tell(history, self._accepted or 0)
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
         self._history = history if isinstance(history, list) else list(history)
         self._draft_gen = -1
         if not self.pipelined:
-            self._want = max_n
+            self._k = k
         if not self.transport.live():
             self.transport.revive()
             return Draft()
@@ -220,9 +220,9 @@ class BranchDrafter(DrafterBase):
         with self._cv:
             ahead, heard = self._ahead, self._heard()
             while True:
-                draft, complete = self._usable(history, max_n)
+                draft, complete = self._usable(history, k)
                 if deadline is None and self.pipelined:
-                    deadline = self._bubble_deadline(len(draft), max_n)
+                    deadline = self._bubble_deadline(len(draft), k)
                     if deadline is not None:
                         continue
                 if complete or deadline is None or not self.transport.live():
@@ -264,15 +264,15 @@ class BranchDrafter(DrafterBase):
         self._note_starved(draft)
         return draft
 
-    def _bubble_deadline(self, have: int, max_n: int) -> float | None:
-        """Pipelined, a round with fewer than max_n tokens: the time.monotonic() until
+    def _bubble_deadline(self, have: int, k: int) -> float | None:
+        """Pipelined, a round with fewer than k tokens: the time.monotonic() until
         which to wait for the drafter (setting self._aim, the tokens worth waiting for),
         or None to verify what is there (drafters/bubble.py). Under self._cv."""
         if (self.bubble is None or self._done or self._late or self._verdict_at is None
-                or not self.transport.live() or have >= max_n):
+                or not self.transport.live() or have >= k):
             return None
         since = time.perf_counter() - self._verdict_at
-        aim, wait_s = self.bubble.aim(have, max_n, since, fresh=have == 0)
+        aim, wait_s = self.bubble.aim(have, k, since, fresh=have == 0)
         if aim <= have:
             return None
         self._aim = aim
@@ -361,12 +361,12 @@ class BranchDrafter(DrafterBase):
             gen = max(self._gen, 0)
             alternate = self._take_alternate(position + accepted, own)
         # Fields that say nothing new stay 0, which the wire sends no byte for: gen when
-        # no token is accepted, want when it is unchanged or the drafter pipelined.
+        # no token is accepted, k when it is unchanged or the drafter pipelined.
         v = Verdict(position, accepted, own, alternate=alternate)
         if accepted or alternate:
             v.gen = gen
-        if not self.pipelined and self._want != self._want_told:
-            v.want = self._want_told = self._want
+        if not self.pipelined and self._k != self._k_told:
+            v.k = self._k_told = self._k
         if self._calibrated():
             # Five bytes, sent only when the threshold moved by more than KEEP_MIN_SLACK: it
             # moves a little every round, while a draft's P(all kept) falls by a bin's
@@ -424,7 +424,7 @@ class BranchDrafter(DrafterBase):
             mode=mode,
             pipelined=self.pipelined,
             lookahead=self.lookahead or 2 * max(1, p.n_max),
-            want=self._open_want(),
+            k=self._open_k(),
             p_min=p.p_min,
             top_k_q=p.top_k_q,
             timing=self.timing,
@@ -438,9 +438,9 @@ class BranchDrafter(DrafterBase):
             second_choices=bool(self.tree and self.pipelined and self.branches),
         )
 
-    def _open_want(self) -> int:
-        self._want_told = self._want
-        return self._want
+    def _open_k(self) -> int:
+        self._k_told = self._k
+        return self._k
 
     def _open_keep_min(self) -> float:
         if not self._calibrated():
@@ -456,11 +456,11 @@ class BranchDrafter(DrafterBase):
         self._buf_start = 0  # absolute position of _buf[0]
         self._buf: list[int] = []
         self._sparse: list | None = None
-        self._done = False  # the drafter stopped after _buf (p_min or budget)
+        self._done = False  # the drafter stopped after _buf (p_min or its reach)
         self._aim = 0  # pipelined: the tokens a waiting round waits for
         self._alts: dict[int, list[int]] = {}  # alternates of branch _gen, by position
 
-    def _usable(self, history: Sequence[int], max_n: int) -> tuple[Draft, bool]:
+    def _usable(self, history: Sequence[int], k: int) -> tuple[Draft, bool]:
         """Tokens of the current branch that extend history; and whether to stop waiting."""
         n = len(history)
         if self._gen < 0 or self._gen <= self._dead_gen:
@@ -479,11 +479,11 @@ class BranchDrafter(DrafterBase):
         if self._sparse is not None:
             del self._sparse[:off]
         self._buf_start = n
-        tokens = self._buf[:max_n]
+        tokens = self._buf[:k]
         if tokens:
             self._draft_gen = self._gen
-        sparse = None if self._sparse is None else self._sparse[:max_n]
-        complete = len(tokens) >= min(max_n, self._want) or self._done
+        sparse = None if self._sparse is None else self._sparse[:k]
+        complete = len(tokens) >= min(k, self._k) or self._done
         return Draft(tokens, sparse, branches=self._branches(n, len(tokens))), complete
 
     def _branches(self, start: int, n: int) -> list[tuple[int, list[int]]] | None:

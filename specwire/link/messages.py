@@ -21,7 +21,7 @@ from specwire.sample.sampling import SparseDraft
 MAX_CHUNK_TOKENS = 256  # tokens in one draft chunk
 MAX_Q_K = 256  # sparse q entries per token
 MAX_HISTORY = 1 << 20  # tokens in an Open
-MAX_WANT = 256  # Open.lookahead, Open.want, Verdict.want
+MAX_ASK = 256  # Open.lookahead, Open.k, Verdict.k
 MAX_ALTERNATES = 4  # Open.alternates: alternates in one chunk
 MAX_ALTERNATE_TOKENS = 8  # Open.alternate_len: tokens in one alternate
 MAX_SCOPE_BYTES = 128  # Open.cache_scope
@@ -44,7 +44,7 @@ class Open:
     mode: VerifyMode
     pipelined: bool = False  # draft ahead of verdicts, up to `lookahead` tokens
     lookahead: int = 0
-    want: int = 0  # synchronous: draft this many now
+    k: int = 0  # synchronous: draft this many now
     p_min: float = 0.0  # stop a branch when the draft's top probability is below
     top_k_q: int = 0  # rejection mode: size of the sparse q per token
     timing: bool = False  # fill Chunk.busy_us
@@ -71,7 +71,7 @@ class Open:
         if len(self.history) > MAX_HISTORY:
             raise ProtocolError(f"open: history of {len(self.history)} tokens "
                                 f"(limit {MAX_HISTORY})")
-        if max(self.lookahead, self.want, self.top_k_q) > MAX_WANT:
+        if max(self.lookahead, self.k, self.top_k_q) > MAX_ASK:
             raise ProtocolError("open: lookahead, want or top_k_q above 256")
         check_probability(self.p_min, "open: p_min")
         check_probability(self.keep_min, "open: keep_min")
@@ -102,15 +102,15 @@ class Verdict:
     accepted: int
     tokens: list[int]
     gen: int = 0  # meaningful when accepted > 0 or alternate
-    want: int = 0  # synchronous: draft this many after the verdict; 0 keeps the last
+    k: int = 0  # synchronous: draft this many after the verdict; 0 keeps the last
     keep_min: float = 0.0  # calibrated sessions: a new threshold; 0 keeps the last
     # `tokens` begin the alternate branch `gen` sent for position + accepted: the
     # drafter continues from the rest of that alternate (rule.take_alternate).
     alternate: bool = False
 
     def __post_init__(self) -> None:
-        if self.want > MAX_WANT:
-            raise ProtocolError(f"verdict: want {self.want} above {MAX_WANT}")
+        if self.k > MAX_ASK:
+            raise ProtocolError(f"verdict: want {self.k} above {MAX_ASK}")
         check_probability(self.keep_min, "verdict: keep_min")
 
     def check(self, n_vocab: int) -> list[int]:

@@ -1,7 +1,7 @@
 """One sequence on a draft node: its KV cache, its branch, how it drafts.
 
 Synchronous sessions draft on the caller's thread: the node's RPC thread reads a
-verdict, applies it, drafts exactly `want` tokens and writes the chunk, with no
+verdict, applies it, drafts exactly `k` tokens and writes the chunk, with no
 hand-off to another thread on the round's critical path. Pipelined sessions
 draft on their own thread past the last verdict, sending tokens as they go;
 verdicts arrive from a reader thread and are applied between tokens, so the
@@ -112,7 +112,8 @@ class DraftSession:
         self.confidence: list[float] = []  # calibrated sessions: per branch token
         self.gen = 0
         self.sent = 0  # branch tokens already sent
-        self.budget = self.lookahead if self.pipelined else open_msg.want
+        #: how far past the last verdict to draft now: the lookahead, or the round's k
+        self.reach = self.lookahead if self.pipelined else open_msg.k
         self.stalled = False  # p_min ended the branch; wait for a verdict
         self.timing = open_msg.timing
         self._busy_since = 0.0  # perf_counter when the work for the next chunk began
@@ -336,7 +337,7 @@ class DraftSession:
 
     def _limit(self) -> int:
         room = self.backend.n_ctx - len(self.committed) - 1
-        return max(0, min(self.budget, room))
+        return max(0, min(self.reach, room))
 
     def _apply(self, v: Verdict) -> None:
         """The branch rule (specwire/link/rule.py), on a verdict checked here."""
@@ -371,11 +372,11 @@ class DraftSession:
             self.branch, self.confidence, self.sent, self.gen = [], [], 0, self.gen + 1
             self.choices, self.alts = [], {}
         if not self.pipelined:
-            # A smaller want drops what is unsent past it, never what was sent: the target
+            # A smaller k drops what is unsent past it, never what was sent: the target
             # holds that (or will, from a chunk on its way) and would read new tokens of
             # this gen as a chunk that contradicts it (tests/link/test_draftlink.py).
-            self.budget = v.want or self.budget
-            keep = max(self.budget, self.sent)
+            self.reach = v.k or self.reach
+            keep = max(self.reach, self.sent)
             del self.branch[keep:]
             del self.confidence[keep:]
         self.stalled = False

@@ -52,7 +52,6 @@ from specwire.server.metrics import CONTENT_TYPE, Metrics
 from specwire.server.responses import Dialect, LlamaCompletion, OpenAIChat, OpenAICompletion
 from specwire.server.settings import ServerSettings
 from specwire.server.slots import (
-    Chunk,
     Done,
     Draining,
     Event,
@@ -60,7 +59,8 @@ from specwire.server.slots import (
     Job,
     QueueFull,
     Result,
-    Scheduler,
+    SlotPool,
+    TextChunk,
     shutting_down,
 )
 from specwire.server.webui import RecentRequests
@@ -135,7 +135,7 @@ def _served(engine: Engine | Sequence[Engine], settings: ServerSettings) -> _Ser
     engines = [engine] if isinstance(engine, Engine) else list(engine)
     chat.template_for(engines[0].target, settings.chat_template)  # an unknown name fails now
     metrics = Metrics()
-    scheduler = Scheduler(engines, settings.queue_size, metrics,
+    scheduler = SlotPool(engines, settings.queue_size, metrics,
                           settings.slot_prompt_similarity)
     metrics.watch(scheduler.state, scheduler.link_states)
     target = engines[0].target
@@ -469,7 +469,7 @@ async def _sse(job: Job, request: Request, fmt: Dialect,
     for obj in fmt.opening():
         yield _sse_line(obj)
     async for event in _events(job, request):
-        if isinstance(event, Chunk):
+        if isinstance(event, TextChunk):
             obj = fmt.chunk(event)
             if obj is not None:
                 yield _sse_line(obj)

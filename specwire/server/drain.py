@@ -16,7 +16,7 @@ import socket
 
 import uvicorn
 
-from specwire.server.slots import Scheduler
+from specwire.server.slots import SlotPool
 
 log = logging.getLogger("specwire.serve")
 
@@ -29,7 +29,7 @@ FLUSH_S = 3.0
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, draining the scheduler's jobs before its own shutdown steps."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler,
+    def __init__(self, config: uvicorn.Config, scheduler: SlotPool,
                  timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         config.timeout_graceful_shutdown = int(timeout_s + FLUSH_S + 1)
         super().__init__(config)

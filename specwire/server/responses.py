@@ -17,7 +17,7 @@ from specwire.server import chat_output
 from specwire.server import probs as probs_json
 from specwire.server.chat_output import ChatOutput, ChatPlan
 from specwire.server.schemas import Completion
-from specwire.server.slots import Chunk, Result
+from specwire.server.slots import Result, TextChunk
 
 
 def finish_reason(stop_type: str) -> str:
@@ -42,7 +42,7 @@ class Dialect:
     def opening(self) -> list[dict]:
         return []
 
-    def chunk(self, c: Chunk) -> dict | None:
+    def chunk(self, c: TextChunk) -> dict | None:
         raise NotImplementedError
 
     def closing(self, r: Result) -> list[dict]:
@@ -64,7 +64,7 @@ class LlamaCompletion(Dialect):
         return {"completion_probabilities": probs_json.llama(probs, self.spec.piece,
                                                              spec.post_sampling)}
 
-    def chunk(self, c: Chunk) -> dict | None:
+    def chunk(self, c: TextChunk) -> dict | None:
         return {"index": 0, "content": c.text,
                 "tokens": c.tokens if self.spec.return_tokens else [], "stop": False,
                 **self._probs(c.probs)}
@@ -119,7 +119,7 @@ class OpenAICompletion(Dialect):
             return None
         return probs_json.completions(probs, self.spec.piece)
 
-    def chunk(self, c: Chunk) -> dict | None:
+    def chunk(self, c: TextChunk) -> dict | None:
         if not c.text and not (c.probs and self.spec.request.logprobs):
             return None
         return self._envelope([self._choice(c.text, None, c.probs)])
@@ -160,7 +160,7 @@ class OpenAIChat(OpenAICompletion):
     def opening(self) -> list[dict]:
         return [self._envelope([self._choice({"role": "assistant", "content": ""}, None)])]
 
-    def chunk(self, c: Chunk) -> dict | None:
+    def chunk(self, c: TextChunk) -> dict | None:
         deltas = self.out.push(c.text)
         wants_probs = bool(c.probs and self.spec.request.logprobs)
         if not deltas and not wants_probs:

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class Chunk:
+class TextChunk:
     """New text and the tokens it came from (streaming only)."""
 
     text: str
@@ -73,7 +73,7 @@ class Failed:
     error: ApiError
 
 
-Event = Chunk | Done | Failed
+Event = TextChunk | Done | Failed
 
 
 class QueueFull(Exception):
@@ -301,7 +301,7 @@ class Slot:
                 probs = gen.probs[self._done:self._done + len(new)]
                 self._done += len(new)
                 if job.stream and (piece or new):
-                    job.emit(Chunk(piece, list(new), probs))
+                    job.emit(TextChunk(piece, list(new), probs))
             elif job.cancelled.is_set():
                 self._cancelled(job)
                 return
@@ -320,7 +320,7 @@ class Slot:
         tail = stops.push(self._text.flush())
         tail += stops.finish()
         if job.stream and tail:
-            job.emit(Chunk(tail, []))
+            job.emit(TextChunk(tail, []))
         st = gen.stats
         job.emit(Done(Result(
             content=stops.text, tokens=list(gen.tokens), stop_type=gen.stop_type,
@@ -421,7 +421,7 @@ class _Clock:
             self.metrics.tpot.observe((self.last - self.first) / (self.n - self.n_first))
 
 
-class Scheduler:
+class SlotPool:
     """The slots (every sequence of every engine), their shared queue, and the worker."""
 
     def __init__(self, engines: Sequence[Engine], queue_size: int, metrics: Metrics,

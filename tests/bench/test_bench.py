@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from specwire.bench import plots, predict, prompts, report
-from specwire.bench.runner import Config, PromptRun, tokens_digest
-from specwire.bench.sweep import Settings, configurations
+from specwire.bench.runner import PromptRun, RunParams, tokens_digest
+from specwire.bench.sweep import SweepSettings, configurations
 from specwire.cli.args import CliError
 from specwire.cli.commands import bench as bench_cmd
 from specwire.cli.commands import plan as plan_cmd
@@ -140,7 +140,7 @@ def test_token_match_flags_a_mismatch() -> None:
 
 
 def test_aggregate_record() -> None:
-    cfg = Config("remote-sync", 4, "fixed", rtt_s=0.010)
+    cfg = RunParams("remote-sync", 4, "fixed", rtt_s=0.010)
     plain = [_run("a", 10, sha="1"), _run("b", 10, sha="2", cat="qa")]
     runs = [
         _run("a", 20, sha="1", drafted=8, accepted=6, hist=[0, 1, 0, 1], rounds=4,
@@ -192,7 +192,7 @@ def test_adaptive_against_best_fixed() -> None:
 
     def rec(k: int, policy: str, a: float, b: float) -> dict:
         runs = [_run("a", a), _run("b", b, gen=30)]
-        return report.aggregate(Config("local", k, policy), runs, plain, True)
+        return report.aggregate(RunParams("local", k, policy), runs, plain, True)
 
     recs = [rec(4, "fixed", 20, 10), rec(8, "fixed", 10, 15), rec(8, "adaptive", 12, 15)]
     [row] = report.adaptive_vs_fixed(recs)
@@ -209,9 +209,9 @@ def test_adaptive_against_best_fixed() -> None:
 def test_ratio_interval_is_exact_when_every_prompt_agrees() -> None:
     """A record 10% faster on every prompt: every resample gives 1.1, so does the interval."""
     plain = [_run(x, 10) for x in "abcd"]
-    fast = report.aggregate(Config("local", 8, "adaptive"),
+    fast = report.aggregate(RunParams("local", 8, "adaptive"),
                             [_run(x, 11) for x in "abcd"], plain, True)
-    slow = report.aggregate(Config("local", 8), plain, plain, True)
+    slow = report.aggregate(RunParams("local", 8), plain, plain, True)
     assert report.ratio_interval(fast, slow, "code") == pytest.approx([1.1, 1.1])
     assert report.ratio_interval(fast, slow, "prose") is None  # no prompt in that set
 
@@ -235,18 +235,18 @@ def test_fit_acceptance_inverts_expected_tokens() -> None:
 
 def test_prediction_plain_local_and_mixture() -> None:
     curve = VerifyCurve(((1, 1.0), (4, 1.3)), assumed=False)
-    plain = predict.predict(Config("plain"), 10.0, None, predict.Rounds(0, 0, 0, 0), None, 12.5)
+    plain = predict.predict(RunParams("plain"), 10.0, None, predict.Rounds(0, 0, 0, 0), None, 12.5)
     assert plain["predicted_tps"] == 10.0 and plain["error_pct"] == pytest.approx(-20.0)
     # every round drafts 3 tokens and keeps all: the plan's local rate at k=3, a=1
     rounds = predict.Rounds(rounds=10, drafting_rounds=10, drafted=30, accepted=30)
-    got = predict.predict(Config("local", 8), 10.0, 50.0, rounds, curve, 20.0)
+    got = predict.predict(RunParams("local", 8), 10.0, 50.0, rounds, curve, 20.0)
     assert got["k"] == 3 and got["inputs"]["acceptance"] == 1.0
     from specwire.policy.throughput import PlanInputs
     expect = local_rate(PlanInputs(10.0, 50.0, 1.0, verify=curve), 3)
     assert got["predicted_tps"] == pytest.approx(expect)
     # half the rounds draft nothing: plain steps that still paid one draft step for asking
     half = predict.Rounds(rounds=20, drafting_rounds=10, drafted=30, accepted=30)
-    mixed = predict.predict(Config("local", 8), 10.0, 50.0, half, curve, 20.0)
+    mixed = predict.predict(RunParams("local", 8), 10.0, 50.0, half, curve, 20.0)
     empty_s = 0.1 + 0.02
     assert mixed["predicted_tps"] == pytest.approx((10 * 4 + 10) / (10 * 4 / expect + 10 * empty_s))
     assert mixed["drafting_share"] == 0.5
@@ -258,14 +258,14 @@ def test_prediction_plain_local_and_mixture() -> None:
 @pytest.mark.slow
 def test_plots_are_written(tmp_path: Path) -> None:
     plain = [_run("a", 10)]
-    recs = [report.aggregate(Config("plain"), plain, plain, True)]
+    recs = [report.aggregate(RunParams("plain"), plain, plain, True)]
     for k in (2, 4):
         for rtt in (0.001, 0.01):
             recs.append(report.aggregate(
-                Config("remote-sync", k, rtt_s=rtt), [_run("a", 10 + k - 100 * rtt, drafted=4,
+                RunParams("remote-sync", k, rtt_s=rtt), [_run("a", 10 + k - 100 * rtt, drafted=4,
                                                           accepted=2, by_pos=[[2, 1], [2, 1]],
                                                           hist=[0, 2])], plain, True))
-    recs.append(report.aggregate(Config("local", 4, "adaptive"), [_run("a", 13)], plain, True))
+    recs.append(report.aggregate(RunParams("local", 4, "adaptive"), [_run("a", 13)], plain, True))
     paths = plots.write_all(recs, tmp_path / "p")
     assert [p.name for p in paths] == list(plots.FILES)
     for p in paths:
@@ -319,11 +319,11 @@ def test_bench_settings_from_flags() -> None:
 
 
 def test_configurations_sweep_links_only_for_remote() -> None:
-    s = Settings(prompts="code", modes=["local", "remote-pipelined"], out=Path("x"),
+    s = SweepSettings(prompts="code", modes=["local", "remote-pipelined"], out=Path("x"),
                  rtts=[0.001, 0.01], bandwidths=[None], draft_max=[4, 8],
                  policies=["fixed", "adaptive"])
     cfgs = configurations(s)
-    assert cfgs[0] == Config("plain")
+    assert cfgs[0] == RunParams("plain")
     # fixed at 4 and 8, adaptive once (capped at 8)
     local = [(c.draft_max, c.policy) for c in cfgs if c.mode == "local"]
     assert local == [(4, "fixed"), (8, "fixed"), (8, "adaptive")]

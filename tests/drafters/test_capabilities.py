@@ -47,8 +47,8 @@ class _Plain:
               **guide) -> None:
         self.guides.append(guide)
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        return Draft([1] * max_n)
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        return Draft([1] * k)
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
         pass
@@ -77,8 +77,8 @@ class _Undeclared(DrafterBase):
     def begin(self, prompt, sampling, params, **guide) -> None:
         pass
 
-    def propose(self, history, max_n: int) -> Draft:
-        return Draft([2] * max_n)
+    def propose(self, history, k: int) -> Draft:
+        return Draft([2] * k)
 
     def learn(self, history, accepted: int, appended: int) -> None:
         pass
@@ -89,10 +89,10 @@ class _Undeclared(DrafterBase):
     def stats(self) -> dict[str, float]:
         return {}
 
-    def ask(self, history, max_n: int) -> None:
+    def ask(self, history, k: int) -> None:
         self.called.append("ask")
 
-    def draft_in_steps(self, history, max_n: int):
+    def draft_in_steps(self, history, k: int):
         self.called.append("draft_in_steps")
         raise AssertionError("not declared lockstep")
 

@@ -1,7 +1,7 @@
 """Prompt-lookup drafting against a brute-force definition.
 
 The lookup must propose what follows the *latest earlier* occurrence of the
-*longest* suffix of n_max..n_min tokens (continuing through its own copy when the
+*longest* suffix of match_max..match_min tokens (continuing through its own copy when the
 history runs out), never the suffix matching itself, and its incremental index
 must give the same answers as a fresh one, including after the history was
 rolled back or replaced. These tests switch off what the drafter learns
@@ -22,48 +22,48 @@ from specwire.drafters.ngram.drafter import NgramDrafter
 SP, DP = SamplingParams(), DraftParams()
 
 
-def brute(history: Sequence[int], max_n: int, n_max: int, n_min: int) -> list[int]:
+def brute(history: Sequence[int], k: int, match_max: int, match_min: int) -> list[int]:
     """The definition: longest suffix first, its latest occurrence ending before the end."""
     h = list(history)
-    for n in range(n_max, n_min - 1, -1):
+    for n in range(match_max, match_min - 1, -1):
         if len(h) < n:
             continue
         suffix = h[len(h) - n:]
         for end in range(len(h) - 1, n - 1, -1):
             if h[end - n:end] == suffix:
                 out: list[int] = []
-                for i in range(max_n):
+                for i in range(k):
                     out.append(h[end + i] if end + i < len(h) else out[end + i - len(h)])
                 return out
     return []
 
 
-def lookup(n_max: int = 4, n_min: int = 1) -> NgramDrafter:
+def lookup(match_max: int = 4, match_min: int = 1) -> NgramDrafter:
     """A pure lookup: no learned stop, no memory of earlier requests."""
-    return NgramDrafter(n_max, n_min, keep=0.0, cache=None)
+    return NgramDrafter(match_max, match_min, keep=0.0, cache=None)
 
 
-def _fresh(history: Sequence[int], max_n: int, n_max: int = 4, n_min: int = 1) -> list[int]:
-    d = lookup(n_max, n_min)
+def _fresh(history: Sequence[int], k: int, match_max: int = 4, match_min: int = 1) -> list[int]:
+    d = lookup(match_max, match_min)
     d.begin(history, SP, DP)
-    return d.propose(history, max_n).tokens
+    return d.propose(history, k).tokens
 
 
 def test_the_longest_suffix_wins_over_a_later_shorter_one() -> None:
     """[8 1 2 3] occurred at the start (followed by 4); [1 2 3] later (followed by 6):
-    the 4-gram match is used. With n_max 3 the latest 3-gram match is."""
+    the 4-gram match is used. With match_max 3 the latest 3-gram match is."""
     h = [8, 1, 2, 3, 4, 0, 1, 2, 3, 6, 8, 1, 2, 3]
     assert _fresh(h, 3) == [4, 0, 1]
-    assert _fresh(h, 3, n_max=3) == [6, 8, 1]
+    assert _fresh(h, 3, match_max=3) == [6, 8, 1]
 
 
 def test_the_latest_occurrence_is_used_and_max_n_respected() -> None:
-    """Two earlier [1 2] occurrences: the later one's continuation, cut to max_n."""
+    """Two earlier [1 2] occurrences: the later one's continuation, cut to k."""
     h = [1, 2, 7, 7, 1, 2, 9, 9, 9, 5, 1, 2]
-    assert _fresh(h, 2, n_max=2) == [9, 9]
+    assert _fresh(h, 2, match_max=2) == [9, 9]
     # at the end of history the copy continues through itself
-    assert _fresh(h, 10, n_max=2) == [9, 9, 9, 5, 1, 2, 9, 9, 9, 5]
-    assert _fresh(h, 0, n_max=2) == []
+    assert _fresh(h, 10, match_max=2) == [9, 9, 9, 5, 1, 2, 9, 9, 9, 5]
+    assert _fresh(h, 0, match_max=2) == []
 
 
 def test_the_suffix_never_matches_itself() -> None:
@@ -74,17 +74,17 @@ def test_the_suffix_never_matches_itself() -> None:
 
 
 def test_n_min_excludes_short_matches() -> None:
-    """A single-token match is ignored when n_min is 2."""
+    """A single-token match is ignored when match_min is 2."""
     h = [3, 9, 4, 1, 3]
-    assert _fresh(h, 2, n_max=3, n_min=1) == [9, 4]
-    assert _fresh(h, 2, n_max=3, n_min=2) == []
+    assert _fresh(h, 2, match_max=3, match_min=1) == [9, 4]
+    assert _fresh(h, 2, match_max=3, match_min=2) == []
 
 
 def test_bad_sizes_are_refused() -> None:
-    """1 <= n_min <= n_max, or ValueError."""
-    for n_max, n_min in ((2, 3), (3, 0)):
+    """1 <= match_min <= match_max, or ValueError."""
+    for match_max, match_min in ((2, 3), (3, 0)):
         with pytest.raises(ValueError):
-            lookup(n_max, n_min)
+            lookup(match_max, match_min)
 
 
 def test_a_history_one_token_shorter_than_before_is_served_correctly() -> None:
@@ -98,12 +98,13 @@ def test_a_history_one_token_shorter_than_before_is_served_correctly() -> None:
     assert d.propose(shorter, 3).tokens == brute(shorter, 3, 4, 1) == [3, 8, 1]
 
 
-@pytest.mark.parametrize(("n_max", "n_min"), [(4, 1), (3, 2), (1, 1), (9, 1), (64, 2)])
-def test_incremental_index_matches_brute_force_through_rollbacks(n_max: int, n_min: int) -> None:
+@pytest.mark.parametrize(("match_max", "match_min"), [(4, 1), (3, 2), (1, 1), (9, 1), (64, 2)])
+def test_incremental_index_matches_brute_force_through_rollbacks(match_max: int,
+                                                                  match_min: int) -> None:
     """One drafter over a growing history (3 new tokens or a rollback of up to 4 each step,
     as rejections do, and once a brand-new history) answers as the definition does."""
-    gen = np.random.default_rng(n_max * 10 + n_min)
-    d = lookup(n_max, n_min)
+    gen = np.random.default_rng(match_max * 10 + match_min)
+    d = lookup(match_max, match_min)
     hist = gen.integers(0, 5, size=6).tolist()
     d.begin(hist, SP, DP)
     nonempty = 0
@@ -115,9 +116,9 @@ def test_incremental_index_matches_brute_force_through_rollbacks(n_max: int, n_m
             hist.append(int(gen.integers(0, 5)))
         else:
             hist.extend(gen.integers(0, 5, size=3).tolist())
-        max_n = int(gen.integers(1, 8))
-        got = d.propose(hist, max_n).tokens
-        assert got == brute(hist, max_n, n_max, n_min), (step, hist)
+        k = int(gen.integers(1, 8))
+        got = d.propose(hist, k).tokens
+        assert got == brute(hist, k, match_max, match_min), (step, hist)
         nonempty += bool(got)
     assert nonempty > 100
 

@@ -373,7 +373,7 @@ class CheckedModelDrafter(ModelDrafter):
         self.full_blocks = 0
         self._last: tuple[list[int], list[int]] | None = None
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
         be = self.backend
         cached = list(be.tokens)
         assert cached == list(history[:len(cached)])            # a prefix of the history
@@ -383,7 +383,7 @@ class CheckedModelDrafter(ModelDrafter):
                 self.full_blocks += 1                           # the last draft was kept whole
                 assert len(cached) == len(history) - 2          # ... and only [d_k, bonus] is new
         n_evals = len(be.evals)
-        draft = super().propose(history, max_n)
+        draft = super().propose(history, k)
         self.suffix_lengths.append(len(be.evals[n_evals][1]))
         assert list(be.tokens) == [*history, *draft.tokens[:-1]]
         self._last = (list(history), list(draft.tokens))

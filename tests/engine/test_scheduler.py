@@ -211,12 +211,12 @@ class AskingDrafter(NgramDrafter):
         super().__init__()
         self.label, self.log = name, log
 
-    def ask(self, history, max_n: int) -> None:
+    def ask(self, history, k: int) -> None:
         self.log.append(("ask", self.label))
 
-    def propose(self, history, max_n: int):
+    def propose(self, history, k: int):
         self.log.append(("propose", self.label))
-        return super().propose(history, max_n)
+        return super().propose(history, k)
 
 
 def test_every_drafter_is_asked_before_any_proposes() -> None:

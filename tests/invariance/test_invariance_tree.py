@@ -60,13 +60,13 @@ class TreeModelDrafter(DrafterBase):
     def begin(self, prompt, sampling_params, params, **guides) -> None:
         self.sp = sampling_params
 
-    def propose(self, history, max_n: int) -> Draft:
+    def propose(self, history, k: int) -> Draft:
         be, sp = self.backend, self.sp
         ctx = list(history)
         sync_prefix(be, ctx)
         row = be.eval(ctx[be.n_past:], "last")[-1]
         chain, branches = [], []
-        for _ in range(max_n):
+        for _ in range(k):
             recent = sampling.recent_window(ctx, sp)
             two = alternates.top_two(row, sp, len(ctx), recent)
             tok = sampling.coupled(row, sp, len(ctx), recent)

@@ -65,7 +65,7 @@ def test_a_synchronous_verdict_waits_for_the_next_request_and_carries_its_k() ->
     d.begin(PROMPT, SamplingParams(temperature=0.0), DraftParams(n_max=8, p_min=0.75),
             policy=policy)
     opened = d.open_message(list(PROMPT))
-    assert opened.calibrated and opened.keep_min == pytest.approx(0.3) and opened.want == 8
+    assert opened.calibrated and opened.keep_min == pytest.approx(0.3) and opened.k == 8
     d.script = [_chunk(0, 4, [7, 8, 9])]
     assert d.propose([*PROMPT, 7], 3).tokens == [8, 9]         # the answer to Open, behind
     d.learn([*PROMPT, 7, 8, 40], 1, 2)                        # 8 kept, then the target's 40
@@ -76,14 +76,14 @@ def test_a_synchronous_verdict_waits_for_the_next_request_and_carries_its_k() ->
     d.script = [_chunk(1, 9, [50, 51])]
     assert d.propose([*PROMPT, 7, 8, 40, 41, 42], 2).tokens == [50, 51]
     v = d.sent[-1]
-    assert (v.position, v.accepted, list(v.tokens), v.want) == (5, 1, [40, 41, 42], 2)
+    assert (v.position, v.accepted, list(v.tokens), v.k) == (5, 1, [40, 41, 42], 2)
     assert v.keep_min == 0.0
     d.learn([*PROMPT, 7, 8, 40, 41, 42, 50, 60], 1, 2)
     policy.threshold = 0.5
     d.script = [_chunk(2, 11, [61])]
     assert d.propose([*PROMPT, 7, 8, 40, 41, 42, 50, 60], 1).tokens == [61]
     v = d.sent[-1]
-    assert (v.position, v.accepted, list(v.tokens), v.want) == (9, 1, [60], 1)
+    assert (v.position, v.accepted, list(v.tokens), v.k) == (9, 1, [60], 1)
     assert v.keep_min == pytest.approx(0.5)
     d.learn([*PROMPT, 7, 8, 40, 41, 42, 50, 60, 70], 0, 1)   # 61 rejected: the target's 70
     d.script = [_chunk(3, 12, [80])]
@@ -92,6 +92,6 @@ def test_a_synchronous_verdict_waits_for_the_next_request_and_carries_its_k() ->
     assert (v.position, v.accepted, list(v.tokens)) == (11, 0, [70])
     assert v.keep_min == 0.0         # on the wire: position 2 bytes, tokens 3
     assert protocol.target_to_pb(v).verdict.ByteSize() == 5
-    assert (v.gen, v.want) == (0, 0)
+    assert (v.gen, v.k) == (0, 0)
     d.end()                          # the policy goes with the sequence
     assert not d.open_message(list(PROMPT)).calibrated

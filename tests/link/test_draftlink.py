@@ -61,7 +61,7 @@ def test_follow(start: int, branch: list[int], history: list[int], expected: int
     (lambda: Open([1], GREEDY, VerifyMode.GREEDY, lookahead=257), "lookahead, want or top_k_q"),
     (lambda: Open([1], GREEDY, VerifyMode.GREEDY, p_min=math.nan), "open: p_min nan outside"),
     (lambda: Open([1], GREEDY, VerifyMode.GREEDY, keep_min=2.0), "open: keep_min 2.0 outside"),
-    (lambda: Verdict(4, 0, [1], want=300), "verdict: want 300 above 256"),
+    (lambda: Verdict(4, 0, [1], k=300), "verdict: want 300 above 256"),
     (lambda: Verdict(4, 0, [1], keep_min=-0.5), "verdict: keep_min -0.5 outside"),
     (lambda: Chunk(0, 4, [1] * 257), "chunk of 257 tokens"),
     (lambda: Chunk(0, 4, [1, 2], sparse=[]), "chunk of 2 tokens with 0 q distributions"),
@@ -108,11 +108,11 @@ def _same_chunk(a: Chunk, b: Chunk) -> bool:
 
 @pytest.mark.parametrize("message", [
     Open([5, 6, 7], protocol.wire_sampling(SEEDED), VerifyMode.REJECTION, pipelined=True,
-         lookahead=16, want=0, p_min=0.25, top_k_q=4, timing=True),
-    Open([5], protocol.wire_sampling(GREEDY), VerifyMode.GREEDY, want=3, calibrated=True,
+         lookahead=16, k=0, p_min=0.25, top_k_q=4, timing=True),
+    Open([5], protocol.wire_sampling(GREEDY), VerifyMode.GREEDY, k=3, calibrated=True,
          keep_min=0.5),
-    Open([5, 3], protocol.wire_sampling(PENALISED), VerifyMode.GREEDY, want=4),
-    Verdict(10, 2, [4, 9], gen=3, want=5, keep_min=0.25),
+    Open([5, 3], protocol.wire_sampling(PENALISED), VerifyMode.GREEDY, k=4),
+    Verdict(10, 2, [4, 9], gen=3, k=5, keep_min=0.25),
     Verdict(10, 0, [4]),
     Close(),
 ])

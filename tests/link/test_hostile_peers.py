@@ -295,13 +295,13 @@ class _Raising(StatelessDrafter):
         if self.where == "begin":
             raise self.error
 
-    def propose(self, history, max_n: int) -> Draft:
+    def propose(self, history, k: int) -> Draft:
         self.calls += 1
         if self.where == "propose" and self.calls > 1:
             raise self.error
         if self.where == "garbage" and self.calls > 1:
             return Draft([10**9])
-        return Draft([FILLER] * max_n)
+        return Draft([FILLER] * k)
 
     def learn(self, history, accepted: int, appended: int) -> None:
         if self.where == "learn":
@@ -324,7 +324,7 @@ def test_any_drafter_failure_is_plain_decoding(target, where, error) -> None:
 class _Sampler(StatelessDrafter):
     name = "sampler-without-q"
 
-    def propose(self, history, max_n: int) -> Draft:
+    def propose(self, history, k: int) -> Draft:
         return Draft([FILLER])
 
 

@@ -17,7 +17,7 @@ from specwire.sample.sampling import SparseDraft
 u32 = st.integers(0, 2**32 - 1)
 small = st.one_of(st.integers(0, 300), u32)
 tokens = st.lists(st.integers(0, 2**31 - 1), max_size=8)
-verdicts = st.builds(Verdict, small, small, tokens, gen=small, want=st.integers(0, 256),
+verdicts = st.builds(Verdict, small, small, tokens, gen=small, k=st.integers(0, 256),
                      keep_min=st.one_of(st.just(0.0), st.floats(0, 1, width=32)),
                      alternate=st.booleans())
 chunks = st.builds(Chunk, small, small, tokens, done=st.booleans(), busy_us=small,

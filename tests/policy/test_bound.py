@@ -14,7 +14,7 @@ import pytest
 
 from specwire.bench import predict, report
 from specwire.bench.predict import Rounds
-from specwire.bench.runner import Config, PromptRun
+from specwire.bench.runner import PromptRun, RunParams
 from specwire.cli.commands import plan as plan_cmd
 from specwire.policy.plan import free_bound, plan
 from specwire.policy.throughput import PlanInputs, VerifyCurve, free_rate
@@ -86,15 +86,15 @@ def test_bench_bound_fits_the_acceptance_and_reports_the_share() -> None:
     rounds = Rounds(rounds=20, drafting_rounds=10, drafted=40, accepted=20)
     a = predict.fit_acceptance(2.0, 4)
     assert a + a**2 + a**3 + a**4 == pytest.approx(2.0)
-    b = predict.bound(Config("ngram", 8), 20.0, rounds, STEEP, measured_tps=30.0)
+    b = predict.bound(RunParams("ngram", 8), 20.0, rounds, STEEP, measured_tps=30.0)
     free = free_bound(_inputs(a))
     assert b["acceptance"] == pytest.approx(a)
     assert b["k"] == free.k and b["tokens_per_s"] == pytest.approx(free.tokens_per_s)
     assert b["share"] == pytest.approx(30.0 / free.tokens_per_s)
     # nothing to bound: plain, no drafting round, no verification curve
-    assert predict.bound(Config("plain"), 20.0, rounds, STEEP, 20.0) is None
-    assert predict.bound(Config("ngram", 8), 20.0, Rounds(5, 0, 0, 0), STEEP, 20.0) is None
-    assert predict.bound(Config("ngram", 8), 20.0, rounds, None, 30.0) is None
+    assert predict.bound(RunParams("plain"), 20.0, rounds, STEEP, 20.0) is None
+    assert predict.bound(RunParams("ngram", 8), 20.0, Rounds(5, 0, 0, 0), STEEP, 20.0) is None
+    assert predict.bound(RunParams("ngram", 8), 20.0, rounds, None, 30.0) is None
 
 
 def test_bench_bound_takes_the_acceptance_by_maximum_likelihood_when_rejections_are_counted(
@@ -104,8 +104,8 @@ def test_bench_bound_takes_the_acceptance_by_maximum_likelihood_when_rejections_
     the fit at the mean length moves with the mix."""
     short = Rounds(rounds=20, drafting_rounds=10, drafted=30, accepted=20, rejected=5)
     long = Rounds(rounds=20, drafting_rounds=10, drafted=60, accepted=20, rejected=5)
-    b_short = predict.bound(Config("remote-pipelined", 8), 20.0, short, STEEP, 30.0)
-    b_long = predict.bound(Config("remote-pipelined", 8), 20.0, long, STEEP, 30.0)
+    b_short = predict.bound(RunParams("remote-pipelined", 8), 20.0, short, STEEP, 30.0)
+    b_long = predict.bound(RunParams("remote-pipelined", 8), 20.0, long, STEEP, 30.0)
     assert b_short["acceptance"] == pytest.approx(0.8) == b_long["acceptance"]
     assert b_short["tokens_per_s"] == pytest.approx(free_bound(_inputs(0.8)).tokens_per_s)
     assert b_short["acceptance_fit"] != pytest.approx(b_long["acceptance_fit"], abs=0.02)
@@ -115,7 +115,7 @@ def test_bench_bound_takes_the_acceptance_by_maximum_likelihood_when_rejections_
 
 def test_the_bench_table_has_the_bound_columns() -> None:
     run = PromptRun("a", "code", 5, 10, 30.0, 1.0, 333.0, "limit", "x", {})
-    rec = report.aggregate(Config("ngram", 8), [run], None, False)
+    rec = report.aggregate(RunParams("ngram", 8), [run], None, False)
     rec["bound"] = {"tokens_per_s": 50.0, "share": 0.6}
     table = report.render_table([rec])
     head, row = table.splitlines()[0], table.splitlines()[2]

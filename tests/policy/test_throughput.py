@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specwire.bench.predict import Rounds, fit_acceptance, predict
-from specwire.bench.runner import Config
+from specwire.bench.runner import RunParams
 from specwire.policy.adaptive import AdaptivePolicy, AdaptiveState, FixedPolicy
 from specwire.policy.throughput import (
     VERIFY_SLOPE,
@@ -59,7 +59,7 @@ def test_plan_policy_and_predict_agree(k: int, kept: float) -> None:
     assert policy.rate(k) == pytest.approx(planned, rel=1e-9)
     rounds = Rounds(rounds=400, drafting_rounds=400, drafted=400 * k,
                     accepted=round(400 * kept), short=round(400 * STOP))
-    predicted = predict(Config("local", draft_max=k), 1 / T_S, 1 / T_D, rounds, CURVE,
+    predicted = predict(RunParams("local", draft_max=k), 1 / T_S, 1 / T_D, rounds, CURVE,
                         measured_tps=planned)
     assert predicted is not None
     assert predicted["predicted_tps"] == pytest.approx(planned, rel=1e-6)

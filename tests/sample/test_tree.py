@@ -71,11 +71,11 @@ class TreeDrafter(DrafterBase):
             out.append(_sample(DRAFT, seq + out, self.sp))
         return out
 
-    def propose(self, history, max_n: int) -> Draft:
+    def propose(self, history, k: int) -> Draft:
         seq = list(history)
-        chain = self._run(seq, max_n)
+        chain = self._run(seq, k)
         branches = []
-        for i in range(max_n):
+        for i in range(k):
             if len(branches) == self.branches:
                 break
             row = DRAFT.row(seq + chain[:i])

@@ -298,8 +298,8 @@ class RandomDrafter(DrafterBase):
               **guide) -> None:
         self.rejection = params.mode is VerifyMode.REJECTION and not sampling.greedy
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        toks = [int(t) for t in self.gen.choice(self.ids, size=max_n)]
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        toks = [int(t) for t in self.gen.choice(self.ids, size=k)]
         if not self.rejection:
             return Draft(toks)
         q = np.full(len(self.ids), 1.0 / len(self.ids), dtype=np.float32)
@@ -327,8 +327,8 @@ class FixedDrafter(DrafterBase):
               **guide) -> None:
         pass
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        return Draft(list(self.fn(history, max_n)))
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        return Draft(list(self.fn(history, k)))
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:
         pass
@@ -341,7 +341,7 @@ class FixedDrafter(DrafterBase):
 
 
 class SpyDrafter(DrafterBase):
-    """Wraps a drafter and records every call; `extra` tokens beyond max_n are asked for.
+    """Wraps a drafter and records every call; `extra` tokens beyond k are asked for.
     It declares what the drafter it wraps declares."""
 
     def __init__(self, inner, extra: int = 0, on_propose=None) -> None:
@@ -359,12 +359,12 @@ class SpyDrafter(DrafterBase):
         self.calls.append("begin")
         self.inner.begin(prompt, sampling, params)
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
+    def propose(self, history: Sequence[int], k: int) -> Draft:
         self.calls.append("propose")
         if self.on_propose is not None:
             self.on_propose(history)
-        draft = self.inner.propose(history, max_n + self.extra)
-        self.proposals.append((tuple(history), max_n, tuple(draft.tokens)))
+        draft = self.inner.propose(history, k + self.extra)
+        self.proposals.append((tuple(history), k, tuple(draft.tokens)))
         return draft
 
     def learn(self, history: Sequence[int], accepted: int, appended: int) -> None:

@@ -117,9 +117,9 @@ def run(a: argparse.Namespace) -> int:
 
 
 def settings_from_args(a: argparse.Namespace):
-    """Flags -> sweep.Settings; --quick fills what was not given; bad values name the flag."""
+    """Flags -> sweep.SweepSettings; --quick fills what was not given; bad values name the flag."""
     from specwire.bench.modes import parse_modes
-    from specwire.bench.sweep import Settings
+    from specwire.bench.sweep import SweepSettings
 
     for flag in ("draft_ngram", "no_draft", "draft_mode", "draft_hybrid"):
         if getattr(a, f"unused_{flag}", None) is not None:
@@ -137,7 +137,7 @@ def settings_from_args(a: argparse.Namespace):
     modes = parse_modes(pick["modes"])
     if "llama-server" in modes and not a.llama_server:
         raise CliError("mode llama-server needs --llama-server URL")
-    return Settings(
+    return SweepSettings(
         prompts=pick["prompts"], modes=modes, out=Path(a.out), limit=pick["limit"],
         rtts=(_list("--rtt", a.rtt, parse_duration) if a.rtt is not None
               else None if emulation_args(a)[0] is not None else [0.002]),

@@ -386,7 +386,7 @@ class LookupCache:
         sid, end = hit
         seq = self._seqs[sid][1]
         n, size = KEY, len(history)
-        limit = min(self.n_max, end, size)
+        limit = min(self.match_max, end, size)
         while n < limit and seq[end - n - 1] == history[size - n - 1]:
             n += 1
         return CachedMatch(seq, end, n)

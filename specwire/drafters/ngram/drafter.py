@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -33,7 +33,7 @@ LENGTH_EDGES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 _LOWS = (1, *LENGTH_EDGES)
 #: P(every token so far is kept) below which a draft stops, when no policy steers it.
 KEEP = 0.3
-DEFAULT_N_MAX = 64
+DEFAULT_MATCH_MAX = 64
 
 
 def _bin(length: int) -> int:
@@ -116,10 +116,23 @@ class Offer:
         return total
 
 
+@dataclass(slots=True)
+class NgramCounters:
+    """A lookup drafter's counters, cumulative over its life (Drafter.stats)."""
+
+    drafted: float = 0  # tokens handed out as drafts
+    cache_drafts: float = 0  # drafts found in the lookup cache rather than the history
+    stopped_early: float = 0  # offers cut short by the calibrated stop
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters that moved, by name."""
+        return {f.name: float(v) for f in fields(self) if (v := getattr(self, f.name))}
+
+
 class NgramDrafter(DrafterBase):
     """Longest-match lookup with learned stops and a cross-request cache.
 
-    n_max, n_min: the longest match measured and the shortest one used. keep: a fixed
+    match_max, match_min: the longest match measured and the shortest one used. keep: a fixed
     stop threshold without a steering policy (0: copy up to the asked length, as a
     classic prompt lookup does; None: measured, RoundCost). cache: sequences of
     earlier requests (None: none). calibration and cost may be shared by drafters
@@ -135,16 +148,17 @@ class NgramDrafter(DrafterBase):
     # equal per-token chances, so the adaptive policy asks it for the most
     capabilities = Capabilities(provides_q=True, deterministic=True, stops=True)
 
-    def __init__(self, n_max: int = DEFAULT_N_MAX, n_min: int = 1, *, keep: float | None = None,
+    def __init__(self, match_max: int = DEFAULT_MATCH_MAX, match_min: int = 1, *,
+                 keep: float | None = None,
                  cache: LookupCache | None | bool = True,
                  calibration: MatchCalibration | None = None,
                  cost: RoundCost | None = None) -> None:
         if keep is not None and not 0.0 <= keep <= 1.0:
             raise ValueError(f"ngram keep threshold: must be in [0, 1], got {keep}")
-        self.index = HistoryIndex(n_max, n_min)
-        self.n_max, self.n_min, self.keep = n_max, n_min, keep
+        self.index = HistoryIndex(match_max, match_min)
+        self.match_max, self.match_min, self.keep = match_max, match_min, keep
         if cache is True:
-            cache = LookupCache(n_max=n_max)
+            cache = LookupCache(match_max=match_max)
         self.cache = cache if isinstance(cache, LookupCache) else None
         self.calibration = calibration if calibration is not None else MatchCalibration()
         self.cost = cost if cost is not None else RoundCost()
@@ -157,7 +171,7 @@ class NgramDrafter(DrafterBase):
         self._offer: tuple[int, Offer] | None = None  # (len(history) at the offer, offer)
         self._history: Sequence[int] = ()
         self._scope, self._store = "", True   # the request's cache scope; keep it after?
-        self.counters = {"drafted": 0.0, "cache_drafts": 0.0, "stopped_early": 0.0}
+        self.counters = NgramCounters()
 
     def use_costs(self, costs: VerifyCost, draft: DraftCost | None = None) -> None:
         """The target's verification cost (a lookup has no draft backend to price)."""
@@ -186,10 +200,10 @@ class NgramDrafter(DrafterBase):
             return self.policy.stop_threshold()
         return self.keep if self.keep is not None else self.cost.threshold()
 
-    def offer(self, history: Sequence[int], max_n: int) -> Offer:
+    def offer(self, history: Sequence[int], k: int) -> Offer:
         """The draft a lookup gives now, cut where it stops paying; remembered for learn()."""
         self._history = history
-        found = self._lookup(history, max_n)
+        found = self._lookup(history, k)
         if found is None:
             self._offer = None
             return Offer([], [])
@@ -199,20 +213,20 @@ class NgramDrafter(DrafterBase):
         self._offer = (len(history), offer)
         return offer
 
-    def _lookup(self, history: Sequence[int], max_n: int) -> tuple[list[int], int, bool] | None:
-        if max_n <= 0:
+    def _lookup(self, history: Sequence[int], k: int) -> tuple[list[int], int, bool] | None:
+        if k <= 0:
             return None
         here = self.index.match(history)
         there = self.cache.match(history, self._scope) if self.cache is not None else None
         if there is not None and (here is None or there.length > here.length):
-            tokens = list(there.tokens[there.end:there.end + max_n])
+            tokens = list(there.tokens[there.end:there.end + k])
             return (tokens, there.length, True) if tokens else None
         if here is None:
             return None
-        return continuation(history, here.end, max_n), here.length, False
+        return continuation(history, here.end, k), here.length, False
 
-    def propose(self, history: Sequence[int], max_n: int) -> Draft:
-        return self.take(self.usable(self.offer(history, max_n)))
+    def propose(self, history: Sequence[int], k: int) -> Draft:
+        return self.take(self.usable(self.offer(history, k)))
 
     def usable(self, offer: Offer) -> Offer:
         """The offer cut where P(every token so far is kept) falls below the threshold."""
@@ -223,7 +237,7 @@ class NgramDrafter(DrafterBase):
                 break
             n += 1
         if n < len(offer.tokens):
-            self.counters["stopped_early"] += 1
+            self.counters.stopped_early += 1
         return Offer(offer.tokens[:n], offer.keep[:n], offer.length, offer.cached)
 
     def take(self, offer: Offer) -> Draft:
@@ -231,9 +245,9 @@ class NgramDrafter(DrafterBase):
         needs."""
         tokens = offer.tokens
         self._asked = (time.perf_counter(), len(tokens))
-        self.counters["drafted"] += len(tokens)
+        self.counters.drafted += len(tokens)
         if offer.cached and tokens:
-            self.counters["cache_drafts"] += 1
+            self.counters.cache_drafts += 1
         return self.draft(tokens)
 
     def draft(self, tokens: list[int]) -> Draft:
@@ -272,4 +286,4 @@ class NgramDrafter(DrafterBase):
         self.policy = None
 
     def stats(self) -> dict[str, float]:
-        return {k: v for k, v in self.counters.items() if v}
+        return self.counters.as_dict()

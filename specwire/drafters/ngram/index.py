@@ -1,6 +1,6 @@
 """Where did the end of this token sequence occur before? The lookup behind n-gram drafts.
 
-The answer is the *longest* suffix (up to n_max tokens, at least n_min) that
+The answer is the *longest* suffix (up to match_max tokens, at least match_min) that
 occurred earlier, at its *latest* such occurrence; the draft is what followed it.
 Match length is what predicts whether the copy will be kept (a 1-token match is a
 coin toss, a 12-token one almost never wrong), so it is measured exactly rather
@@ -29,12 +29,12 @@ class Match:
     length: int
 
 
-def continuation(source: Sequence[int], end: int, max_n: int) -> list[int]:
-    """Up to max_n tokens copied from source[end:], continuing through the copy itself
+def continuation(source: Sequence[int], end: int, k: int) -> list[int]:
+    """Up to k tokens copied from source[end:], continuing through the copy itself
     once source runs out: a match near the end of a repeating pattern repeats it."""
     out: list[int] = []
     n = len(source)
-    for i in range(max_n):
+    for i in range(k):
         pos = end + i
         out.append(source[pos] if pos < n else out[pos - n])
     return out
@@ -49,11 +49,12 @@ class HistoryIndex:
     suffix itself.
     """
 
-    def __init__(self, n_max: int = 4, n_min: int = 1) -> None:
-        if not 1 <= n_min <= n_max:
-            raise ValueError(f"ngram sizes: need 1 <= n_min <= n_max, got {n_min}, {n_max}")
-        self.n_max, self.n_min = n_max, n_min
-        self.short = min(SHORT, n_max)
+    def __init__(self, match_max: int = 4, match_min: int = 1) -> None:
+        if not 1 <= match_min <= match_max:
+            raise ValueError("ngram sizes: need 1 <= match_min <= match_max, "
+                             f"got {match_min}, {match_max}")
+        self.match_max, self.match_min = match_max, match_min
+        self.short = min(SHORT, match_max)
         self._latest: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence
         self._ends: dict[tuple[int, ...], list[int]] = {}  # SHORT-gram -> its latest ends
         self._seen: list[int] = []
@@ -72,9 +73,9 @@ class HistoryIndex:
         if common < len(seen) or len(history) <= len(seen):
             self.clear()
             common = 0
-        long_ = self.n_max > self.short
+        long_ = self.match_max > self.short
         for end in range(max(common, 1), len(history)):
-            for n in range(self.n_min, self.short + 1):
+            for n in range(self.match_min, self.short + 1):
                 if end - n >= 0:
                     self._latest[tuple(history[end - n:end])] = end
             if long_ and end >= self.short:
@@ -88,11 +89,11 @@ class HistoryIndex:
         """The longest earlier occurrence of a suffix of history (latest on ties)."""
         self.sync(history)
         size = len(history)
-        if self.n_max > self.short and size > self.short:
+        if self.match_max > self.short and size > self.short:
             best = self._longest(history)
             if best is not None:
                 return best
-        for n in range(min(self.short, size), self.n_min - 1, -1):
+        for n in range(min(self.short, size), self.match_min - 1, -1):
             end = self._latest.get(tuple(history[size - n:]))
             if end is not None:
                 return Match(end, n)
@@ -107,10 +108,11 @@ class HistoryIndex:
         best: Match | None = None
         for end in reversed(ends[-CANDIDATES:]):
             n = short
-            while n < self.n_max and end - n > 0 and history[end - n - 1] == history[size - n - 1]:
+            while (n < self.match_max and end - n > 0
+                   and history[end - n - 1] == history[size - n - 1]):
                 n += 1
             if best is None or n > best.length:
                 best = Match(end, n)
-                if n == self.n_max:
+                if n == self.match_max:
                     break
         return best if best is not None and best.length > short else None

@@ -91,7 +91,7 @@ class Branch(Protocol):
         """A request is running (between begin and end)."""
 
     @property
-    def want(self) -> int:
+    def k(self) -> int:
         """The tokens the current round asks for."""
 
     def invalidate(self) -> None:

@@ -118,7 +118,7 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
 def open_to_pb(o: Open) -> pb.Open:
     return pb.Open(history=o.history, sampling=sampling_to_pb(o.sampling),
                    mode=mode_to_pb(o.mode), pipelined=o.pipelined, lookahead=o.lookahead,
-                   want=o.want, p_min=o.p_min, top_k_q=o.top_k_q, timing=o.timing,
+                   want=o.k, p_min=o.p_min, top_k_q=o.top_k_q, timing=o.timing,
                    calibrated=o.calibrated, keep_min=o.keep_min, alternates=o.alternates,
                    alternate_len=o.alternate_len, cache_scope=o.cache_scope,
                    no_store=o.no_store, tree=o.tree,
@@ -127,7 +127,7 @@ def open_to_pb(o: Open) -> pb.Open:
 
 def open_from_pb(m: pb.Open) -> Open:
     return Open(list(m.history), sampling_from_pb(m.sampling), mode_from_pb(m.mode),
-                pipelined=m.pipelined, lookahead=m.lookahead, want=m.want, p_min=m.p_min,
+                pipelined=m.pipelined, lookahead=m.lookahead, k=m.want, p_min=m.p_min,
                 top_k_q=m.top_k_q, timing=m.timing, calibrated=m.calibrated,
                 keep_min=m.keep_min, alternates=m.alternates, alternate_len=m.alternate_len,
                 cache_scope=m.cache_scope, no_store=m.no_store, tree=m.tree,
@@ -135,7 +135,7 @@ def open_from_pb(m: pb.Open) -> Open:
 
 
 def verdict_from_pb(m: pb.Verdict) -> Verdict:
-    return Verdict(m.position, m.accepted, list(m.tokens), gen=m.gen, want=m.want,
+    return Verdict(m.position, m.accepted, list(m.tokens), gen=m.gen, k=m.want,
                    keep_min=m.keep_min, alternate=m.alternate)
 
 
@@ -147,8 +147,8 @@ def target_to_pb(msg: TargetMessage) -> pb.TargetMessage:
         v = out.verdict  # filled in place: a Verdict built apart is copied into the message
         if msg.gen:
             v.gen = msg.gen
-        if msg.want:
-            v.want = msg.want
+        if msg.k:
+            v.want = msg.k
         if msg.keep_min:
             v.keep_min = msg.keep_min
         if msg.alternate:

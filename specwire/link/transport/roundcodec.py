@@ -70,7 +70,7 @@ def _wrapped(outer: int, body: bytearray) -> bytes:
 def verdict_bytes(v: Verdict) -> bytes | None:
     """TargetMessage{verdict: v} as protobuf writes it; None for a value out of its field's
     range (protobuf then says what is wrong)."""
-    if not _uint32s(v.position, v.accepted, v.gen, v.want):
+    if not _uint32s(v.position, v.accepted, v.gen, v.k):
         return None
     b = bytearray()
     if v.position:
@@ -81,8 +81,8 @@ def verdict_bytes(v: Verdict) -> bytes | None:
         return None
     if v.gen:
         _put(0x20, v.gen, b)
-    if v.want:
-        _put(0x28, v.want, b)
+    if v.k:
+        _put(0x28, v.k, b)
     if v.keep_min:
         b.append(0x35)
         b += _F32.pack(v.keep_min)
@@ -182,7 +182,7 @@ def verdict_from_bytes(data: bytes) -> Verdict | None:
     if f is None or f.get(7, 0) > 1:
         return None
     return Verdict(f.get(1, 0), f.get(2, 0), f.get(3) or [], gen=f.get(4, 0),
-                   want=f.get(5, 0), keep_min=f.get(6, 0.0), alternate=bool(f.get(7)))
+                   k=f.get(5, 0), keep_min=f.get(6, 0.0), alternate=bool(f.get(7)))
 
 
 def chunk_from_bytes(data: bytes) -> Chunk | None:

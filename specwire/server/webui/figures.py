@@ -16,14 +16,14 @@ import math
 import time
 
 from specwire.drafters.base import LinkStatus
-from specwire.server.slots import Scheduler
+from specwire.server.slots import SlotPool
 from specwire.server.webui.exposition import Exposition
 from specwire.server.webui.recent import RecentRequests
 
 PHASES = ("draft", "network", "verify")
 
 
-def snapshot(metrics_text: str, scheduler: Scheduler, recent: RecentRequests,
+def snapshot(metrics_text: str, scheduler: SlotPool, recent: RecentRequests,
              about: dict) -> dict:
     """The JSON the page polls: one consistent reading of every figure it shows."""
     e = Exposition.parse(metrics_text)
@@ -72,7 +72,7 @@ def snapshot(metrics_text: str, scheduler: Scheduler, recent: RecentRequests,
     }
 
 
-def draft_nodes(e: Exposition, scheduler: Scheduler) -> list[dict]:
+def draft_nodes(e: Exposition, scheduler: SlotPool) -> list[dict]:
     """Each slot's draft links: up or not (the scrape's figure), and what its drafter
     declares of them (LinkStatus)."""
     details: dict[tuple[str, str], dict] = {}

@@ -14,7 +14,7 @@ from importlib import resources
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import HTMLResponse
 
-from specwire.server.slots import Scheduler
+from specwire.server.slots import SlotPool
 from specwire.server.webui.figures import snapshot
 from specwire.server.webui.recent import RecentRequests
 
@@ -31,7 +31,7 @@ def page() -> str:
     return resources.files(__package__).joinpath("index.html").read_text(encoding="utf-8")
 
 
-def install(app: FastAPI, api: APIRouter, exposition: Callable[[], str], scheduler: Scheduler,
+def install(app: FastAPI, api: APIRouter, exposition: Callable[[], str], scheduler: SlotPool,
             recent: RecentRequests, about: dict) -> None:
     """Add GET / to the app (public) and GET /stats.json to the API router (keyed)."""
     html = page()
