@@ -117,7 +117,7 @@ class _Served:
 
     engines: list[Engine]
     settings: ServerSettings
-    scheduler: Scheduler
+    scheduler: SlotPool
     metrics: Metrics
     names: list[str]          # the model's names a request may use (model_names)
     started: int              # the app's creation, in Unix seconds (/v1/models' `created`)

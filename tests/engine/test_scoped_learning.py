@@ -67,8 +67,8 @@ class Recording:
         self.drafter, self.lengths = drafter, []
         inner = drafter.propose
 
-        def propose(history, max_n):
-            draft = inner(history, max_n)
+        def propose(history, k):
+            draft = inner(history, k)
             self.lengths.append(len(draft.tokens))
             return draft
 

@@ -46,8 +46,8 @@ class AheadSpy(DrafterBase):
     def begin(self, prompt, sampling_, params, **guide) -> None:
         self.learned, self.drafts = [], []
 
-    def propose(self, history, max_n) -> Draft:
-        self.drafts.append((len(history), list(self.fn(history, max_n))))
+    def propose(self, history, k) -> Draft:
+        self.drafts.append((len(history), list(self.fn(history, k))))
         return Draft(list(self.drafts[-1][1]))
 
     def learn(self, history, accepted, appended) -> None:

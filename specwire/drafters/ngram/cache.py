@@ -239,7 +239,7 @@ class LookupCache:
     """Finished sequences (prompt and output), at most max_tokens of them in all, each in
     the cache scope of the request it came from."""
 
-    def __init__(self, max_tokens: int = DEFAULT_TOKENS, n_max: int = 64,
+    def __init__(self, max_tokens: int = DEFAULT_TOKENS, match_max: int = 64,
                  vocab: tuple[int, str] | None = None,
                  scope_share: int | None = None) -> None:
         """vocab: (size, fingerprint) of the target's vocabulary, which save() records.
@@ -249,7 +249,7 @@ class LookupCache:
             raise ValueError(f"lookup cache: max_tokens must be >= 0, got {max_tokens}")
         if scope_share is not None and scope_share < 0:
             raise ValueError(f"lookup cache: scope_share must be >= 0, got {scope_share}")
-        self.max_tokens, self.n_max, self.vocab = max_tokens, n_max, vocab
+        self.max_tokens, self.match_max, self.vocab = max_tokens, match_max, vocab
         self.scope_share = (max_tokens // DEFAULT_SHARE if scope_share is None
                             else min(scope_share, max_tokens))
         #: called after each sequence kept (persist.py counts them to save now and then)
@@ -331,12 +331,12 @@ class LookupCache:
 
     @classmethod
     def load(cls, path: str | os.PathLike, n_vocab: int, fingerprint: str,
-             max_tokens: int = DEFAULT_TOKENS, n_max: int = 64,
+             max_tokens: int = DEFAULT_TOKENS, match_max: int = 64,
              scope_share: int | None = None) -> LookupCache:
         """The cache saved at path for this vocabulary (empty if there is no such file);
         LookupCacheError, naming the file, if it is cut short, of another format or
         version, or of another vocabulary. Beyond max_tokens, the oldest are left out."""
-        cache = cls(max_tokens, n_max, (n_vocab, fingerprint), scope_share)
+        cache = cls(max_tokens, match_max, (n_vocab, fingerprint), scope_share)
         got = read_file(path)
         if got is None:
             return cache

@@ -44,11 +44,11 @@ class CacheFile:
 
     def __init__(self, path: str | os.PathLike, n_vocab: int, fingerprint: str, *,
                  every: int = SAVE_EVERY, max_tokens: int = DEFAULT_TOKENS,
-                 n_max: int = 64, scope_share: int | None = None) -> None:
+                 match_max: int = 64, scope_share: int | None = None) -> None:
         self.path = os.fspath(path)
         self.every = every
         check_file(self.path)
-        self.cache = LookupCache.load(self.path, n_vocab, fingerprint, max_tokens, n_max,
+        self.cache = LookupCache.load(self.path, n_vocab, fingerprint, max_tokens, match_max,
                                       scope_share)
         self.loaded = len(self.cache)
         self._existed = os.path.exists(self.path)

@@ -168,7 +168,7 @@ class GrpcTransport(Transport):
         if not call.pipelined:
             if call.arrived is not None:
                 self._learn_arrival(call)
-            call.sent_at, call.asked = time.monotonic(), self.branch.want
+            call.sent_at, call.asked = time.monotonic(), self.branch.k
         call.closed = close
         self.branch.counters.bytes_up += len(data) + 5
 
