@@ -233,7 +233,7 @@ class DraftNodeService:
             self.metrics.refuse("bad_open")
             raise
         who = self.identity(context)
-        calibration = self.calibrations.get(target_key(context, who)) \
+        calibration = self.calibrations.get(target_key(context, who, open_msg.cache_scope)) \
             if open_msg.calibrated else None
         backend = self.memory.acquire(open_msg.history, (who, open_msg.cache_scope),
                                       store=not open_msg.no_store)

@@ -254,8 +254,22 @@ def test_identity_is_the_token_name_and_the_certificate_subject() -> None:
     assert identity(None, "") == ""
     header_ctx = SimpleNamespace(peer=lambda: "ipv4:10.0.0.5:1234",
                                  invocation_metadata=lambda: ((protocol.TARGET_HEADER, "x"),))
-    assert target_key(header_ctx, "token:alpha") == ("identity", "token:alpha")
-    assert target_key(header_ctx) == ("10.0.0.5", "x")   # no identity: as before
+    assert target_key(header_ctx, "token:alpha") == ("identity", "token:alpha", "")
+    assert target_key(header_ctx) == ("10.0.0.5", "x", "")   # no identity: as before
+
+
+def test_each_scope_of_a_target_has_its_own_calibration() -> None:
+    """One tenant's verdicts must not move another's stops: the request's cache scope is
+    part of the calibration's key, beside the target's identity."""
+    from specwire.node.calibrations import Calibrations
+    ctx = SimpleNamespace(peer=lambda: "ipv4:10.0.0.5:1234",
+                          invocation_metadata=lambda: ((protocol.TARGET_HEADER, "x"),))
+    cals = Calibrations(8)
+    a = cals.get(target_key(ctx, "token:alpha", "tenant-a"))
+    assert cals.get(target_key(ctx, "token:alpha", "tenant-a")) is a
+    assert cals.get(target_key(ctx, "token:alpha", "tenant-b")) is not a
+    assert cals.get(target_key(ctx, "token:beta", "tenant-a")) is not a
+    assert cals.get(target_key(ctx, "", "tenant-a")) is not a
 
 
 def test_quotas_count_sessions_per_identity() -> None:
