@@ -24,7 +24,9 @@ VERIFY_SLOPE = 0.1
 VERIFY_PRIOR_WEIGHT = 0.3
 #: A drafter's assumed cost per drafted token, relative to its cost per round.
 DRAFT_SLOPE = 1.0
-DEFAULT_DRAFT_BYTES = 16
+#: Bytes on the wire per drafted token: a chain token's (about 12 in a pipelined chunk) and,
+#: for a target that verifies trees, a lone second choice at most positions (at most 10).
+DEFAULT_DRAFT_BYTES = 24
 DEFAULT_VERDICT_BYTES = 32
 
 

@@ -52,8 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-max", "--spec-draft-n-max", dest="draft_max", default="16",
                    metavar="K",
                    help="longest draft to consider (default 16)")
-    p.add_argument("--draft-bytes", default="16", metavar="B",
-                   help="bytes on the wire per drafted token (default 16)")
+    p.add_argument("--draft-bytes", default="24", metavar="B",
+                   help="bytes on the wire per drafted token, its second choice included "
+                        "(default 24)")
     p.add_argument("--verdict-bytes", default="32", metavar="B",
                    help="bytes on the wire per verdict (default 32)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
