@@ -75,12 +75,27 @@ def reusable_prefix(cached: Sequence[int], tokens: Sequence[int]) -> int:
     return i
 
 
+def window_kept(backend: Backend, n: int) -> int:
+    """n, the cached tokens a caller means to keep, or 0 where the cache no longer holds
+    every cell the token at position n would attend to (a sliding-window cache drops
+    the start of a long sequence: `holds_window`, optional on a backend)."""
+    holds = getattr(backend, "holds_window", None)
+    return n if holds is None or holds(n) else 0
+
+
+def usable_prefix(backend: Backend, tokens: Sequence[int]) -> int:
+    """How many of `tokens` the backend's cache can keep: reusable_prefix, or 0 where
+    what follows it would miss cells of its attention window (window_kept)."""
+    return window_kept(backend, reusable_prefix(backend.tokens, tokens))
+
+
 def sync_prefix(backend: Backend, tokens: Sequence[int]) -> int:
     """Truncate the cache to its longest common prefix with `tokens`; return that length.
 
-    Keeps at least one token un-evaluated so that the caller gets fresh logits.
+    Keeps at least one token un-evaluated so that the caller gets fresh logits, and
+    none where the cache lost cells of that prefix's attention window (usable_prefix).
     """
-    i = reusable_prefix(backend.tokens, tokens)
+    i = usable_prefix(backend, tokens)
     if i != len(backend.tokens):
         backend.truncate(i)
     return i

@@ -223,6 +223,8 @@ class LlamaBackend:
         self.name = self.model.name
         self.n_vocab = self.model.n_vocab
         self.n_seq = n_seq
+        #: the sliding attention window of the model's SWA layers (0: none)
+        self.n_swa = int(C.llama_model_n_swa(self.model.ptr))
         self.tree_leaves = tree_branches + 1
         # The cells a tree's side branches hold until keep_tree frees them.
         slack = n_seq * tree_branches * _TREE_CELLS
@@ -504,6 +506,20 @@ class LlamaBackend:
             n = 0
         del held[n:]
 
+    def holds_window_seq(self, seq: int, n: int) -> bool:
+        """Whether sequence seq's cache still holds every cell that a token at position n
+        attends to. The SWA layers' cache reuses cells that fell out of their own
+        sequence's window and then drops all of that sequence's cells up to them
+        (llama.cpp's find_slot and apply_ubatch), so after a sequence held more than
+        n_swa positions, a prefix of its cells is gone from those layers: a prompt that
+        keeps only the start of such a cache would attend to nothing there."""
+        if self.n_swa <= 0 or n <= 0:
+            return True
+        return 0 <= int(C.llama_memory_seq_pos_min(self.mem, seq)) <= max(0, n - self.n_swa + 1)
+
+    def holds_window(self, n: int) -> bool:
+        return self.holds_window_seq(0, n)
+
     def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
         """--cache-reuse: see reuse_chunks below."""
         return reuse_chunks(self, prompt, n_past, n_min)
@@ -611,6 +627,9 @@ class SeqView:
 
     def truncate(self, n: int) -> None:
         self.owner.truncate_seq(self.seq_id, n)
+
+    def holds_window(self, n: int) -> bool:
+        return self.owner.holds_window_seq(self.seq_id, n)
 
     def reuse_chunks(self, prompt: Sequence[int], n_past: int, n_min: int) -> int:
         return reuse_chunks(self, prompt, n_past, n_min, self.seq_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from specwire.backend.base import Backend, reusable_prefix, sync_prefix
+from specwire.backend.base import Backend, sync_prefix, usable_prefix
 from specwire.config import ConfigError, DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.lockstep import Drafting, DraftSteps
@@ -88,7 +88,7 @@ class ModelDrafter(DrafterBase):
         if params.seed is not None:
             sampling_ = replace(sampling_, seed=params.seed)
         self.sampling, self.params = sampling_, params
-        kept = reusable_prefix(self.backend.tokens, prompt)
+        kept = usable_prefix(self.backend, prompt)
         self._cache_use = (kept, len(prompt) - kept)
 
     def propose(self, history: Sequence[int], k: int) -> Draft:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specwire.backend.base import Backend, reusable_prefix
+from specwire.backend.base import Backend, reusable_prefix, window_kept
 from specwire.backend.batch import BatchBackend, as_batch
 from specwire.config import ConfigError, VerifyMode
 from specwire.drafters.base import Drafter, NoDrafter
@@ -316,6 +316,7 @@ class Engine:
         self.cache_lora[s.seq] = s.lora
         if kept < target.n_past:
             target.truncate(kept)
+        kept = target.n_past   # a backend that cannot cut its cache there empties it
         s.prefilled = kept
         s.stats.prompt_n, s.stats.cache_n = len(prompt) - kept, kept
 
@@ -368,11 +369,12 @@ class Engine:
     def reuse_cache(self, target: Backend, prompt: Sequence[int]) -> int:
         """How many prompt tokens a sequence's cache can keep: the common prefix, and with
         --cache-reuse the chunks shifted into place after it (a backend that cannot shift
-        keeps the prefix only)."""
+        keeps the prefix only); none where the cache lost cells of their attention window
+        (a sliding-window cache after a long sequence: base.window_kept)."""
         kept = reusable_prefix(target.tokens, prompt)
         if self.cache_reuse > 0 and kept < len(target.tokens):
             kept = target.reuse_chunks(prompt, kept, self.cache_reuse)
-        return kept
+        return window_kept(target, kept)
 
 
 def _experience(policy: Policy) -> int:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from specwire.backend.base import Backend, reusable_prefix, sync_prefix
+from specwire.backend.base import Backend, sync_prefix, usable_prefix
 from specwire.config import DraftParams, VerifyMode
 from specwire.drafters.model import ModelDrafter
 from specwire.link import alternates as alt
@@ -105,7 +105,7 @@ class DraftSession:
         self._pending_alts: list[Alternate] = []  # drafted, to go with the next chunk
         self.committed: list[int] = list(open_msg.history)
         # What the backend's cache already holds of the history, and what is left to evaluate.
-        self.cache_n = reusable_prefix(backend.tokens, self.committed)
+        self.cache_n = usable_prefix(backend, self.committed)
         self.prompt_n = len(self.committed) - self.cache_n
         self._told_cache = False  # cache_n and prompt_n went out in a message
         self.branch: list[int] = []  # drafted beyond `committed`, on branch `gen`

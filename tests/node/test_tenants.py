@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from specwire.backend.base import reusable_prefix
 from specwire.config import SamplingParams, VerifyMode
 from specwire.link.messages import Open
-from specwire.link.session import reusable_prefix
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport.protocol import ProtocolError
