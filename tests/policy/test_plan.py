@@ -23,6 +23,7 @@ from specwire.policy.plan import (
     tkslt_speedup,
 )
 from specwire.policy.throughput import (
+    DEFAULT_DRAFT_BYTES,
     PlanInputs,
     VerifyCurve,
     expected_tokens,
@@ -145,7 +146,7 @@ def test_synchronous_round_is_the_field_formula() -> None:
     p = PlanInputs(target_tps=10.0, draft_tps=50.0, acceptance=0.8, rtt_s=0.002,
                    bandwidth_bps=1e6, verify=VerifyCurve.parse("1:1,5:1.2"))
     k = 4
-    t = 4 * 0.02 + 0.1 * 1.2 + 0.002 + 8 * (4 * 16 + 32) / 1e6
+    t = 4 * 0.02 + 0.1 * 1.2 + 0.002 + 8 * (4 * DEFAULT_DRAFT_BYTES + 32) / 1e6
     assert sync_round_s(p, k) == pytest.approx(t)
     assert sync_rate(p, k) == pytest.approx(expected_tokens(0.8, 4) / t)
     assert local_rate(p, k) == pytest.approx(expected_tokens(0.8, 4) / (0.08 + 0.12))
