@@ -196,9 +196,9 @@ def test_calibration_is_kept_per_target(start_node) -> None:
                 s.next()
             s.close()
     assert len(cal) == 2
-    a, b = cal.get(("127.0.0.1", "target-a")), cal.get(("127.0.0.1", "target-b"))
+    a, b = cal.get(("127.0.0.1", "target-a", "")), cal.get(("127.0.0.1", "target-b", ""))
     assert a is not b
-    prior = Calibrations(1).get(("x", "y"))
+    prior = Calibrations(1).get(("x", "y", ""))
     assert a.seen != prior.seen and b.seen == prior.seen
 
 
