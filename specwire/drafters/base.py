@@ -14,7 +14,7 @@ DraftGuard (guard.py). DrafterBase declares nothing and gives the reports empty 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from specwire.config import DraftParams, SamplingParams
@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from specwire.policy.costs import DraftCost, VerifyCost
     from specwire.sample.constraints.grammar import GrammarSpec
 
+
+
+def counter_values(counters: object) -> dict[str, float]:
+    """Every field of a drafter's counters dataclass, by name, as a float (stats())."""
+    return {f.name: float(getattr(counters, f.name)) for f in fields(counters)}
 
 @dataclass(slots=True)
 class Draft:

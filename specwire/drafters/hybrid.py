@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.base import Capabilities, Draft, Drafter, DrafterBase
+from specwire.drafters.base import Capabilities, Draft, Drafter, DrafterBase, counter_values
 from specwire.drafters.ngram.drafter import NgramDrafter, Offer
 from specwire.policy.costs import DraftCost, PerToken, VerifyCost
 from specwire.policy.scoped import Scoped
@@ -128,7 +128,7 @@ class HybridCounters:
     tree_model_kept: float = 0
 
     def as_dict(self) -> dict[str, float]:
-        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+        return counter_values(self)
 
 
 class HybridDrafter(DrafterBase):

@@ -15,10 +15,10 @@ import logging
 import time
 import urllib.parse
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from specwire.config import DraftParams, SamplingParams
-from specwire.drafters.base import Capabilities, Draft, DrafterBase, LinkStatus
+from specwire.drafters.base import Capabilities, Draft, DrafterBase, LinkStatus, counter_values
 
 log = logging.getLogger("specwire.remote")
 
@@ -34,7 +34,7 @@ class HttpCounters:
     wait_ms: float = 0.0  # time propose spent on the HTTP round trip
 
     def as_dict(self) -> dict[str, float]:
-        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+        return counter_values(self)
 
 
 class LlamaServerDrafter(DrafterBase):
