@@ -1,18 +1,11 @@
 """An n-gram lookup and a draft model together: each round, the draft worth more.
 
-On code rewriting a lookup copies long stretches the model would draft token by token; on
-prose it rarely matches and the model wins. Each round the hybrid values both candidates
-as expected tokens per second, (1 + E_ng) / t_v(n) against (1 + E_m) / (t_d(k) + t_v(k)),
-with the engine's cost models (policy/costs.py; the hybrid alone times its model's rounds
-into t_d), and verifies the better. A model in this process is asked only when its
-candidate, catch-up included, is worth more, or as a probe now and then; a drafter that
-works ahead costs nothing to ask and is always asked. Under the adaptive policy both drafts
-stop at the policy's per-token threshold. Where the candidates differ, both may be verified
-in one decode as a tree (the longer the chain, the other a branch from where they part),
-when that is worth more than the better alone; the draft carries the tokens the branch is
-expected to add (Draft.gain) for the engine's tree rule (policy/tree.py). Both candidates
-learn from the history the round kept, whichever path it took. docs/drafting.md section 3
-has the measurements.
+A lookup copies long stretches of rewritten code; on prose the model wins. Each round
+values both as expected tokens per second with the engine's cost models (policy/costs.py),
+(1 + E_ng) / t_v(n) against (1 + E_m) / (t_d(k) + t_v(k)), and verifies the better, or
+both as a tree where they differ and that is worth more (Draft.gain, policy/tree.py). A
+local model is asked only when its candidate, catch-up included, is worth more, or as a
+probe; a drafter that works ahead is always asked. Both learn from what the round kept.
 """
 
 from __future__ import annotations

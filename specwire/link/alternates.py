@@ -1,25 +1,13 @@
 """Pre-drafted branches: where a draft is unsure, also draft its second choice.
 
-A pipelined draft node works ahead of the target's verdicts, but after a
-rejection its lookahead is gone and the target has nothing to verify until a
-fresh draft arrives. At the positions where the draft model itself hesitates
-(its first choice below `top_below`, and the target, by the draft's own judgment,
-likely to get there and pick the second: `worth_branching`), the node also
-drafts the second choice and a few tokens after it, and sends them in a chunk;
-it does so while its lookahead is full, or first when that pays more than the
-branch's next token (`alternate_first`), or, for a target that verifies trees
-(Open.tree), before the branch's next token once half its lookahead is out, so
-that it may join its position's decode. Such a target may also take a second choice
-alone (Open.second_choices: second_choice_due), which costs the node no drafting.
-If the target rejects the branch there
-and its own token is that second choice, the continuation is verified at once,
-and the verdict tells the node to continue from it (specwire.proto,
-DraftChunk.alternates and Verdict.alternate; docs/protocol.md).
-
-Only the draft's tokens change: verification is untouched, so output stays
-lossless. Alternates are drafted for greedy and coupled verification, where a
-draft token carries no distribution of its own (rejection mode would need a
-sparse q for every alternate token, and sends none).
+After a rejection a pipelined node's lookahead is gone and the target has nothing to
+verify until a fresh draft arrives. Where the draft model hesitates and the target is
+likely to pick its second choice (`worth_branching`), the node also drafts that choice
+and a few tokens after it (an alternate); a tree-verifying target may take the second
+choice alone (Open.second_choices). If the target's own token there is that choice, the
+continuation is verified at once (docs/protocol.md, "Pre-drafted branches"). Only the
+draft changes, so output stays lossless; greedy and coupled verification only (rejection
+would need a q for every alternate token).
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """One sequence on a draft node: its KV cache, its branch, how it drafts.
 
-Synchronous sessions draft on the caller's thread: the node's RPC thread reads a
-verdict, applies it, drafts exactly `k` tokens and writes the chunk, with no
-hand-off to another thread on the round's critical path. Pipelined sessions
-draft on their own thread past the last verdict, sending tokens as they go;
-verdicts arrive from a reader thread and are applied between tokens, so the
-branch, the gen and the KV cache are only ever touched by one thread.
-
-A session starts from whatever its backend's cache holds of the history (the
-node's memory, node/kv_cache.py, hands it the best cached prefix) and tells the
-target how much that was (DraftChunk.cache_n, prompt_n). A long catch-up is
-announced at once, and evaluated a batch at a time so that a Close stops it;
-meanwhile a synchronous session answers each verdict with an empty chunk, and
-the target decodes plainly instead of waiting.
-
-A synchronous session of an adaptive target stops its drafts by the calibrated
-rule (specwire.policy.adaptive.CalibratedStop) instead of --draft-p-min: the target sends
-the threshold, and the node calibrates its draft's confidence on the verdicts it
-receives, which say which of its tokens the target kept.
+A synchronous session drafts exactly `k` tokens on the caller's thread per verdict; a
+pipelined one drafts on its own thread past the last verdict, applying verdicts between
+tokens, so one thread alone touches the branch and the KV cache. A session starts from
+the best cached prefix of its history (node/kv_cache.py) and says how much that was
+(DraftChunk.cache_n, prompt_n); a long catch-up is announced at once and can be closed.
+An adaptive target's synchronous session stops its drafts by the calibrated rule
+(policy/adaptive.py CalibratedStop) instead of --draft-p-min.
 """
 
 from __future__ import annotations

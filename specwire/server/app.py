@@ -1,28 +1,9 @@
 """The HTTP routes: llama-server's API and OpenAI's, over one queue of slots.
 
-Endpoints
-  GET  /health                       {"status": "ok"} (never needs the API key)
-  GET  /v1/models, /models           the served model (its alias, or the file name)
-  GET  /props                        default generation settings, slots, chat template
-  GET  /metrics                      Prometheus text (see metrics.py; the same figures as
-                                     Python numbers: app.state.metrics.figures())
-  POST /completion, /completions     llama-server's completion (prompt: text or token ids)
-  POST /v1/completions               OpenAI text completion
-  POST /v1/chat/completions          OpenAI chat completion (the GGUF's chat template or
-                                     --chat-template)
-  POST /tokenize, /detokenize        llama-server's
-  POST /infill                       fill-in-the-middle (input_prefix/suffix/extra)
-  POST /apply-template               the chat prompt a chat request would give the model
-  GET  /slots                        each slot's state (--no-slots: 404)
-  GET  /lora-adapters, POST          the target's LoRA adapters and their scales
-  POST /slots/{id}?action=           save / restore (--slot-save-path) / erase its cache
-  GET  /, /stats.json                the live page and its figures (webui/; --no-webui)
-
-A request is parsed and tokenized off the event loop (a thread of the pool),
-queued as a Job, and then awaited: the worker thread pushes its events onto
-the job's asyncio queue. `stream: true` answers with server-sent events. If
-the client goes away (the stream's send fails, starlette sees the disconnect,
-or the periodic is_disconnected() check does) the job is cancelled at once.
+README.md's table lists the endpoints. A request is parsed and tokenized off the event
+loop, queued as a Job and awaited: the worker thread pushes its events onto the job's
+asyncio queue (`stream: true` answers with server-sent events). A client that goes away
+cancels its job at once.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """The draft links of one target, shared by all its drafters: one connection per node, a
 stream per call.
 
-`serve -np N` gives each slot a drafter of its own; they share one LinkSet, so the
-node sees one target on one HTTP/2 connection (a Line, made by its Link) however
-many slots draft: Hello, every session and pings are streams of it. HTTP/2 gives
-each session a stream with its own flow control; what ends one stream (a Close, a
-cancel, the node's error for that session) leaves the others alone, and only the
-connection failing ends them all, each drafter then decoding plainly and
-reconnecting after the link's backoff, as one drafter alone does.
-
-A synchronous session's caller (the engine thread) writes its verdict and reads the
-chunk itself, holding the line's lock. A pipelined session's chunks come when they
-come: a reader thread of the line (started with its first pipelined stream) waits
-for the socket without the lock, reads what arrived under it, and hands each
-stream's messages to that stream's callback outside it. While pipelined streams
-are open the reader also keeps the connection alive (a PING after KEEPALIVE_S
-without a frame; no answer within KEEPALIVE_TIMEOUT_S ends the connection), as a
-pipelined target never waits on the node and would not notice one that froze.
+The slots of `serve -np N` share one LinkSet, so a node sees one target on one HTTP/2
+connection (a Line) whatever N: Hello, every session and pings are streams of it, and
+what ends one stream leaves the others alone. A synchronous caller writes its verdict
+and reads the chunk itself under the line's lock; pipelined chunks are read by the
+line's reader thread, which also pings a connection that has gone quiet (KEEPALIVE_S).
 A drafter built alone (tests, `generate`) has a LinkSet of its own.
 """
 

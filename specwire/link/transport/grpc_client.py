@@ -1,19 +1,11 @@
 """The target's transport of the draft link: gRPC streams over one HTTP/2 connection per node.
 
-The branch bookkeeping lives in link/branch.py; RemoteDrafter (link/remote.py) is a
-BranchDrafter carried by this transport, which only moves messages. The drafters of
-one target (every slot of `serve -np N`) share its links and their connections
-(link/transport/channels.py): each session is a stream of its own on them. A
-synchronous session has no thread of its own: the engine thread writes its verdict
-and reads the chunk itself over link/transport/h2/connection.py, as a round has nothing
-to overlap with. A pipelined session's chunks are read by the connection's reader
-thread into the branch's buffer; the engine thread only reads that buffer under a
-lock and writes its verdicts. Opening a session (the handshake, on a background
-asyncio thread, then the stream) runs on a thread of its own. In pipelined mode
-`propose` never waits: it takes whatever checked tokens extend the committed
-history, possibly none, and the engine then runs a plain decoding step. A dead,
-slow or hostile node therefore costs the target at most a lock and a list slice
-per round.
+It only moves messages: RemoteDrafter (link/remote.py) is a BranchDrafter (link/branch.py)
+carried by it, and one target's drafters share its connections (channels.py). The engine
+thread writes a synchronous verdict and reads the chunk itself; a pipelined session's
+chunks are read into the branch's buffer by the connection's reader thread, and
+`propose` never waits for them. So a dead, slow or hostile node costs the target at most
+a lock and a list slice per round.
 """
 
 from __future__ import annotations

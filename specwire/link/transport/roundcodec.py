@@ -1,22 +1,11 @@
 """The two messages of a synchronous round, encoded and decoded without protobuf objects.
 
-A synchronous round is one Verdict out and one DraftChunk back, each a dozen
-bytes. Their conversion (domain message to a protobuf object, the object to
-bytes, and back) runs right after a round's wait, when every line of code and
-every object it touches is out of the caches. These functions write and read
-the protobuf wire format of those two messages directly, as the domain messages
-(link/messages.py). Its measured gain, the reason it exists beside the
-generated code: cold, as after a wait, the round's four conversions take
-29-43% less time than through protobuf objects; warm, in a loop, protobuf's C
-code is as fast or faster (`python -m benchmarks.stacks --codec-only`; figures
-in docs/protocol.md, "Two stacks").
-
-They only take the common shape: a chunk without q or alternates, fields in
-field-number order, each at most once, varints no longer than their type
-allows, packed tokens. Whatever else arrives (any valid encoding protobuf
-permits, or none) is left to protobuf: the decoders return None and the caller
-parses with specwire_pb2 as before, so every check and error stays where it
-was. tests/link/test_roundcodec.py checks both directions against protobuf.
+A round's Verdict and DraftChunk are converted right after its wait, with every cache
+cold; written and read here in protobuf's wire format directly, the four conversions take
+29-43% less time cold (docs/protocol.md, `python -m benchmarks.stacks --codec-only`).
+Only the common shape is taken (no q or alternates, fields in order, each once); for
+anything else the decoders return None and the caller parses with specwire_pb2.
+tests/link/test_roundcodec.py checks both directions against protobuf.
 """
 
 from __future__ import annotations

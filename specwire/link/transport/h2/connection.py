@@ -1,33 +1,12 @@
 """gRPC streams over HTTP/2 (the h2 package), driven by the thread that owns the socket.
 
-Why the synchronous link speaks gRPC's wire format without grpcio: a synchronous
-round is one small message each way, and grpcio passes each one between several
-threads (completion queue, poller, the caller). After the idle wait of a round
-every hand-off is a wake-up of a sleeping thread, and those wake-ups can cost
-more than a LAN's round trip (docs/link-hardening.md). h2 is HTTP/2 as a state
-machine, without I/O or threads: here the thread that needs a message reads the
-socket itself and feeds h2, so a round costs the round trip plus the parsing.
-
-What this module adds to h2, as no protocol library can know it:
-* a deadline in every wait: after each read the loop checks it, so a peer that
-  keeps sending frames that carry nothing (ignored types, PRIORITY, SETTINGS
-  ACKs, PINGs) cannot hold the caller past it; a send waiting for flow-control
-  credit (a peer that granted a window of 0, or never sends WINDOW_UPDATE)
-  gives up at its deadline too;
-* bounded memory: the receive window is one largest message, and what arrives is
-  credited back only once it has been read, so a peer can never have more than a
-  window of data waiting here, however long we wait for credit of our own
-  (grpcframe.py also bounds the number of unread messages). The credit for what
-  was read is handed to h2 just before the next wait (`_pump`), not as the message
-  is read: on both ends that is right after the round's next send, off the round's
-  critical path;
-* flood limits on the frames that carry no data (floods.py);
-* gRPC framing and a strictly parsed status (grpcframe.py);
-* a short path for the plain DATA frames that make up a round (datapath.py);
-* one write per round and no syscall that a round can do without: the socket
-  stays non-blocking, a send is one send() (a poll only if the kernel's buffer
-  is full) and a read polls only when there is nothing to read.
-Every failure surfaces as H2Error, GrpcStatus or, from a wait, TimeoutError.
+The thread that needs a message reads the socket itself and feeds h2 (a state machine
+without I/O), so a synchronous round costs the round trip plus the parsing, with no
+hand-off between threads (docs/protocol.md, "One stack", has the measurements). What
+this adds to h2: a deadline in every wait, a receive window of one message credited back
+only once read, flood limits (floods.py), gRPC framing (grpcframe.py), a short path for a
+round's DATA frames (datapath.py), and one write per round. Every failure surfaces as
+H2Error, GrpcStatus or, from a wait, TimeoutError.
 """
 
 from __future__ import annotations

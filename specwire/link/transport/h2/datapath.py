@@ -1,24 +1,11 @@
 """The DATA frames of an open gRPC stream, framed and parsed beside h2 rather than by it.
 
-A synchronous round is one small DATA frame each way. h2 builds a frame object,
-a list of events and two state-machine steps for each, and in Python that is
-most of what a round costs beyond the round trip (docs/link-hardening.md has the
-measurements).
-
-So the common case takes a short path, and h2 stays the authority on
-everything else: a DATA frame with no flags (no END_STREAM, no padding), on a
-stream h2 holds as OPEN with its headers received, that fits the frame size
-and both flow-control windows. Such a frame moves neither state machine (h2's
-own transitions for it are OPEN to OPEN with no side effect), so all there is
-to keep is the accounting, charged here exactly as h2 charges it: the outbound
-windows of the connection and the stream, the inbound window managers that
-later credit the bytes back. Any other frame, and any frame that would break a
-rule (an oversized or over-window frame, DATA on a stream that is not open),
-goes to h2, which answers it as it answers everything.
-
-This touches attributes of h2 that are not its public API (listed in _NEEDS).
-If an h2 release renames them the short path turns itself off, with one log
-line, and every frame goes through h2: slower, never wrong.
+h2's per-frame objects and state-machine steps are most of what a synchronous round
+costs in Python beyond the round trip. So a plain DATA frame (no flags, an OPEN stream,
+within the frame size and both windows), which moves neither state machine, takes a
+short path that keeps h2's flow-control accounting exactly; any other frame goes to h2.
+It touches h2 attributes outside its public API (_NEEDS): if a release renames them the
+short path turns itself off, with one log line: slower, never wrong.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """How many frames of each kind that carry no gRPC data a peer may send per second.
 
-HTTP/2 obliges a receiver to answer some frames (PING, SETTINGS), to ignore
-others (PRIORITY, unknown types, a RST_STREAM for a stream already gone, empty
-DATA and CONTINUATION), and lets a peer reset streams at will: each is cheap
-to send and costs the receiver a parse, often a write. A draft link's honest
-peer sends a handful of them per connection; one sending them by the hundred
-per second is attacking, and the connection ends with ENHANCE_YOUR_CALM (as
-nghttp2, Go and Envoy do for such floods). The counts come from the frame
-headers as bytes arrive, before h2 sees them, so frames that h2 silently
-drops are counted too. The wait loops also check their deadline after every
-read, so frames under these limits still cannot hold a round past it.
-
-The scan also knows where frames begin and whether a header block is open,
-which tells datapath.py when bytes may skip h2 (`settled`).
+Some HTTP/2 frames must be answered (PING, SETTINGS), some ignored (PRIORITY, unknown
+types, empty DATA), and streams may be reset at will: each is cheap to send and costs a
+parse. An honest draft link sends a handful per connection; a peer sending hundreds a
+second is attacking and gets ENHANCE_YOUR_CALM (as nghttp2, Go and Envoy answer). Frames
+are counted from their headers as bytes arrive, before h2. The scan also tells
+datapath.py when bytes may skip h2 (`settled`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The gRPC calls of one server connection, served together on its thread.
 
-A target opens all its sessions (every slot of `serve -np N`), its Hello and its
-pings as streams of one connection (link/transport/channels.py). The connection's
-thread reads whatever arrives, for whichever stream, and hands each call its
-messages in turn. A synchronous round (a verdict in, the session drafts, its chunk
-out) happens on this thread (link/transport/h2/server.py says why). When messages
-of several calls are waiting at once (a batch target sends all its slots' verdicts
-before it waits, Capabilities.asks_ahead), their calls take them side by side on
-worker threads, as they would on connections of their own, while this thread alone
-reads and writes the connection, sending each message as it is ready. A call whose
-messages are made on a thread of its own (a pipelined session drafting) hands them
-to this thread the same way, waking its wait. Each call keeps its own deadlines (its
-first message within the handshake deadline, each next one within its idle time)
-and its own admission slot; what ends one call (a Close, a cancel, a malformed
-message, a deadline, a stream without flow-control credit) ends it alone. Only the
-connection failing, or HTTP/2 abuse on it (floods.py), ends every call on it.
+A target's Hello, pings and sessions (every slot of `serve -np N`) are streams of one
+connection. Its thread reads whatever arrives and hands each call its messages; a
+synchronous round happens on this thread. Messages of several calls waiting at once (a
+batch target's verdicts, Capabilities.asks_ahead) are taken side by side on worker
+threads, while this thread alone reads and writes the socket. Each call keeps its own
+deadlines and admission slot, and what ends one call ends it alone; only the connection
+failing, or HTTP/2 abuse on it (floods.py), ends every call on it.
 """
 
 from __future__ import annotations

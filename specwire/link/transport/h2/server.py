@@ -1,30 +1,13 @@
 """The draft node's gRPC server: every call (Hello, Ping, Session) over h2, a thread per
 connection.
 
-A synchronous round is one verdict in and one chunk out, and its cost is the
-target's wait. grpcio's server hands each message between its poller and a
-handler thread; here the thread that owns a connection reads the verdict,
-drafts and writes the chunk (link/transport/h2/connection.py says why that matters). A
-pipelined session drafts on a thread of its own and hands each chunk to the
-connection's thread (link/transport/h2/mux.py). It speaks standard gRPC, so any gRPC
-client can be a target: the calls of one target's slots are streams of one
-connection, served in turn by its thread, each with its own deadlines and
-admission slot.
-
-Its deadlines are the main port's: one deadline, HANDSHAKE_TIMEOUT_S from the
-connection's accept, covers its TLS handshake, its HTTP/2 preface and the headers of a
-call the service admits (its token checked), so that a peer that sends nothing, sends
-slowly or never authenticates is closed by it however it spreads its bytes; a call
-must then send its first message as soon, a connection with no
-call open for `idle_s` is closed with a GOAWAY (`specwire draft --idle-timeout`), and a session
-whose target sends nothing for `session_idle_s` ends. A target that finds its
-connection closed opens a new one for its next session without failing it.
-
-Connections are bounded in all (`max_connections`) and per peer address
-(`per_address`, `specwire draft --conn-per-address`): peers of one address cannot
-hold every connection slot, whatever they send. A drain (SIGTERM) stops accepting,
-sends every connection a GOAWAY that lets its open calls finish, and `stop` then
-ends what is left.
+The connection's thread reads a synchronous round's verdict, drafts and writes the chunk;
+a pipelined session drafts on a thread of its own and hands its chunks to the
+connection's thread (mux.py). It speaks standard gRPC, so any gRPC client can be a
+target. One deadline from accept covers TLS, the preface and an admitted call's headers;
+idle connections get a GOAWAY (`--idle-timeout`); connections are bounded in all and per
+address (`--conn-per-address`); a drain (SIGTERM) sends GOAWAY and lets open calls finish
+(docs/link-hardening.md).
 """
 
 from __future__ import annotations
