@@ -90,6 +90,9 @@ class _Flaky:
             raise OSError(errno.EMFILE, "Too many open files")
         return self.sock.accept()
 
+    def shutdown(self, how: int) -> None:
+        self.sock.shutdown(how)
+
     def close(self) -> None:
         self.sock.close()
 

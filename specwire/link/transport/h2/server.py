@@ -12,6 +12,7 @@ address (`--conn-per-address`); a drain (SIGTERM) sends GOAWAY and lets open cal
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
@@ -65,8 +66,12 @@ class H2Server:
         self._thread.start()
 
     def close(self) -> None:
-        """No new connections."""
+        """No new connections. The listening socket is shut down before it is closed:
+        that wakes the accept() blocked on it, and a peer's connect is refused at once
+        (closed alone, it would go on listening until that accept returned)."""
         self._closed = True
+        with contextlib.suppress(OSError):  # never listened, or already shut down
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
 
     def drain(self) -> None:
@@ -103,6 +108,9 @@ class H2Server:
                             e.strerror or e)
                 time.sleep(ACCEPT_PAUSE_S)   # out of descriptors: some close meanwhile
                 continue
+            if self._closed:
+                sock.close()
+                return
             if not self._enter(addr[0]):
                 sock.close()
                 continue
