@@ -113,6 +113,13 @@ def test_a_draining_node_refuses_new_sessions_and_ends_open_ones() -> None:
                                             pipelined=False, want=2, lookahead=4,
                                             mode=pb.VERIFY_GREEDY)))
         assert next(call).chunk.tokens
+        # the drain's first step, alone: a session opened on a live connection is refused
+        node.service.draining = True
+        fresh = stub.Session(iter([pb.TargetMessage(open=pb.Open(history=history))]),
+                             timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(fresh)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         done = threading.Event()
         t0 = time.monotonic()
         threading.Thread(target=lambda: (node.drain(1.0), done.set()), daemon=True).start()

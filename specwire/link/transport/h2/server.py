@@ -66,9 +66,8 @@ class H2Server:
         self._thread.start()
 
     def close(self) -> None:
-        """No new connections. The listening socket is shut down before it is closed:
-        that wakes the accept() blocked on it, and a peer's connect is refused at once
-        (closed alone, it would go on listening until that accept returned)."""
+        """No new connections. The listening socket is shut down before it is closed, which
+        wakes the accept() blocked on it, so the accept thread ends too."""
         self._closed = True
         with contextlib.suppress(OSError):  # never listened, or already shut down
             self._sock.shutdown(socket.SHUT_RDWR)
