@@ -273,6 +273,7 @@ class Engine:
         req, target, drafter = s.req, s.target, s.drafter
         s.started = True
         s.batch = self.batch
+        s.costs = self.costs
         s.tree_yield = self.tree_yields.get(req.draft.cache_scope)
         s.context_shift = self.context_shift
         s.t0 = time.perf_counter()

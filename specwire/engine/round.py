@@ -95,7 +95,8 @@ def drafted(s: SequenceState, part: Part, run: Drafting | Draft) -> None:
     rnd.draft, rnd.drafted = draft, time.perf_counter()
     if isinstance(run, Drafting):
         rnd.own_s, rnd.steady_s = run.spent, run.steady_s
-    rnd.tree = tree_round.plan(s.batch, part, draft, s.verifier.mode, s.policy, s.tree_yield)
+    rnd.tree = tree_round.plan(s.batch, part, draft, s.verifier.mode, s.policy, s.costs,
+                               s.tree_yield)
 
 
 def take(s: SequenceState, rows: np.ndarray, decode_s: float) -> None:
@@ -148,6 +149,8 @@ def _verify(s: SequenceState, rows: np.ndarray, decode_s: float) -> None:
     extra = {} if rnd.tree is None else {"batch_tokens": len(rnd.tree) - 1 - len(draft)}
     s.policy.observe(len(draft), kept.accepted, rnd.draft_s, verify_s,
                      draft.confidence, steady_s=rnd.steady_s, **extra)
+    if draft.tokens and s.tree_yield is not None:
+        s.tree_yield.observe_round(len(kept.tokens), rnd.drafted - rnd.started + verify_s)
     appended = kept.tokens
     new = s.emit(appended)
     history.extend(new)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from specwire.drafters.base import NoDrafter
     from specwire.drafters.guard import DraftGuard
     from specwire.engine.request import Request
+    from specwire.policy.costs import VerifyCost
     from specwire.policy.tree import TreeYield
     from specwire.sample.constraints.grammar import Grammar
     from specwire.sample.tree import Tree
@@ -92,6 +93,7 @@ class SequenceState:
         #: the engine's batch and what its trees yielded, for rounds that verify a tree
         #: (engine/tree_round.py); set as the sequence joins
         self.batch: BatchBackend | None = None
+        self.costs: VerifyCost | None = None   # the target's verification curve
         self.tree_yield: TreeYield | None = None
 
     @property

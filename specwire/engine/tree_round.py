@@ -19,20 +19,22 @@ from specwire.backend.batch import BatchBackend, Part, TreeBackend, tree_leaves
 from specwire.config import VerifyMode
 from specwire.drafters.base import Draft
 from specwire.policy.adaptive import Policy
+from specwire.policy.costs import VerifyCost
 from specwire.policy.tree import TreeYield, tree_pays
 from specwire.sample import tree as trees
 from specwire.sample.verify import Verifier
 
 
 def plan(batch: BatchBackend, part: Part, draft: Draft, mode: VerifyMode, policy: Policy,
-         tree_yield: TreeYield) -> trees.Tree | None:
+         costs: VerifyCost | None, tree_yield: TreeYield) -> trees.Tree | None:
     """Make the round's part (the last token, already in it) a tree of the draft, or
-    append the chain: the tree when it is possible and pays, else None."""
+    append the chain: the tree when it is possible and pays (on the target's measured
+    curve, `costs`), else None."""
     leaves = tree_leaves(batch) if batch.n_seq == 1 else 1
     if (leaves > 1 and draft.branches and draft.tokens and mode is not VerifyMode.REJECTION):
         tree = trees.build(part.tokens[-1], draft.tokens, draft.branches[: leaves - 1])
         extra = len(tree) - 1 - len(draft.tokens)
-        if len(tree) <= batch.n_batch and tree_pays(policy, len(draft.tokens), extra,
+        if len(tree) <= batch.n_batch and tree_pays(policy, costs, len(draft.tokens), extra,
                                                     tree_yield, draft.gain):
             part.tokens[:] = list(tree.tokens)
             part.parents = list(tree.parents)

@@ -28,6 +28,7 @@ from specwire.drafters.ngram import drafter as ngram_mod
 from specwire.engine import engine as engine_mod
 from specwire.engine import round as round_mod
 from specwire.engine import sequence as sequence_mod
+from specwire.engine import tree_round
 from specwire.engine.engine import Engine, Request
 from specwire.policy.adaptive import AdaptivePolicy
 from specwire.policy.tree import TreeYield, tree_pays
@@ -56,7 +57,7 @@ def _short_twin(params):
 
 def _target(monkeypatch, leaves: int = 4) -> FakeBatch:
     """A tree target whose decode costs the same whatever its size (a flat curve), on a
-    FakeClock: the hybrid's and the engine's pricing then always find a tree worth it."""
+    FakeClock: the hybrid's and the engine's pricing then find nearly every tree worth it."""
     clock = FakeClock().install(monkeypatch, engine_mod, round_mod, sequence_mod, hybrid_mod,
                                 ngram_mod)
     return FakeBatch(TARGET, n_seq=1, n_ctx=512, tree_leaves=leaves, clock=clock,
@@ -93,7 +94,7 @@ def test_both_candidates_are_verified_as_a_tree_and_either_path_is_kept(monkeypa
     gen.run()
     assert gen.tokens == reference(SAMPLED, 80, prompt)
     st = hybrid.stats()
-    assert st["trees"] > 0 and len(fb.trees) >= st["trees"]
+    assert st["trees"] >= len(fb.trees) > 0   # the engine's own rule verifies most of them
     assert st["tree_model_kept"] > 0 and st["tree_ngram_kept"] > 0, st
     assert eng.tree_yield.taken > 0
     assert all(acc == kept for acc, kept in model.learned)
@@ -179,9 +180,9 @@ def test_the_tree_rule_prices_a_drafters_gain_on_the_curve() -> None:
         for _ in range(3):
             policy.costs.observe(n, 0.1 * (1.0 + 0.3 * (n - 1)))
     low = TreeYield(gained=0.0, sent=10.0)
-    assert not tree_pays(policy, 4, 3, low)
-    assert tree_pays(policy, 4, 3, low, gain=3.0)
-    assert not tree_pays(policy, 4, 3, TreeYield(), gain=0.0)
+    assert not tree_pays(policy, None, 4, 3, low)
+    assert tree_pays(policy, None, 4, 3, low, gain=3.0)
+    assert not tree_pays(policy, None, 4, 3, TreeYield(), gain=0.0)
 
 
 # ------------------------------------------------------------------ real models (slow)
@@ -200,10 +201,13 @@ def _settle(remote):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_real_pair_remote_hybrid_trees_are_token_identical(target, node, sp) -> None:
+def test_real_pair_remote_hybrid_trees_are_token_identical(target, node, sp,
+                                                          monkeypatch) -> None:
     """A draft node drafting ahead and the lookup, on a target with tree sequences, for
     each draft length: plain decoding's tokens (a near-tie flipped by the batch's shape
-    is reported with both rows, never tolerated), and trees of both were verified."""
+    is reported with both rows, never tolerated), and trees of both were verified (every
+    tree made is: on this compute-bound pair the priced rule would send chains)."""
+    monkeypatch.setattr(tree_round, "tree_pays", lambda *args, **kwargs: True)
     from specwire.backend.llama import LlamaBackend
     from specwire.config import ModelParams
     tree_target = LlamaBackend(ModelParams(target.path, n_ctx=N_CTX, n_threads=1),

@@ -25,6 +25,7 @@ from specwire.backend.batch import Part
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import ModelParams
 from specwire.drafters.base import Draft, DrafterBase
+from specwire.engine import tree_round
 from specwire.engine.engine import Engine
 from specwire.link import alternates
 from specwire.sample import sampling
@@ -34,6 +35,14 @@ pytestmark = pytest.mark.slow
 
 DRAFT_LENGTHS = (1, 2, 4, 8)
 N = 40
+
+
+@pytest.fixture(autouse=True)
+def every_tree_verified(monkeypatch) -> None:
+    """Every tree that can be made is verified: whether one pays is policy/tree.py's
+    question (tests/sample/test_tree.py); here, what any tree verifies is plain decoding's.
+    On this compute-bound pair the priced rule sends chains once its rate is measured."""
+    monkeypatch.setattr(tree_round, "tree_pays", lambda *args, **kwargs: True)
 
 
 @pytest.fixture(scope="module")

@@ -220,21 +220,36 @@ def _policy(slope_steps: float) -> AdaptivePolicy:
 
 def test_a_flat_curve_pays_for_a_tree_and_a_steep_one_does_not() -> None:
     y = TreeYield()
-    assert tree_pays(_policy(0.01), 4, 6, y)
-    assert not tree_pays(_policy(1.0), 4, 6, y)
+    assert tree_pays(_policy(0.01), None, 4, 6, y)
+    assert not tree_pays(_policy(1.0), None, 4, 6, y)
 
 
 def test_a_tree_whose_branches_never_win_stops_paying() -> None:
     y, p = TreeYield(), _policy(0.08)
-    assert tree_pays(p, 4, 6, y)
+    assert tree_pays(p, None, 4, 6, y)
     for _ in range(60):
         y.observe(6, 0)
-    assert not tree_pays(p, 4, 6, y)
+    assert not tree_pays(p, None, 4, 6, y)
 
 
-def test_a_fixed_policy_sends_the_tree_and_no_branch_is_no_tree() -> None:
-    assert tree_pays(FixedPolicy(4), 4, 3, TreeYield())
-    assert not tree_pays(FixedPolicy(4), 4, 0, TreeYield())
+def test_a_fixed_policy_tries_the_tree_until_the_curve_and_the_rate_are_measured() -> None:
+    costs = _policy(1.0).costs
+    assert tree_pays(FixedPolicy(4), None, 4, 3, TreeYield())
+    assert tree_pays(FixedPolicy(4), costs, 4, 3, TreeYield())   # no round's rate yet
+    assert not tree_pays(FixedPolicy(4), costs, 4, 0, TreeYield())
+
+
+def test_a_fixed_policy_prices_the_tree_on_the_engines_curve() -> None:
+    """A fixed draft length fixes the chain, not the side branches: on a steep curve (a
+    MoE reading more experts per token) they cost more than they add, on a flat one not."""
+    y = TreeYield()
+    for _ in range(20):
+        y.observe_round(3, 0.3)   # 10 tokens/s: a token is worth 0.1 s
+    assert y.rate == pytest.approx(10.0)
+    # 3 branch tokens at the prior's 1/4 token each: 0.075 s of tokens, against the
+    # curve's 3 x 0.1 s x slope
+    assert not tree_pays(FixedPolicy(4), _policy(0.3).costs, 4, 3, y)
+    assert tree_pays(FixedPolicy(4), _policy(0.05).costs, 4, 3, y)
 
 
 def test_the_adaptive_engine_sends_chains_on_a_steep_curve(monkeypatch) -> None:
