@@ -13,7 +13,8 @@ process) that is SIGKILLed and restarted every --restart-every seconds, while
 
 With --attackers, issue 23's attackers run beside them for the whole soak
 (benchmarks/soak_attacks.py): slowloris connections to serve, silent peers of the
-node's two ports, and a client kind `constraint` (schemas and grammars past
+node's two ports, a second serve whose node greets and then never answers (with a
+client of its own), and a client kind `constraint` (schemas and grammars past
 llama.cpp's limits: a 400 is expected). Every greedy /completion answer's tokens
 are then checked against plain decoding (the same prompt with speculative false, at
 the end), and the serving process's and the node's threads, descriptors and memory
@@ -320,10 +321,13 @@ def run(a: argparse.Namespace) -> dict:
     url, node_url = f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{node_metrics}"
     node.start()
     serve.start()
+    silent: _SilentTarget | None = None
     report: dict = {"command": " ".join(sys.argv), "minutes": a.minutes, "clients": a.clients,
                     "restart_every_s": a.restart_every, "ctx": a.ctx, "parallel": a.parallel,
                     "draft_mode": a.draft_mode, "logs": str(log_dir)}
     try:
+        if a.attackers:
+            silent = _SilentTarget(node_port, a, log_dir)
         report["cold"] = _resources(_scrape(url), _scrape(node_url))
         _warm_up(url, a)
         time.sleep(a.settle_s)   # idle, as at the end: the request threads' pool shrinks
@@ -336,6 +340,8 @@ def run(a: argparse.Namespace) -> dict:
         if a.attackers:
             hostile = [attacks.Slowloris("127.0.0.1", http_port),
                        attacks.SilentPeers("127.0.0.1", node_port, sync_port)]
+            clients.append(Client(a.clients, silent.url, until, silent.tally, a.ctx,
+                                  {"complete": 1}))
         over_time: list[dict] = []
 
         def sample() -> None:
@@ -345,6 +351,8 @@ def run(a: argparse.Namespace) -> dict:
 
         sample()
         report["names_start"] = _names(serve, node, url)
+        if silent is not None:
+            silent.begin()
         for c in [*clients, *hostile]:
             c.start()
         restarts, warm, by_interval = 0, None, []
@@ -377,6 +385,7 @@ def run(a: argparse.Namespace) -> dict:
             time.sleep(12.0)  # the node's 10 s deadline for the last silent call
             report["attackers"] = {h.name: h.report() for h in hostile}
             report |= _plain_check(url, tally.greedy)
+            report["silent_node"] = silent.finish()
         time.sleep(a.settle_s)   # idle, as the start was read
         sample()
         report["names_end"] = _names(serve, node, url)
@@ -390,9 +399,69 @@ def run(a: argparse.Namespace) -> dict:
     finally:
         serve.stop()
         node.stop()
+        if silent is not None:
+            silent.stop()
     report["target_tracebacks"] = serve.log().count("Traceback")
     report["node_tracebacks"] = node.log().count("Traceback")
     return report
+
+
+class _SilentTarget:
+    """A second `serve` drafting through attacks.SilentNode (a node that greets as the
+    real one, then never answers), with a client of its own: it must answer every
+    request as plain decoding would, and hold nothing more at the end than at the start."""
+
+    def __init__(self, node_port: int, a: argparse.Namespace, log_dir: Path) -> None:
+        self.node = attacks.SilentNode(attacks.node_hello("127.0.0.1", node_port))
+        self.node.start()
+        port = _free_port()
+        self.serve = Process("serve-silent-node", [
+            "serve", "--port", str(port), "-t", "1", "-c", str(a.ctx), "-np", "1",
+            "--draft-url", f"127.0.0.1:{self.node.port}", "--draft-mode", "pipelined"],
+            f"listening on http://127.0.0.1:{port}", log_dir)
+        self.url, self.tally, self.settle_s = f"http://127.0.0.1:{port}", Tally(), a.settle_s
+        self.serve.start()
+
+    def begin(self) -> None:
+        """Warm up (a greedy and a seeded request), settle, then read the start."""
+        warm = Client(2000, self.url, 0.0, Tally(), 0, {"complete": 1})
+        for _ in range(4):
+            with contextlib.suppress(httpx.HTTPError):
+                warm.complete()
+        warm.http.close()
+        time.sleep(self.settle_s)
+        self.start = self._names()
+
+    def _names(self) -> dict:
+        time.sleep(0.5)
+        return attacks.proc_names(self.serve.proc.pid)
+
+    def finish(self) -> dict:
+        """What its client saw, its greedy answers against its own plain decoding, and its
+        threads and descriptors at the end against the start (after the same settling)."""
+        out = _summary_counts(self.tally) | {"node": self.node.report()}
+        out |= _plain_check(self.url, self.tally.greedy)
+        time.sleep(self.settle_s)
+        end = self._names()
+        out |= {"names_start": self.start, "names_end": end,
+                "names_differ": attacks.names_differ(self.start, end),
+                "tracebacks": self.serve.log().count("Traceback")}
+        return out
+
+    def stop(self) -> None:
+        self.serve.stop()
+        self.node.stop()
+
+
+def _summary_counts(t: Tally) -> dict:
+    by_status = Counter()
+    for key, n in t.statuses.items():
+        by_status[int(key.rsplit(":", 1)[1])] += n
+    return {"answers": sum(t.statuses.values()),
+            "served_2xx": sum(n for s, n in by_status.items() if 200 <= s < 300),
+            "status_counts": dict(sorted(t.statuses.items())),
+            "count_5xx": sum(n for s, n in by_status.items() if s >= 500),
+            "first_5xx": t.five_xx, "transport_errors": dict(t.errors)}
 
 
 def _names(serve: Process, node: Process, url: str) -> dict:
@@ -413,17 +482,8 @@ def _counts(names: dict) -> str:
 
 
 def _summary(t: Tally, cold: dict, start: dict, warm: dict | None, end: dict) -> dict:
-    by_status = Counter()
-    for key, n in t.statuses.items():
-        by_status[int(key.rsplit(":", 1)[1])] += n
     ok = [s for kind, xs in t.latency.items() for s in xs]
-    return {
-        "answers": sum(t.statuses.values()),
-        "served_2xx": sum(n for s, n in by_status.items() if 200 <= s < 300),
-        "status_counts": dict(sorted(t.statuses.items())),
-        "count_5xx": sum(n for s, n in by_status.items() if s >= 500),
-        "first_5xx": t.five_xx,
-        "transport_errors": dict(t.errors),
+    return _summary_counts(t) | {
         "latency_s": {"p50": _percentile(ok, 0.5), "p99": _percentile(ok, 0.99),
                       "max": max(ok) if ok else float("nan"), "n": len(ok),
                       **{f"p99_{k}": _percentile(v, 0.99) for k, v in sorted(t.latency.items())}},
@@ -463,8 +523,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.out).write_text(text + "\n")
     differ = report["serve_names_differ"]
     ok = report["count_5xx"] == 0 and report["target_rss_growth_pct"] < 5 and \
-        not any(report["open_at_end"].values()) and \
+        not any(report["open_at_end"].values()) and report["target_tracebacks"] == 0 and \
         not report.get("greedy_answers_unlike_plain", 0) and not differ
+    if "silent_node" in report:
+        quiet = report["silent_node"]
+        ok = ok and quiet["count_5xx"] == 0 and not quiet["greedy_answers_unlike_plain"] \
+            and not quiet["names_differ"] and quiet["tracebacks"] == 0
+        print(f"[soak] the target of a silent node: {quiet['served_2xx']} served, "
+              f"{quiet['count_5xx']} 5xx, {quiet['greedy_answers_unlike_plain']} of "
+              f"{quiet['greedy_answers_checked']} greedy answers unlike plain decoding, "
+              f"calls {quiet['node']}, threads and descriptors end minus start "
+              f"{quiet['names_differ'] or 'none'}", flush=True)
     if differ:
         print(f"[soak] the target's threads or descriptors at the end differ from the "
               f"start's (end minus start, by name): {differ}", flush=True)

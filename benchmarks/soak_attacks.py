@@ -7,6 +7,8 @@ running beside the honest clients for the whole soak.
   silent peers  connections to the draft node's sync port that send nothing, and
                 Session calls on its main port that never send their Open; each one
                 the node ends is opened again
+  silent node   a second `serve` drafting through a node that greets and accepts every
+                call, then never answers; a client of its own sends it greedy requests
   constraints   (a client kind in soak.py) json_schema and GBNF bodies past
                 llama.cpp's limits: a 400 is expected
 
@@ -23,6 +25,13 @@ import socket
 import threading
 import time
 from collections import Counter
+
+from specwire.link.transport import protocol
+from specwire.link.transport import specwire_pb2 as pb
+from specwire.link.transport.h2.connection import Connection, GrpcStatus, H2Error
+from specwire.link.transport.h2.grpcframe import Status
+from specwire.link.transport.h2.server import H2Server
+from specwire.link.transport.protocol import ProtocolError
 
 #: Bodies whose constraint llama.cpp could not take (the segfaults of issue 23).
 CONSTRAINT_BODIES = [
@@ -132,9 +141,6 @@ class SilentPeers(Attacker):
 
     def _silent_call(self) -> None:
         """One Session without an Open, on its own thread until the node ends it."""
-        from specwire.link.transport import protocol
-        from specwire.link.transport.h2.connection import Connection, GrpcStatus, H2Error
-
         def hold() -> None:
             try:
                 sock = socket.create_connection((self.host, self.main_port), timeout=5)
@@ -255,3 +261,79 @@ def names_differ(start: dict[str, dict[str, int]],
         if diff:
             out[part] = diff
     return out
+
+
+def node_hello(host: str, port: int) -> pb.HelloReply:
+    """The real node's HelloReply, for a silent node to greet with."""
+    sock = socket.create_connection((host, port), timeout=10)
+    conn = Connection(sock, client=True, max_message=protocol.MAX_MESSAGE_BYTES)
+    try:
+        conn.handshake(10)
+        sid = conn.request(protocol.HELLO_PATH, f"{host}:{port}", (), "http")
+        req = pb.HelloRequest(protocol_version=protocol.PROTOCOL_VERSION)
+        conn.send_message(sid, req.SerializeToString(), end_stream=True, timeout_s=10)
+        data = conn.recv_message(sid, 10)
+        if data is None:
+            raise RuntimeError(f"{host}:{port} ended Hello without a reply")
+        return pb.HelloReply.FromString(data)
+    finally:
+        conn.close()
+
+
+class _Greet:
+    """Hello: the real node's reply, its synchronous port left out (sessions go to the
+    main port, where they are held)."""
+
+    idle_s = None
+
+    def __init__(self, reply: pb.HelloReply, send) -> None:
+        self.reply, self.send, self.status = reply, send, (Status.OK, "")
+
+    def take(self, data: bytes | ProtocolError) -> bool:
+        self.send(self.reply.SerializeToString())
+        return False
+
+    def end(self) -> None:
+        pass
+
+
+class _Hold:
+    """A Session or Ping taken and never answered, until the target ends it."""
+
+    idle_s = None
+
+    def __init__(self, node: SilentNode) -> None:
+        self.node, self.status = node, (Status.OK, "")
+        node.count("calls_opened")
+
+    def take(self, data: bytes | ProtocolError) -> bool:
+        return not isinstance(data, ProtocolError)
+
+    def end(self) -> None:
+        self.node.count("calls_ended_by_target")
+
+
+class SilentNode(Attacker):
+    """A draft node that greets as the real one and accepts every call, then never
+    answers: a target attached to it must end each call itself (its deadlines,
+    keepalive and cancel after Close) and decode plainly, holding nothing after."""
+
+    def __init__(self, reply: pb.HelloReply) -> None:
+        super().__init__("silent-node", 0)
+        reply = pb.HelloReply.FromString(reply.SerializeToString())
+        reply.sync_port = 0
+        self.server = H2Server(self._start, "127.0.0.1", 0, None, max_connections=64,
+                               idle_s=3600.0, session_idle_s=3600.0, max_streams=64,
+                               name="silent-node")
+        self.port, self._reply = self.server.port, reply
+
+    def _start(self, path: str, send, context):
+        if path == protocol.HELLO_PATH:
+            self.count("hellos")
+            return _Greet(self._reply, send)
+        return _Hold(self)
+
+    def run(self) -> None:
+        self.server.start()
+        self._halt.wait()
+        self.server.stop()
