@@ -51,22 +51,32 @@ STRETCHES = ("target_send", "target_recv", "node_recv", "node_send")
 
 
 def install() -> None:
-    """Wrap the points a round passes (this tree's names or the older tree's)."""
-    from specwire.link.transport.h2 import connection as http2
+    """Wrap the points a round passes (this tree's names or an older tree's: before the
+    move to h2, and before the redesign, a0f3af0). Which tree it is is read from its files:
+    an import of a module the tree lacks could reach the installed checkout's instead."""
+    import specwire
+
+    here = Path(specwire.__file__).parent
+    if (here / "link").is_dir():
+        from specwire.link.transport.h2 import connection as http2
+        if (here / "link" / "remote.py").exists():
+            from specwire.link.remote import RemoteDrafter
+        else:  # the tree before the move to h2
+            from specwire.link.transport.grpc_client import RemoteDrafter
+        if (here / "link" / "session.py").exists():
+            from specwire.link.session import DraftSession
+        else:
+            from specwire.link.transport.session import DraftSession
+    else:  # the tree before the redesign
+        from specwire.drafters.remote import RemoteDrafter
+        from specwire.drafters.session import DraftSession
+        from specwire.wire import http2
 
     _after(http2.Connection, "_recv", "recv", lambda r: r is not None)
     _after(http2.Connection, "_write" if hasattr(http2.Connection, "_write") else "_send",
            "sent")
-    try:
-        from specwire.link.remote import RemoteDrafter
-    except ImportError:  # the tree before the move to h2
-        from specwire.link.transport.grpc_client import RemoteDrafter
     _before(RemoteDrafter, "learn", "learn")
     _after(RemoteDrafter, "propose", "proposed")
-    try:
-        from specwire.link.session import DraftSession
-    except ImportError:
-        from specwire.link.transport.session import DraftSession
     _before(DraftSession, "step", "step")
     _before(DraftSession, "_flush", "flush")
     if os.environ.get(_FINE):  # more points, for a breakdown (each wrapper costs a little)
@@ -165,7 +175,12 @@ def _last(seq: list, i: int, tag: str, after: int = -1) -> int | None:
 
 def _run(k: int, rounds: int) -> None:
     """One link_overhead run in this process (its node a child), marks on."""
-    from benchmarks import link_overhead
+    import specwire
+
+    if (Path(specwire.__file__).parent / "bench" / "link_overhead.py").exists():
+        from specwire.bench import link_overhead  # a tree from before benchmarks/
+    else:
+        from benchmarks import link_overhead
 
     r = link_overhead.measure(k, rounds)
     print(json.dumps({"beyond_ms": r["beyond_round_trip_ms"], "link_ms": r["overhead_ms"],
