@@ -29,8 +29,9 @@ class TreeYield:
     alpha: float = 0.1
     rounds: int = 0   # trees verified
     taken: int = 0    # ... whose kept path ended in a side branch
-    #: the draft rounds' tokens kept and their decodes' seconds, exponentially weighted:
-    #: what a token is worth where the policy has no model of its own rate (fixed)
+    #: the draft rounds' tokens kept and their seconds (drafting and decoding),
+    #: exponentially weighted: what a token is worth where the policy has no model of its
+    #: own rate (fixed)
     kept: float = 0.0
     seconds: float = 0.0
 
@@ -44,7 +45,8 @@ class TreeYield:
         return self.kept / self.seconds if self.seconds > 0.0 else 0.0
 
     def observe_round(self, kept: int, seconds: float) -> None:
-        """A draft round (chain or tree) kept `kept` tokens in a decode of `seconds`."""
+        """A draft round (chain or tree) kept `kept` tokens in `seconds`, its wait for the
+        draft and its decode."""
         w = 1.0 - self.alpha
         self.kept = w * self.kept + kept
         self.seconds = w * self.seconds + seconds
