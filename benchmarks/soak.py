@@ -423,7 +423,7 @@ class _SilentTarget:
         self.serve.start()
 
     def begin(self) -> None:
-        """Warm up (a greedy and a seeded request), settle, then read the start."""
+        """Warm up (four completions, greedy or seeded), settle, then read the start."""
         warm = Client(2000, self.url, 0.0, Tally(), 0, {"complete": 1})
         for _ in range(4):
             with contextlib.suppress(httpx.HTTPError):

@@ -76,8 +76,7 @@ def tree_pays(policy: Policy, costs: VerifyCost | None, chain: int, extra: int,
         cost_s = policy.verify_cost(n + extra) - policy.verify_cost(n)
         rate = policy.rate(chain)
         return rate > 0.0 and added / rate > cost_s
-    longer, base = (None, None) if costs is None else (costs.seconds(n + extra),
-                                                        costs.seconds(n))
-    if longer is None or base is None or tree_yield.rate <= 0.0:
+    base = None if costs is None else costs.seconds(n)   # None: no decode measured yet
+    if base is None or tree_yield.rate <= 0.0:
         return True
-    return added / tree_yield.rate > longer - base
+    return added / tree_yield.rate > costs.seconds(n + extra) - base
