@@ -60,6 +60,7 @@ class Model:
     n_vocab: int
     _pieces: dict
     _fingerprint: str | None = None
+    _identity: str | None = None
     _placed: placement.Applied | None = None   # C arrays llama.cpp reads for the model's life
     load_params: ctypes.Structure | None = None  # llama_model_params as handed to llama.cpp
 
@@ -76,6 +77,26 @@ class Model:
                 h.update(b"\0%d\0" % C.llama_vocab_get_attr(self.vocab, t))
             self._fingerprint = h.hexdigest()[:32]
         return self._fingerprint
+
+    def identity(self) -> str:
+        """A digest of the weights as far as a KV cache depends on them, cheaply: the
+        vocabulary's fingerprint, llama.cpp's description, parameter count and size, and
+        the file's size and 64 KiB read at 33 places across it (a fine-tune of the same
+        shapes differs there). What a slot file is checked against (state_file.py)."""
+        if self._identity is None:
+            h = hashlib.sha256(self.fingerprint().encode())
+            desc = ctypes.create_string_buffer(256)
+            C.llama_model_desc(self.ptr, desc, len(desc))
+            h.update(desc.value + b"\0%d\0%d" % (C.llama_model_n_params(self.ptr),
+                                                  C.llama_model_size(self.ptr)))
+            with contextlib.suppress(OSError), open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                h.update(b"%d" % size)
+                for i in range(33):
+                    f.seek(max(0, size - 65536) * i // 32)
+                    h.update(f.read(65536))
+            self._identity = h.hexdigest()[:32]
+        return self._identity
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes a token prints as (special tokens print nothing, unless `special`:
@@ -562,6 +583,15 @@ class LlamaBackend:
     def fim_tokens(self) -> dict[str, int]:
         return self.model.fim_tokens()
 
+    def state_identity(self) -> dict:
+        return state_identity(self)
+
+    def seq_state(self) -> tuple[list[int], ctypes.Array]:
+        return seq_state(self)
+
+    def set_seq_state(self, tokens: Sequence[int], data: bytes | memoryview) -> int:
+        return set_seq_state(self, tokens, data)
+
     def close(self) -> None:
         if self.ctx:
             C.llama_batch_free(self._batch)
@@ -674,6 +704,15 @@ class SeqView:
     def fim_tokens(self) -> dict[str, int]:
         return self.owner.fim_tokens()
 
+    def state_identity(self) -> dict:
+        return state_identity(self.owner)
+
+    def seq_state(self) -> tuple[list[int], ctypes.Array]:
+        return seq_state(self)
+
+    def set_seq_state(self, tokens: Sequence[int], data: bytes | memoryview) -> int:
+        return set_seq_state(self, tokens, data)
+
 
 def check_pair(target: Model, draft: Model) -> None:
     """Refuse a target/draft pair whose token tables differ, naming both files."""
@@ -728,32 +767,47 @@ def restore(backend: LlamaBackend, saved: SavedState) -> bool:
     return True
 
 
-def save_file(view, path: str) -> int:  # noqa: ANN001 - LlamaBackend or its SeqView
-    """llama-server's slot save: one sequence's cells and tokens to a file; bytes written."""
+def state_identity(backend: LlamaBackend) -> dict:
+    """What one sequence's state bytes are only valid for: the model (Model.identity), the
+    adapters loaded (their files' names), and the cache's types (slot files:
+    server/state_file.py)."""
+    p = backend.params
+    return {"model": backend.model.identity(), "type_k": p.type_k, "type_v": p.type_v,
+            "adapters": [os.path.basename(path) for path, _ in p.loras]}
+
+
+def seq_state(view) -> tuple[list[int], ctypes.Array]:  # noqa: ANN001 - LlamaBackend or SeqView
+    """One sequence's cells as bytes (llama_state_seq_get_data) and the tokens they hold."""
     owner, seq = getattr(view, "owner", view), getattr(view, "seq_id", 0)
-    tokens = (C.llama_token * max(1, view.n_past))(*view.tokens)
-    written = C.llama_state_seq_save_file(owner.ctx, path.encode(), seq, tokens, view.n_past)
-    if written == 0:
-        raise BackendError(f"llama.cpp could not save the slot's KV cache to {path}")
-    return int(written)
+    n = int(C.llama_state_seq_get_size(owner.ctx, seq))
+    buf = (ctypes.c_uint8 * max(1, n))()
+    got = int(C.llama_state_seq_get_data(owner.ctx, buf, n, seq)) if n else 0
+    if n and got == 0:
+        raise BackendError(f"llama.cpp could not save the KV state of {owner.name}")
+    if got < len(buf):
+        buf = (ctypes.c_uint8 * got).from_buffer_copy(buf, 0)
+    return list(view.tokens), buf
 
 
-def load_file(view, path: str) -> int:  # noqa: ANN001 - LlamaBackend or its SeqView
-    """llama-server's slot restore: the file's cells into this sequence (what it held
-    before is dropped); tokens restored. A file of another model or context is refused."""
+def set_seq_state(view, tokens: Sequence[int], data: bytes | memoryview) -> int:  # noqa: ANN001
+    """The cells of seq_state's bytes into this sequence (what it held is dropped); the
+    tokens now held. Only for bytes checked against this backend (state_file.decode):
+    llama.cpp takes them on trust. BackendError, and an empty sequence, if it refuses."""
     owner, seq = getattr(view, "owner", view), getattr(view, "seq_id", 0)
     view.truncate(0)
-    tokens = (C.llama_token * view.n_ctx)()
-    count = ctypes.c_size_t(0)
-    read = C.llama_state_seq_load_file(owner.ctx, path.encode(), seq, tokens, view.n_ctx,
-                                       ctypes.byref(count))
-    if read == 0:
+    C.llama_memory_seq_rm(owner.mem, seq, -1, -1)
+    if not tokens:
+        return 0
+    n = len(data)
+    buf = (ctypes.c_uint8 * n).from_buffer_copy(data) if n else (ctypes.c_uint8 * 1)()
+    ok = C.llama_state_seq_set_data(owner.ctx, buf, n, seq) if n else 0
+    held = int(C.llama_memory_seq_pos_max(owner.mem, seq)) + 1 if ok else -1
+    if not ok or held != len(tokens):
         C.llama_memory_seq_rm(owner.mem, seq, -1, -1)
         view.adopt([])
-        raise BackendError(f"llama.cpp could not restore {path} into this slot (another "
-                           "model, context size or cache type?)")
-    view.adopt(list(tokens[:count.value]))
-    return count.value
+        raise BackendError("llama.cpp could not restore the state into this slot")
+    view.adopt(list(tokens))
+    return len(tokens)
 
 
 def can_shift(backend: LlamaBackend) -> bool:

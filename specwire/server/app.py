@@ -198,6 +198,8 @@ def _model_routes(api: APIRouter, served: _Served) -> None:
 def _slot_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
     """The slots' state and saved caches, the LoRA adapters' scales, and /metrics."""
     settings, scheduler, metrics = served.settings, served.scheduler, served.metrics
+    from specwire.server.slot_files import Quota
+    quota = Quota(settings.slot_save_files, settings.slot_save_bytes)
 
     if settings.slots:
         @api.get("/slots")
@@ -223,7 +225,7 @@ def _slot_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
         body = await read_json(request) if action != "erase" else {}
         scope = schemas.joined_scope(getattr(request.state, "key_scope", ""))
         return await run_in_threadpool(scheduler.slot_action, slot_id, action,
-                                       settings.slot_save_path, body, scope)
+                                       settings.slot_save_path, body, scope, quota)
 
     if settings.metrics:
         @api.get("/metrics")
@@ -285,7 +287,8 @@ def _generator(served: _Served, read_json: Callable) -> Callable:
             scheduler.check_room()    # before the body is read, parsed and tokenized
             body = await read_json(request)
             spec = await run_in_threadpool(parse, body)
-            schemas.scope_by_key(spec.request, getattr(request.state, "key_scope", ""))
+            key = getattr(request.state, "key_scope", "")
+            schemas.scope_by_key(spec.request, key)
             job = Job(spec.request, spec.stops, spec.stream, special=settings.special)
             scheduler.submit(job)
         except Draining:
@@ -296,7 +299,8 @@ def _generator(served: _Served, read_json: Callable) -> Callable:
         metrics.request(endpoint)
         fmt = dialect(spec, names[0])
         if spec.stream:
-            return _JobStream(_sse(job, request, fmt, lambda r: recent.record(endpoint, r)),
+            return _JobStream(_sse(job, request, fmt,
+                                   lambda r: recent.record(endpoint, r, key)),
                               lambda: scheduler.cancel(job))
         try:
             result = await _result(job, request)
@@ -304,7 +308,7 @@ def _generator(served: _Served, read_json: Callable) -> Callable:
             scheduler.cancel(job)
         if result is None:   # the client is gone; nobody reads this
             return Response(status_code=499)
-        recent.record(endpoint, result)
+        recent.record(endpoint, result, key)
         return JSONResponse(fmt.whole(result))
 
     return generate
@@ -359,11 +363,13 @@ def _webui_routes(app: FastAPI, api: APIRouter, served: _Served) -> None:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _auth(api_key: str | None) -> Callable:
+def _auth(api_key: str | Sequence[str] | None) -> Callable:
     """llama-server's --api-key: `Authorization: Bearer KEY` (or `X-Api-Key: KEY`); a comma
-    list is several keys, any of which is let in. Each key is a tenant of the draft node's
-    cache: the request's scope is derived from the key it came with (schemas.key_scope)."""
-    keys = [k.encode() for k in (api_key or "").split(",") if k]
+    list is several keys, any of which is let in; a tuple is keys taken whole (commas
+    kept: --api-key-file's lines). Each key is a tenant of the draft node's cache: the
+    request's scope is derived from the key it came with (schemas.key_scope)."""
+    listed = api_key.split(",") if isinstance(api_key, str) else (api_key or ())
+    keys = [k.encode() for k in listed if k]
 
     async def check(request: Request) -> None:
         if not keys:

@@ -6,7 +6,10 @@ prompts, so here FILE holds the cache of the slot that served last: its last pro
 with --prompt-cache-all everything its cache holds (the prompt and what was generated).
 serve restores FILE into slot 0 before it listens, so that the first request sharing its
 prefix starts from there (cache_n), and writes it when it stops, unless --prompt-cache-ro.
-A file of another model or context is warned about and not used. A cache changes no token.
+FILE is written in specwire's slot-file format (state_file.py) and checked whole before
+it is used: a truncated or damaged file, or one of another model, adapters or cache
+type, is warned about and serve starts cold (a truncated llama.cpp state file used to
+abort serve at start). A cache changes no token.
 """
 
 from __future__ import annotations
@@ -19,8 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from specwire.backend.base import BackendError, reusable_prefix
+from specwire.server import state_file
 
 log = logging.getLogger("specwire.prompt_cache")
+
+#: the largest FILE read (a KV cache of 1M tokens of a large model is tens of GB; a file
+#: larger than this is not one serve wrote)
+MAX_BYTES = 256 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,25 +39,40 @@ class PromptCache:
 
 
 def restore(cache: PromptCache, slots: Sequence[Any]) -> int:
-    """FILE into slot 0, if it exists; the tokens restored (0: none, or not usable)."""
-    from specwire.backend import llama
-    if not os.path.isfile(cache.path):
+    """FILE into slot 0, if it exists; the tokens restored (0: none, or not usable). The
+    file is checked whole first (state_file.py: a truncated or damaged file, or one of
+    another model, adapters or cache type, is warned about and serve starts cold; llama.cpp
+    never reads it)."""
+    slot = slots[0]
+    target = slot.target
+    folder, name = os.path.split(os.path.abspath(cache.path))
+    try:
+        fd = state_file.open_folder(folder)
+        try:
+            data = state_file.read_whole(fd, name, MAX_BYTES)
+        finally:
+            os.close(fd)
+        if not hasattr(target, "seq_state"):
+            raise state_file.StateFileError(f"{target.name} cannot restore a KV cache")
+        checked = state_file.decode(data, target.state_identity(), target.n_ctx)
+        n = target.set_seq_state(checked.tokens, checked.state)
+    except FileNotFoundError:
         log.info("--prompt-cache %s: no such file yet; it is written when serve stops",
                  cache.path)
         return 0
-    try:
-        n = llama.load_file(slots[0].target, cache.path)
-    except BackendError as e:
-        log.warning("--prompt-cache %s: not used: %s", cache.path, e)
+    except (state_file.StateFileError, BackendError, OSError) as e:
+        log.warning("--prompt-cache %s: not used, serve starts cold: %s", cache.path,
+                    getattr(e, "strerror", None) or e)
         return 0
+    slot.engine.cache_lora[slot.seq] = checked.lora
     log.info("--prompt-cache %s: %d tokens restored into slot 0", cache.path, n)
     return n
 
 
 def save(cache: PromptCache, slots: Sequence[Any]) -> int:
     """The cache of the slot that served last to FILE (its prompt only, unless save_all);
-    the tokens written (0: nothing to write, or read-only)."""
-    from specwire.backend import llama
+    the tokens written (0: nothing to write, or read-only). Written atomically: a failed
+    write leaves the file as it was."""
     if cache.read_only:
         return 0
     used = [s for s in slots if s.job is None and s.last_used and s.target.n_past]
@@ -64,13 +87,20 @@ def save(cache: PromptCache, slots: Sequence[Any]) -> int:
             return 0
         target.truncate(keep)
     t0 = time.perf_counter()
-    tmp = cache.path + ".tmp"
+    folder, name = os.path.split(os.path.abspath(cache.path))
     try:
-        llama.save_file(target, tmp)
-        os.replace(tmp, cache.path)
+        tokens, state = target.seq_state()
+        parts = state_file.encode(target.state_identity(), slot.engine.cache_lora[slot.seq],
+                                  tokens, memoryview(state).cast("B"))
+        fd = state_file.open_folder(folder)
+        try:
+            state_file.write_atomic(fd, name, parts)
+        finally:
+            os.close(fd)
     except (BackendError, OSError) as e:
-        log.warning("--prompt-cache %s: not written: %s", cache.path, e)
+        log.warning("--prompt-cache %s: not written: %s", cache.path,
+                    getattr(e, "strerror", None) or e)
         return 0
     log.info("--prompt-cache %s: %d tokens of slot %d written in %.0f ms", cache.path,
-             target.n_past, slot.index, 1000 * (time.perf_counter() - t0))
-    return target.n_past
+             len(tokens), slot.index, 1000 * (time.perf_counter() - t0))
+    return len(tokens)

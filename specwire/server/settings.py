@@ -21,7 +21,9 @@ class ServerSettings:
                    names is served, as llama-server serves its one model.
     chat_template: named template (llama.cpp names) or Jinja source; None = the GGUF's own,
                    else gemma for Gemma models, chatml otherwise (see specwire.text.chat).
-    api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
+    api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`:
+                   a comma list of keys (--api-key), or a tuple of keys taken whole
+                   (--api-key-file's lines, which may hold commas).
     queue_size:    requests allowed to wait for a slot; one more is refused with 429.
     n_predict:     the server's cap on tokens per request (-1: up to the context size).
     webui:         serve the live page at GET / and its figures at /stats.json.
@@ -38,6 +40,9 @@ class ServerSettings:
     allowed_hosts: without api_key, the Host names a request may use besides IP addresses
                    and localhost (DNS rebinding: a web page's own name that resolves here).
     slot_save_path: the folder POST /slots/{id}?action=save|restore uses (--slot-save-path).
+    slot_save_files, slot_save_bytes: what each API key (or the server, without keys) may
+                   keep there (--slot-save-files, --slot-save-bytes); a save past either is
+                   a 403.
     spm_infill:    /infill puts the suffix before the prefix (--spm-infill).
     slots:         serve GET /slots (--no-slots: 404), as llama-server does by default.
     metrics:       serve GET /metrics (on by default here; llama-server needs --metrics).
@@ -60,7 +65,7 @@ class ServerSettings:
     draft: DraftParams = DraftParams()
     alias: str | None = None
     chat_template: str | None = None
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None
     queue_size: int = 16
     n_predict: int = -1
     webui: bool = True
@@ -82,5 +87,7 @@ class ServerSettings:
     slots: bool = True
     spm_infill: bool = False
     slot_save_path: str | None = None
+    slot_save_files: int = 16
+    slot_save_bytes: int = 8 << 30
     n_keep: int = 0
     context_shift: bool = False

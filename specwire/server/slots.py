@@ -540,15 +540,17 @@ class SlotPool:
                 "slots": len(self.slots)}
 
     def slot_action(self, index: int, action: str, folder: str | None, body: object,
-                    scope: str = "") -> dict:
+                    scope: str = "", quota: object = None) -> dict:
         """POST /slots/{id}?action=...: run it on the idle slot between steps, for a client
-        of cache scope `scope` (its API key's)."""
+        of cache scope `scope` (its API key's), whose files are within `quota`
+        (slot_files.Quota; None: the default)."""
         from specwire.server import slot_files
         if not 0 <= index < len(self.slots):
             raise ApiError(404, f"no slot {index}; this server has {len(self.slots)}",
                            "not_found_error")
         with self.lock:
-            return slot_files.run(self.slots[index], action, folder, body, scope)
+            return slot_files.run(self.slots[index], action, folder, body, scope,
+                                  quota or slot_files.Quota())
 
     def lora_adapters(self) -> list[dict]:
         """GET /lora-adapters: the target's adapters (llama-server's id, path, scale)."""

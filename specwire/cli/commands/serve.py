@@ -71,7 +71,8 @@ def _add_listen_args(g: argparse._ActionsContainer) -> None:
                    "and the web UI's page, which asks for the key; a comma list gives "
                    "several keys (env SPECWIRE_API_KEY)")
     g.add_argument("--api-key-file", metavar="FNAME",
-                   help="API keys, one per line ('#' starts a comment line)")
+                   help="API keys, one per line, each line whole (a comma is part of the "
+                   "key; '#' starts a comment line)")
     g.add_argument("--ssl-key-file", metavar="FNAME", help="PEM private key: serve HTTPS")
     g.add_argument("--ssl-cert-file", metavar="FNAME", help="PEM certificate: serve HTTPS")
     g.add_argument("-to", "--timeout", type=int, default=600, metavar="N",
@@ -89,7 +90,13 @@ def _add_endpoint_args(g: argparse._ActionsContainer) -> None:
                    "llama-server; --no-metrics turns it off (404)")
     g.add_argument("--slot-save-path", metavar="PATH", default=None,
                    help="folder for POST /slots/{id}?action=save|restore (a slot's KV cache "
-                   "as a file)")
+                   "as a file; with API keys each key has a subfolder of its own)")
+    g.add_argument("--slot-save-files", type=int, default=16, metavar="N",
+                   help="slot files each API key (or, without keys, the server) may keep in "
+                   "--slot-save-path; a save past it is refused with 403 (default 16)")
+    g.add_argument("--slot-save-bytes", type=int, default=8 << 30, metavar="BYTES",
+                   help="bytes of slot files each API key may keep (default 8 GiB); also "
+                   "the largest file restored")
     g.add_argument("--spm-infill", action="store_true",
                    help="/infill: suffix before prefix (Suffix/Prefix/Middle), as some "
                    "models prefer")
@@ -253,7 +260,8 @@ def setup_logging(a: argparse.Namespace) -> None:
 
 
 def api_keys(a: argparse.Namespace) -> tuple[str, ...]:
-    """--api-key (a comma list) and --api-key-file's lines, as llama-server reads them."""
+    """--api-key (a comma list) and --api-key-file's lines, each a key whole (commas kept:
+    a line is never split into two keys)."""
     keys = [k.strip() for k in (a.api_key or "").split(",") if k.strip()]
     if a.api_key_file:
         try:
@@ -416,6 +424,9 @@ def _check_limits(a: argparse.Namespace) -> None:
         raise CliError(f"-n: must be >= -1, got {a.n_predict}")
     if a.max_body < 1:
         raise CliError(f"--max-body: must be >= 1, got {a.max_body}")
+    if a.slot_save_files < 0 or a.slot_save_bytes < 0:
+        raise CliError("--slot-save-files / --slot-save-bytes: must be >= 0, got "
+                       f"{a.slot_save_files} / {a.slot_save_bytes}")
     for flag in ("header_timeout", "body_timeout"):
         if not 0 < getattr(a, flag) <= 86400:
             raise CliError(f"--{flag.replace('_', '-')}: must be in (0, 86400] seconds, got "
@@ -474,7 +485,7 @@ def _server_settings(a: argparse.Namespace, keys: tuple[str, ...], kwargs: dict,
 
     return ServerSettings(sampling=sampling_params(a), draft=draft_params(a), alias=a.alias,
                           chat_template=a.chat_template,
-                          api_key=",".join(keys) or None,
+                          api_key=keys or None,
                           queue_size=a.queue_size, n_predict=a.n_predict, webui=a.webui,
                           max_body=a.max_body, reasoning_format=a.reasoning_format,
                           reasoning_budget=a.reasoning_budget,
@@ -488,6 +499,8 @@ def _server_settings(a: argparse.Namespace, keys: tuple[str, ...], kwargs: dict,
                           parallel_tool_calls=a.parallel_tool_calls, slots=a.slots,
                           spm_infill=a.spm_infill,
                           slot_save_path=slot_folder(a.slot_save_path),
+                          slot_save_files=a.slot_save_files,
+                          slot_save_bytes=a.slot_save_bytes,
                           n_keep=a.keep, context_shift=a.context_shift)
 
 

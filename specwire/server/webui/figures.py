@@ -24,8 +24,12 @@ PHASES = ("draft", "network", "verify")
 
 
 def snapshot(metrics_text: str, scheduler: SlotPool, recent: RecentRequests,
-             about: dict) -> dict:
-    """The JSON the page polls: one consistent reading of every figure it shows."""
+             about: dict, key: str | None = None) -> dict:
+    """The JSON the page polls: one consistent reading of every figure it shows. key: the
+    caller's API key scope (None: a server without keys): with keys the page lists only
+    the caller's own requests, as /slots shows only its own slots' details; the totals
+    are /metrics' (every key's, as a scrape shows them)."""
+    rows, served = recent.rows_of(key)
     e = Exposition.parse(metrics_text)
     tokens, seconds = e.total("tokens_predicted_total"), e.total("tokens_predicted_seconds_total")
     drafted, accepted = e.total("draft_tokens_total"), e.total("draft_tokens_accepted_total")
@@ -67,8 +71,8 @@ def snapshot(metrics_text: str, scheduler: SlotPool, recent: RecentRequests,
                   for s in scheduler.slots],
         "nodes": draft_nodes(e, scheduler),
         "speculation": scheduler.watch.states(),
-        "served": recent.served,
-        "recent": list(recent.rows),
+        "served": served,
+        "recent": rows,
     }
 
 

@@ -23,7 +23,10 @@ KEEP = 20
 @dataclass(slots=True)
 class RecentRequests:
     keep: int = KEEP
-    rows: deque[dict] = field(init=False)
+    rows: deque[dict] = field(init=False)       # every API key's requests
+    #: each API key's own (its key_scope; with keys, /stats.json lists only the caller's)
+    by_key: dict[str, deque[dict]] = field(default_factory=dict)
+    served_by_key: dict[str, int] = field(default_factory=dict)
     #: by_position[i] = [drafted, accepted] at draft position i, over every finished request
     by_position: list[list[int]] = field(default_factory=list)
     served: int = 0
@@ -38,7 +41,15 @@ class RecentRequests:
         """Plain decoding's rate, from every round that had no draft (None before one)."""
         return 1000 * self.plain_steps / self.plain_ms if self.plain_ms > 0 else None
 
-    def record(self, endpoint: str, result: Result) -> None:
+    def rows_of(self, key: str | None) -> tuple[list[dict], int]:
+        """The rows and the count served that a caller of API key scope `key` sees: every
+        request's without keys (None), else its key's own."""
+        if key is None:
+            return list(self.rows), self.served
+        return list(self.by_key.get(key, ())), self.served_by_key.get(key, 0)
+
+    def record(self, endpoint: str, result: Result, key: str = "") -> None:
+        """A finished request of API key scope `key` ("" without keys)."""
         st = result.stats
         timings = result.timings
         row = {
@@ -66,3 +77,7 @@ class RecentRequests:
             self.plain_ms += st.plain_ms
         self.served += 1
         self.rows.appendleft(row)
+        if key not in self.by_key:
+            self.by_key[key] = deque(maxlen=self.keep)
+        self.by_key[key].appendleft(row)
+        self.served_by_key[key] = self.served_by_key.get(key, 0) + 1

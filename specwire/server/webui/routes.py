@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import resources
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse
 
 from specwire.server.slots import SlotPool
@@ -41,5 +41,6 @@ def install(app: FastAPI, api: APIRouter, exposition: Callable[[], str], schedul
         return HTMLResponse(html, headers=HEADERS)
 
     @api.get("/stats.json")
-    async def stats() -> dict:
-        return snapshot(exposition(), scheduler, recent, about)
+    async def stats(request: Request) -> dict:
+        key = getattr(request.state, "key_scope", "")   # another key's requests: not listed
+        return snapshot(exposition(), scheduler, recent, about, key or None)
