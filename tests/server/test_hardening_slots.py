@@ -374,34 +374,123 @@ def test_slot_quota_flags_reach_the_settings() -> None:
 
 
 # ----------------------------------------------------------------- llama.cpp, real serve
+#
+# A random llama of 2 layers and 64 dimensions (0.5 MB, written in well under a second),
+# a second one of the same shapes and other weights, and a LoRA adapter for it: serve
+# starts on them in a second or two, and llama.cpp reads the same files it would of a
+# real model. Main aborted (SIGABRT) on the truncated files below.
+
+TINY = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_ff": 128}
 
 
-def _bundled() -> str:
-    from specwire.assets import models
-    return str(models.default_target())
+def _tiny_model(path: Path, seed: int) -> str:
+    import gguf
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    e, ff = TINY["n_embd"], TINY["n_ff"]
+    toks = (["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+            + ["\u2581" + c for c in "abcdefghijklmnopqrstuvwxyz"]
+            + list("abcdefghijklmnopqrstuvwxyz0123456789"))
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_name("tiny")
+    w.add_context_length(512)
+    w.add_embedding_length(e)
+    w.add_block_count(TINY["n_layer"])
+    w.add_feed_forward_length(ff)
+    w.add_head_count(TINY["n_head"])
+    w.add_head_count_kv(TINY["n_head"])
+    w.add_rope_dimension_count(e // TINY["n_head"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(len(toks))
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(toks) - 259)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(toks) - 259))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+
+    def rand(name: str, *shape: int) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+
+    rand("token_embd.weight", len(toks), e)
+    w.add_tensor("output_norm.weight", np.ones(e, np.float32))
+    rand("output.weight", len(toks), e)
+    for i in range(TINY["n_layer"]):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(e, np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            rand(f"blk.{i}.{name}.weight", e, e)
+        rand(f"blk.{i}.ffn_gate.weight", ff, e)
+        rand(f"blk.{i}.ffn_up.weight", ff, e)
+        rand(f"blk.{i}.ffn_down.weight", e, ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def _tiny_lora(path: Path) -> str:
+    import gguf
+    import numpy as np
+    rng = np.random.default_rng(7)
+    e, rank = TINY["n_embd"], 4
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", 8.0)
+    for i in range(TINY["n_layer"]):
+        for name in ("attn_q", "attn_v"):
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_a",
+                         rng.standard_normal((rank, e), dtype=np.float32) * 3 * e ** -0.5)
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_b",
+                         rng.standard_normal((e, rank), dtype=np.float32) * 3 * rank ** -0.5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
 
 
 @pytest.fixture(scope="module")
-def keyed_serve(tmp_path_factory):
-    """One `serve` of the bundled target with two keys and a slot folder (no draft: the
-    slot files are the target's)."""
+def tiny(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("tiny")
+    return {"model": _tiny_model(folder / "tiny.gguf", 0),
+            "other": _tiny_model(folder / "tiny2.gguf", 1),
+            "lora": _tiny_lora(folder / "lora.gguf")}
+
+
+def _serve(model: str, *flags: str):
     from serve_process import run_serve
+    return run_serve("-m", model, "--no-draft", "--no-warmup", "-t", "1", "-c", "256", *flags)
+
+
+@pytest.fixture(scope="module")
+def keyed_serve(tiny, tmp_path_factory):
+    """One `serve` with two keys and a slot folder, for the module's attacks."""
     folder = tmp_path_factory.mktemp("slots")
-    with run_serve("-m", _bundled(), "--no-draft", "-t", "1", "-c", "256",
-                   "--api-key", ",".join(KEYS), "--slot-save-path", str(folder)) as (url, log):
+    with _serve(tiny["model"], "--api-key", ",".join(KEYS), "--slot-save-path",
+                str(folder)) as (url, log):
         yield url, folder, log
 
 
 def _post(url: str, path: str, headers: dict, body: dict) -> httpx.Response:
-    return httpx.post(url + path, headers=headers, json=body, timeout=300)
+    return httpx.post(url + path, headers=headers, json=body, timeout=120)
+
+
+BODY = {"prompt": "abc def ghi jkl", "n_predict": 6, "temperature": 0, "return_tokens": True}
 
 
 @pytest.mark.slow
 def test_llama_a_truncated_slot_file_is_a_400_not_an_abort(keyed_serve) -> None:
-    """Before: restoring a truncated llama.cpp slot file killed serve (GGML_ASSERT, rc 134)."""
+    """Before: restoring a slot file truncated by one byte killed serve (GGML_ASSERT
+    nread <= state_size, SIGABRT)."""
     url, folder, _ = keyed_serve
-    body = {"prompt": "The PIN is 4721. The PIN is", "n_predict": 4, "temperature": 0}
-    assert _post(url, "/completion", A, body).status_code == 200
+    first = _post(url, "/completion", A, BODY).json()
     assert _post(url, "/slots/0?action=save", A, {"filename": "t.bin"}).status_code == 200
     (saved,) = folder.rglob("t.bin")
     whole = saved.read_bytes()
@@ -413,73 +502,84 @@ def test_llama_a_truncated_slot_file_is_a_400_not_an_abort(keyed_serve) -> None:
     saved.write_bytes(whole)
     assert _post(url, "/slots/0?action=restore", A, {"filename": "t.bin"}).json()[
         "n_restored"] > 0
-    again = _post(url, "/completion", A, body).json()
-    assert again["timings"]["cache_n"] > 0
+    again = _post(url, "/completion", A, BODY).json()
+    assert again["timings"]["cache_n"] > 0 and again["tokens"] == first["tokens"]
 
 
 @pytest.mark.slow
-def test_llama_another_key_cannot_restore_or_read_back_a_prompt(keyed_serve) -> None:
-    """Before: B restored A's file and cache_n told B how much of its guess A's prompt
-    shared (a 4-digit PIN, digit by digit)."""
+def test_llama_another_key_cannot_restore_or_erase(keyed_serve) -> None:
+    """Before: B restored A's file (200, and cache_n then told B how much of its guess A's
+    prompt shared: a PIN, digit by digit) and erased A's slot (200)."""
     url, _, _ = keyed_serve
-    secret = {"prompt": "Account PIN: 9316. Account PIN:", "n_predict": 4, "temperature": 0}
+    secret = {**BODY, "prompt": "pin 9316 pin"}
     assert _post(url, "/completion", A, secret).status_code == 200
     assert _post(url, "/slots/0?action=save", A, {"filename": "pin.bin"}).status_code == 200
-    r = _post(url, "/slots/0?action=restore", B, {"filename": "pin.bin"})
-    assert r.status_code == 404
-    guess = _post(url, "/completion", B, {**secret, "prompt": "Account PIN: 9"}).json()
+    assert _post(url, "/slots/0?action=erase", B, {}).status_code == 403
+    assert _post(url, "/slots/0?action=restore", B, {"filename": "pin.bin"}).status_code == 404
+    guess = _post(url, "/completion", B, {**secret, "prompt": "pin 9"}).json()
     assert guess["timings"]["cache_n"] == 0
 
 
 @pytest.mark.slow
-def test_llama_a_truncated_prompt_cache_starts_cold(keyed_serve, tmp_path: Path) -> None:
-    """Before: a truncated --prompt-cache made serve exit at start (rc 134)."""
-    from serve_process import run_serve
+def test_llama_a_file_of_another_model_is_refused(keyed_serve, tiny, tmp_path: Path) -> None:
+    """Before: a file saved by another model of the same shapes was restored (200)."""
     url, folder, _ = keyed_serve
-    body = {"prompt": "Once upon a time, in a quiet village by the sea,", "n_predict": 4,
-            "temperature": 0}
-    first = _post(url, "/completion", A, body).json()
+    assert _post(url, "/completion", A, BODY).status_code == 200
+    assert _post(url, "/slots/0?action=save", A, {"filename": "m.bin"}).status_code == 200
+    (saved,) = folder.rglob("m.bin")
+    other = tmp_path / "slots"
+    copy = other / saved.relative_to(folder)        # where this key's file would be
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_bytes(saved.read_bytes())
+    with _serve(tiny["other"], "--api-key", ",".join(KEYS), "--slot-save-path",
+                str(other)) as (url2, _):
+        r = _post(url2, "/slots/0?action=restore", A, {"filename": "m.bin"})
+    assert r.status_code == 400 and "saved under another model" in r.text
+
+
+@pytest.mark.slow
+def test_llama_a_truncated_prompt_cache_starts_cold(keyed_serve, tiny, tmp_path: Path) -> None:
+    """Before: a --prompt-cache truncated by one byte made serve exit at start (SIGABRT)."""
+    url, folder, _ = keyed_serve
+    first = _post(url, "/completion", A, BODY).json()
     assert _post(url, "/slots/0?action=save", A, {"filename": "pc.bin"}).status_code == 200
     (saved,) = folder.rglob("pc.bin")
     cache = tmp_path / "cache.bin"
     cache.write_bytes(saved.read_bytes()[:-1])
-    with run_serve("-m", _bundled(), "--no-draft", "-t", "1", "-c", "256", "--prompt-cache",
-                   str(cache), "--prompt-cache-ro", no_traceback=True) as (url2, log):
-        again = httpx.post(url2 + "/completion", json=body, timeout=300).json()
+    with _serve(tiny["model"], "--prompt-cache", str(cache), "--prompt-cache-ro") as (url2,
+                                                                                    log):
+        again = httpx.post(url2 + "/completion", json=BODY, timeout=120).json()
         text = log()
     assert "not used, serve starts cold" in text
-    assert again["content"] == first["content"] and again["timings"]["cache_n"] == 0
+    assert again["tokens"] == first["tokens"] and again["timings"]["cache_n"] == 0
 
 
 @pytest.mark.slow
-def test_llama_a_file_saved_under_other_lora_scales_is_not_reused(tmp_path: Path) -> None:
+def test_llama_a_file_saved_under_other_lora_scales_is_not_reused(tiny, tmp_path: Path) -> None:
     """Before: a slot restored from a file saved under scale 0.5 was reused by a request of
-    the server's scale 1.0, whose output then differed from plain decoding."""
-    from serve_process import run_serve
-
-    from specwire.assets.moe import MoeSpec, ensure_moe, ensure_moe_lora
-    pair, lora = ensure_moe(MoeSpec()), str(ensure_moe_lora(MoeSpec()))
-    body = {"prompt": [2, *range(1000, 41000, 1000)], "n_predict": 8, "temperature": 0,
-            "return_tokens": True, "speculative": False}
+    the server's scale 1.0 (cache_n 40), whose output then differed from plain decoding
+    from its second token."""
+    body = {**BODY, "prompt": [1, *range(260, 300)], "n_predict": 8, "speculative": False}
     half = [{"id": 0, "scale": 0.5}]
-    with run_serve("-m", str(pair.target), "--no-draft", "-t", "1", "-c", "256", "--lora",
-                   lora, "--slot-save-path", str(tmp_path), no_traceback=True) as (url, _):
+    with _serve(tiny["model"], "--lora", tiny["lora"], "--slot-save-path",
+                str(tmp_path)) as (url, _):
         def ask(**kw) -> dict:
-            r = httpx.post(url + "/completion", json={**body, **kw}, timeout=300)
+            r = httpx.post(url + "/completion", json={**body, **kw}, timeout=120)
             assert r.status_code == 200, r.text
             return r.json()
+
+        def act(action: str) -> int:
+            return httpx.post(f"{url}/slots/0?action={action}", json={"filename": "h.bin"},
+                              timeout=60).status_code
 
         plain = ask(cache_prompt=False)["tokens"]
         at_half = ask(lora=half)["tokens"]
         assert at_half != plain
-        assert httpx.post(url + "/slots/0?action=save", json={"filename": "h.bin"},
-                          timeout=60).status_code == 200
-        ask(prompt=[2, 5, 6, 7])                        # the slot's cache: scale 1.0 now
-        assert httpx.post(url + "/slots/0?action=restore", json={"filename": "h.bin"},
-                          timeout=60).json()["n_restored"] > 0
+        assert act("save") == 200
+        ask(prompt=[1, 270, 271])                   # the slot's cache: scale 1.0 now
+        assert act("restore") == 200
         again = ask()
         assert again["tokens"] == plain and again["timings"]["cache_n"] == 0
-        assert httpx.post(url + "/slots/0?action=restore", json={"filename": "h.bin"},
-                          timeout=60).status_code == 200
+        assert act("restore") == 200
         reused = ask(lora=half)
         assert reused["tokens"] == at_half and reused["timings"]["cache_n"] > 0
