@@ -1,5 +1,5 @@
 """A hostile client of a shared `serve` (issue 40): connections, TLS handshakes, a stalled
-stream, binding every address without a key.
+stream, /infill's extra context, binding every address without a key.
 
 The toy app (support/toy_server.py's engine, no model) under the uvicorn server that
 serve.py's _http_server builds from serve's own flags, over real sockets. Client addresses
@@ -37,7 +37,8 @@ from toy_server import SpyDrafter, ToyBackend
 from specwire.cli.commands import serve
 from specwire.config import SamplingParams
 from specwire.engine.engine import Engine
-from specwire.server import ServerSettings, create_app
+from specwire.server import ServerSettings, create_app, schemas
+from specwire.server import infill as infill_prompt
 
 
 def _args(*flags: str) -> argparse.Namespace:
@@ -238,6 +239,55 @@ def test_a_client_that_stops_reading_a_stream_is_cut_and_its_slot_freed() -> Non
         assert backend.n_past < 200_000
         c.close()
         assert _get_health(port) == 200
+
+
+class _Fim(ToyBackend):
+    """The toy with FIM tokens, counting the characters it is asked to tokenize."""
+
+    def __init__(self) -> None:
+        super().__init__(delay=0.0)
+        self.tokenized = 0
+
+    def fim_tokens(self) -> dict[str, int]:
+        return {"pre": 1, "suf": 2, "mid": 3}
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list:
+        self.tokenized += len(text)
+        return super().tokenize(text, add_special, parse_special)
+
+
+def test_infill_bounds_its_extra_context_before_tokenizing() -> None:
+    """Megabytes of input_extra (and of prefix and suffix) are cut to what the context could
+    keep before they are tokenized (before: all of it tokenized; 7 MiB took 3.3 s on a real
+    model); the prompt is the same as from the whole texts."""
+    b = _Fim()
+    settings = ServerSettings(sampling=SamplingParams(temperature=0.0))
+    big = "abcdefghij" * (100 << 10)
+    body = {"input_prefix": big, "input_suffix": big, "n_predict": 8,
+            "input_extra": [{"filename": "a.py", "text": big}, {"text": big}]}
+    spec = schemas.infill(body, b, settings, ["toy.gguf"])
+    assert b.tokenized < 4 * b.n_ctx * 8, b.tokenized
+    want = _infill_untrimmed(body, b)
+    assert list(spec.request.prompt) == want
+    small = {"input_prefix": "def f(", "input_suffix": "):\n", "input_extra":
+             [{"filename": "x.py", "text": "import os\n"}]}
+    assert list(schemas.infill(small, b, settings, ["toy.gguf"]).request.prompt) == \
+        _infill_untrimmed(small, b)
+
+
+def _infill_untrimmed(body: dict, b: _Fim) -> list[int]:
+    """The FIM prompt from the whole texts (the toy: one token a character)."""
+    tok = lambda t: [min(ord(c), 127) for c in t]  # noqa: E731
+    context: list[int] = []
+    for x in infill_prompt.parse_extra(body.get("input_extra")):
+        context += tok(infill_prompt.SNIPPET) + tok(x.text)
+    before, after = tok(body["input_prefix"]), tok(body["input_suffix"])
+    n_batch, n_predict = 512, body.get("n_predict", b.n_ctx)
+    keep_context = min(len(context), max(0, b.n_ctx - n_batch - 2 * min(b.n_ctx, n_predict)))
+    keep_before = min(len(before), 3 * (n_batch // 4))
+    keep_after = min(len(after), max(0, n_batch // 4 - 2))
+    return [*context[len(context) - keep_context:], 1, *before[len(before) - keep_before:],
+            2, *after[:keep_after], 3]
 
 
 def test_binding_every_address_without_a_key_logs_a_warning(caplog) -> None:
