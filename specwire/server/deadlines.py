@@ -148,7 +148,8 @@ class _Deadlined(H11Protocol):
 
 class _CountedTLS(sslproto.SSLProtocol):
     """asyncio's TLS layer over a `_Deadlined` connection: the handshake counted against
-    the caps from the accept, and cut at the header deadline."""
+    the caps from the accept, and cut at the header deadline; a closing connection's TLS
+    shutdown too (asyncio's default would hold it 30 s for a peer that never answers)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         app: _Deadlined = self._app_protocol
@@ -187,8 +188,10 @@ def protocol(header_timeout_s: float = HEADER_TIMEOUT_S,
 
     def counted_tls(*args, **kwargs) -> asyncio.Protocol:  # noqa: ANN002, ANN003 - uvicorn's
         app = cls(*args, **kwargs)
+        # The close's TLS shutdown waits for the peer's close_notify: as long at most.
         return _CountedTLS(app.loop, app, tls, None, server_side=True,
-                           ssl_handshake_timeout=header_timeout_s)
+                           ssl_handshake_timeout=header_timeout_s,
+                           ssl_shutdown_timeout=header_timeout_s)
 
     return counted_tls
 

@@ -216,6 +216,22 @@ def test_tls_handshakes_are_counted_and_cut_at_the_header_deadline(certs) -> Non
         c.close()
 
 
+def test_a_tls_peer_that_never_answers_the_close_is_let_go_at_the_deadline(certs) -> None:
+    """The close of a TLS connection waits for the peer's close_notify: a peer that never
+    sends it held its connection 30 s (asyncio's default) after serve closed it; now
+    --header-timeout at most."""
+    with serving("--ssl-key-file", certs["server_key"], "--ssl-cert-file",
+                 certs["server_cert"], "--keep-alive", "0.3",
+                 "--header-timeout", "0.5") as (port, server):
+        c = _tls_client(port, certs["ca"], "127.0.0.1")
+        _health(c)                     # then it reads nothing: no close_notify back
+        deadline = time.monotonic() + 5
+        while server.server_state.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server.server_state.connections, "a closed TLS connection still held"
+        c.close()
+
+
 def test_a_client_that_stops_reading_a_stream_is_cut_and_its_slot_freed() -> None:
     """An endless stream whose client reads nothing: past --body-timeout the connection
     is cut and the generation ends (before: it held the slot for ever)."""
