@@ -125,3 +125,26 @@ def test_a_handshake_that_never_finishes_is_cut_at_the_deadline(certs, monkeypat
         assert time.monotonic() - start < 9
     finally:
         m.close()
+
+
+@pytest.mark.slow
+def test_a_started_node_puts_its_metrics_port_behind_its_token_file_and_tls(certs,
+                                                                             caplog) -> None:
+    """start() itself (the bundled draft): --token-file alone and --tls-cert; the log
+    says the token is required."""
+    import logging
+
+    from wire_helpers import draft_model_path
+    caplog.set_level(logging.INFO, "specwire.node")
+    settings = NodeSettings(model=ModelParams(draft_model_path(), n_ctx=256), port=0,
+                            metrics_port=0, tokens={ALICE: "alice"},
+                            tls_cert=certs["server_cert"], tls_key=certs["server_key"])
+    node = node_server.start(settings)
+    try:
+        url = f"https://127.0.0.1:{node.metrics_port}/metrics"
+        with httpx.Client(verify=ssl.create_default_context(cafile=certs["ca"])) as c:
+            assert c.get(url).status_code == 401
+            assert c.get(url, headers={"Authorization": f"Bearer {ALICE}"}).status_code == 200
+        assert "token required" in caplog.text and "token off" not in caplog.text
+    finally:
+        node.stop()
