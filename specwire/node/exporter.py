@@ -2,9 +2,11 @@
 
 prometheus_client's own server gives every connection a thread with no deadline and no
 cap, and asks for no token. Here: at most MAX_CONNECTIONS at once, each with a socket
-timeout and a total DEADLINE_S, the node's token when it has one, and an accept loop that
-waits out transient errors (EMFILE). `POST /purge` drops finished conversations, as SIGHUP
-does, from another machine (docs/memory.md says whose, by token).
+timeout and a total DEADLINE_S (its TLS handshake included), the node's tokens when it has
+any (its --token or one of its --token-file's), TLS when the node has a certificate (its
+client CA too), and an accept loop that waits out transient errors (EMFILE). `POST /purge`
+drops finished conversations, as SIGHUP does, from another machine (docs/memory.md says
+whose, by token).
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ import hmac
 import json
 import logging
 import socket
+import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from specwire.node.tenants import token_name
 
 log = logging.getLogger("specwire.node")
 
@@ -40,11 +46,9 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?", 1)[0] not in ("/metrics", "/"):
             self._answer(404, b"not found\n", "text/plain")
             return
-        if server.token:
-            got = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {server.token}".encode()):
-                self._answer(401, b"bad or missing token\n", "text/plain")
-                return
+        if not server.authorized(self.headers.get("Authorization", "")):
+            self._answer(401, b"bad or missing token\n", "text/plain")
+            return
         self._answer(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
@@ -78,10 +82,15 @@ class Exporter(ThreadingHTTPServer):
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry,
                  token: str | None = None, max_connections: int = MAX_CONNECTIONS,
-                 purge: Callable[[str], tuple[int, dict] | None] | None = None) -> None:
-        """purge(authorization header): POST /purge's (status, JSON answer), None for a
-        token it does not know (401); None: no /purge."""
+                 purge: Callable[[str], tuple[int, dict] | None] | None = None,
+                 tokens: dict[str, str] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """token, tokens (a --token-file's, token -> name): GET /metrics wants one of them
+        when there is any. purge(authorization header): POST /purge's (status, JSON
+        answer), None for a token it does not know (401); None: no /purge. tls: serve
+        HTTPS (the handshake is the connection's thread's, within its deadline)."""
         self.registry, self.token, self.purge = registry, token, purge
+        self.tokens, self.tls = tokens or {}, tls
         self._slots = threading.BoundedSemaphore(max_connections)
         self._deadlines: dict[socket.socket, float] = {}
         self._lock = threading.Lock()
@@ -108,13 +117,39 @@ class Exporter(ThreadingHTTPServer):
     def port(self) -> int:
         return self.server_address[1]
 
+    def authorized(self, header: str) -> bool:
+        """Whether an Authorization header may read the figures: anyone when the node has
+        no token, else the node's --token or any of its --token-file's."""
+        if not self.token and not self.tokens:
+            return True
+        named = bool(self.tokens) and token_name(self.tokens, header) is not None
+        wanted = bool(self.token) and hmac.compare_digest(header.encode(),
+                                                          f"Bearer {self.token}".encode())
+        return named or wanted
+
     def get_request(self) -> tuple[socket.socket, object]:
         try:
-            return super().get_request()
+            request, address = super().get_request()
         except OSError as e:
             if e.errno in TRANSIENT:
                 time.sleep(0.05)    # serve_forever ignores the error and tries again
             raise
+        if self.tls is not None:    # no handshake here: it is the connection thread's
+            request = self.tls.wrap_socket(request, server_side=True,
+                                           do_handshake_on_connect=False)
+        return request, address
+
+    def finish_request(self, request, client_address) -> None:  # noqa: ANN001
+        if isinstance(request, ssl.SSLSocket):   # under the deadline, on this thread
+            request.settimeout(_Handler.timeout)
+            request.do_handshake()
+        super().finish_request(request, client_address)
+
+    def handle_error(self, request, client_address) -> None:  # noqa: ANN001
+        """A failed handshake, a peer gone, a deadline's shutdown: a debug line, no
+        traceback on stderr."""
+        log.debug("metrics port: connection from %s ended: %s", client_address,
+                  sys.exc_info()[1])
 
     def process_request(self, request, client_address) -> None:  # noqa: ANN001
         if not self._slots.acquire(blocking=False):

@@ -95,12 +95,15 @@ class NodeMetrics:
         yield GaugeMetricFamily(PREFIX + "calibrations", "Targets whose draft calibration this "
                                 "node keeps (bounded).", value=self._calibrations())
 
-    def serve(self, host: str, port: int, token: str | None = None, purge=None) -> int:
+    def serve(self, host: str, port: int, token: str | None = None, purge=None,
+              tokens: dict[str, str] | None = None, tls=None) -> int:  # noqa: ANN001
         """Start the HTTP exporter on a daemon thread (with POST /purge when `purge` is
-        given: exporter.py); the port it listens on."""
+        given, wanting `token` or one of `tokens`, over TLS when `tls` is an SSLContext:
+        exporter.py); the port it listens on."""
         from specwire.node.exporter import Exporter
 
-        self._http = Exporter(host, port, self.registry, token, purge=purge)
+        self._http = Exporter(host, port, self.registry, token, purge=purge, tokens=tokens,
+                              tls=tls)
         return self._http.port
 
     def close(self) -> None:

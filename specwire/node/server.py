@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import logging
 import signal
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -479,7 +480,8 @@ def start(settings: NodeSettings) -> RunningNode:
     metrics_port = None
     if settings.metrics_port is not None:
         metrics_port = service.metrics.serve(settings.host, settings.metrics_port,
-                                             settings.token, purge=service.purge_for)
+                                             settings.token, purge=service.purge_for,
+                                             **metrics_options(settings))
     server.start()
     if sync is not None:
         sync.start()
@@ -489,9 +491,28 @@ def start(settings: NodeSettings) -> RunningNode:
         settings.host,
         server.port,
         "TLS" if settings.tls_cert else "plain text",
-        "required" if settings.token else "off",
+        "required" if settings.token or settings.tokens else "off",
     )
     return RunningNode(server, service, server.port, sync, metrics_port)
+
+
+def metrics_options(settings: NodeSettings) -> dict:
+    """What the metrics port gets beside the --token (node/exporter.py): the --token-file's
+    tokens, which read /metrics as the --token does, and TLS when the node has it."""
+    return {"tokens": settings.tokens, "tls": _metrics_tls(settings)}
+
+
+def _metrics_tls(settings: NodeSettings) -> ssl.SSLContext | None:
+    """The metrics port's TLS (HTTP/1.1): the node's certificate, and its client CA when it
+    wants client certificates; None for a node without --tls-cert (plain HTTP)."""
+    if not settings.tls_cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(settings.tls_cert, settings.tls_key or settings.tls_cert)
+    if settings.tls_client_ca:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(settings.tls_client_ca)
+    return ctx
 
 
 def _server(settings: NodeSettings, service: DraftNodeService, port: int,
@@ -518,7 +539,8 @@ def serve(settings: NodeSettings, ready: threading.Event | None = None) -> None:
     node = start(settings)
     host = settings.host
     if node.metrics_port is not None:
-        print(f"specwire draft node: metrics on http://{host}:{node.metrics_port}/metrics",
+        scheme = "https" if settings.tls_cert else "http"
+        print(f"specwire draft node: metrics on {scheme}://{host}:{node.metrics_port}/metrics",
               flush=True)
     if node.sync is not None:
         print(f"specwire draft node: synchronous sessions on {host}:{node.sync.port}",

@@ -520,6 +520,7 @@ def infill(body: dict, backend: Any, settings: ServerSettings,
     refuse_unsupported(f, chat_=False)
     texts = {name: f.str(name, default="") for name in ("input_prefix", "input_suffix")}
     typed = f.str("prompt", default="")
+    check_fits_bound(limits.fewest_tokens(typed, backend), backend.n_ctx)   # kept whole
     extra = infill_prompt.parse_extra(body.get("input_extra"))
     n_batch = getattr(getattr(backend, "params", None), "n_batch", 512)
     tokens = infill_prompt.prompt_tokens(

@@ -44,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sequences served at once (Ping streams count too)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus figures on http://HOST:PORT/metrics: open contexts, "
-                   "admitted calls, refusals, memory (0: any free port; default: off)")
+                   "admitted calls, refusals, memory (0: any free port; default: off); with "
+                   "--token or --token-file it wants one of their tokens, with --tls-cert "
+                   "it is HTTPS")
     p.add_argument("-cram", "--cache-ram", type=int, default=8192, metavar="MiB",
                    help="RAM for the KV caches of finished sessions, reused by the next "
                    "session that shares their prefix (0: keep none; see docs/memory.md)")
@@ -129,9 +131,10 @@ def run(a: argparse.Namespace) -> int:
         path = getattr(a, flag)
         if path and not os.path.isfile(path):
             raise CliError(f"--{flag.replace('_', '-')}: file not found: {path}")
-    if a.token and not a.tls_cert and not loopback(f"{a.host}:{a.port}"):
-        log.warning("--token without --tls-cert: targets send the token in clear text over "
-                    "the network to %s", a.host)
+    if (a.token or tokens) and not a.tls_cert and not loopback(f"{a.host}:{a.port}"):
+        log.warning("--token/--token-file without --tls-cert: targets (and scrapers of "
+                    "--metrics-port) send the token in clear text over the network to %s",
+                    a.host)
     a.ctx_size_draft = a.ctx_size_draft or a.ctx_size
     params = draft_model_params(a, resolve_draft(a.model))
     settings = NodeSettings(model=params, host=a.host, port=a.port, token=a.token,

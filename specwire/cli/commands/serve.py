@@ -76,7 +76,8 @@ def _add_listen_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--ssl-key-file", metavar="FNAME", help="PEM private key: serve HTTPS")
     g.add_argument("--ssl-cert-file", metavar="FNAME", help="PEM certificate: serve HTTPS")
     g.add_argument("-to", "--timeout", type=int, default=600, metavar="N",
-                   help="seconds an idle client connection is kept open (default 600)")
+                   help="llama-server's read/write timeout: here it bounds --keep-alive "
+                   "(default 600)")
     g.add_argument("--threads-http", type=int, default=-1, metavar="N",
                    help="threads that parse, tokenize and render requests (-1: the "
                    "default pool)")
@@ -169,11 +170,22 @@ def _add_limit_args(g: argparse._ActionsContainer) -> None:
                    "full 1M-token context as token ids)")
     g.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="a connection must send a request's headers within S seconds "
-                   "(from its start, or from the next request's first byte)")
+                   "(from its accept, TLS handshake included, and from the end of each "
+                   "response)")
+    g.add_argument("--keep-alive", type=float, default=5.0, metavar="S",
+                   help="close a kept-alive connection idle this long between requests "
+                   "(default 5, as llama-server and uvicorn; at most --timeout)")
     g.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
-                   help="a request body must arrive within S seconds (408 past it)")
+                   help="a request body must arrive within S seconds (408 past it), and a "
+                   "client that reads nothing of its response (a stream) for S seconds is "
+                   "cut, which ends its generation")
     g.add_argument("--max-connections", type=int, default=256, metavar="N",
-                   help="open connections at most; one more is closed at once")
+                   help="open connections at most, TLS handshakes in progress included; one "
+                   "more is closed at once")
+    g.add_argument("--conn-per-address", type=int, default=None, metavar="N",
+                   help="open connections from one client address at most, loopback "
+                   "included (default: a quarter of --max-connections; behind a reverse "
+                   "proxy, every client is its address: raise it to --max-connections)")
     g.add_argument("--max-reading", type=int, default=64 << 20, metavar="BYTES",
                    help="bytes of request bodies in reading at once, all requests together "
                    "(503 with Retry-After past it; default 64 MiB)")
@@ -436,6 +448,11 @@ def _check_limits(a: argparse.Namespace) -> None:
                        f"{a.shutdown_timeout:g}")
     if a.max_connections < 1:
         raise CliError(f"--max-connections: must be >= 1, got {a.max_connections}")
+    if a.conn_per_address is not None and not 1 <= a.conn_per_address <= a.max_connections:
+        raise CliError(f"--conn-per-address: must be in [1, --max-connections "
+                       f"({a.max_connections})], got {a.conn_per_address}")
+    if not 0 < a.keep_alive <= 86400:
+        raise CliError(f"--keep-alive: must be in (0, 86400] seconds, got {a.keep_alive:g}")
     if a.max_reading < a.max_body:
         raise CliError(f"--max-reading: must be at least --max-body ({a.max_body}), got "
                        f"{a.max_reading}")
@@ -530,11 +547,28 @@ def _http_server(app, a: argparse.Namespace, tls: dict):  # noqa: ANN001, ANN201
     from specwire.server.drain import DrainingServer
 
     verbose = getattr(a, "verbose", False)
+    per_address = a.conn_per_address or deadlines.per_address_default(a.max_connections)
+    # TLS is the protocol's (deadlines.py: handshakes counted and timed), not uvicorn's.
     config = uvicorn.Config(app, log_level="info" if verbose else "warning",
-                            access_log=verbose, timeout_keep_alive=a.timeout, **tls,
-                            http=deadlines.protocol(a.header_timeout, a.max_connections),
+                            access_log=verbose, timeout_keep_alive=min(a.keep_alive, a.timeout),
+                            http=deadlines.protocol(a.header_timeout, a.max_connections,
+                                                    per_address, _tls_context(tls),
+                                                    a.body_timeout),
                             limit_concurrency=a.max_connections + 1)
     return DrainingServer(config, app.state.scheduler, a.shutdown_timeout)
+
+
+def _tls_context(tls: dict):  # noqa: ANN202 - ssl.SSLContext | None
+    """ssl_files' pair -> the server's TLS context (None: plain HTTP)."""
+    if not tls:
+        return None
+    import ssl
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(tls["ssl_certfile"], tls["ssl_keyfile"])
+    except (OSError, ssl.SSLError) as e:
+        raise CliError(f"--ssl-cert-file/--ssl-key-file: cannot load them: {e}") from None
+    return ctx
 
 
 def _log_listening(a: argparse.Namespace, sock: socket.socket, engines: list, tls: dict) -> None:
@@ -548,6 +582,17 @@ def _log_listening(a: argparse.Namespace, sock: socket.socket, engines: list, tl
              target.n_ctx)
     if a.webui:
         log.info("live page: %s://%s:%d/", scheme, host, port)
+    if not a.api_key and not a.api_key_file and _everywhere(a.host):
+        log.warning("listening on %s without --api-key: anyone who can reach this address "
+                    "may use every endpoint (--api-key KEY, or --host 127.0.0.1)", a.host)
+
+
+def _everywhere(host: str) -> bool:
+    """Whether --host binds every address or a non-loopback one (0.0.0.0, ::, a LAN IP)."""
+    try:
+        return not ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() not in ("localhost",)
 
 
 def _close(engines: list) -> None:
