@@ -253,6 +253,87 @@ def test_post_lora_adapters_parses_off_the_event_loop(toy, monkeypatch) -> None:
     assert r.status_code == 200 and where == ["worker thread"], (r.text, where)
 
 
+# ------------------------------------------- 1: non-finite logits, on llama.cpp (slow)
+
+
+PROMPT = [2, 1000, 2000, 3000, 4000, 5000]
+PLAIN = {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "speculative": False,
+         "return_tokens": True}
+
+
+def _ask(client: httpx.Client, key: str, **body) -> httpx.Response:
+    return client.post("/completion", json=body, headers={"Authorization": f"Bearer {key}"})
+
+
+@pytest.fixture(scope="module")
+def moe_server():
+    """The tiny MoE with its adapter, two slots, keys A and B, the scale bound widened so
+    that an overflowing scale reaches llama.cpp: the defence behind the bound. Flash
+    attention off: the CPU flash-attention kernel skips masked cells, the plain
+    attention path (and GPU kernels) multiplies them in, which is how NaN spreads."""
+    from specwire.assets.moe import MoeSpec, ensure_moe, ensure_moe_lora
+    from specwire.backend.llama import LlamaBackend
+    from specwire.config import ModelParams
+
+    pair, lora = ensure_moe(MoeSpec()), str(ensure_moe_lora(MoeSpec()))
+    target = LlamaBackend(ModelParams(str(pair.target), n_ctx=128, n_threads=1,
+                                      flash_attn="off", loras=((lora, 1.0),)), n_seq=2)
+    settings = ServerSettings(sampling=SamplingParams(temperature=0.0), api_key="A,B",
+                              lora_scale_max=1e6)
+    try:
+        with serve_app(create_app(Engine(target), settings)) as url, \
+                httpx.Client(base_url=url, timeout=120) as client:
+            first = _ask(client, "A", **PLAIN, cache_prompt=False)   # before any attack
+            assert first.status_code == 200, first.text
+            assert len(set(first.json()["tokens"])) > 1
+            yield client, target, first.json()["tokens"]
+    finally:
+        target.close()
+
+
+@pytest.mark.slow
+def test_an_overflowing_lora_scale_fails_its_request_alone(moe_server) -> None:
+    """Key B's request at scale 1e5 (within the widened bound) gets a 500 of its own;
+    key A's requests before and after get the same tokens (its cache, in the other slot,
+    kept through the scrub and reused), a sampled one a 200, /lora-adapters' scale is
+    untouched. Before: B got a 200 of garbage and A only token 0 (greedy) or a 500."""
+    client, target, want = moe_server
+    before = _ask(client, "A", **PLAIN)     # A's prompt in a slot's cache
+    assert before.status_code == 200 and before.json()["tokens"] == want, before.text
+    hostile = _ask(client, "B", prompt=[2, 7000, 8000, 9000], n_predict=6, temperature=0,
+                   speculative=False, cache_prompt=False, lora=[{"id": 0, "scale": 1e5}])
+    after = _ask(client, "A", **PLAIN)
+    fresh = _ask(client, "A", **PLAIN, cache_prompt=False)
+    sampled = _ask(client, "A", prompt=PROMPT, n_predict=6, temperature=0.8, seed=3)
+    assert after.status_code == 200 and after.json()["tokens"] == want, after.text
+    assert fresh.status_code == 200 and fresh.json()["tokens"] == want, fresh.text
+    assert sampled.status_code == 200, sampled.text
+    msg = _error(hostile, 500)
+    assert "inf/NaN" in msg and "cache was dropped" in msg
+    assert after.json()["timings"]["cache_n"] > 0        # A's cache survived the scrub
+    assert _ask(client, "B", **PLAIN).json()["tokens"] == want
+    assert target.lora_scales == [1.0]
+
+
+@pytest.mark.slow
+def test_an_overflowing_server_scale_is_answered_and_set_back(moe_server) -> None:
+    """POST /lora-adapters to 1e5 (within the widened bound): every request then fails
+    with a 500 (not a 200 of zeros); back at 1.0 the answers are the baseline again.
+    Before: after the reset to 1.0 the answers were still zeros."""
+    client, target, want = moe_server
+    auth = {"Authorization": "Bearer B"}
+    try:
+        r = client.post("/lora-adapters", json=[{"id": 0, "scale": 1e5}], headers=auth)
+        assert r.status_code == 200, r.text
+        at_1e5 = _ask(client, "A", **PLAIN)
+    finally:
+        client.post("/lora-adapters", json=[{"id": 0, "scale": 1.0}], headers=auth)
+    for key in ("A", "B"):
+        r = _ask(client, key, **PLAIN)
+        assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+    assert "inf/NaN" in _error(at_1e5, 500)
+
+
 def test_the_toy_stays_json(toy) -> None:     # the module's server still serves
     client, _, _ = toy
     r = client.post("/completion", content=json.dumps({"prompt": "ab", "n_predict": 2}),
