@@ -20,6 +20,15 @@ class BackendError(RuntimeError):
     """A model could not be loaded or evaluated; the message names the file."""
 
 
+class NonFiniteLogits(BackendError):
+    """A decode's logits held inf or NaN; seqs: the sequences of that decode, whose caches
+    the backend dropped (llama.py's _check_finite)."""
+
+    def __init__(self, message: str, seqs: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.seqs = list(seqs)
+
+
 class Backend(Protocol):
     name: str  # file name, for messages and /v1/models
     n_vocab: int

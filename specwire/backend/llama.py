@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specwire.backend import placement
-from specwire.backend.base import BackendError
+from specwire.backend.base import BackendError, NonFiniteLogits
 from specwire.backend.batch import Part
 from specwire.backend.gguf import check_gguf
 from specwire.backend.llama_process import init_backend
@@ -300,6 +300,7 @@ class LlamaBackend:
             p[0] = 0
         self._nseq[:] = 1
         self._seq_max = int(cp.n_seq_max)
+        self._finite_stride = max(1, self.n_vocab // 256)   # _check_finite's sample
         self._leaves: list[list[int]] = [[] for _ in range(n_seq)]
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         #: per sequence: its pending tree part (tokens, parents, leaf of each node), or None
@@ -378,8 +379,7 @@ class LlamaBackend:
                     for j in range(i, i + n):
                         self._seq_ptrs[j][0] = p.seq
             self._out[i:i + n] = 1 if p.logits == "all" else 0
-            if p.logits == "last":
-                self._out[i + n - 1] = 1
+            self._out[i + n - 1] = 1   # "none" too: its last row is checked (_check_finite)
             i += n
         self._batch.n_tokens = total
         t0 = time.perf_counter()
@@ -396,10 +396,8 @@ class LlamaBackend:
             where = ", ".join(f"sequence {p.seq} at {len(self._seqs[p.seq])}" for p in parts)
             raise BackendError(f"llama_decode failed ({rc}) on {total} tokens ({where}) "
                                f"in {self.name}")
-        n_rows = sum(p.n_rows for p in parts)
-        buf = (np.ctypeslib.as_array(C.llama_get_logits(self.ctx),
-                                     shape=(n_rows, self.n_vocab)) if n_rows
-               else np.empty((0, self.n_vocab), dtype=np.float32))
+        n_rows = sum(max(p.n_rows, 1) for p in parts)
+        buf = np.ctypeslib.as_array(C.llama_get_logits(self.ctx), shape=(n_rows, self.n_vocab))
         out, r = [], 0
         for p in parts:
             if p.parents is not None:
@@ -408,8 +406,55 @@ class LlamaBackend:
             else:
                 self._seqs[p.seq].extend(p.tokens)
             out.append(buf[r:r + p.n_rows])
-            r += p.n_rows
+            r += max(p.n_rows, 1)
+        self._check_finite(parts, buf)
         return out
+
+    def _check_finite(self, parts: Sequence[Part], buf: np.ndarray) -> None:
+        """A decode whose logits hold inf or NaN (activations that overflowed: a LoRA
+        scale far too large, say) wrote NaN into its tokens' KV cells too. llama.cpp
+        leaves a removed sequence's cells as they are, and every later decode multiplies
+        the masked cells in as well (0 x NaN is NaN): every sequence of the context would
+        read only NaN from then on. So the step's sequences are dropped from the cache,
+        the cache's buffers are zeroed with every other sequence kept (saved and restored
+        around llama_memory_clear), and the step fails: a 500 of its own. A sample of each
+        row tells: a hidden state with one inf or NaN is all NaN after the final norm
+        (inf / inf), so is every logit (a dot product with it); the sample costs
+        microseconds where the whole rows would take milliseconds (9 x 262144 floats)."""
+        if np.isfinite(buf[:, ::self._finite_stride]).all():
+            return
+        seqs = sorted({p.seq for p in parts})
+        self._scrub(seqs)
+        raise NonFiniteLogits(
+            f"the model's output turned to inf/NaN (activations overflowed; an extreme "
+            f"LoRA scale?) on sequence{'s' if len(seqs) > 1 else ''} "
+            f"{', '.join(map(str, seqs))} of {self.name}: its cache was dropped", seqs)
+
+    def _scrub(self, seqs: Sequence[int]) -> None:
+        """Sequences seqs dropped, and the KV buffers zeroed: the others' cells are saved,
+        the memory cleared with its data, and those cells restored."""
+        for seq in seqs:
+            if self._trees[seq] is not None:
+                self._clear_branches(seq)
+                self._trees[seq] = None
+            C.llama_memory_seq_rm(self.mem, seq, -1, -1)
+            self._seqs[seq].clear()
+        kept = {}
+        for seq in range(self.n_seq):
+            if self._seqs[seq] and self._trees[seq] is None:
+                try:
+                    kept[seq] = _save_seq(self, seq)
+                except BackendError:
+                    log.error("sequence %d: could not save its cache; dropped", seq)
+        C.llama_memory_clear(self.mem, True)
+        for seq in range(self.n_seq):
+            data = kept.get(seq)
+            if data is None or C.llama_state_seq_set_data(self.ctx, data, len(data), seq) == 0:
+                if self._seqs[seq]:
+                    log.error("sequence %d: its cache was lost with the scrubbed cells", seq)
+                C.llama_memory_seq_rm(self.mem, seq, -1, -1)
+                self._seqs[seq].clear()
+                self._trees[seq] = None
 
     # -- trees -------------------------------------------------------------------
 
@@ -737,6 +782,16 @@ class SavedState:
     def size(self) -> int:
         """Bytes this entry holds in RAM."""
         return len(self.data) + self.tokens.nbytes
+
+
+def _save_seq(backend: LlamaBackend, seq: int) -> ctypes.Array:
+    """llama_state_seq_get_data's bytes for sequence seq."""
+    n = int(C.llama_state_seq_get_size(backend.ctx, seq))
+    buf = (ctypes.c_uint8 * n)()
+    got = C.llama_state_seq_get_data(backend.ctx, buf, n, seq)
+    if got == 0:
+        raise BackendError(f"llama.cpp could not save sequence {seq} of {backend.name}")
+    return buf if got == n else (ctypes.c_uint8 * got).from_buffer_copy(buf, 0)
 
 
 def state_size(backend: LlamaBackend) -> int:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -213,12 +214,9 @@ def _slot_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
 
     @api.post("/lora-adapters")
     async def set_lora_adapters(request: Request) -> list:
-        raw = await limits.read_body(request, settings.max_body)   # a JSON array, not object
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise ApiError(400, f"the body is not JSON: {e}") from None
-        return await run_in_threadpool(scheduler.set_lora_adapters, body)
+        body = await read_json(request, list)    # a JSON array, not an object
+        return await run_in_threadpool(scheduler.set_lora_adapters, body,
+                                       settings.lora_scale_max)
 
     @api.post("/slots/{slot_id}")
     async def slot_action(slot_id: int, request: Request, action: str = "") -> dict:
@@ -237,8 +235,9 @@ def _json_reader(served: _Served) -> Callable:
     """read_json for the routes that take a JSON body."""
     settings, budget = served.settings, served.budget
 
-    async def read_json(request: Request) -> dict:
-        """The body within --max-body, parsed off the event loop (a large one takes a while).
+    async def read_json(request: Request, kind: type = dict) -> Any:
+        """The body within --max-body, --max-reading and --body-timeout, parsed off the
+        event loop (a large one takes a while) as a JSON object (kind list: an array).
 
         Only as application/json: a web page may POST text/plain (or a typeless Blob) to
         any address without asking first, but not JSON (the CORS preflight).
@@ -249,7 +248,7 @@ def _json_reader(served: _Served) -> Callable:
                            f"{ctype[:60]!r} (curl: -H 'Content-Type: application/json')",
                            "invalid_request_error")
         raw = await limits.read_body(request, settings.max_body, budget)
-        return await run_in_threadpool(schemas.parse_json, raw)
+        return await run_in_threadpool(schemas.parse_json, raw, kind)
 
     return read_json
 

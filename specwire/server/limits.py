@@ -32,6 +32,11 @@ MAX_DEPTH = 32
 #: OpenAI's limit on logit_bias entries (`serve --logit-bias-max` raises it).
 MAX_LOGIT_BIAS = 300
 MAX_INT = 2**64
+#: The largest |scale| a LoRA adapter may be given by a request's `lora` or POST
+#: /lora-adapters (`serve --lora-scale-max` widens it). Adapters are trained for scale 1;
+#: 0..2 is the range people use, negative scales subtract one. Far beyond, activations
+#: overflow into inf and NaN, and a NaN in a KV cell reaches every sequence of the cache.
+LORA_SCALE_MAX = 4.0
 #: Stop strings: llama-server takes any number, OpenAI at most 4. Each is searched for in
 #: every generated piece, so their number and length bound per-token work.
 MAX_STOPS = 16
@@ -91,10 +96,12 @@ def _constant(text: str) -> Any:
     raise _Refused(f"{text} is not a JSON value")
 
 
-def parse_json(raw: bytes) -> dict:
-    """The body as a JSON object within the limits above, or a 400 that says why not."""
+def parse_json(raw: bytes, kind: type = dict) -> Any:
+    """The body as a JSON object (kind list: an array) within the limits above, or a 400
+    that says why not."""
+    what = "a JSON object" if kind is dict else "a JSON array"
     if not raw.strip():
-        raise bad_request("request body: expected a JSON object, got nothing")
+        raise bad_request(f"request body: expected {what}, got nothing")
     try:
         body = json.loads(raw, parse_float=_float, parse_constant=_constant)
     except _Refused as e:
@@ -106,8 +113,8 @@ def parse_json(raw: bytes) -> dict:
             raise bad_request("request body: an integer with thousands of digits; nothing "
                               "here takes more than 20") from None
         raise bad_request(f"request body: invalid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"request body: expected a JSON object, got {type(body).__name__}")
+    if not isinstance(body, kind):
+        raise bad_request(f"request body: expected {what}, got {type(body).__name__}")
     check_value(body)
     return body
 

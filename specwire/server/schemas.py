@@ -54,9 +54,10 @@ class Completion:
                 "speculative.p_min": r.draft.p_min}
 
 
-def parse_json(raw: bytes) -> dict:
-    """The body as a JSON object, or a 400 that says why not (see limits.py)."""
-    return limits.parse_json(raw)
+def parse_json(raw: bytes, kind: type = dict) -> Any:
+    """The body as a JSON object (kind list: an array), or a 400 that says why not (see
+    limits.py)."""
+    return limits.parse_json(raw, kind)
 
 
 class Fields:
@@ -468,7 +469,7 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     include_usage = Fields(opts or {}, "stream_options.").bool("include_usage")
     cache_prompt = f.bool("cache_prompt", default=True)
     dp = replace(dp, cache_scope=cache_scope(f), cache_store=cache_prompt)
-    lora = lora_scales(body, backend)
+    lora = lora_scales(body, backend, settings.lora_scale_max)
     n_keep = f.int("n_keep", default=settings.n_keep)
     n_discard = f.int("n_discard", default=0)
     try:
@@ -481,9 +482,11 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
                       lambda t: backend.detokenize([t]))
 
 
-def lora_scales(body: dict, backend: Any) -> tuple[float, ...] | None:
+def lora_scales(body: dict, backend: Any,
+                scale_max: float = limits.LORA_SCALE_MAX) -> tuple[float, ...] | None:
     """The request's `lora` as llama-server reads it: every loaded adapter's scale, 0 for
-    those it does not name; None without the field (the server's scales)."""
+    those it does not name; None without the field (the server's scales). A scale beyond
+    +-scale_max (--lora-scale-max) is refused: activations overflow far beyond."""
     v = body.get("lora")
     if v is None:
         return None
@@ -505,8 +508,41 @@ def lora_scales(body: dict, backend: Any) -> tuple[float, ...] | None:
         if (isinstance(scale, bool) or not isinstance(scale, int | float)
                 or not math.isfinite(scale)):
             raise bad_request(f"lora[{i}].scale: must be a finite number, got {_kind(scale)}")
+        check_lora_scale(scale, f"lora[{i}].scale", scale_max)
         scales[ident] = float(scale)
     return tuple(scales)
+
+
+def check_lora_scale(scale: float, where: str, scale_max: float) -> None:
+    """A 400 for a LoRA scale beyond +-scale_max (--lora-scale-max)."""
+    if not -scale_max <= scale <= scale_max:
+        raise bad_request(f"{where}: {scale:g} is outside -{scale_max:g}..{scale_max:g} "
+                          "(serve --lora-scale-max widens it)")
+
+
+def lora_adapter_scales(body: object, current: Sequence[float],
+                        scale_max: float = limits.LORA_SCALE_MAX) -> list[float]:
+    """POST /lora-adapters [{"id", "scale"}, ...] -> every adapter's new scale (one not
+    named keeps its own); a 400 names what is wrong."""
+    shape = 'the body must be [{"id": N, "scale": X}, ...]'
+    if not isinstance(body, list):
+        raise bad_request(f"{shape}, got {_kind(body)}")
+    scales = [float(x) for x in current]
+    for i, x in enumerate(body):
+        if not isinstance(x, dict):
+            raise bad_request(f"[{i}]: {shape}, got {_kind(x)}")
+        ident, scale = x.get("id"), x.get("scale")
+        if not _is_int(ident):
+            raise bad_request(f"[{i}].id: must be an adapter id (integer), got {_kind(ident)}")
+        if not 0 <= ident < len(scales):
+            raise bad_request(f"[{i}].id: no adapter {ident}; this server has {len(scales)} "
+                              "(--lora)")
+        if (isinstance(scale, bool) or not isinstance(scale, int | float)
+                or not math.isfinite(scale)):
+            raise bad_request(f"[{i}].scale: must be a finite number, got {_kind(scale)}")
+        check_lora_scale(scale, f"[{i}].scale", scale_max)
+        scales[ident] = float(scale)
+    return scales
 
 
 def infill(body: dict, backend: Any, settings: ServerSettings,

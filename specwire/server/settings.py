@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from specwire.config import DraftParams, SamplingParams
 from specwire.sample.constraints import GrammarSpec
 from specwire.server.deadlines import BODY_TIMEOUT_S, MAX_READING_BYTES
-from specwire.server.limits import MAX_BODY_BYTES, MAX_LOGIT_BIAS
+from specwire.server.limits import LORA_SCALE_MAX, MAX_BODY_BYTES, MAX_LOGIT_BIAS
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,6 +35,8 @@ class ServerSettings:
                    prefix with its prompt if that is more than this share of the prompt,
                    else to the least recently used slot (0: always the latter).
     logit_bias_max: entries a request's logit_bias may have (OpenAI's 300 by default).
+    lora_scale_max: the largest |scale| of a LoRA adapter, in a request's `lora` and in
+                   POST /lora-adapters (--lora-scale-max; limits.LORA_SCALE_MAX).
     body_timeout_s: seconds a request body may take to arrive (408 past it).
     max_reading:   bytes of request bodies read at once, all requests together (503 past).
     allowed_hosts: without api_key, the Host names a request may use besides IP addresses
@@ -74,6 +76,7 @@ class ServerSettings:
     reasoning_budget: int = -1
     slot_prompt_similarity: float = 0.1
     logit_bias_max: int = MAX_LOGIT_BIAS
+    lora_scale_max: float = LORA_SCALE_MAX
     body_timeout_s: float = BODY_TIMEOUT_S
     max_reading: int = MAX_READING_BYTES
     allowed_hosts: tuple[str, ...] = ()

@@ -28,7 +28,9 @@ from specwire.engine.engine import Engine, Generation, Request
 from specwire.engine.sequence import adapter_scales
 from specwire.engine.stats import Stats
 from specwire.server.errors import ApiError
+from specwire.server.limits import LORA_SCALE_MAX
 from specwire.server.metrics import Metrics
+from specwire.server.schemas import lora_adapter_scales
 from specwire.server.speculation import SpeculationWatch
 from specwire.server.stops import StopMatcher
 from specwire.text.stream import TextStream
@@ -560,22 +562,14 @@ class SlotPool:
         return [{"id": i, "path": p, "scale": s} for i, (p, s) in enumerate(zip(paths, scales,
                                                                                strict=True))]
 
-    def set_lora_adapters(self, body: object) -> list[dict]:
-        """POST /lora-adapters [{"id", "scale"}]: new scales, applied between steps (a
-        running request goes on with them); an adapter not named keeps its scale."""
-        current = self.lora_adapters()
-        if not isinstance(body, list) or not all(
-                isinstance(x, dict) and isinstance(x.get("id"), int) and
-                isinstance(x.get("scale"), int | float) and not isinstance(x.get("scale"), bool)
-                for x in body):
-            raise ApiError(400, 'the body must be [{"id": N, "scale": X}, ...]')
-        scales = [a["scale"] for a in current]
-        for x in body:
-            if not 0 <= x["id"] < len(current):
-                raise ApiError(400, f"id: no adapter {x['id']}; this server has "
-                               f"{len(current)}")
-            scales[x["id"]] = float(x["scale"])
+    def set_lora_adapters(self, body: object,
+                          scale_max: float = LORA_SCALE_MAX) -> list[dict]:
+        """POST /lora-adapters [{"id", "scale"}]: new scales, each within +-scale_max
+        (--lora-scale-max), applied between steps (a running request goes on with them);
+        an adapter not named keeps its scale."""
         with self.lock:
+            current = [a["scale"] for a in self.lora_adapters()]
+            scales = lora_adapter_scales(body, current, scale_max)
             for e in self.engines:
                 e.target.set_lora_scales(scales)
         return self.lora_adapters()

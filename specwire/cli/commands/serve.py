@@ -24,6 +24,7 @@ from specwire.cli.args import (
     add_model_args,
     add_sampling_args,
     draft_params,
+    lora_params,
     sampling_params,
 )
 from specwire.cli.commands import compat
@@ -36,6 +37,8 @@ log = logging.getLogger("specwire.serve")
 
 #: limits.MAX_BODY_BYTES, repeated so that `--help` needs no FastAPI import.
 MAX_BODY_BYTES = 8 << 20
+#: limits.LORA_SCALE_MAX, likewise.
+LORA_SCALE_MAX = 4.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -196,6 +199,10 @@ def _add_limit_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--logit-bias-max", type=int, default=300, metavar="N",
                    help="most logit_bias entries per request (default 300, as OpenAI); each "
                    "costs every sampled token of the request")
+    g.add_argument("--lora-scale-max", type=float, default=LORA_SCALE_MAX, metavar="X",
+                   help="largest |scale| of a LoRA adapter a request's `lora` or POST "
+                   f"/lora-adapters may set (default {LORA_SCALE_MAX:g}; far beyond 1, "
+                   "activations overflow and answers turn to NaN)")
     g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="without --api-key, requests must name an IP address or localhost "
                    "in Host (DNS rebinding); this allows one more name (repeatable)")
@@ -458,6 +465,13 @@ def _check_limits(a: argparse.Namespace) -> None:
                        f"{a.max_reading}")
     if a.logit_bias_max < 0:
         raise CliError(f"--logit-bias-max: must be >= 0, got {a.logit_bias_max}")
+    if not 0 <= a.lora_scale_max < float("inf"):
+        raise CliError(f"--lora-scale-max: must be a finite number >= 0, got "
+                       f"{a.lora_scale_max:g}")
+    for path, scale in lora_params(a):
+        if abs(scale) > a.lora_scale_max:
+            raise CliError(f"--lora-scaled: {path}'s scale {scale:g} is beyond "
+                           f"--lora-scale-max {a.lora_scale_max:g}; raise that to use it")
 
 
 def _check_chat_and_cache_flags(a: argparse.Namespace) -> None:
@@ -508,6 +522,7 @@ def _server_settings(a: argparse.Namespace, keys: tuple[str, ...], kwargs: dict,
                           reasoning_budget=a.reasoning_budget,
                           slot_prompt_similarity=a.slot_prompt_similarity,
                           logit_bias_max=a.logit_bias_max, body_timeout_s=a.body_timeout,
+                          lora_scale_max=a.lora_scale_max,
                           max_reading=a.max_reading,
                           allowed_hosts=(*a.allowed_host, *_named(a.host)),
                           metrics=a.metrics, special=a.special,
