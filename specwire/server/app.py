@@ -403,8 +403,8 @@ def _auth(api_key: str | None) -> Callable:
             request.headers.get("x-api-key", "")
         matched = [hmac.compare_digest(given.encode(), k) for k in keys] if given else []
         if not any(matched):
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                           "authentication_error")
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, or "
+                           "x-api-key: KEY)", "authentication_error")
         request.state.key_scope = schemas.key_scope(keys[matched.index(True)])
 
     return check

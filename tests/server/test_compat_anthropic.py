@@ -315,3 +315,17 @@ def test_sdk_forced_tool_then_its_result_equal_plain_decoding(client, chat) -> N
         assert again["finish_reason"] == "tool_calls"
     else:
         assert text == again["message"]["content"]
+
+
+def test_toy_the_sdks_stream_helper_assembles_the_message(toy: TestClient) -> None:
+    """The official client's accumulating stream, over the toy app (no model, no process)."""
+    import anthropic as sdk
+    client = sdk.Anthropic(base_url="http://localhost", api_key=KEY, http_client=toy,
+                           max_retries=0)
+    with client.messages.stream(**ASK) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == final.content[0].text == "abcde" and final.stop_reason == "max_tokens"
+    with pytest.raises(sdk.BadRequestError) as e:
+        client.messages.create(model="toy", max_tokens=3, messages=[])
+    assert e.value.body["error"]["type"] == "invalid_request_error"

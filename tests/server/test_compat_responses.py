@@ -310,7 +310,7 @@ def test_one_conversation_through_three_routes_is_the_same_text(chat) -> None:
     drafted = chat.post("/v1/chat/completions", json=as_chat).json()
     m = chat.post("/v1/messages", json=as_messages).json()
     r = chat.post("/v1/responses", json=as_responses).json()
-    assert drafted["choices"][0]["message"]["content"] == text
+    assert text and drafted["choices"][0]["message"]["content"] == text
     assert "".join(b.get("text", "") for b in m["content"]) == text
     assert "".join(p["text"] for i in r["output"] if i["type"] == "message"
                    for p in i["content"]) == text
@@ -319,3 +319,17 @@ def test_one_conversation_through_three_routes_is_the_same_text(chat) -> None:
     assert plain["usage"]["prompt_tokens"] == m["usage"]["input_tokens"] \
         == r["usage"]["input_tokens"]
     assert m["timings"]["draft_n"] + r["timings"]["draft_n"] > 0
+
+
+def test_toy_the_sdks_stream_helper_assembles_the_response(toy: TestClient) -> None:
+    """The official client's accumulating stream, over the toy app (no model, no process)."""
+    from openai import OpenAI
+    client = OpenAI(base_url="http://localhost/v1", api_key="none", http_client=toy,
+                    max_retries=0)
+    with client.responses.stream(model="toy", input="hi", max_output_tokens=5,
+                                 extra_body={"stop": ["d"]}) as s:
+        deltas = "".join(e.delta for e in s if e.type == "response.output_text.delta")
+        final = s.get_final_response()
+    assert deltas == final.output_text == "abc" and final.status == "completed"
+    assert client.responses.create(model="toy", input="hi", max_output_tokens=3).output_text \
+        == "abc"
