@@ -27,10 +27,12 @@ from starlette.concurrency import run_in_threadpool
 
 from specwire.backend.base import Backend
 from specwire.engine.engine import Engine
-from specwire.server import idle_threads, limits, schemas
+from specwire.server import anthropic, idle_threads, limits, oai_responses, schemas
+from specwire.server.anthropic_output import AnthropicMessages
 from specwire.server.deadlines import BodyBudget
 from specwire.server.errors import ApiError, install_handlers
 from specwire.server.metrics import CONTENT_TYPE, Metrics
+from specwire.server.oai_responses_output import OpenAIResponses
 from specwire.server.responses import Dialect, LlamaCompletion, OpenAIChat, OpenAICompletion
 from specwire.server.settings import ServerSettings
 from specwire.server.slots import (
@@ -87,6 +89,7 @@ def create_app(engine: Engine | Sequence[Engine],
     _slot_routes(api, served, read_json)
     _token_routes(api, served, read_json)
     _generation_routes(api, served, read_json)
+    _agent_routes(api, served, read_json)
     if settings.webui:
         _webui_routes(app, api, served)
     app.include_router(api)
@@ -346,6 +349,33 @@ def _generation_routes(api: APIRouter, served: _Served, read_json: Callable) -> 
                               OpenAIChat)
 
 
+def _agent_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
+    """Anthropic's /v1/messages and OpenAI's /v1/responses: translated onto the chat route
+    (anthropic.py, oai_responses.py), answered in their own shapes."""
+    settings, target, names = served.settings, served.target, served.names
+    generate = _generator(served, read_json)
+
+    @api.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await generate(request, "/v1/messages",
+                              lambda b: anthropic.parse(b, target, settings, names),
+                              AnthropicMessages)
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        body = await read_json(request)
+        counted = await run_in_threadpool(anthropic.count_tokens, body, target, settings)
+        served.metrics.request("/v1/messages/count_tokens")
+        return counted
+
+    @api.post("/v1/responses")
+    @api.post("/responses")
+    async def responses(request: Request) -> Response:
+        return await generate(request, "/v1/responses",
+                              lambda b: oai_responses.parse(b, target, settings, names),
+                              OpenAIResponses)
+
+
 def _webui_routes(app: FastAPI, api: APIRouter, served: _Served) -> None:
     """The live page at GET / and its figures at GET /stats.json (webui/)."""
     engines, scheduler, metrics = served.engines, served.scheduler, served.metrics
@@ -378,8 +408,8 @@ def _auth(api_key: str | Sequence[str] | None) -> Callable:
             request.headers.get("x-api-key", "")
         matched = [hmac.compare_digest(given.encode(), k) for k in keys] if given else []
         if not any(matched):
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                           "authentication_error")
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, or "
+                           "x-api-key: KEY)", "authentication_error")
         request.state.key_scope = schemas.key_scope(keys[matched.index(True)])
 
     return check
@@ -444,29 +474,22 @@ async def _result(job: Job, request: Request) -> Result | None:
     return None
 
 
-def _sse_line(obj: dict | str) -> str:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False,
-                                                      separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
 async def _sse(job: Job, request: Request, fmt: Dialect,
                on_done: Callable[[Result], None]) -> AsyncIterator[str]:
     for obj in fmt.opening():
-        yield _sse_line(obj)
+        yield fmt.sse_line(obj)
     async for event in _events(job, request):
         if isinstance(event, TextChunk):
-            obj = fmt.chunk(event)
-            if obj is not None:
-                yield _sse_line(obj)
+            for obj in fmt.chunks(event):
+                yield fmt.sse_line(obj)
         elif isinstance(event, Done):
             on_done(event.result)
             for obj in fmt.closing(event.result):
-                yield _sse_line(obj)
+                yield fmt.sse_line(obj)
         else:
-            yield _sse_line(event.error.body())
+            yield fmt.sse_line(fmt.error_event(event.error))
     if fmt.done_marker:
-        yield _sse_line("[DONE]")
+        yield fmt.sse_line("[DONE]")
 
 
 class _JobStream(StreamingResponse):

@@ -1,4 +1,5 @@
-"""Errors as llama-server and OpenAI clients expect them: {"error": {message, type, code}}.
+"""Errors as llama-server and OpenAI clients expect them: {"error": {message, type, code}};
+on Anthropic's routes (/v1/messages...) as Anthropic's: {"type": "error", "error": {type, message}}.
 
 Every failure a client can cause is an ApiError raised where it is detected
 (parsing, queueing, authentication); the handlers installed here turn it, and
@@ -32,6 +33,21 @@ TYPES = {
     503: "unavailable_error",
 }
 
+#: HTTP status -> Anthropic's error type (any other 4xx: invalid_request_error, 5xx: api_error).
+ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether a request's path is one of Anthropic's routes, answered in its error shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
 
 class ApiError(Exception):
     """A request that cannot be served, with the status and body to answer it with."""
@@ -51,11 +67,18 @@ class ApiError(Exception):
         return {"error": {"code": self.status, "message": self.message, "type": self.type,
                           **self.extra}}
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict:
+        """The body in Anthropic's shape: its clients read error.type and error.message."""
+        kind = ANTHROPIC_TYPES.get(self.status,
+                                   "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
         if self.retry_after is not None:
             headers["Retry-After"] = str(self.retry_after)
-        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers or None)
 
 
 def bad_request(message: str, **extra: object) -> ApiError:
@@ -63,26 +86,29 @@ def bad_request(message: str, **extra: object) -> ApiError:
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Route every exception to an OpenAI-style error body."""
+    """Route every exception to an OpenAI-style error body (Anthropic's on its routes)."""
+
+    def shaped(request: Request, e: ApiError) -> JSONResponse:
+        return e.response(anthropic_path(request.url.path))
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return e.response()
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return shaped(request, e)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
         parts = []
         for err in e.errors():
             where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
             parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return ApiError(400, "; ".join(parts) or "invalid request").response()
+        return shaped(request, ApiError(400, "; ".join(parts) or "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         message = e.detail if isinstance(e.detail, str) else "request failed"
-        return ApiError(e.status_code, message).response()
+        return shaped(request, ApiError(e.status_code, message))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()
+        return shaped(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))

@@ -1,21 +1,24 @@
 """Engine results -> the JSON each API answers with, whole or as stream chunks.
 
-Three dialects share one generation: llama-server's /completion, OpenAI's
-text completions and OpenAI's chat completions. Each is a Dialect object that
-knows its opening chunks, its content chunks and its closing chunks, so the
-streaming code in app.py is written once. Every final body and every last
+Dialects share one generation: llama-server's /completion, OpenAI's text completions
+and chat completions here, Anthropic's messages (anthropic_output.py) and OpenAI's
+responses (oai_responses_output.py). Each is a Dialect object that knows its opening
+chunks, its content chunks and its closing chunks, so the streaming code in app.py is
+written once. Every final body and every last
 stream chunk carries llama-server's `timings` (an extra top-level field in the
 OpenAI dialects, which OpenAI clients ignore).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
 from specwire.server import chat_output
 from specwire.server import probs as probs_json
 from specwire.server.chat_output import ChatOutput, ChatPlan
+from specwire.server.errors import ApiError
 from specwire.server.schemas import Completion
 from specwire.server.slots import Result, TextChunk
 
@@ -34,6 +37,9 @@ class Dialect:
 
     #: whether the stream ends with `data: [DONE]` (OpenAI does, llama-server's /completion not)
     done_marker = True
+    #: whether each event is named by an `event:` line, its object's "type" (Anthropic's
+    #: and the Responses API's streams are; their clients dispatch on the name)
+    named_events = False
 
     def __init__(self, spec: Completion, model: str) -> None:
         self.spec, self.model = spec, model
@@ -44,6 +50,23 @@ class Dialect:
 
     def chunk(self, c: TextChunk) -> dict | None:
         raise NotImplementedError
+
+    def chunks(self, c: TextChunk) -> list[dict]:
+        """The stream objects for one piece of text (chunk's, if any)."""
+        obj = self.chunk(c)
+        return [] if obj is None else [obj]
+
+    def error_event(self, e: ApiError) -> dict:
+        """A failure after the stream has begun, as this API's clients read it."""
+        return e.body()
+
+    def sse_line(self, obj: dict | str) -> str:
+        """One server-sent event."""
+        data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False,
+                                                          separators=(",", ":"))
+        if self.named_events and isinstance(obj, dict):
+            return f"event: {obj.get('type', 'message')}\ndata: {data}\n\n"
+        return f"data: {data}\n\n"
 
     def closing(self, r: Result) -> list[dict]:
         raise NotImplementedError

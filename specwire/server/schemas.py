@@ -16,7 +16,7 @@ import logging
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specwire.config import ConfigError, DraftParams, SamplingParams
@@ -44,6 +44,9 @@ class Completion:
     include_usage: bool = False
     piece: Callable[[int], bytes] | None = None     # a token's bytes (for logprobs)
     chat: ChatPlan | None = None                     # chat only: reasoning and tool calls
+    #: what the answer repeats of a request translated onto the chat route (Anthropic's
+    #: stop_sequences, the Responses API's tools...): see anthropic.py, oai_responses.py
+    echo: dict = field(default_factory=dict)
 
     def settings(self) -> dict:
         """llama-server's `generation_settings` for this request."""

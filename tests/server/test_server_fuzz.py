@@ -67,21 +67,21 @@ def test_generated_bodies_never_get_a_5xx(http: httpx.Client, path: str, data) -
     # json.dumps keeps ensure_ascii: a lone surrogate goes out as its \\udXXX escape
     raw = json.dumps(data.draw(bodies(path))).encode()
     r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
-    _check(r, f"POST {path} {raw[:300]!r}")
+    _check(r, f"POST {path} {raw[:300]!r}", path)
 
 
 @FUZZ
 @given(path=st.sampled_from(POSTS), raw=_raw_bodies())
 def test_raw_bytes_never_get_a_5xx(http: httpx.Client, path: str, raw: bytes) -> None:
     r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
-    _check(r, f"POST {path} {raw[:300]!r}")
+    _check(r, f"POST {path} {raw[:300]!r}", path)
 
 
 @settings(max_examples=max(10, EXAMPLES // 4), deadline=None)
 @given(path=st.one_of(st.sampled_from(GETS),
                       st.lists(segment, max_size=3).map(lambda parts: "/" + "/".join(parts))))
 def test_gets_never_get_a_5xx(http: httpx.Client, path: str) -> None:
-    _check(http.get(path), f"GET {path}")
+    _check(http.get(path), f"GET {path}", path)
 
 
 @FUZZ
@@ -90,4 +90,4 @@ def test_hostile_constraints_never_get_a_5xx(http: httpx.Client, case) -> None:
     path, body = case
     raw = json.dumps(body).encode()
     r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
-    _check(r, f"POST {path} {raw[:300]!r}")
+    _check(r, f"POST {path} {raw[:300]!r}", path)

@@ -8,7 +8,8 @@ import httpx
 from hypothesis import strategies as st
 
 POSTS = ["/completion", "/completions", "/v1/completions", "/v1/chat/completions",
-         "/chat/completions", "/tokenize", "/detokenize"]
+         "/chat/completions", "/tokenize", "/detokenize", "/v1/messages",
+         "/v1/messages/count_tokens", "/v1/responses"]
 
 
 GETS = ["/health", "/v1/models", "/models", "/props", "/metrics", "/v1/models/x", "/nowhere"]
@@ -21,7 +22,8 @@ FIELDS = ["prompt", "messages", "content", "tokens", "n_predict", "max_tokens",
           "return_tokens", "n", "best_of", "logprobs", "n_probs", "echo", "model",
           "presence_penalty", "frequency_penalty", "response_format", "add_special",
           "parse_special", "with_pieces", "grammar", "tools", "json_schema", "tool_choice",
-          "logit_bias"]
+          "logit_bias", "system", "stop_sequences", "thinking", "input", "instructions",
+          "max_output_tokens", "previous_response_id", "store", "text", "background"]
 
 
 # Text with everything JSON can carry, lone surrogates included (json.dumps escapes them):
@@ -95,6 +97,41 @@ messages = st.lists(st.one_of(st.fixed_dictionaries(
     max_size=3)
 
 
+# Anthropic's content blocks and the Responses API's items, right and wrong
+blocks = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(text, values)}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.one_of(text, values),
+                           "name": st.one_of(st.just("f"), text, values),
+                           "input": st.one_of(values, st.dictionaries(text, values))}),
+    st.fixed_dictionaries({"type": st.just("tool_result"),
+                           "tool_use_id": st.one_of(st.just("f"), text, values),
+                           "content": st.one_of(text, values, deep_text),
+                           "is_error": st.one_of(st.booleans(), values)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["thinking", "image", "document"]),
+                           "thinking": text}),
+    values), max_size=3)
+
+
+anthropic_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from(["user", "assistant"]), text),
+     "content": st.one_of(text, blocks, values)}), max_size=3)
+
+
+items = st.one_of(text, st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "tool"]),
+                           "content": st.one_of(text, values, st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "input_image"]),
+                                "text": text}), max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.one_of(text, values),
+                           "name": st.one_of(st.just("f"), text, values),
+                           "arguments": st.one_of(deep_text, text, values)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"),
+                           "call_id": st.one_of(text, values),
+                           "output": st.one_of(text, values, deep_text)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference", "x"])}),
+    values), max_size=3))
+
+
 tools = st.lists(st.one_of(
     st.builds(lambda s: {"type": "function", "function": {"name": "f", "parameters": s}},
               schemas), values), max_size=2)
@@ -115,7 +152,15 @@ plausible = {
                   schemas),
         st.builds(lambda s: {"type": "json_object", "schema": s}, schemas)),
     "tools": tools,
-    "tool_choice": st.sampled_from(["auto", "required", "none"]),
+    "tool_choice": st.sampled_from(["auto", "required", "none", {"type": "any"},
+                                    {"type": "tool", "name": "f"},
+                                    {"type": "function", "name": "f"}]),
+    "system": st.one_of(text, blocks),
+    "stop_sequences": st.lists(text, max_size=20),
+    "input": items,
+    "thinking": st.one_of(st.fixed_dictionaries(
+        {"type": st.sampled_from(["enabled", "disabled", "x"]), "budget_tokens": numbers}),
+        values),
     "logit_bias": st.one_of(st.dictionaries(st.integers(0, 300000).map(str), numbers,
                                             max_size=5),
                             st.builds(lambda n: {str(i): 1 for i in range(n)},
@@ -126,7 +171,10 @@ plausible = {
 BASES = {"/tokenize": {"content": "Hello"}, "/detokenize": {"tokens": [2, 100]},
          "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}],
                                   "max_tokens": 2},
-         "/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]}}
+         "/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
+         "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+         "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "Hi"}]},
+         "/v1/responses": {"input": "Hi", "max_output_tokens": 2}}
 
 
 PROMPT_BASE = {"prompt": "Hello", "n_predict": 2, "temperature": 0}
@@ -143,7 +191,7 @@ def bodies(draw, path: str) -> dict:
         if draw(st.integers(0, 9)) == 0:
             body.pop(key, None)
         elif key in plausible and draw(st.booleans()):
-            body[key] = draw(plausible[key])
+            body[key] = draw(_plausible(path, key))
         else:
             body[key] = draw(st.one_of(numbers, text, values))
     return body
@@ -166,12 +214,34 @@ def _raw_bodies() -> st.SearchStrategy[bytes]:
                          b'{"prompt": "hi", "seed": 1e999}', b"\xef\xbb\xbf{}", b"null"]))
 
 
-def _check(r: httpx.Response, what: str) -> None:
+def _plausible(path: str, key: str) -> st.SearchStrategy:
+    """A plausible value of `key` in `path`'s API: messages are blocks on Anthropic's route."""
+    if key == "messages" and path.startswith("/v1/messages"):
+        return anthropic_messages
+    if key == "tools" and path.startswith("/v1/messages"):
+        return st.lists(st.one_of(st.builds(lambda s: {"name": "f", "input_schema": s},
+                                            schemas), values), max_size=2)
+    if key == "tools" and path == "/v1/responses":
+        return st.lists(st.one_of(st.builds(
+            lambda s: {"type": "function", "name": "f", "parameters": s}, schemas), values),
+            max_size=2)
+    return plausible[key]
+
+
+def _check(r: httpx.Response, what: str, path: str = "") -> None:
+    """No 5xx, and an error body in the route's API's shape (Anthropic's on its routes)."""
     assert r.status_code < 500, f"{what} -> {r.status_code}: {r.text[:500]}"
     if r.status_code >= 400 and r.status_code != 499:
-        err = r.json()["error"]
-        assert err["code"] == r.status_code and err["message"] and err["type"], r.text
-    assert '"server_error"' not in r.text, f"{what}: {r.text[:500]}"
+        if path.startswith("/v1/messages"):
+            body = r.json()
+            assert body["type"] == "error", r.text
+            err = body["error"]
+            assert err["message"] and err["type"], r.text
+        else:
+            err = r.json()["error"]
+            assert err["code"] == r.status_code and err["message"] and err["type"], r.text
+    assert '"server_error"' not in r.text and '"api_error"' not in r.text, \
+        f"{what}: {r.text[:500]}"
 
 
 segment = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E,
@@ -183,8 +253,23 @@ def constrained(draw) -> tuple[str, dict]:
     """A generation request carrying a hostile constraint or history (issue 23's shapes):
     huge repetition counts, deep nesting, long chains, malformed tool calls, nested JSON
     inside strings."""
-    chat = draw(st.booleans())
-    if chat:
+    route = draw(st.sampled_from(["chat", "completion", "messages", "responses"]))
+    if route == "messages":
+        body = {"messages": draw(st.one_of(anthropic_messages, st.just(
+            [{"role": "user", "content": "Hi"}]))), "max_tokens": 2}
+        if draw(st.booleans()):
+            body["tools"] = draw(_plausible("/v1/messages", "tools"))
+            body["tool_choice"] = draw(st.sampled_from([{"type": "auto"}, {"type": "any"}]))
+        return "/v1/messages", body
+    if route == "responses":
+        body = {"input": draw(st.one_of(items, st.just("Hi"))), "max_output_tokens": 2}
+        if draw(st.booleans()):
+            body["tools"] = draw(_plausible("/v1/responses", "tools"))
+            body["tool_choice"] = draw(st.sampled_from(["auto", "required"]))
+        else:
+            body["text"] = {"format": {"type": "json_schema", "schema": draw(schemas)}}
+        return "/v1/responses", body
+    if route == "chat":
         body = {"messages": draw(st.one_of(messages, st.just(
             [{"role": "user", "content": "Hi"}]))), "max_tokens": 2}
         key = draw(st.sampled_from(["response_format", "tools", "messages"]))
