@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
