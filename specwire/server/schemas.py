@@ -224,9 +224,7 @@ def n_predict(f: Fields, settings: ServerSettings, n_ctx: int) -> int:
                           f"got {n}")
     if n == -1:   # with context shift, as llama-server: until EOS (int32's limit)
         n = limits.INT32_MAX if settings.context_shift else n_ctx
-    if settings.n_predict >= 0:
-        n = min(n, settings.n_predict)
-    return n
+    return n     # the server's -n is the default only: the request's value wins (llama-server)
 
 
 def stop_strings(f: Fields) -> list[str]:
@@ -349,7 +347,7 @@ def completion(body: dict, backend: Any, settings: ServerSettings, names: Sequen
     """POST /completion (dialect "llama") and /v1/completions ("completions").
 
     llama-server's conventions: n_predict (alias max_tokens, max_completion_tokens) -1 runs
-    until the context is full (with --context-shift: no limit), capped by the server's -n;
+    until the context is full (with --context-shift: no limit), default the server's -n;
     n_keep (default --keep) and n_discard shape a context shift; lora [{"id", "scale"}]
     sets this request's adapter scales (unnamed adapters off); seed -1 is a random seed;
     "speculative.n_max/n_min/p_min" or {"speculative": {...}}, and "speculative": false or

@@ -23,7 +23,8 @@ class ServerSettings:
                    else gemma for Gemma models, chatml otherwise (see specwire.text.chat).
     api_key:       when set, every endpoint but /health wants `Authorization: Bearer KEY`.
     queue_size:    requests allowed to wait for a slot; one more is refused with 429.
-    n_predict:     the server's cap on tokens per request (-1: up to the context size).
+    n_predict:     the tokens a request gets when it names none (-1: up to the context
+                   size); a request's own n_predict / max_tokens wins, as in llama-server.
     webui:         serve the live page at GET / and its figures at /stats.json.
     max_body:      bytes a request body may have; more is refused with 413 (limits.py).
     reasoning_format: "none" keeps <think> blocks in the content; "deepseek"/"auto" move

@@ -98,9 +98,9 @@ IGNORED: tuple[Flag, ...] = (
        "uses -ngl and -c as given"),
     _f("-fitt --fit-target", 1, "the margin for --fit, which specwire does not do"),
     _f("-fitc --fit-ctx", 1, "the floor for --fit, which specwire does not do"),
-    _f("-kvu --kv-unified", 0, "one KV buffer for every slot: specwire's -np slots always "
-       "share one unified cache"),
-    _f("-no-kvu --no-kv-unified", 0, "specwire's -np slots always share one unified cache"),
+    _f("-kvu --kv-unified", 0, "each slot holds -c/-np tokens here, as llama.cpp splits "
+       "the context without -kvu; slots cannot grow into one shared pool of cells"),
+    _f("-no-kvu --no-kv-unified", 0, "already so here: each slot holds -c/-np tokens"),
     _f("--swa-full", 0, "always on here: rolling back rejected draft tokens needs the "
        "full sliding-window cache"),
     _f("-dt --defrag-thold", 1, "deprecated in llama.cpp; the cache defragments by itself"),

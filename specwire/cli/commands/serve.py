@@ -124,8 +124,9 @@ def _add_chat_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
                    help="a JSON object of template variables every chat request gets "
                    "(its own chat_template_kwargs win), e.g. '{\"enable_thinking\": false}'")
-    g.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
-                   help="the live page at GET / (--no-webui: off, / and /stats.json are 404)")
+    g.add_argument("--webui", "--ui", action=argparse.BooleanOptionalAction, default=True,
+                   help="the live page at GET / (--no-webui or --no-ui: off, / and /stats.json "
+                   "are 404)")
     g.add_argument("-a", "--alias", help="model name for /v1/models (default: the file name)")
     g.add_argument("--chat-template", default=None, metavar="NAME",
                    help="chat template by llama.cpp name (chatml, gemma, llama3, llama2, "
@@ -147,12 +148,13 @@ def _add_slot_args(g: argparse._ActionsContainer) -> None:
     """Slots, the waiting queue and the tokens a request may ask for."""
     g.add_argument("-np", "--parallel", type=int, default=1,
                    help="slots: requests generating at once, batched into one decode per step "
-                   "(each has its own sequence of the KV cache, of -c tokens, and its own "
-                   "drafter)")
+                   "(each has its own sequence of the KV cache, of -c/-np tokens as in "
+                   "llama-server, and its own drafter)")
     g.add_argument("--queue-size", type=int, default=16,
                    help="requests that may wait for a slot; more are refused with 429")
     g.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=-1,
-                   help="most tokens per request (-1: up to the context size)")
+                   help="tokens a request gets when it does not say (n_predict, max_tokens); "
+                   "a request's own value wins, as in llama-server (-1: up to the context)")
 
 
 def _add_limit_args(g: argparse._ActionsContainer) -> None:
@@ -382,6 +384,8 @@ def run(a: argparse.Namespace) -> int:
     tls = ssl_files(a)
     grammar = server_grammar(a)
     _check_limits(a)
+    _check_host(a.host)
+    per_slot_context(a)
     _check_chat_and_cache_flags(a)
     settings = _server_settings(a, keys, kwargs, grammar)
     engines = _build_engines(a, grammar)
@@ -430,6 +434,30 @@ def _check_limits(a: argparse.Namespace) -> None:
                        f"{a.max_reading}")
     if a.logit_bias_max < 0:
         raise CliError(f"--logit-bias-max: must be >= 0, got {a.logit_bias_max}")
+
+
+def per_slot_context(a: argparse.Namespace) -> None:
+    """-c is the whole context, shared by the -np slots, as in llama-server (llama.cpp's
+    n_ctx_seq = n_ctx / n_parallel): each slot gets -c/-np tokens (a.ctx_size becomes
+    that), so a pasted command line allocates the KV cache its author planned."""
+    if a.parallel <= 1:
+        return
+    per_slot = a.ctx_size // a.parallel
+    if per_slot < 16:
+        raise CliError(f"-c {a.ctx_size} -np {a.parallel}: each slot would get {per_slot} "
+                       "tokens (-c is shared by the -np slots, as in llama-server); give "
+                       f"-c at least {16 * a.parallel}")
+    if a.ctx_size % a.parallel:
+        log.warning("-c %d is not a multiple of -np %d: each slot gets %d tokens",
+                    a.ctx_size, a.parallel, per_slot)
+    a.ctx_size = per_slot
+
+
+def _check_host(host: str) -> None:
+    """One address, as llama-server binds one: a comma list is refused by name."""
+    if "," in host:
+        raise CliError(f"--host {host}: one address only (llama-server binds one too); "
+                       "use 0.0.0.0 or :: for every interface, or run one server per address")
 
 
 def _check_chat_and_cache_flags(a: argparse.Namespace) -> None:
@@ -530,9 +558,9 @@ def _log_listening(a: argparse.Namespace, sock: socket.socket, engines: list, tl
     host = f"[{a.host}]" if ":" in a.host else a.host
     target, drafter = engines[0].target, engines[0].drafter
     scheme = "https" if tls else "http"
-    log.info("listening on %s://%s:%d (target %s, drafter %s, %d slot%s, context %d)",
+    log.info("listening on %s://%s:%d (target %s, drafter %s, %d slot%s, context %d%s)",
              scheme, host, port, target.name, drafter.name, a.parallel, "s" * (a.parallel > 1),
-             target.n_ctx)
+             target.n_ctx, " per slot" if a.parallel > 1 else "")
     if a.webui:
         log.info("live page: %s://%s:%d/", scheme, host, port)
 
