@@ -23,6 +23,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 
 from specwire.backend.base import Backend
 from specwire.engine.engine import Engine
@@ -78,12 +79,17 @@ def create_app(engine: Engine | Sequence[Engine],
     app.state.scheduler, app.state.metrics, app.state.settings = \
         served.scheduler, served.metrics, settings
     install_handlers(app)
+    if settings.cors_origins:      # llama-server's CORS: any origin unless --cors-origins
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=list(settings.cors_methods),
+                           allow_headers=list(settings.cors_headers),
+                           allow_credentials=settings.cors_credentials, max_age=600)
     _health_routes(app)
     api = APIRouter(dependencies=[Depends(_auth(settings.api_key)),
                                   Depends(_host_check(settings))])
     read_json = _json_reader(served)
     _model_routes(api, served)
-    _slot_routes(api, served, read_json)
+    _slot_routes(api, served, _json_reader(served, strict=True))
     _token_routes(api, served, read_json)
     _generation_routes(api, served, read_json)
     if settings.webui:
@@ -211,6 +217,7 @@ def _slot_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
 
     @api.post("/lora-adapters")
     async def set_lora_adapters(request: Request) -> list:
+        limits.check_json_type(request, strict=True)       # state-changing: no simple POST
         raw = await limits.read_body(request, settings.max_body)   # a JSON array, not object
         try:
             body = json.loads(raw)
@@ -231,21 +238,14 @@ def _slot_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
             return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE)
 
 
-def _json_reader(served: _Served) -> Callable:
-    """read_json for the routes that take a JSON body."""
+def _json_reader(served: _Served, strict: bool = False) -> Callable:
+    """read_json for the routes that take a JSON body (limits.check_json_type: `strict`
+    for the state-changing admin routes)."""
     settings, budget = served.settings, served.budget
 
     async def read_json(request: Request) -> dict:
-        """The body within --max-body, parsed off the event loop (a large one takes a while).
-
-        Only as application/json: a web page may POST text/plain (or a typeless Blob) to
-        any address without asking first, but not JSON (the CORS preflight).
-        """
-        ctype = request.headers.get("content-type", "")
-        if ctype.split(";", 1)[0].strip().lower() != "application/json":
-            raise ApiError(415, f"Content-Type: must be application/json, got "
-                           f"{ctype[:60]!r} (curl: -H 'Content-Type: application/json')",
-                           "invalid_request_error")
+        """The body within --max-body, parsed off the event loop (a large one takes a while)."""
+        limits.check_json_type(request, strict)
         raw = await limits.read_body(request, settings.max_body, budget)
         return await run_in_threadpool(schemas.parse_json, raw)
 

@@ -399,7 +399,8 @@ def rendered(body: dict, backend: Any, settings: ServerSettings
                                    settings.template_kwargs)}
     try:
         text = chat.render_for(backend, tool_calls.messages_for(tools, messages),
-                               settings.chat_template, **variables)
+                               settings.chat_template, settings.prefill_assistant,
+                               **variables)
     except ConfigError as e:
         where = "tools: the chat template cannot render this request: " if tools else ""
         raise bad_request(where + str(e)) from None

@@ -55,6 +55,11 @@ class ServerSettings:
                    shift keeps (-1: all of them).
     context_shift: a full context is shifted and generation goes on (--context-shift); then
                    n_predict -1 means no limit, as in llama-server, instead of the context.
+    cors_origins:  origins a browser may call from (CORS, as llama-server answers it: "*"
+                   any; () none, no CORS headers); a preflight needs no API key.
+    cors_methods, cors_headers, cors_credentials: the preflight's answers.
+    prefill_assistant: a chat ending in an assistant message continues that message
+                   (llama-server's default; --no-prefill-assistant starts a new turn).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -85,3 +90,8 @@ class ServerSettings:
     slot_save_path: str | None = None
     n_keep: int = 0
     context_shift: bool = False
+    cors_origins: tuple[str, ...] = ("*",)
+    cors_methods: tuple[str, ...] = ("GET", "POST")
+    cors_headers: tuple[str, ...] = ("*",)
+    cors_credentials: bool = False
+    prefill_assistant: bool = True

@@ -33,8 +33,8 @@ def toy_app():
     @contextlib.contextmanager
     def run(n_seq: int = 1, **settings):
         engines = [Engine(ToyBackend(delay=0), SpyDrafter()) for _ in range(n_seq)]
-        s = ServerSettings(sampling=SamplingParams(temperature=0.0), chat_template="chatml",
-                           **settings)
+        settings.setdefault("chat_template", "chatml")
+        s = ServerSettings(sampling=SamplingParams(temperature=0.0), **settings)
         with serve_app(create_app(engines, s)) as url:
             yield url
     return run
@@ -93,3 +93,99 @@ def test_toy_server_request_tokens_beyond_the_server_n(toy_app) -> None:
         long = httpx.post(url + "/completion", json={"prompt": "a", "n_predict": 6},
                           timeout=10).json()
     assert short["tokens_predicted"] == 3 and long["tokens_predicted"] == 6
+
+
+# ------------------------------------------------------------------------ CORS (fast)
+
+
+def test_cors_preflight_needs_no_key_and_any_origin_is_answered(toy_app) -> None:
+    """A browser page on another origin: its preflight (OPTIONS, no key) is allowed, and
+    the request itself, with the key, carries Access-Control-Allow-Origin; without the key
+    it is still a 401. A request with a foreign Host is still refused (DNS rebinding)."""
+    origin = {"Origin": "http://app.example"}
+    pre = {**origin, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    with toy_app(api_key="k") as url:
+        r = httpx.options(url + "/v1/chat/completions", headers=pre, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] in ("*", "http://app.example")
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = httpx.post(url + "/completion", json={"prompt": "a", "n_predict": 2},
+                       headers={**origin, "Authorization": "Bearer k"}, timeout=10)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = httpx.post(url + "/completion", json={"prompt": "a"}, headers=origin, timeout=10)
+        assert r.status_code == 401
+    with toy_app() as url:
+        r = httpx.post(url + "/completion", json={"prompt": "a", "n_predict": 1},
+                       headers={**origin, "Host": "evil.example"}, timeout=10)
+        assert r.status_code == 403
+
+
+def test_cors_origins_limits_who_may_call_and_none_turns_it_off(toy_app) -> None:
+    pre = {"Access-Control-Request-Method": "POST"}
+    with toy_app(cors_origins=("http://ok.example",)) as url:
+        ok = httpx.options(url + "/completion", headers={**pre, "Origin": "http://ok.example"})
+        bad = httpx.options(url + "/completion", headers={**pre, "Origin": "http://x.example"})
+        assert ok.headers["access-control-allow-origin"] == "http://ok.example"
+        assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+    with toy_app(cors_origins=()) as url:
+        r = httpx.get(url + "/props", headers={"Origin": "http://x.example"}, timeout=10)
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    a = parse("--cors-origins", "none", "--cors-methods", "get,post", "--cors-credentials")
+    assert serve.cors_settings(a) == {"cors_origins": (), "cors_methods": ("GET", "POST"),
+                                      "cors_headers": ("*",), "cors_credentials": True}
+
+
+def test_admin_routes_still_take_application_json_only(toy_app) -> None:
+    """A text/plain POST is a "simple request" any page may send without a preflight: the
+    generation routes read it as JSON (llama-server's curl -d), the state-changing ones
+    (/slots/*, /lora-adapters) refuse it."""
+    with toy_app() as url:
+        for path in ("/slots/0?action=save", "/lora-adapters"):
+            r = httpx.post(url + path, content=b'{"filename": "x"}',
+                           headers={"Content-Type": "text/plain"}, timeout=10)
+            assert r.status_code == 415, (path, r.text)
+        r = httpx.post(url + "/completion", content=b'{"prompt": "a", "n_predict": 1}',
+                       headers={"Content-Type": "application/x-www-form-urlencoded"},
+                       timeout=10)
+        assert r.status_code == 200
+
+
+# ------------------------------------------------------------------------ chat (fast)
+
+
+def test_a_final_assistant_message_is_continued(toy_app) -> None:
+    """llama-server's prefill: the last assistant message is continued, not closed and
+    followed by a new turn; --no-prefill-assistant closes it."""
+    body = {"messages": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello, I am"}]}
+    with toy_app() as url:
+        prompt = httpx.post(url + "/apply-template", json=body, timeout=10).json()["prompt"]
+        assert prompt.endswith("<|im_start|>assistant\nHello, I am")
+        two = {"messages": [*body["messages"], {"role": "assistant", "content": "x"}]}
+        r = httpx.post(url + "/apply-template", json=two, timeout=10)
+        assert r.status_code == 400 and "2 or more assistant" in r.text
+    with toy_app(prefill_assistant=False) as url:
+        prompt = httpx.post(url + "/apply-template", json=body, timeout=10).json()["prompt"]
+        assert prompt.endswith("Hello, I am<|im_end|>\n<|im_start|>assistant\n")
+    assert parse("--no-prefill-assistant").prefill_assistant is False
+
+
+@pytest.mark.parametrize("name", ["command-r", "deepseek3", "gpt-oss", "llama2-sys",
+                                  "mistral-v3-tekken"])
+def test_every_llama_cpp_template_name_is_served(toy_app, name: str) -> None:
+    from specwire.text import chat
+    assert name in chat.builtin_names()
+    serve._check_chat_and_cache_flags(parse("--chat-template", name))
+    body = {"messages": [{"role": "user", "content": "Hi there"}]}
+    with toy_app(chat_template=name) as url:
+        r = httpx.post(url + "/apply-template", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        assert "Hi there" in r.json()["prompt"]
+        assert httpx.get(url + "/props", timeout=10).json()["chat_template_name"] == name
+
+
+def test_an_unknown_template_name_lists_llama_cpp_s() -> None:
+    with pytest.raises(CliError, match="command-r"):
+        serve._check_chat_and_cache_flags(parse("--chat-template", "nope"))

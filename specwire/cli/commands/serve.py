@@ -46,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "speculative decoding (bundled pair by default), and a live page at GET /.")
     g = p.add_argument_group("server")
     _add_listen_args(g)
+    _add_cors_args(g)
     _add_endpoint_args(g)
     _add_constraint_args(g)
     _add_chat_args(g)
@@ -79,6 +80,32 @@ def _add_listen_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--threads-http", type=int, default=-1, metavar="N",
                    help="threads that parse, tokenize and render requests (-1: the "
                    "default pool)")
+
+
+def _add_cors_args(g: argparse._ActionsContainer) -> None:
+    """CORS, as llama-server answers it: any origin by default (docs/hardening.md)."""
+    g.add_argument("--cors-origins", default="*", metavar="LIST",
+                   help="origins a browser page may call this server from, comma list ('*': "
+                   "any, the default, as llama-server; 'none': no CORS headers). Without "
+                   "--api-key any web page can then use the server: see docs/hardening.md")
+    g.add_argument("--cors-methods", default="GET,POST", metavar="LIST",
+                   help="methods a preflight allows (default GET,POST)")
+    g.add_argument("--cors-headers", default="*", metavar="LIST",
+                   help="request headers a preflight allows (default '*': any)")
+    g.add_argument("--cors-credentials", action=argparse.BooleanOptionalAction, default=False,
+                   help="answer Access-Control-Allow-Credentials: true (no cookies are used "
+                   "here; the API key is a header)")
+
+
+def cors_settings(a: argparse.Namespace) -> dict:
+    """--cors-* -> ServerSettings' cors_* fields."""
+    def items(text: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    origins = () if a.cors_origins.strip().lower() in ("", "none") else items(a.cors_origins)
+    return {"cors_origins": origins,
+            "cors_methods": tuple(m.upper() for m in items(a.cors_methods)),
+            "cors_headers": items(a.cors_headers), "cors_credentials": a.cors_credentials}
 
 
 def _add_endpoint_args(g: argparse._ActionsContainer) -> None:
@@ -129,11 +156,15 @@ def _add_chat_args(g: argparse._ActionsContainer) -> None:
                    "are 404)")
     g.add_argument("-a", "--alias", help="model name for /v1/models (default: the file name)")
     g.add_argument("--chat-template", default=None, metavar="NAME",
-                   help="chat template by llama.cpp name (chatml, gemma, llama3, llama2, "
-                   "mistral-v7, phi3, zephyr, vicuna) or Jinja source; overrides the GGUF's. "
-                   "Default: the GGUF's own, else gemma for Gemma models, else chatml")
+                   help="chat template by any of llama.cpp's built-in names (chatml, gemma, "
+                   "llama3, command-r, deepseek3, gpt-oss, ...) or Jinja source; overrides "
+                   "the GGUF's. Default: the GGUF's own, else gemma for Gemma models, else "
+                   "chatml")
     g.add_argument("--chat-template-file", default=None, metavar="FILE",
                    help="read the Jinja chat template from FILE (overrides --chat-template)")
+    g.add_argument("--prefill-assistant", action=argparse.BooleanOptionalAction, default=True,
+                   help="a chat ending in an assistant message continues that message, as "
+                   "llama-server does (--no-prefill-assistant: a new turn after it)")
     g.add_argument("--jinja", action="store_true",
                    help="accepted for llama-server compatibility: templates are always Jinja "
                    "here (tools, tool_choice and chat_template_kwargs need no flag)")
@@ -489,10 +520,10 @@ def _check_chat_and_cache_flags(a: argparse.Namespace) -> None:
         logging.getLogger("specwire.flags").warning(
             "--keep: ignored: it is what a context shift keeps, and --context-shift is off "
             "(llama-server's default): generation stops at the context's end")
-    if (a.chat_template and a.chat_template not in chat.TEMPLATES
+    if (a.chat_template and not chat.is_known(a.chat_template)
             and not chat.is_jinja(a.chat_template)):
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
-                       f"{', '.join(sorted(chat.TEMPLATES))} (or a Jinja template)")
+                       f"{', '.join(chat.builtin_names())} (or a Jinja template)")
 
 
 def _server_settings(a: argparse.Namespace, keys: tuple[str, ...], kwargs: dict,
@@ -516,7 +547,8 @@ def _server_settings(a: argparse.Namespace, keys: tuple[str, ...], kwargs: dict,
                           parallel_tool_calls=a.parallel_tool_calls, slots=a.slots,
                           spm_infill=a.spm_infill,
                           slot_save_path=slot_folder(a.slot_save_path),
-                          n_keep=a.keep, context_shift=a.context_shift)
+                          n_keep=a.keep, context_shift=a.context_shift,
+                          prefill_assistant=a.prefill_assistant, **cors_settings(a))
 
 
 def _build_engines(a: argparse.Namespace, grammar) -> list:  # noqa: ANN001 - GrammarSpec
