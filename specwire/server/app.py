@@ -168,9 +168,12 @@ def _model_routes(api: APIRouter, served: _Served) -> None:
     engines, settings, scheduler = served.engines, served.settings, served.scheduler
     target, names, started = served.target, served.names, served.started
 
+    aliases = [n.strip() for n in (settings.alias or "").split(",") if n.strip()]
+
     def model_card() -> dict:
         label, _ = chat.template_for(target, settings.chat_template)
-        return {"id": names[0], "object": "model", "created": started, "owned_by": "specwire",
+        return {"id": names[0], "aliases": aliases, "object": "model", "created": started,
+                "owned_by": "specwire",
                 "meta": {"file": target.name, "n_ctx": target.n_ctx, "n_vocab": target.n_vocab,
                          "drafter": engines[0].drafter.name, "chat_template": label,
                          "slots": len(scheduler.slots)}}
@@ -178,7 +181,10 @@ def _model_routes(api: APIRouter, served: _Served) -> None:
     @api.get("/v1/models")
     @api.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        card = model_card()      # and llama-server's Ollama-style list beside OpenAI's
+        return {"models": [{"name": card["id"], "model": card["id"], "aliases": aliases,
+                            "type": "model", "capabilities": ["completion"]}],
+                "object": "list", "data": [card]}
 
     @api.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
@@ -285,8 +291,11 @@ def _generator(served: _Served, read_json: Callable) -> Callable:
             scheduler.check_room()    # before the body is read, parsed and tokenized
             body = await read_json(request)
             spec = await run_in_threadpool(parse, body)
+            if isinstance(spec, list):      # several prompts (/completion): one job each
+                return await many(request, endpoint, spec, dialect)
             schemas.scope_by_key(spec.request, getattr(request.state, "key_scope", ""))
-            job = Job(spec.request, spec.stops, spec.stream, special=settings.special)
+            job = Job(spec.request, spec.stops, spec.stream, special=settings.special,
+                      slot=scheduler.slot_for(spec.id_slot))
             scheduler.submit(job)
         except Draining:
             raise shutting_down() from None
@@ -306,6 +315,31 @@ def _generator(served: _Served, read_json: Callable) -> Callable:
             return Response(status_code=499)
         recent.record(endpoint, result)
         return JSONResponse(fmt.whole(result))
+
+    async def many(request: Request, endpoint: str, specs: list[schemas.Completion],
+                   dialect: type[Dialect]) -> Response:
+        """llama-server's answer to a list of prompts: a list of results, each with its
+        `index`, the prompts queued at once (they run side by side on free slots)."""
+        key = getattr(request.state, "key_scope", "")
+        jobs = []
+        try:
+            for spec in specs:
+                schemas.scope_by_key(spec.request, key)
+                jobs.append(Job(spec.request, spec.stops, False, special=settings.special,
+                                slot=scheduler.slot_for(spec.id_slot)))
+                scheduler.submit(jobs[-1])
+            metrics.request(endpoint)
+            results = [await _result(job, request) for job in jobs]
+        finally:
+            for job in jobs:
+                scheduler.cancel(job)
+        if any(r is None for r in results):
+            return Response(status_code=499)
+        out = []
+        for i, (spec, result) in enumerate(zip(specs, results, strict=True)):
+            recent.record(endpoint, result)
+            out.append({**dialect(spec, names[0]).whole(result), "index": i})
+        return JSONResponse(out)
 
     return generate
 

@@ -13,11 +13,15 @@ from __future__ import annotations
 import time
 import uuid
 
+from specwire import __version__
 from specwire.server import chat_output
 from specwire.server import probs as probs_json
 from specwire.server.chat_output import ChatOutput, ChatPlan
 from specwire.server.schemas import Completion
 from specwire.server.slots import Result, TextChunk
+
+#: OpenAI's system_fingerprint: the build that answered (llama-server's "b<build>-<commit>").
+FINGERPRINT = f"specwire-{__version__}"
 
 
 def finish_reason(stop_type: str) -> str:
@@ -107,7 +111,7 @@ class OpenAICompletion(Dialect):
 
     def _envelope(self, choices: list[dict], **extra: object) -> dict:
         return {"id": self.id, "object": self.object_name, "created": self.created,
-                "model": self.model, "system_fingerprint": "specwire", "choices": choices,
+                "model": self.model, "system_fingerprint": FINGERPRINT, "choices": choices,
                 **extra}
 
     def _choice(self, text: str, finish: str | None, probs: list | None = None) -> dict:
@@ -187,5 +191,5 @@ class OpenAIChat(OpenAICompletion):
         choice = {"index": 0, "message": msg.openai(), "logprobs": self._logprobs(r.probs),
                   "finish_reason": finish}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "system_fingerprint": "specwire", "choices": [choice],
+                "model": self.model, "system_fingerprint": FINGERPRINT, "choices": [choice],
                 "usage": usage(r), "timings": r.timings}

@@ -44,6 +44,7 @@ class Completion:
     include_usage: bool = False
     piece: Callable[[int], bytes] | None = None     # a token's bytes (for logprobs)
     chat: ChatPlan | None = None                     # chat only: reasoning and tool calls
+    id_slot: int = -1                                # the slot asked for (-1: any)
 
     def settings(self) -> dict:
         """llama-server's `generation_settings` for this request."""
@@ -268,8 +269,8 @@ def prompt_tokens(value: Any, backend: Any, name: str = "prompt") -> list[int]:
                                                     for x in value if isinstance(x, str)),
                      backend.n_ctx)
     if sum(isinstance(x, str) for x in value) > 1 and not any(_is_int(x) for x in value):
-        raise bad_request(f"{name}: several prompts in one request are not supported; "
-                          "send one request per prompt")
+        raise bad_request(f"{name}: several prompts in one request are supported on "
+                          "/completion only (a list of results); send one request per prompt")
     tokens: list[int] = []
     for i, x in enumerate(value):
         if isinstance(x, str):
@@ -343,7 +344,8 @@ def check_model(f: Fields, names: Sequence[str]) -> None:
 
 
 def completion(body: dict, backend: Any, settings: ServerSettings, names: Sequence[str],
-               prompt_key: str = "prompt", dialect: str = "llama") -> Completion:
+               prompt_key: str = "prompt", dialect: str = "llama"
+               ) -> Completion | list[Completion]:
     """POST /completion (dialect "llama") and /v1/completions ("completions").
 
     llama-server's conventions: n_predict (alias max_tokens, max_completion_tokens) -1 runs
@@ -352,13 +354,37 @@ def completion(body: dict, backend: Any, settings: ServerSettings, names: Sequen
     sets this request's adapter scales (unnamed adapters off); seed -1 is a random seed;
     "speculative.n_max/n_min/p_min" or {"speculative": {...}}, and "speculative": false or
     n_max 0 turns drafting off; a prompt longer than the context is a 400
-    "exceed_context_size_error" with n_prompt_tokens and n_ctx."""
+    "exceed_context_size_error" with n_prompt_tokens and n_ctx. A list of prompts
+    (/completion) is a list of Completions, answered as a list of results."""
     f = Fields(body)
     check_model(f, names)
     refuse_unsupported(f)
     _, prompt = f.find(prompt_key)
+    several = several_prompts(prompt) if dialect == "llama" else None
+    if several is not None:
+        if f.bool("stream"):
+            raise bad_request(f"{prompt_key}: several prompts with stream: true are not "
+                              "supported; send them without streaming, or one request each")
+        return [_finish(f, body, prompt_tokens(p, backend, f"{prompt_key}[{i}]"), backend,
+                        settings, [], dialect) for i, p in enumerate(several)]
     tokens = prompt_tokens(prompt, backend, prompt_key)
     return _finish(f, body, tokens, backend, settings, [], dialect)
+
+
+#: most prompts one /completion request may list (each is a job in the queue).
+MAX_PROMPTS = 64
+
+
+def several_prompts(value: Any) -> list | None:
+    """llama-server's list of prompts: an array of several texts or token arrays (not
+    token ids mixed with text, which is one prompt); None for one prompt."""
+    if not (isinstance(value, list) and len(value) > 1
+            and all(isinstance(x, str | list) for x in value)):
+        return None
+    if len(value) > MAX_PROMPTS:
+        raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts in one request, got "
+                          f"{len(value)}")
+    return value
 
 
 def chat_completion(body: dict, backend: Any, settings: ServerSettings,
@@ -477,7 +503,7 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     except ConfigError as e:
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,
-                      lambda t: backend.detokenize([t]))
+                      lambda t: backend.detokenize([t]), id_slot=f.int("id_slot", default=-1))
 
 
 def lora_scales(body: dict, backend: Any) -> tuple[float, ...] | None:

@@ -97,6 +97,7 @@ class Job:
     stops: Sequence[str] = ()
     stream: bool = False
     special: bool = False   # --special: special tokens print their text
+    slot: int | None = None  # id_slot: the slot it must run on (None: any, pick_slot's)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -173,9 +174,16 @@ class JobQueue:
             self._free = len(idle)
             if not self._jobs or not idle or self._closed:
                 return None
-            slot = pick_slot(self._jobs[0].request, idle, self.similarity)
-            self._free -= 1
-            return self._jobs.popleft(), slot
+            for job in self._jobs:      # the oldest job that can run now: one asking for a
+                if job.slot is None:    # busy slot (id_slot) waits, the others go on
+                    slot = pick_slot(job.request, idle, self.similarity)
+                else:
+                    slot = next((s for s in idle if s.index == job.slot), None)
+                if slot is not None:
+                    self._jobs.remove(job)
+                    self._free -= 1
+                    return job, slot
+            return None
 
     def set_free(self, n: int) -> None:
         """How many slots of the batch worker are free (it takes their jobs at once)."""
@@ -386,6 +394,8 @@ class Slot:
             except Exception:  # noqa: BLE001 - a drafter failing to end must not kill the slot
                 log.exception("slot %d: closing the generation failed", self.index)
             self.metrics.record(self.index, gen.stats, len(gen.tokens))
+            if job is not None:
+                self.metrics.context_used(len(job.request.prompt) + len(gen.tokens))
             if self.watch is not None and job is not None:
                 self._watch(gen, job)
         if self._clock is not None:
@@ -452,6 +462,7 @@ class SlotPool:
                     for e in self.engines:
                         if e.scheduler.running:
                             e.step()
+                            self.metrics.step(sum(s.engine is e for s in busy))
                     for s in busy:
                         s.pump()
             if not busy and not self.queue.wait():
@@ -520,6 +531,16 @@ class SlotPool:
             if job is not None and not job.finished:
                 job.cut = True
                 job.cancelled.set()
+
+    def slot_for(self, id_slot: int) -> int | None:
+        """A request's id_slot, as llama-server reads it: -1 any slot, else that slot (400
+        if there is none)."""
+        if id_slot == -1:
+            return None
+        if not 0 <= id_slot < len(self.slots):
+            raise ApiError(400, f"id_slot: no slot {id_slot}; this server has "
+                           f"{len(self.slots)} (0..{len(self.slots) - 1}, or -1: any)")
+        return id_slot
 
     def running(self) -> int:
         return sum(s.job is not None for s in self.slots)

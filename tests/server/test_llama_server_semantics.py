@@ -189,3 +189,62 @@ def test_every_llama_cpp_template_name_is_served(toy_app, name: str) -> None:
 def test_an_unknown_template_name_lists_llama_cpp_s() -> None:
     with pytest.raises(CliError, match="command-r"):
         serve._check_chat_and_cache_flags(parse("--chat-template", "nope"))
+
+
+# ------------------------------------------------------------------ requests (fast)
+
+
+def test_id_slot_runs_on_that_slot_and_out_of_range_is_400(toy_app) -> None:
+    with toy_app(n_seq=3) as url:
+        for k in (2, 0, 1, 2):
+            r = httpx.post(url + "/completion", json={"prompt": "a", "n_predict": 2,
+                                                      "id_slot": k}, timeout=10)
+            assert r.status_code == 200 and r.json()["id_slot"] == k
+        r = httpx.post(url + "/completion", json={"prompt": "a", "id_slot": 3}, timeout=10)
+        assert r.status_code == 400 and "id_slot" in r.text
+        r = httpx.post(url + "/completion", json={"prompt": "a", "n_predict": 1,
+                                                  "id_slot": -1}, timeout=10)
+        assert r.status_code == 200
+
+
+def test_a_list_of_prompts_gets_a_list_of_results(toy_app) -> None:
+    """Each prompt answered as it would be alone, in order, with its index."""
+    with toy_app(n_seq=2) as url:
+        alone = [httpx.post(url + "/completion", json={"prompt": p, "n_predict": 3},
+                            timeout=10).json()["content"] for p in ("a", "k", "q")]
+        r = httpx.post(url + "/completion", json={"prompt": ["a", "k", [ord("q")]],
+                                                  "n_predict": 3}, timeout=10)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert [x["index"] for x in out] == [0, 1, 2]
+        assert [x["content"] for x in out] == alone == ["bcd", "lmn", "rst"]
+        r = httpx.post(url + "/completion", json={"prompt": ["a", "b"], "stream": True},
+                       timeout=10)
+        assert r.status_code == 400 and "stream" in r.text
+        r = httpx.post(url + "/v1/completions", json={"prompt": ["a", "b"]}, timeout=10)
+        assert r.status_code == 400 and "/completion only" in r.text
+
+
+def test_metrics_carry_llama_server_names_fingerprint_and_aliases(toy_app) -> None:
+    with toy_app(n_seq=2, alias="one,two") as url:
+        c = httpx.post(url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}, timeout=10)
+        assert c.json()["system_fingerprint"].startswith("specwire-")
+        t = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2},
+                       timeout=10)
+        assert t.json()["system_fingerprint"].startswith("specwire-")
+        text = httpx.get(url + "/metrics", timeout=10).text
+        models = httpx.get(url + "/v1/models", timeout=10).json()
+    figures = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line.startswith("llamacpp:")}
+    for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
+                 "tokens_predicted_seconds_total", "n_decode_total", "n_busy_slots_per_decode",
+                 "prompt_tokens_seconds", "predicted_tokens_seconds", "requests_processing",
+                 "requests_deferred", "n_tokens_max"):
+        assert "llamacpp:" + name in figures, name
+    assert figures["llamacpp:tokens_predicted_total"] == 4
+    assert figures["llamacpp:n_decode_total"] >= 2
+    assert figures["llamacpp:n_busy_slots_per_decode"] >= 1
+    assert "specwire:tokens_predicted_total" in text           # both names kept
+    assert models["data"][0]["id"] == "one" and models["data"][0]["aliases"] == ["one", "two"]
+    assert models["models"][0]["name"] == "one"
