@@ -39,6 +39,7 @@ from specwire.server.slots import (
     Event,
     Failed,
     Job,
+    Progress,
     QueueFull,
     Result,
     SlotPool,
@@ -295,7 +296,7 @@ def _generator(served: _Served, read_json: Callable) -> Callable:
                 return await many(request, endpoint, spec, dialect)
             schemas.scope_by_key(spec.request, getattr(request.state, "key_scope", ""))
             job = Job(spec.request, spec.stops, spec.stream, special=settings.special,
-                      slot=scheduler.slot_for(spec.id_slot))
+                      slot=scheduler.slot_for(spec.id_slot), progress=spec.return_progress)
             scheduler.submit(job)
         except Draining:
             raise shutting_down() from None
@@ -488,6 +489,8 @@ async def _sse(job: Job, request: Request, fmt: Dialect,
             obj = fmt.chunk(event)
             if obj is not None:
                 yield _sse_line(obj)
+        elif isinstance(event, Progress):
+            yield _sse_line(fmt.progress(event))
         elif isinstance(event, Done):
             on_done(event.result)
             for obj in fmt.closing(event.result):

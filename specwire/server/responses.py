@@ -18,7 +18,7 @@ from specwire.server import chat_output
 from specwire.server import probs as probs_json
 from specwire.server.chat_output import ChatOutput, ChatPlan
 from specwire.server.schemas import Completion
-from specwire.server.slots import Result, TextChunk
+from specwire.server.slots import Progress, Result, TextChunk
 
 #: OpenAI's system_fingerprint: the build that answered (llama-server's "b<build>-<commit>").
 FINGERPRINT = f"specwire-{__version__}"
@@ -48,6 +48,10 @@ class Dialect:
 
     def chunk(self, c: TextChunk) -> dict | None:
         raise NotImplementedError
+
+    def progress(self, p: Progress) -> dict:
+        """return_progress: llama-server's chunk with prompt_progress and no text."""
+        return {"content": "", "tokens": [], "stop": False, "prompt_progress": p.to_dict()}
 
     def closing(self, r: Result) -> list[dict]:
         raise NotImplementedError
@@ -113,6 +117,9 @@ class OpenAICompletion(Dialect):
         return {"id": self.id, "object": self.object_name, "created": self.created,
                 "model": self.model, "system_fingerprint": FINGERPRINT, "choices": choices,
                 **extra}
+
+    def progress(self, p: Progress) -> dict:
+        return self._envelope([], prompt_progress=p.to_dict())
 
     def _choice(self, text: str, finish: str | None, probs: list | None = None) -> dict:
         return {"index": 0, "text": text, "logprobs": self._logprobs(probs),

@@ -45,6 +45,7 @@ class Completion:
     piece: Callable[[int], bytes] | None = None     # a token's bytes (for logprobs)
     chat: ChatPlan | None = None                     # chat only: reasoning and tool calls
     id_slot: int = -1                                # the slot asked for (-1: any)
+    return_progress: bool = False                    # stream prompt_progress objects
 
     def settings(self) -> dict:
         """llama-server's `generation_settings` for this request."""
@@ -503,7 +504,8 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     except ConfigError as e:
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,
-                      lambda t: backend.detokenize([t]), id_slot=f.int("id_slot", default=-1))
+                      lambda t: backend.detokenize([t]), id_slot=f.int("id_slot", default=-1),
+                      return_progress=f.bool("return_progress"))
 
 
 def lora_scales(body: dict, backend: Any) -> tuple[float, ...] | None:

@@ -64,6 +64,21 @@ class Result:
 
 
 @dataclass(slots=True)
+class Progress:
+    """Prompt processing so far (return_progress, streaming only): llama-server's
+    prompt_progress object."""
+
+    total: int          # prompt tokens
+    cache: int          # of them found in the cache
+    processed: int      # of them in the cache now (cache included)
+    time_ms: float      # since the job began
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed,
+                "time_ms": round(self.time_ms, 3)}
+
+
+@dataclass(slots=True)
 class Done:
     result: Result
 
@@ -73,7 +88,7 @@ class Failed:
     error: ApiError
 
 
-Event = TextChunk | Done | Failed
+Event = TextChunk | Progress | Done | Failed
 
 
 class QueueFull(Exception):
@@ -98,6 +113,7 @@ class Job:
     stream: bool = False
     special: bool = False   # --special: special tokens print their text
     slot: int | None = None  # id_slot: the slot it must run on (None: any, pick_slot's)
+    progress: bool = False   # return_progress: stream Progress while the prompt is read
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -267,6 +283,7 @@ class Slot:
         self._stops = StopMatcher(())
         self._clock: _Clock | None = None
         self._done = 0        # tokens whose probabilities were sent
+        self._prefilled = -1  # prompt tokens the last Progress reported
 
     @property
     def scope(self) -> str:
@@ -283,6 +300,7 @@ class Slot:
         self._stops = StopMatcher(job.stops)
         self._clock = _Clock(self.metrics, job.created)
         self._done = 0
+        self._prefilled = -1
         try:
             self.gen = self.engine.generate(job.request, seq=self.seq)
         except Exception as e:  # noqa: BLE001 - the job fails, the slot goes on
@@ -296,6 +314,8 @@ class Slot:
         if job is None or gen is None:
             return
         try:
+            if job.progress and job.stream:
+                self._progress(job, gen)
             new = gen.pending()
             if new:
                 self._clock.tick(len(new))
@@ -322,6 +342,15 @@ class Slot:
         except Exception as e:  # noqa: BLE001 - a bug must not kill the worker
             self._fail(e)
             self._end()
+
+    def _progress(self, job: Job, gen: Generation) -> None:
+        """return_progress: a Progress each step the prompt advanced, the last one when it
+        is all in the cache (before the first token)."""
+        done, total = gen.state.prefilled, len(job.request.prompt)
+        if done != self._prefilled and self._prefilled < total:
+            self._prefilled = done
+            job.emit(Progress(total, gen.stats.cache_n, done,
+                              (time.perf_counter() - job.created) * 1000))
 
     def _finish(self, job: Job, gen: Generation) -> None:
         stops = self._stops

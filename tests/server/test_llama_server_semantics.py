@@ -248,3 +248,67 @@ def test_metrics_carry_llama_server_names_fingerprint_and_aliases(toy_app) -> No
     assert "specwire:tokens_predicted_total" in text           # both names kept
     assert models["data"][0]["id"] == "one" and models["data"][0]["aliases"] == ["one", "two"]
     assert models["models"][0]["name"] == "one"
+
+
+def test_return_progress_streams_prompt_progress_before_the_text(toy_app) -> None:
+    from toy_server import _sse
+    with toy_app() as url:
+        with httpx.stream("POST", url + "/completion", json={
+                "prompt": "abc", "n_predict": 3, "stream": True, "return_progress": True},
+                timeout=10) as r:
+            events = list(_sse(r.iter_lines()))
+        with httpx.stream("POST", url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "a"}], "max_tokens": 2,
+                "stream": True, "return_progress": True}, timeout=10) as r:
+            chat_events = [e for e in _sse(r.iter_lines()) if isinstance(e, dict)]
+    progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+    assert progress and progress[-1]["processed"] == progress[-1]["total"] == 3
+    first_text = next(i for i, e in enumerate(events) if e.get("content"))
+    assert all("prompt_progress" in e for e in events[:first_text] if e.get("content") == "")
+    assert "".join(e["content"] for e in events) == "def"
+    assert any("prompt_progress" in e for e in chat_events)
+
+
+# ------------------------------------------------------------------ one real serve (slow)
+
+
+@pytest.fixture(scope="module")
+def real_serve():
+    from serve_process import run_serve
+    with run_serve("-t", "1", "-td", "1", "--temp", "0", "-c", "512", "-np", "2", "-n", "4",
+                   "--no-warmup") as (url, _log):
+        yield url
+
+
+@pytest.mark.slow
+def test_real_serve_splits_c_and_lets_the_request_n_predict_win(real_serve) -> None:
+    props = httpx.get(real_serve + "/props", timeout=30).json()
+    assert props["default_generation_settings"]["n_ctx"] == 256 and props["total_slots"] == 2
+    r = httpx.post(real_serve + "/completion", json={"prompt": "def add(a, b):",
+                                                     "n_predict": 8, "ignore_eos": True},
+                   timeout=120).json()
+    assert r["tokens_predicted"] == 8          # beyond the server's -n 4
+
+
+@pytest.mark.slow
+def test_real_serve_is_lossless_for_prefill_lists_and_slots(real_serve) -> None:
+    """Greedy output with the draft equals plain decoding (speculative: false) for a
+    continued assistant message, a list of prompts and a request pinned to slot 1."""
+    chat = {"messages": [{"role": "user", "content": "Count to five."},
+                         {"role": "assistant", "content": "One, two,"}], "max_tokens": 6}
+    many = {"prompt": ["def add(a, b):", "The capital of France is"], "n_predict": 6}
+    pinned = {"prompt": "for i in range(", "n_predict": 6, "id_slot": 1}
+
+    def both(path: str, body: dict) -> tuple:
+        drafted = httpx.post(real_serve + path, json=body, timeout=120)
+        plain = httpx.post(real_serve + path, json={**body, "speculative": False},
+                           timeout=120)
+        assert drafted.status_code == plain.status_code == 200, (drafted.text, plain.text)
+        return drafted.json(), plain.json()
+
+    d, p = both("/v1/chat/completions", chat)
+    assert d["choices"][0]["message"]["content"] == p["choices"][0]["message"]["content"]
+    d, p = both("/completion", many)
+    assert [x["content"] for x in d] == [x["content"] for x in p] and len(d) == 2
+    d, p = both("/completion", pinned)
+    assert d["content"] == p["content"] and d["id_slot"] == p["id_slot"] == 1
