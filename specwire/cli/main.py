@@ -40,6 +40,26 @@ class CommandParser(argparse.ArgumentParser):
                        "attached to it)")
         return super()._parse_optional(arg_string)
 
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's
+        return super().parse_known_args(
+            None if args is None else self.dashed(args), namespace)
+
+    def dashed(self, args: list[str]) -> list[str]:
+        """llama.cpp's reading of a long flag: `_` for `-` (`--backend_sampling`,
+        `--ctx_size=512`). Only an unknown spelling whose dashed form is a flag of this
+        command is rewritten; a value after `--` is left alone."""
+        out = list(args)
+        for i, arg in enumerate(out):
+            if arg == "--":
+                break
+            name, eq, value = arg.partition("=")
+            if (name.startswith("--") and "_" in name
+                    and name not in self._option_string_actions):
+                dashed = "--" + name[2:].replace("_", "-")
+                if dashed in self._option_string_actions:
+                    out[i] = dashed + eq + value
+        return out
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specwire", description=__doc__.splitlines()[0],

@@ -23,6 +23,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 
 from specwire.backend.base import Backend
 from specwire.engine.engine import Engine
@@ -40,6 +41,7 @@ from specwire.server.slots import (
     Event,
     Failed,
     Job,
+    Progress,
     QueueFull,
     Result,
     SlotPool,
@@ -80,12 +82,17 @@ def create_app(engine: Engine | Sequence[Engine],
     app.state.scheduler, app.state.metrics, app.state.settings = \
         served.scheduler, served.metrics, settings
     install_handlers(app)
+    if settings.cors_origins:      # llama-server's CORS: any origin unless --cors-origins
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=list(settings.cors_methods),
+                           allow_headers=list(settings.cors_headers),
+                           allow_credentials=settings.cors_credentials, max_age=600)
     _health_routes(app)
     api = APIRouter(dependencies=[Depends(_auth(settings.api_key)),
                                   Depends(_host_check(settings))])
     read_json = _json_reader(served)
     _model_routes(api, served)
-    _slot_routes(api, served, read_json)
+    _slot_routes(api, served, _json_reader(served, strict=True))
     _token_routes(api, served, read_json)
     _generation_routes(api, served, read_json)
     _agent_routes(api, served, read_json)
@@ -165,9 +172,12 @@ def _model_routes(api: APIRouter, served: _Served) -> None:
     engines, settings, scheduler = served.engines, served.settings, served.scheduler
     target, names, started = served.target, served.names, served.started
 
+    aliases = [n.strip() for n in (settings.alias or "").split(",") if n.strip()]
+
     def model_card() -> dict:
         label, _ = chat.template_for(target, settings.chat_template)
-        return {"id": names[0], "object": "model", "created": started, "owned_by": "specwire",
+        return {"id": names[0], "aliases": aliases, "object": "model", "created": started,
+                "owned_by": "specwire",
                 "meta": {"file": target.name, "n_ctx": target.n_ctx, "n_vocab": target.n_vocab,
                          "drafter": engines[0].drafter.name, "chat_template": label,
                          "slots": len(scheduler.slots)}}
@@ -175,7 +185,10 @@ def _model_routes(api: APIRouter, served: _Served) -> None:
     @api.get("/v1/models")
     @api.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        card = model_card()      # and llama-server's Ollama-style list beside OpenAI's
+        return {"models": [{"name": card["id"], "model": card["id"], "aliases": aliases,
+                            "type": "model", "capabilities": ["completion"]}],
+                "object": "list", "data": [card]}
 
     @api.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
@@ -233,22 +246,16 @@ def _slot_routes(api: APIRouter, served: _Served, read_json: Callable) -> None:
             return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE)
 
 
-def _json_reader(served: _Served) -> Callable:
-    """read_json for the routes that take a JSON body."""
+def _json_reader(served: _Served, strict: bool = False) -> Callable:
+    """read_json for the routes that take a JSON body (limits.check_json_type: `strict`
+    for the state-changing admin routes)."""
     settings, budget = served.settings, served.budget
 
     async def read_json(request: Request, kind: type = dict) -> Any:
         """The body within --max-body, --max-reading and --body-timeout, parsed off the
-        event loop (a large one takes a while) as a JSON object (kind list: an array).
-
-        Only as application/json: a web page may POST text/plain (or a typeless Blob) to
-        any address without asking first, but not JSON (the CORS preflight).
-        """
-        ctype = request.headers.get("content-type", "")
-        if ctype.split(";", 1)[0].strip().lower() != "application/json":
-            raise ApiError(415, f"Content-Type: must be application/json, got "
-                           f"{ctype[:60]!r} (curl: -H 'Content-Type: application/json')",
-                           "invalid_request_error")
+        event loop (a large one takes a while) as a JSON object (kind list: an array), of a
+        Content-Type limits.check_json_type takes (`strict`: application/json only)."""
+        limits.check_json_type(request, strict)
         raw = await limits.read_body(request, settings.max_body, budget)
         return await run_in_threadpool(schemas.parse_json, raw, kind)
 
@@ -288,9 +295,12 @@ def _generator(served: _Served, read_json: Callable) -> Callable:
             scheduler.check_room()    # before the body is read, parsed and tokenized
             body = await read_json(request)
             spec = await run_in_threadpool(parse, body)
+            if isinstance(spec, list):      # several prompts (/completion): one job each
+                return await many(request, endpoint, spec, dialect)
             key = getattr(request.state, "key_scope", "")
             schemas.scope_by_key(spec.request, key)
-            job = Job(spec.request, spec.stops, spec.stream, special=settings.special)
+            job = Job(spec.request, spec.stops, spec.stream, special=settings.special,
+                      slot=scheduler.slot_for(spec.id_slot), progress=spec.return_progress)
             scheduler.submit(job)
         except Draining:
             raise shutting_down() from None
@@ -311,6 +321,31 @@ def _generator(served: _Served, read_json: Callable) -> Callable:
             return Response(status_code=499)
         recent.record(endpoint, result, key)
         return JSONResponse(fmt.whole(result))
+
+    async def many(request: Request, endpoint: str, specs: list[schemas.Completion],
+                   dialect: type[Dialect]) -> Response:
+        """llama-server's answer to a list of prompts: a list of results, each with its
+        `index`, the prompts queued at once (they run side by side on free slots)."""
+        key = getattr(request.state, "key_scope", "")
+        jobs = []
+        try:
+            for spec in specs:
+                schemas.scope_by_key(spec.request, key)
+                jobs.append(Job(spec.request, spec.stops, False, special=settings.special,
+                                slot=scheduler.slot_for(spec.id_slot)))
+                scheduler.submit(jobs[-1])
+            metrics.request(endpoint)
+            results = [await _result(job, request) for job in jobs]
+        finally:
+            for job in jobs:
+                scheduler.cancel(job)
+        if any(r is None for r in results):
+            return Response(status_code=499)
+        out = []
+        for i, (spec, result) in enumerate(zip(specs, results, strict=True)):
+            recent.record(endpoint, result, key)
+            out.append({**dialect(spec, names[0]).whole(result), "index": i})
+        return JSONResponse(out)
 
     return generate
 
@@ -481,6 +516,8 @@ async def _sse(job: Job, request: Request, fmt: Dialect,
         if isinstance(event, TextChunk):
             for obj in fmt.chunks(event):
                 yield fmt.sse_line(obj)
+        elif isinstance(event, Progress):
+            yield fmt.sse_line(fmt.progress(event))
         elif isinstance(event, Done):
             on_done(event.result)
             for obj in fmt.closing(event.result):

@@ -84,6 +84,29 @@ async def read_body(request: Request, cap: int, budget: BodyBudget | None = None
     return b"".join(chunks)
 
 
+#: The body types a generation route reads as JSON, as llama-server does (`curl -d` sends
+#: the form type; a missing type is ""): what a web page may send without a preflight.
+LENIENT_TYPES = frozenset({"application/json", "", "text/plain",
+                           "application/x-www-form-urlencoded"})
+
+
+def check_json_type(request: Request, strict: bool = False) -> None:
+    """415 unless the body's Content-Type is one read as JSON: application/json, or (not
+    `strict`) one of LENIENT_TYPES, whose body must then parse as JSON all the same.
+
+    strict: the state-changing admin routes (/slots/*, /lora-adapters) take only
+    application/json, which a web page on another origin cannot send without asking first
+    (a CORS preflight; docs/hardening.md)."""
+    ctype = request.headers.get("content-type", "")
+    kind = ctype.split(";", 1)[0].strip().lower()
+    if kind == "application/json" or (not strict and kind in LENIENT_TYPES):
+        return
+    raise ApiError(415, f"Content-Type: must be application/json"
+                   f"{'' if strict else ' (or text/plain, form-urlencoded or none, holding JSON)'}"
+                   f", got {ctype[:60]!r} (curl: -H 'Content-Type: application/json')",
+                   "invalid_request_error")
+
+
 def _float(text: str) -> float:
     x = float(text)
     if not math.isfinite(x):

@@ -58,6 +58,9 @@ class Metrics:
         self.network_ms = 0.0
         self.accepted_hist: Counter[int] = Counter()
         self.accepted_at: Counter[int] = Counter()   # draft position -> tokens kept there
+        self.decodes = 0                             # target steps (llama_decode batches)
+        self.busy_in_decodes = 0                     # running requests summed over steps
+        self.n_tokens_max = 0                        # most tokens one request's context held
         self._drafter: dict[int, dict[str, float]] = {}
         self._queue: QueueState = dict
         self._links: LinkStates = list
@@ -94,6 +97,17 @@ class Metrics:
         """'eos' | 'limit' | 'word' for a finished request, or 'cancelled' | 'failed'."""
         with self._lock:
             self.outcomes[what] += 1
+
+    def step(self, busy: int) -> None:
+        """One target step that decoded `busy` requests' rounds (llamacpp:n_decode_total)."""
+        with self._lock:
+            self.decodes += 1
+            self.busy_in_decodes += busy
+
+    def context_used(self, n_tokens: int) -> None:
+        """A request's prompt and output together (llamacpp:n_tokens_max)."""
+        with self._lock:
+            self.n_tokens_max = max(self.n_tokens_max, n_tokens)
 
     def record(self, slot: int, stats: Stats, predicted: int) -> None:
         """Add what one generation measured (finished or cut short). The drafter's own
@@ -218,7 +232,35 @@ class Metrics:
 
 
     def _llama_families(self) -> Iterator[Metric]:
-        """llama.cpp's (and vLLM's) speculation counters, from the same figures."""
+        """llama-server's own names for the same figures (dashboards read `llamacpp:*`),
+        and llama.cpp's (and vLLM's) speculation counters."""
+        prompt_s, predicted_s = self.prompt_ms / 1000, self.predicted_ms / 1000
+        for name, help_, value in (
+                ("prompt_tokens", "Number of prompt tokens processed.", self.prompt_tokens),
+                ("prompt_seconds", "Prompt process time.", prompt_s),
+                ("tokens_predicted", "Number of generation tokens processed.",
+                 self.predicted_tokens),
+                ("tokens_predicted_seconds", "Predict process time.", predicted_s),
+                ("n_decode", "Total number of llama_decode() calls.", self.decodes)):
+            family = CounterMetricFamily(LLAMA_PREFIX + name, help_)
+            family.add_metric([], float(value))
+            yield family
+        queue = self._queue()
+        for name, help_, value in (
+                ("n_tokens_max", "Largest observed n_tokens.", self.n_tokens_max),
+                ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() "
+                 "call.", self.busy_in_decodes / self.decodes if self.decodes else 0.0),
+                ("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                 self.prompt_tokens / prompt_s if prompt_s else 0.0),
+                ("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                 self.predicted_tokens / predicted_s if predicted_s else 0.0),
+                ("requests_processing", "Number of requests processing.",
+                 queue.get("processing", 0)),
+                ("requests_deferred", "Number of requests deferred.",
+                 queue.get("deferred", 0))):
+            gauge = GaugeMetricFamily(LLAMA_PREFIX + name, help_)
+            gauge.add_metric([], float(value))
+            yield gauge
         for name, help_, value in (
                 ("spec_decode_num_drafts", "Rounds that verified a draft.",
                  sum(self.accepted_hist.values())),

@@ -15,12 +15,16 @@ import json
 import time
 import uuid
 
+from specwire import __version__
 from specwire.server import chat_output
 from specwire.server import probs as probs_json
 from specwire.server.chat_output import ChatOutput, ChatPlan
 from specwire.server.errors import ApiError
 from specwire.server.schemas import Completion
-from specwire.server.slots import Result, TextChunk
+from specwire.server.slots import Progress, Result, TextChunk
+
+#: OpenAI's system_fingerprint: the build that answered (llama-server's "b<build>-<commit>").
+FINGERPRINT = f"specwire-{__version__}"
 
 
 def finish_reason(stop_type: str) -> str:
@@ -67,6 +71,10 @@ class Dialect:
         if self.named_events and isinstance(obj, dict):
             return f"event: {obj.get('type', 'message')}\ndata: {data}\n\n"
         return f"data: {data}\n\n"
+
+    def progress(self, p: Progress) -> dict:
+        """return_progress: llama-server's chunk with prompt_progress and no text."""
+        return {"content": "", "tokens": [], "stop": False, "prompt_progress": p.to_dict()}
 
     def closing(self, r: Result) -> list[dict]:
         raise NotImplementedError
@@ -130,8 +138,11 @@ class OpenAICompletion(Dialect):
 
     def _envelope(self, choices: list[dict], **extra: object) -> dict:
         return {"id": self.id, "object": self.object_name, "created": self.created,
-                "model": self.model, "system_fingerprint": "specwire", "choices": choices,
+                "model": self.model, "system_fingerprint": FINGERPRINT, "choices": choices,
                 **extra}
+
+    def progress(self, p: Progress) -> dict:
+        return self._envelope([], prompt_progress=p.to_dict())
 
     def _choice(self, text: str, finish: str | None, probs: list | None = None) -> dict:
         return {"index": 0, "text": text, "logprobs": self._logprobs(probs),
@@ -210,5 +221,5 @@ class OpenAIChat(OpenAICompletion):
         choice = {"index": 0, "message": msg.openai(), "logprobs": self._logprobs(r.probs),
                   "finish_reason": finish}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "system_fingerprint": "specwire", "choices": [choice],
+                "model": self.model, "system_fingerprint": FINGERPRINT, "choices": [choice],
                 "usage": usage(r), "timings": r.timings}

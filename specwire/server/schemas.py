@@ -47,6 +47,8 @@ class Completion:
     #: what the answer repeats of a request translated onto the chat route (Anthropic's
     #: stop_sequences, the Responses API's tools...): see anthropic.py, oai_responses.py
     echo: dict = field(default_factory=dict)
+    id_slot: int = -1                                # the slot asked for (-1: any)
+    return_progress: bool = False                    # stream prompt_progress objects
 
     def settings(self) -> dict:
         """llama-server's `generation_settings` for this request."""
@@ -228,9 +230,7 @@ def n_predict(f: Fields, settings: ServerSettings, n_ctx: int) -> int:
                           f"got {n}")
     if n == -1:   # with context shift, as llama-server: until EOS (int32's limit)
         n = limits.INT32_MAX if settings.context_shift else n_ctx
-    if settings.n_predict >= 0:
-        n = min(n, settings.n_predict)
-    return n
+    return n     # the server's -n is the default only: the request's value wins (llama-server)
 
 
 def stop_strings(f: Fields) -> list[str]:
@@ -274,8 +274,8 @@ def prompt_tokens(value: Any, backend: Any, name: str = "prompt") -> list[int]:
                                                     for x in value if isinstance(x, str)),
                      backend.n_ctx)
     if sum(isinstance(x, str) for x in value) > 1 and not any(_is_int(x) for x in value):
-        raise bad_request(f"{name}: several prompts in one request are not supported; "
-                          "send one request per prompt")
+        raise bad_request(f"{name}: several prompts in one request are supported on "
+                          "/completion only (a list of results); send one request per prompt")
     tokens: list[int] = []
     for i, x in enumerate(value):
         if isinstance(x, str):
@@ -349,22 +349,47 @@ def check_model(f: Fields, names: Sequence[str]) -> None:
 
 
 def completion(body: dict, backend: Any, settings: ServerSettings, names: Sequence[str],
-               prompt_key: str = "prompt", dialect: str = "llama") -> Completion:
+               prompt_key: str = "prompt", dialect: str = "llama"
+               ) -> Completion | list[Completion]:
     """POST /completion (dialect "llama") and /v1/completions ("completions").
 
     llama-server's conventions: n_predict (alias max_tokens, max_completion_tokens) -1 runs
-    until the context is full (with --context-shift: no limit), capped by the server's -n;
+    until the context is full (with --context-shift: no limit), default the server's -n;
     n_keep (default --keep) and n_discard shape a context shift; lora [{"id", "scale"}]
     sets this request's adapter scales (unnamed adapters off); seed -1 is a random seed;
     "speculative.n_max/n_min/p_min" or {"speculative": {...}}, and "speculative": false or
     n_max 0 turns drafting off; a prompt longer than the context is a 400
-    "exceed_context_size_error" with n_prompt_tokens and n_ctx."""
+    "exceed_context_size_error" with n_prompt_tokens and n_ctx. A list of prompts
+    (/completion) is a list of Completions, answered as a list of results."""
     f = Fields(body)
     check_model(f, names)
     refuse_unsupported(f)
     _, prompt = f.find(prompt_key)
+    several = several_prompts(prompt) if dialect == "llama" else None
+    if several is not None:
+        if f.bool("stream"):
+            raise bad_request(f"{prompt_key}: several prompts with stream: true are not "
+                              "supported; send them without streaming, or one request each")
+        return [_finish(f, body, prompt_tokens(p, backend, f"{prompt_key}[{i}]"), backend,
+                        settings, [], dialect) for i, p in enumerate(several)]
     tokens = prompt_tokens(prompt, backend, prompt_key)
     return _finish(f, body, tokens, backend, settings, [], dialect)
+
+
+#: most prompts one /completion request may list (each is a job in the queue).
+MAX_PROMPTS = 64
+
+
+def several_prompts(value: Any) -> list | None:
+    """llama-server's list of prompts: an array of several texts or token arrays (not
+    token ids mixed with text, which is one prompt); None for one prompt."""
+    if not (isinstance(value, list) and len(value) > 1
+            and all(isinstance(x, str | list) for x in value)):
+        return None
+    if len(value) > MAX_PROMPTS:
+        raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts in one request, got "
+                          f"{len(value)}")
+    return value
 
 
 def chat_completion(body: dict, backend: Any, settings: ServerSettings,
@@ -405,7 +430,8 @@ def rendered(body: dict, backend: Any, settings: ServerSettings
                                    settings.template_kwargs)}
     try:
         text = chat.render_for(backend, tool_calls.messages_for(tools, messages),
-                               settings.chat_template, **variables)
+                               settings.chat_template, settings.prefill_assistant,
+                               **variables)
     except ConfigError as e:
         where = "tools: the chat template cannot render this request: " if tools else ""
         raise bad_request(where + str(e)) from None
@@ -482,7 +508,8 @@ def _finish(f: Fields, body: dict, tokens: list[int], backend: Any, settings: Se
     except ConfigError as e:
         raise bad_request(str(e)) from None
     return Completion(req, stops, stream, return_tokens, include_usage,
-                      lambda t: backend.detokenize([t]))
+                      lambda t: backend.detokenize([t]), id_slot=f.int("id_slot", default=-1),
+                      return_progress=f.bool("return_progress"))
 
 
 def lora_scales(body: dict, backend: Any,

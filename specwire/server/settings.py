@@ -25,7 +25,8 @@ class ServerSettings:
                    a comma list of keys (--api-key), or a tuple of keys taken whole
                    (--api-key-file's lines, which may hold commas).
     queue_size:    requests allowed to wait for a slot; one more is refused with 429.
-    n_predict:     the server's cap on tokens per request (-1: up to the context size).
+    n_predict:     the tokens a request gets when it names none (-1: up to the context
+                   size); a request's own n_predict / max_tokens wins, as in llama-server.
     webui:         serve the live page at GET / and its figures at /stats.json.
     max_body:      bytes a request body may have; more is refused with 413 (limits.py).
     reasoning_format: "none" keeps <think> blocks in the content; "deepseek"/"auto" move
@@ -61,6 +62,11 @@ class ServerSettings:
                    shift keeps (-1: all of them).
     context_shift: a full context is shifted and generation goes on (--context-shift); then
                    n_predict -1 means no limit, as in llama-server, instead of the context.
+    cors_origins:  origins a browser may call from (CORS, as llama-server answers it: "*"
+                   any; () none, no CORS headers); a preflight needs no API key.
+    cors_methods, cors_headers, cors_credentials: the preflight's answers.
+    prefill_assistant: a chat ending in an assistant message continues that message
+                   (llama-server's default; --no-prefill-assistant starts a new turn).
     """
 
     sampling: SamplingParams = SamplingParams()
@@ -94,3 +100,8 @@ class ServerSettings:
     slot_save_bytes: int = 8 << 30
     n_keep: int = 0
     context_shift: bool = False
+    cors_origins: tuple[str, ...] = ("*",)
+    cors_methods: tuple[str, ...] = ("GET", "POST")
+    cors_headers: tuple[str, ...] = ("*",)
+    cors_credentials: bool = False
+    prefill_assistant: bool = True

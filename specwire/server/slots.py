@@ -66,6 +66,21 @@ class Result:
 
 
 @dataclass(slots=True)
+class Progress:
+    """Prompt processing so far (return_progress, streaming only): llama-server's
+    prompt_progress object."""
+
+    total: int          # prompt tokens
+    cache: int          # of them found in the cache
+    processed: int      # of them in the cache now (cache included)
+    time_ms: float      # since the job began
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed,
+                "time_ms": round(self.time_ms, 3)}
+
+
+@dataclass(slots=True)
 class Done:
     result: Result
 
@@ -75,7 +90,7 @@ class Failed:
     error: ApiError
 
 
-Event = TextChunk | Done | Failed
+Event = TextChunk | Progress | Done | Failed
 
 
 class QueueFull(Exception):
@@ -99,6 +114,8 @@ class Job:
     stops: Sequence[str] = ()
     stream: bool = False
     special: bool = False   # --special: special tokens print their text
+    slot: int | None = None  # id_slot: the slot it must run on (None: any, pick_slot's)
+    progress: bool = False   # return_progress: stream Progress while the prompt is read
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -175,9 +192,16 @@ class JobQueue:
             self._free = len(idle)
             if not self._jobs or not idle or self._closed:
                 return None
-            slot = pick_slot(self._jobs[0].request, idle, self.similarity)
-            self._free -= 1
-            return self._jobs.popleft(), slot
+            for job in self._jobs:      # the oldest job that can run now: one asking for a
+                if job.slot is None:    # busy slot (id_slot) waits, the others go on
+                    slot = pick_slot(job.request, idle, self.similarity)
+                else:
+                    slot = next((s for s in idle if s.index == job.slot), None)
+                if slot is not None:
+                    self._jobs.remove(job)
+                    self._free -= 1
+                    return job, slot
+            return None
 
     def set_free(self, n: int) -> None:
         """How many slots of the batch worker are free (it takes their jobs at once)."""
@@ -261,6 +285,7 @@ class Slot:
         self._stops = StopMatcher(())
         self._clock: _Clock | None = None
         self._done = 0        # tokens whose probabilities were sent
+        self._prefilled = -1  # prompt tokens the last Progress reported
 
     @property
     def scope(self) -> str:
@@ -277,6 +302,7 @@ class Slot:
         self._stops = StopMatcher(job.stops)
         self._clock = _Clock(self.metrics, job.created)
         self._done = 0
+        self._prefilled = -1
         try:
             self.gen = self.engine.generate(job.request, seq=self.seq)
         except Exception as e:  # noqa: BLE001 - the job fails, the slot goes on
@@ -290,6 +316,8 @@ class Slot:
         if job is None or gen is None:
             return
         try:
+            if job.progress and job.stream:
+                self._progress(job, gen)
             new = gen.pending()
             if new:
                 self._clock.tick(len(new))
@@ -316,6 +344,15 @@ class Slot:
         except Exception as e:  # noqa: BLE001 - a bug must not kill the worker
             self._fail(e)
             self._end()
+
+    def _progress(self, job: Job, gen: Generation) -> None:
+        """return_progress: a Progress each step the prompt advanced, the last one when it
+        is all in the cache (before the first token)."""
+        done, total = gen.state.prefilled, len(job.request.prompt)
+        if done != self._prefilled and self._prefilled < total:
+            self._prefilled = done
+            job.emit(Progress(total, gen.stats.cache_n, done,
+                              (time.perf_counter() - job.created) * 1000))
 
     def _finish(self, job: Job, gen: Generation) -> None:
         stops = self._stops
@@ -388,6 +425,8 @@ class Slot:
             except Exception:  # noqa: BLE001 - a drafter failing to end must not kill the slot
                 log.exception("slot %d: closing the generation failed", self.index)
             self.metrics.record(self.index, gen.stats, len(gen.tokens))
+            if job is not None:
+                self.metrics.context_used(len(job.request.prompt) + len(gen.tokens))
             if self.watch is not None and job is not None:
                 self._watch(gen, job)
         if self._clock is not None:
@@ -454,6 +493,7 @@ class SlotPool:
                     for e in self.engines:
                         if e.scheduler.running:
                             e.step()
+                            self.metrics.step(sum(s.engine is e for s in busy))
                     for s in busy:
                         s.pump()
             if not busy and not self.queue.wait():
@@ -522,6 +562,16 @@ class SlotPool:
             if job is not None and not job.finished:
                 job.cut = True
                 job.cancelled.set()
+
+    def slot_for(self, id_slot: int) -> int | None:
+        """A request's id_slot, as llama-server reads it: -1 any slot, else that slot (400
+        if there is none)."""
+        if id_slot == -1:
+            return None
+        if not 0 <= id_slot < len(self.slots):
+            raise ApiError(400, f"id_slot: no slot {id_slot}; this server has "
+                           f"{len(self.slots)} (0..{len(self.slots) - 1}, or -1: any)")
+        return id_slot
 
     def running(self) -> int:
         return sum(s.job is not None for s in self.slots)

@@ -3,7 +3,10 @@
 A GGUF's own Jinja chat template (`tokenizer.chat_template`) is the truth for its model
 and is used as is, in a sandboxed Jinja environment with the variables HF templates
 expect. A GGUF without one (the bundled base Gemma-3-270M) needs a named template:
-TEMPLATES holds a few of llama.cpp's built-ins under llama.cpp's names. The choice, as
+TEMPLATES holds a few of llama.cpp's built-ins under llama.cpp's names, as Jinja (tools
+and chat_template_kwargs reach them); every other name of llama.cpp's list
+(builtin_names(): command-r, deepseek3, gpt-oss...) is rendered by llama.cpp itself
+(llama_chat_apply_template), as llama-server renders it without --jinja. The choice, as
 llama.cpp makes it: `--chat-template` (a name or a Jinja template) over the GGUF's own,
 else DEFAULT_TEMPLATE's family default ("gemma" for Gemma, "chatml" otherwise).
 Rendering errors become ConfigError, so the server answers 400 and the CLI prints a line.
@@ -185,15 +188,47 @@ def is_jinja(text: str) -> bool:
     return "{{" in text or "{%" in text
 
 
+#: template_for's "source" of a template llama.cpp renders (no Jinja of specwire's own).
+BUILTIN_SOURCE = "(llama.cpp's built-in template {name}, rendered by llama_chat_apply_template)"
+
+_builtins: tuple[str, ...] | None = None
+
+
+def builtin_names() -> tuple[str, ...]:
+    """llama.cpp's built-in template names (llama_chat_builtin_templates), and TEMPLATES'."""
+    global _builtins
+    if _builtins is None:
+        names: list[str] = []
+        try:
+            import ctypes
+
+            import llama_cpp as C
+            arr = (ctypes.c_char_p * 256)()
+            n = C.llama_chat_builtin_templates(arr, len(arr))
+            names = [arr[i].decode() for i in range(min(n, len(arr)))]
+        except Exception:  # noqa: BLE001 - no llama.cpp: the Jinja ones only
+            names = []
+        _builtins = tuple(sorted({*names, *TEMPLATES}))
+    return _builtins
+
+
+def is_known(name: str) -> bool:
+    """Whether --chat-template NAME names a template (TEMPLATES' or llama.cpp's)."""
+    return name in TEMPLATES or name in builtin_names()
+
+
 def template_for(backend: Any, template_name: str | None) -> tuple[str, str]:
-    """(label, Jinja source) of the template render_for would use for this backend."""
+    """(label, Jinja source) of the template render_for would use for this backend (for
+    a name only llama.cpp renders: BUILTIN_SOURCE)."""
     if template_name:
         if template_name in TEMPLATES:
             return template_name, TEMPLATES[template_name]
         if is_jinja(template_name):
             return "custom", template_name
+        if template_name in builtin_names():
+            return template_name, BUILTIN_SOURCE.format(name=template_name)
         raise ConfigError(f"chat template: unknown name {template_name!r}; "
-                          f"known: {', '.join(sorted(TEMPLATES))}")
+                          f"known: {', '.join(builtin_names())}")
     own = backend.chat_template()
     if own:
         return "gguf", own
@@ -211,14 +246,58 @@ def default_template_name(backend: Any) -> str:
 
 
 def render_for(backend: Any, messages: list[dict], template_name: str | None,
-               **variables: Any) -> str:
+               prefill: bool = False, **variables: Any) -> str:
     """The prompt text for `messages` on this backend's model (tokenize it with
-    add_special=False, parse_special=True: the template writes BOS itself)."""
+    add_special=False, parse_special=True: the template writes BOS itself).
+
+    prefill: a chat ending in an assistant message continues that message, as
+    llama-server does: the messages before it are rendered with the generation prompt,
+    and its content follows, with no end of turn."""
     msgs = normalize_messages(messages)
-    _, source = template_for(backend, template_name)
+    last = None
+    if prefill and msgs and msgs[-1]["role"] == "assistant":
+        last = msgs.pop()
+        if msgs and msgs[-1]["role"] == "assistant":
+            raise ConfigError("messages: cannot have 2 or more assistant messages at the end "
+                              "of the list (the last one is continued)")
+    label, source = template_for(backend, template_name)
     bos, eos = _special_texts(backend)
-    return render(source, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=True,
-                  **variables)
+    if source == BUILTIN_SOURCE.format(name=label):
+        text = _apply_builtin(label, msgs, bos if _adds_bos(backend) else "")
+    else:
+        text = render(source, msgs, bos_token=bos, eos_token=eos, add_generation_prompt=True,
+                      **variables)
+    return text if last is None else text + last["content"]
+
+
+def _apply_builtin(name: str, msgs: list[dict], bos: str) -> str:
+    """llama.cpp's own rendering of its built-in template `name` (llama-server's without
+    --jinja); BOS is prepended as its tokenizer would add it."""
+    import ctypes
+
+    import llama_cpp as C
+    keep = [(m["role"].encode(), m["content"].encode()) for m in msgs]
+    arr = (C.llama_chat_message * max(len(keep), 1))()
+    for i, (role, content) in enumerate(keep):
+        arr[i].role, arr[i].content = role, content
+    size = 4096 + sum(len(r) + len(c) for r, c in keep) * 2
+    for _ in range(2):
+        buf = ctypes.create_string_buffer(size)
+        n = C.llama_chat_apply_template(name.encode(), arr, len(keep), True, buf, size)
+        if n < 0:
+            raise ConfigError(f"chat template {name}: llama.cpp cannot render these messages")
+        if n <= size:
+            text = buf.raw[:n].decode("utf-8", errors="replace")
+            return text if not bos or text.startswith(bos) else bos + text
+        size = n + 1
+    raise ConfigError(f"chat template {name}: llama.cpp's output kept growing")
+
+
+def _adds_bos(backend: Any) -> bool:
+    try:
+        return bool(backend.tokenize("", add_special=True))
+    except Exception:  # noqa: BLE001 - a backend without a vocabulary
+        return False
 
 
 # -- helpers ---------------------------------------------------------------------------------

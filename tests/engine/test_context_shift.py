@@ -229,7 +229,10 @@ def test_n_predict_minus_one_has_no_limit_with_context_shift() -> None:
     f = schemas.Fields({"n_predict": -1})
     assert schemas.n_predict(f, ServerSettings(), 512) == 512
     assert schemas.n_predict(f, ServerSettings(context_shift=True), 512) == 2**31 - 1
-    assert schemas.n_predict(f, ServerSettings(context_shift=True, n_predict=64), 512) == 64
+    # the request's -1 wins over the server's -n, as in llama-server
+    assert schemas.n_predict(f, ServerSettings(context_shift=True, n_predict=64),
+                             512) == 2**31 - 1
+    assert schemas.n_predict(schemas.Fields({}), ServerSettings(n_predict=64), 512) == 64
 
 
 def test_the_flags_parse_and_a_bad_keep_stops_serve(caplog) -> None:

@@ -375,7 +375,7 @@ def served(tmp_path_factory) -> Iterator[str]:
     """`specwire serve -np 2` on the bundled target with a draft node (default memory)."""
     folder = tmp_path_factory.mktemp("served")
     with node_process(folder, ["--max-sessions", "2"], name="slots-node") as node, \
-            run_serve("-t", "1", "-c", str(N_CTX), "-np", "2", "--draft-url", node.url,
+            run_serve("-t", "1", "-c", str(2 * N_CTX), "-np", "2", "--draft-url", node.url,
                       "--temp", "0") as (url, _):
         yield url
 

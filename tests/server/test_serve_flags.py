@@ -1026,7 +1026,7 @@ def test_a_requests_own_lora_scales_are_its_alone_and_lossless() -> None:
     body = {"prompt": [2, *range(1000, 41000, 1000)], "n_predict": 24, "temperature": 0,
             "return_tokens": True}
     with run_serve("-m", str(pair.target), "-md", str(pair.draft), "-t", "1", "-td", "1",
-                   "-c", "256", "-np", "2", "--lora", lora, "--draft-policy", "fixed",
+                   "-c", "512", "-np", "2", "--lora", lora, "--draft-policy", "fixed",
                    "--draft-p-min", "0", "--draft-mode", "sync", no_traceback=True) as (url, _):
         def ask(**kw) -> dict:
             r = httpx.post(url + "/completion", json={**body, **kw}, timeout=300)

@@ -122,7 +122,8 @@ def test_parse_defaults_limits_and_prompts() -> None:
     assert r.request.prompt == [1, ord("h"), ord("i")]
     assert r.request.n_predict == 64                         # -1: up to the context
     assert _parse({"prompt": "hi"}, n_predict=10).request.n_predict == 10
-    assert _parse({"prompt": "hi", "max_tokens": 50}, n_predict=10).request.n_predict == 10
+    # the server's -n is the default only: the request's own value wins (llama-server)
+    assert _parse({"prompt": "hi", "max_tokens": 50}, n_predict=10).request.n_predict == 50
     assert _parse({"prompt": [5, 6, "ab"]}).request.prompt == [5, 6, 97, 98]
     assert _parse({"prompt": ["ab"]}).request.prompt == [1, 97, 98]
     with pytest.raises(ApiError) as e:

@@ -31,7 +31,7 @@ def body(i: int) -> dict:
 
 def test_concurrent_requests_get_what_they_get_alone() -> None:
     # the fixed policy drafts whatever the timings (the adaptive one may not, under load)
-    with run_serve("-t", "1", "-td", "1", "-c", "256", "-np", "4", "--draft-max", "4",
+    with run_serve("-t", "1", "-td", "1", "-c", "1024", "-np", "4", "--draft-max", "4",
                    "--draft-policy", "fixed", "--draft-p-min", "0",
                    no_traceback=True) as (url, log):
         assert "4 slots" in log()

@@ -218,14 +218,20 @@ def test_max_body_flag_is_checked() -> None:
     assert parser.parse_args(["serve"]).max_body == 8 << 20
 
 
-def test_post_bodies_must_be_json(shared_toy) -> None:
-    """A web page can POST text/plain or a typeless body anywhere without a preflight:
-    415 unless the body is declared application/json."""
+def test_post_bodies_must_hold_json(shared_toy) -> None:
+    """As llama-server, a generation route reads a body typed text/plain, form-urlencoded or
+    untyped (curl -d) as JSON; other types are 415. The state-changing admin routes take
+    application/json only (test_llama_server_semantics.py)."""
     body = json.dumps({"prompt": "z", "n_predict": 1}).encode()
-    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None):
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
         headers = {"Content-Type": ctype} if ctype else {}
         r = shared_toy.post("/completion", content=body, headers=headers)
-        assert "Content-Type: must be application/json" in _error(r, 415)
+        assert r.status_code == 200, (ctype, r.text)
+    r = shared_toy.post("/completion", content=body, headers={"Content-Type":
+                                                              "multipart/form-data"})
+    assert "Content-Type: must be application/json" in _error(r, 415)
+    r = shared_toy.post("/completion", content=b"prompt=z", headers={"Content-Type": "text/plain"})
+    assert "invalid JSON" in _error(r, 400)
     r = shared_toy.post("/completion", content=body,
                         headers={"Content-Type": "Application/JSON; charset=utf-8"})
     assert r.status_code == 200

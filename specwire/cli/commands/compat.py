@@ -98,9 +98,9 @@ IGNORED: tuple[Flag, ...] = (
        "uses -ngl and -c as given"),
     _f("-fitt --fit-target", 1, "the margin for --fit, which specwire does not do"),
     _f("-fitc --fit-ctx", 1, "the floor for --fit, which specwire does not do"),
-    _f("-kvu --kv-unified", 0, "one KV buffer for every slot: specwire's -np slots always "
-       "share one unified cache"),
-    _f("-no-kvu --no-kv-unified", 0, "specwire's -np slots always share one unified cache"),
+    _f("-kvu --kv-unified", 0, "each slot holds -c/-np tokens here, as llama.cpp splits "
+       "the context without -kvu; slots cannot grow into one shared pool of cells"),
+    _f("-no-kvu --no-kv-unified", 0, "already so here: each slot holds -c/-np tokens"),
     _f("--swa-full", 0, "always on here: rolling back rejected draft tokens needs the "
        "full sliding-window cache"),
     _f("-dt --defrag-thold", 1, "deprecated in llama.cpp; the cache defragments by itself"),
@@ -170,9 +170,6 @@ IGNORED: tuple[Flag, ...] = (
     # HTTP front end
     _f("--reuse-port", 0, "the port is bound once"),
     _f("--path", 1, "the live page is built in; no static directory"),
-    _f("--cors-origins --cors-methods --cors-headers", 1, "no CORS headers are sent: the "
-       "live page is same-origin"),
-    _f("--cors-credentials --no-cors-credentials", 0, "no CORS headers are sent"),
     _f("--ui-config --webui-config --ui-config-file --webui-config-file", 1,
        "specwire's live page has no settings to preset"),
     _f("--ui-mcp-proxy --webui-mcp-proxy --no-ui-mcp-proxy --no-webui-mcp-proxy", 0,
@@ -184,8 +181,6 @@ IGNORED: tuple[Flag, ...] = (
     # chat
     _f("--no-jinja", 0, "templates are always rendered with Jinja here"),
     _f("--peg", 0, "ik_llama.cpp's parser switch; tool calls are parsed per template here"),
-    _f("--prefill-assistant --no-prefill-assistant", 0,
-       "a final assistant message is continued, as llama-server's default does"),
     _f("--reasoning-tokens", 1, "slots are chosen by the whole prompt here"),
     _f("--reasoning-preserve --no-reasoning-preserve", 0, "the template decides what "
        "history keeps"),

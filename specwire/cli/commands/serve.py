@@ -49,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "speculative decoding (bundled pair by default), and a live page at GET /.")
     g = p.add_argument_group("server")
     _add_listen_args(g)
+    _add_cors_args(g)
     _add_endpoint_args(g)
     _add_constraint_args(g)
     _add_chat_args(g)
@@ -84,6 +85,32 @@ def _add_listen_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--threads-http", type=int, default=-1, metavar="N",
                    help="threads that parse, tokenize and render requests (-1: the "
                    "default pool)")
+
+
+def _add_cors_args(g: argparse._ActionsContainer) -> None:
+    """CORS, as llama-server answers it: any origin by default (docs/hardening.md)."""
+    g.add_argument("--cors-origins", default="*", metavar="LIST",
+                   help="origins a browser page may call this server from, comma list ('*': "
+                   "any, the default, as llama-server; 'none': no CORS headers). Without "
+                   "--api-key any web page can then use the server: see docs/hardening.md")
+    g.add_argument("--cors-methods", default="GET,POST", metavar="LIST",
+                   help="methods a preflight allows (default GET,POST)")
+    g.add_argument("--cors-headers", default="*", metavar="LIST",
+                   help="request headers a preflight allows (default '*': any)")
+    g.add_argument("--cors-credentials", action=argparse.BooleanOptionalAction, default=False,
+                   help="answer Access-Control-Allow-Credentials: true (no cookies are used "
+                   "here; the API key is a header)")
+
+
+def cors_settings(a: argparse.Namespace) -> dict:
+    """--cors-* -> ServerSettings' cors_* fields."""
+    def items(text: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    origins = () if a.cors_origins.strip().lower() in ("", "none") else items(a.cors_origins)
+    return {"cors_origins": origins,
+            "cors_methods": tuple(m.upper() for m in items(a.cors_methods)),
+            "cors_headers": items(a.cors_headers), "cors_credentials": a.cors_credentials}
 
 
 def _add_endpoint_args(g: argparse._ActionsContainer) -> None:
@@ -135,15 +162,20 @@ def _add_chat_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
                    help="a JSON object of template variables every chat request gets "
                    "(its own chat_template_kwargs win), e.g. '{\"enable_thinking\": false}'")
-    g.add_argument("--webui", action=argparse.BooleanOptionalAction, default=True,
-                   help="the live page at GET / (--no-webui: off, / and /stats.json are 404)")
+    g.add_argument("--webui", "--ui", action=argparse.BooleanOptionalAction, default=True,
+                   help="the live page at GET / (--no-webui or --no-ui: off, / and /stats.json "
+                   "are 404)")
     g.add_argument("-a", "--alias", help="model name for /v1/models (default: the file name)")
     g.add_argument("--chat-template", default=None, metavar="NAME",
-                   help="chat template by llama.cpp name (chatml, gemma, llama3, llama2, "
-                   "mistral-v7, phi3, zephyr, vicuna) or Jinja source; overrides the GGUF's. "
-                   "Default: the GGUF's own, else gemma for Gemma models, else chatml")
+                   help="chat template by any of llama.cpp's built-in names (chatml, gemma, "
+                   "llama3, command-r, deepseek3, gpt-oss, ...) or Jinja source; overrides "
+                   "the GGUF's. Default: the GGUF's own, else gemma for Gemma models, else "
+                   "chatml")
     g.add_argument("--chat-template-file", default=None, metavar="FILE",
                    help="read the Jinja chat template from FILE (overrides --chat-template)")
+    g.add_argument("--prefill-assistant", action=argparse.BooleanOptionalAction, default=True,
+                   help="a chat ending in an assistant message continues that message, as "
+                   "llama-server does (--no-prefill-assistant: a new turn after it)")
     g.add_argument("--jinja", action="store_true",
                    help="accepted for llama-server compatibility: templates are always Jinja "
                    "here (tools, tool_choice and chat_template_kwargs need no flag)")
@@ -158,12 +190,13 @@ def _add_slot_args(g: argparse._ActionsContainer) -> None:
     """Slots, the waiting queue and the tokens a request may ask for."""
     g.add_argument("-np", "--parallel", type=int, default=1,
                    help="slots: requests generating at once, batched into one decode per step "
-                   "(each has its own sequence of the KV cache, of -c tokens, and its own "
-                   "drafter)")
+                   "(each has its own sequence of the KV cache, of -c/-np tokens as in "
+                   "llama-server, and its own drafter)")
     g.add_argument("--queue-size", type=int, default=16,
                    help="requests that may wait for a slot; more are refused with 429")
     g.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=-1,
-                   help="most tokens per request (-1: up to the context size)")
+                   help="tokens a request gets when it does not say (n_predict, max_tokens); "
+                   "a request's own value wins, as in llama-server (-1: up to the context)")
 
 
 def _add_limit_args(g: argparse._ActionsContainer) -> None:
@@ -409,6 +442,8 @@ def run(a: argparse.Namespace) -> int:
     tls = ssl_files(a)
     grammar = server_grammar(a)
     _check_limits(a)
+    _check_host(a.host)
+    per_slot_context(a)
     _check_chat_and_cache_flags(a)
     settings = _server_settings(a, keys, kwargs, grammar)
     engines = _build_engines(a, grammar)
@@ -474,6 +509,30 @@ def _check_limits(a: argparse.Namespace) -> None:
                            f"--lora-scale-max {a.lora_scale_max:g}; raise that to use it")
 
 
+def per_slot_context(a: argparse.Namespace) -> None:
+    """-c is the whole context, shared by the -np slots, as in llama-server (llama.cpp's
+    n_ctx_seq = n_ctx / n_parallel): each slot gets -c/-np tokens (a.ctx_size becomes
+    that), so a pasted command line allocates the KV cache its author planned."""
+    if a.parallel <= 1:
+        return
+    per_slot = a.ctx_size // a.parallel
+    if per_slot < 16:
+        raise CliError(f"-c {a.ctx_size} -np {a.parallel}: each slot would get {per_slot} "
+                       "tokens (-c is shared by the -np slots, as in llama-server); give "
+                       f"-c at least {16 * a.parallel}")
+    if a.ctx_size % a.parallel:
+        log.warning("-c %d is not a multiple of -np %d: each slot gets %d tokens",
+                    a.ctx_size, a.parallel, per_slot)
+    a.ctx_size = per_slot
+
+
+def _check_host(host: str) -> None:
+    """One address, as llama-server binds one: a comma list is refused by name."""
+    if "," in host:
+        raise CliError(f"--host {host}: one address only (llama-server binds one too); "
+                       "use 0.0.0.0 or :: for every interface, or run one server per address")
+
+
 def _check_chat_and_cache_flags(a: argparse.Namespace) -> None:
     """The chat template (--chat-template-file read into a.chat_template), reasoning and
     cache flags."""
@@ -503,10 +562,10 @@ def _check_chat_and_cache_flags(a: argparse.Namespace) -> None:
         logging.getLogger("specwire.flags").warning(
             "--keep: ignored: it is what a context shift keeps, and --context-shift is off "
             "(llama-server's default): generation stops at the context's end")
-    if (a.chat_template and a.chat_template not in chat.TEMPLATES
+    if (a.chat_template and not chat.is_known(a.chat_template)
             and not chat.is_jinja(a.chat_template)):
         raise CliError(f"--chat-template: unknown name {a.chat_template!r}; known: "
-                       f"{', '.join(sorted(chat.TEMPLATES))} (or a Jinja template)")
+                       f"{', '.join(chat.builtin_names())} (or a Jinja template)")
 
 
 def _server_settings(a: argparse.Namespace, keys: tuple[str, ...], kwargs: dict,
@@ -533,7 +592,8 @@ def _server_settings(a: argparse.Namespace, keys: tuple[str, ...], kwargs: dict,
                           slot_save_path=slot_folder(a.slot_save_path),
                           slot_save_files=a.slot_save_files,
                           slot_save_bytes=a.slot_save_bytes,
-                          n_keep=a.keep, context_shift=a.context_shift)
+                          n_keep=a.keep, context_shift=a.context_shift,
+                          prefill_assistant=a.prefill_assistant, **cors_settings(a))
 
 
 def _build_engines(a: argparse.Namespace, grammar) -> list:  # noqa: ANN001 - GrammarSpec
@@ -592,9 +652,9 @@ def _log_listening(a: argparse.Namespace, sock: socket.socket, engines: list, tl
     host = f"[{a.host}]" if ":" in a.host else a.host
     target, drafter = engines[0].target, engines[0].drafter
     scheme = "https" if tls else "http"
-    log.info("listening on %s://%s:%d (target %s, drafter %s, %d slot%s, context %d)",
+    log.info("listening on %s://%s:%d (target %s, drafter %s, %d slot%s, context %d%s)",
              scheme, host, port, target.name, drafter.name, a.parallel, "s" * (a.parallel > 1),
-             target.n_ctx)
+             target.n_ctx, " per slot" if a.parallel > 1 else "")
     if a.webui:
         log.info("live page: %s://%s:%d/", scheme, host, port)
     if not a.api_key and not a.api_key_file and _everywhere(a.host):
