@@ -166,7 +166,7 @@ def test_toy_errors_are_anthropic_shaped(toy: TestClient) -> None:
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = toy.post("/v1/messages", content=b"{", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["type"] == "error"
-    r = toy.post("/v1/messages", content=b"{}", headers={"Content-Type": "text/plain"})
+    r = toy.post("/v1/messages", content=b"{}", headers={"Content-Type": "application/xml"})
     assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error"
     r = toy.post("/v1/messages/count_tokens", json={"messages": []})
     assert r.status_code == 400 and r.json()["type"] == "error"
