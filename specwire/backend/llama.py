@@ -379,7 +379,7 @@ class LlamaBackend:
                     for j in range(i, i + n):
                         self._seq_ptrs[j][0] = p.seq
             self._out[i:i + n] = 1 if p.logits == "all" else 0
-            self._out[i + n - 1] = 1   # "none" too: its last row is checked (_check_finite)
+            self._out[i + n - 1] = self._rows(p) > 0
             i += n
         self._batch.n_tokens = total
         t0 = time.perf_counter()
@@ -396,8 +396,10 @@ class LlamaBackend:
             where = ", ".join(f"sequence {p.seq} at {len(self._seqs[p.seq])}" for p in parts)
             raise BackendError(f"llama_decode failed ({rc}) on {total} tokens ({where}) "
                                f"in {self.name}")
-        n_rows = sum(max(p.n_rows, 1) for p in parts)
-        buf = np.ctypeslib.as_array(C.llama_get_logits(self.ctx), shape=(n_rows, self.n_vocab))
+        n_rows = sum(self._rows(p) for p in parts)
+        buf = (np.ctypeslib.as_array(C.llama_get_logits(self.ctx),
+                                     shape=(n_rows, self.n_vocab)) if n_rows
+               else np.empty((0, self.n_vocab), dtype=np.float32))
         out, r = [], 0
         for p in parts:
             if p.parents is not None:
@@ -406,9 +408,16 @@ class LlamaBackend:
             else:
                 self._seqs[p.seq].extend(p.tokens)
             out.append(buf[r:r + p.n_rows])
-            r += max(p.n_rows, 1)
+            r += self._rows(p)
         self._check_finite(parts, buf)
         return out
+
+    def _rows(self, p: Part) -> int:
+        """Logits rows llama.cpp computes for a part: its own, and with LoRA adapters
+        loaded (what can overflow: an extreme scale) the last row of a "none" part too,
+        for _check_finite. Without adapters a "none" part costs no output row (on Gemma
+        the output matrix is most of the model: a draft node's catch-up stays cheap)."""
+        return p.n_rows or (1 if self.loras else 0)
 
     def _check_finite(self, parts: Sequence[Part], buf: np.ndarray) -> None:
         """A decode whose logits hold inf or NaN (activations that overflowed: a LoRA
