@@ -146,15 +146,24 @@ def test_rejection_mode_has_no_tree() -> None:
 # -- the engine ---------------------------------------------------------------------------
 
 
-def _engine(leaves: int, drafter: DrafterBase | None = None) -> tuple[Engine, FakeBatch]:
-    fb = FakeBatch(TARGET, n_seq=1, n_ctx=256, tree_leaves=leaves)
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    """The engine's perf_counter, moved only by the fake's costs (FakeBatch's default: 10 ms
+    a decode and 1 ms a token), so that whether a tree pays never depends on how busy the
+    machine is: on the wall clock, a loaded machine made trees lose now and then."""
+    return FakeClock().install(monkeypatch, engine_mod, round_mod, sequence_mod)
+
+
+def _engine(clock: FakeClock, leaves: int, drafter: DrafterBase | None = None
+            ) -> tuple[Engine, FakeBatch]:
+    fb = FakeBatch(TARGET, n_seq=1, n_ctx=256, tree_leaves=leaves, clock=clock)
     return Engine(fb, drafter or TreeDrafter()), fb
 
 
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_tree_rounds_are_token_identical_to_plain_decoding(sp, k) -> None:
-    eng, fb = _engine(leaves=4)
+def test_tree_rounds_are_token_identical_to_plain_decoding(clock, sp, k) -> None:
+    eng, fb = _engine(clock, leaves=4)
     req = Request(list(PROMPT), 60, sp, DraftParams(n_max=k, policy="fixed"))
     gen = eng.generate(req)
     assert gen.run() == _plain(PROMPT, sp, 60)
@@ -163,10 +172,10 @@ def test_tree_rounds_are_token_identical_to_plain_decoding(sp, k) -> None:
     assert branch_wins, "no round kept a branch's path"
 
 
-def test_tree_rounds_yield_more_per_round_than_chains() -> None:
+def test_tree_rounds_yield_more_per_round_than_chains(clock) -> None:
     out = {}
     for leaves in (1, 4):
-        eng, _ = _engine(leaves)
+        eng, _ = _engine(clock, leaves)
         gen = eng.generate(Request(list(PROMPT), 80, GREEDY, DraftParams(n_max=4,
                                                                          policy="fixed")))
         tokens = gen.run()
@@ -175,15 +184,15 @@ def test_tree_rounds_yield_more_per_round_than_chains() -> None:
     assert out[4][1] > out[1][1], out
 
 
-def test_a_chain_target_drops_the_branches() -> None:
-    eng, fb = _engine(leaves=1)
+def test_a_chain_target_drops_the_branches(clock) -> None:
+    eng, fb = _engine(clock, leaves=1)
     gen = eng.generate(Request(list(PROMPT), 30, GREEDY, DraftParams(n_max=4, policy="fixed")))
     assert gen.run() == _plain(PROMPT, GREEDY, 30)
     assert not fb.trees
 
 
-def test_rejection_mode_sends_chains() -> None:
-    eng, fb = _engine(leaves=4)
+def test_rejection_mode_sends_chains(clock) -> None:
+    eng, fb = _engine(clock, leaves=4)
     req = Request(list(PROMPT), 20, SEEDED,
                   DraftParams(n_max=4, policy="fixed", mode=VerifyMode.REJECTION))
     eng.generate(req).run()
@@ -284,13 +293,13 @@ def _tree_link(trees_on: bool):
 
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_a_pipelined_drafters_alternates_verified_as_trees_are_lossless(sp, k) -> None:
+def test_a_pipelined_drafters_alternates_verified_as_trees_are_lossless(clock, sp, k) -> None:
     """Both ends of a real branch session (DraftSession and BranchDrafter, by function
     call): the alternates the node sends are verified beside the branch, the verdict
     names the one taken under the tree rule, both ends go on from it, and the output is
     plain decoding's."""
     drafter = _tree_link(True)
-    eng, fb = _engine(leaves=5, drafter=drafter)
+    eng, fb = _engine(clock, leaves=5, drafter=drafter)
     gen = eng.generate(Request(list(PROMPT), 80, sp, DraftParams(n_max=k, policy="fixed",
                                                                   p_min=0.0)))
     assert gen.run() == _plain(PROMPT, sp, 80)
@@ -300,9 +309,9 @@ def test_a_pipelined_drafters_alternates_verified_as_trees_are_lossless(sp, k) -
     drafter.end()
 
 
-def test_a_node_without_the_tree_rule_gets_chains() -> None:
+def test_a_node_without_the_tree_rule_gets_chains(clock) -> None:
     drafter = _tree_link(False)
-    eng, fb = _engine(leaves=5, drafter=drafter)
+    eng, fb = _engine(clock, leaves=5, drafter=drafter)
     gen = eng.generate(Request(list(PROMPT), 60, GREEDY, DraftParams(n_max=4, policy="fixed",
                                                                       p_min=0.0)))
     assert gen.run() == _plain(PROMPT, GREEDY, 60)
@@ -507,13 +516,13 @@ def _second_choice_link(monkeypatch):
 
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_second_choices_alone_verified_as_trees_are_lossless(sp, k, monkeypatch) -> None:
+def test_second_choices_alone_verified_as_trees_are_lossless(clock, sp, k, monkeypatch) -> None:
     """Both ends of a branch session: the node sends its second choice alone with each
     position, the target hangs it in the tree, a round that walks into it keeps it and
     the target's next token, both ends start the next branch afresh, and the output is
     plain decoding's."""
     drafter = _second_choice_link(monkeypatch)
-    eng, fb = _engine(leaves=5, drafter=drafter)
+    eng, fb = _engine(clock, leaves=5, drafter=drafter)
     gen = eng.generate(Request(list(PROMPT), 80, sp, DraftParams(n_max=k, policy="fixed",
                                                                   p_min=0.0)))
     assert gen.run() == _plain(PROMPT, sp, 80)
