@@ -11,6 +11,12 @@ import importlib
 import logging
 import sys
 
+# llama.cpp's libraries (a CUDA build's included) are loaded before numpy's: with numpy
+# imported first, loading an F16 model at -ngl 99 crashed (SIGSEGV) on an H200, and the
+# same load in the other order worked (issue 36; docs/deployment.md). llama_cpp's package
+# loads its libraries, then imports numpy itself.
+import llama_cpp.llama_cpp  # noqa: F401
+
 from specwire.backend.base import BackendError
 from specwire.cli.args import CliError
 from specwire.config import ConfigError
