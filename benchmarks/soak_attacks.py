@@ -738,11 +738,19 @@ class SlotFiles(Attacker):
 
     def _round(self, c: httpx.Client, i: int) -> None:
         slot, name, how = i % self.n_slots, f"soak-attack-{i}.bin", CORRUPTIONS[i % 5]
-        c.post("/completion", json={"prompt": f"Slot file {i}: the attacker's text",
-                                    "n_predict": 2, "id_slot": slot, "cache_prompt": True})
-        r = c.post(f"/slots/{slot}", params={"action": "save"}, json={"filename": name})
-        self.count(f"save:{r.status_code}")
-        if r.status_code != 200:
+        for _ in range(4):   # busy slots: the honest clients may take it back at once
+            c.post("/completion", json={"prompt": f"Slot file {i}: the attacker's text",
+                                        "n_predict": 2, "id_slot": slot, "cache_prompt": True})
+            for _ in range(20):
+                r = c.post(f"/slots/{slot}", params={"action": "save"},
+                           json={"filename": name})
+                if r.status_code != 409:   # busy: tried again; 403: another key's cache
+                    break
+                time.sleep(0.1)
+            self.count(f"save:{r.status_code}")
+            if r.status_code == 200:
+                break
+        else:
             return
         files = list(self.folder.rglob(name))
         if len(files) != 1:
