@@ -15,10 +15,19 @@ With --attackers, issue 23's attackers run beside them for the whole soak
 (benchmarks/soak_attacks.py): slowloris connections to serve, silent peers of the
 node's two ports, a second serve whose node greets and then never answers (with a
 client of its own), and a client kind `constraint` (schemas and grammars past
-llama.cpp's limits: a 400 is expected). Every greedy /completion answer's tokens
-are then checked against plain decoding (the same prompt with speculative false, at
-the end), and the serving process's and the node's threads, descriptors and memory
-are read from /proc every 30 s.
+llama.cpp's limits: a 400 is expected); and issue 40's: serve then runs over TLS (a
+self-signed certificate), with a LoRA adapter (soak_attacks.write_lora: small, seeded,
+on the target's attention), --slot-save-path and two API keys, the honest clients'
+and the attackers', and beside slowloris (now over TLS) run a LoRA-scale attacker, idle
+keep-alive connections, a slot-file spoiler and TLS-handshake stallers (the idle and
+stalled connections from their own 127.0.0.x addresses, so that --conn-per-address
+counts them apart from the honest clients). Each attacker's counts are in the
+report's "attackers"; what none of them may see (a deadline missed, a restore of a
+spoiled file not refused, a scale changed, a probe refused, an unexpected answer) is
+in "attacker_faults", and fails the soak.
+Every greedy /completion answer's tokens are then checked against plain decoding (the
+same prompt with speculative false, at the end), and the serving process's and the
+node's threads, descriptors and memory are read from /proc every 30 s.
 
 Both processes' threads by name and descriptors by kind (a socket by its port and
 state) are read at the start and at the end, each after --settle-s idle seconds; the
@@ -40,7 +49,7 @@ beside it.
 
     python -m benchmarks.soak --minutes 10 --clients 8 [--restart-every 60]
         [--ctx 1024] [-np 2] [--draft-mode auto|sync|pipelined] [--attackers]
-        [--settle-s 16] [--out soak.json]
+        [--lora-scale-max 4] [--settle-s 16] [--out soak.json]
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ import httpx
 
 from benchmarks import soak_attacks as attacks
 from specwire.assets import models
+from specwire.server import deadlines, limits
 from specwire.server.metrics import parse_figures
 
 LONG_TEXT = ("The committee met on Tuesday to review the budget, the schedule and the list of "
@@ -78,6 +88,8 @@ BAD_BODIES = [b"{not json", b"", b"[1, 2]", b'{"prompt": "\\ud800"}', b"[" * 20_
               json.dumps({"prompt": "hi", "stop": ["x"] * 50}).encode(),
               b'{"prompt": "hi", "seed": 1' + b"0" * 400 + b"}"]
 KINDS = {"complete": 40, "chat": 15, "cut": 15, "long": 10, "bad": 20}
+#: With --attackers: serve's API keys, the honest clients' and the attackers'.
+HONEST_KEY, ATTACKER_KEY = "soak-honest", "soak-attacker"
 
 
 def _free_port() -> int:
@@ -149,12 +161,12 @@ class Tally:
 
 class Client(threading.Thread):
     def __init__(self, index: int, url: str, until: float, tally: Tally, ctx: int,
-                 kinds: dict[str, int] | None = None) -> None:
+                 kinds: dict[str, int] | None = None, http: dict | None = None) -> None:
         super().__init__(name=f"soak-client-{index}", daemon=True)
         self.rng = random.Random(index)
         self.url, self.until, self.tally, self.ctx = url, until, tally, ctx
         self.kinds = kinds or KINDS
-        self.http = httpx.Client(base_url=url, timeout=300)
+        self.http = httpx.Client(base_url=url, timeout=300, **(http or {}))
 
     def run(self) -> None:
         kinds, weights = zip(*self.kinds.items(), strict=True)
@@ -226,10 +238,11 @@ class Client(threading.Thread):
         return r.status_code, r.text
 
 
-def _warm_up(url: str, a: argparse.Namespace) -> None:
+def _warm_up(url: str, a: argparse.Namespace, http: dict | None = None) -> None:
     """Each kind of request once per slot, the slots busy at once (answers not counted)."""
     tally = Tally()
-    clients = [Client(1000 + i, url, 0.0, tally, a.ctx, _kinds(a)) for i in range(a.parallel)]
+    clients = [Client(1000 + i, url, 0.0, tally, a.ctx, _kinds(a), http)
+               for i in range(a.parallel)]
 
     def every_kind(c: Client) -> None:
         for kind in [*c.kinds, "long"]:  # a long prompt may be the one in five past the context
@@ -248,13 +261,14 @@ def _kinds(a: argparse.Namespace) -> dict[str, int]:
     return {**KINDS, "constraint": 10} if a.attackers else KINDS
 
 
-def _plain_check(url: str, greedy: dict[str, list[list[int]]]) -> dict:
+def _plain_check(url: str, greedy: dict[str, list[list[int]]], http: dict | None = None
+                 ) -> dict:
     """Each greedy answer against plain decoding: the prompt once more, speculative false,
     as long as the longest answer; an answer must be a prefix of it. The first few that
     are not are kept: the prompt, where they part, and both continuations from there."""
     checked = differ = 0
     unlike: list[dict] = []
-    with httpx.Client(base_url=url, timeout=600) as c:
+    with httpx.Client(base_url=url, timeout=600, **(http or {})) as c:
         for prompt, answers in greedy.items():
             n = max(len(t) for t in answers)
             r = c.post("/completion", json={"prompt": prompt, "n_predict": n, "temperature": 0,
@@ -275,8 +289,8 @@ def _plain_check(url: str, greedy: dict[str, list[list[int]]]) -> dict:
             "greedy_unlike": unlike}
 
 
-def _scrape(url: str) -> dict[str, float]:
-    return parse_figures(httpx.get(url + "/metrics", timeout=30).text)
+def _scrape(url: str, http: dict | None = None) -> dict[str, float]:
+    return parse_figures(httpx.get(url + "/metrics", timeout=30, **(http or {})).text)
 
 
 def _resources(target: dict[str, float], node: dict[str, float] | None) -> dict:
@@ -314,11 +328,15 @@ def run(a: argparse.Namespace) -> dict:
                                   str(sync_port), "--metrics-port", str(node_metrics), "-td", "1",
                                   "-c", str(a.ctx), "--max-sessions", "8"],
                    f"listening on 127.0.0.1:{node_port}", log_dir)
+    secure = _Secure(log_dir) if a.attackers else None
+    scheme = "https" if secure else "http"
     serve = Process("serve", ["serve", "--port", str(http_port), "-t", "1", "-c", str(a.ctx),
                               "-np", str(a.parallel), "--queue-size", "32", "--draft-url",
-                              f"127.0.0.1:{node_port}", "--draft-mode", a.draft_mode],
-                    f"listening on http://127.0.0.1:{http_port}", log_dir)
-    url, node_url = f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{node_metrics}"
+                              f"127.0.0.1:{node_port}", "--draft-mode", a.draft_mode,
+                              *(secure.serve_args(a) if secure else [])],
+                    f"listening on {scheme}://127.0.0.1:{http_port}", log_dir)
+    url, node_url = f"{scheme}://127.0.0.1:{http_port}", f"http://127.0.0.1:{node_metrics}"
+    http = secure.http(HONEST_KEY) if secure else None
     node.start()
     serve.start()
     silent: _SilentTarget | None = None
@@ -328,18 +346,20 @@ def run(a: argparse.Namespace) -> dict:
     try:
         if a.attackers:
             silent = _SilentTarget(node_port, a, log_dir)
-        report["cold"] = _resources(_scrape(url), _scrape(node_url))
-        _warm_up(url, a)
+        report["cold"] = _resources(_scrape(url, http), _scrape(node_url))
+        _warm_up(url, a, http)
         time.sleep(a.settle_s)   # idle, as at the end: the request threads' pool shrinks
-        report["start"] = _resources(_scrape(url), _scrape(node_url))
+        report["start"] = _resources(_scrape(url, http), _scrape(node_url))
         tally = Tally()
         t0 = time.monotonic()
         until = t0 + 60 * a.minutes
-        clients = [Client(i, url, until, tally, a.ctx, _kinds(a)) for i in range(a.clients)]
+        clients = [Client(i, url, until, tally, a.ctx, _kinds(a), http)
+                   for i in range(a.clients)]
         hostile: list[attacks.Attacker] = []
         if a.attackers:
-            hostile = [attacks.Slowloris("127.0.0.1", http_port),
-                       attacks.SilentPeers("127.0.0.1", node_port, sync_port)]
+            hostile = [attacks.Slowloris("127.0.0.1", http_port, tls=secure.tls),
+                       attacks.SilentPeers("127.0.0.1", node_port, sync_port),
+                       *secure.attackers(url, http_port, a)]
             clients.append(Client(a.clients, silent.url, until, silent.tally, a.ctx,
                                   {"complete": 1}))
         over_time: list[dict] = []
@@ -350,7 +370,7 @@ def run(a: argparse.Namespace) -> dict:
                               "node": attacks.proc_figures(node.proc.pid)})
 
         sample()
-        report["names_start"] = _names(serve, node, url)
+        report["names_start"] = _names(serve, node, url, http)
         if silent is not None:
             silent.begin()
         for c in [*clients, *hostile]:
@@ -364,7 +384,7 @@ def run(a: argparse.Namespace) -> dict:
                 sample()
                 next_sample += 30.0
             if time.monotonic() >= next_kill and time.monotonic() < until - 5:
-                figures = _resources(_scrape(url), _scrape(node_url))
+                figures = _resources(_scrape(url, http), _scrape(node_url))
                 warm = warm or figures   # the end of the first interval
                 by_interval.append(round(figures["target_rss_mb"], 1))
                 node.kill()
@@ -384,15 +404,16 @@ def run(a: argparse.Namespace) -> dict:
         if a.attackers:
             time.sleep(12.0)  # the node's 10 s deadline for the last silent call
             report["attackers"] = {h.name: h.report() for h in hostile}
-            report |= _plain_check(url, tally.greedy)
+            report["attacker_faults"] = attacker_faults(report["attackers"])
+            report |= _plain_check(url, tally.greedy, http)
             report["silent_node"] = silent.finish()
         time.sleep(a.settle_s)   # idle, as the start was read
         sample()
-        report["names_end"] = _names(serve, node, url)
+        report["names_end"] = _names(serve, node, url, http)
         report["serve_names_differ"] = attacks.names_differ(report["names_start"]["serve"],
                                                             report["names_end"]["serve"])
         report["over_time"] = over_time
-        end = _resources(_scrape(url), _scrape(node_url))
+        end = _resources(_scrape(url, http), _scrape(node_url))
         report |= {"warm": warm, "end": end, "node_restarts": restarts,
                    "target_rss_mb_before_each_restart": by_interval}
         report |= _summary(tally, report["cold"], report["start"], warm, end)
@@ -404,6 +425,62 @@ def run(a: argparse.Namespace) -> dict:
     report["target_tracebacks"] = serve.log().count("Traceback")
     report["node_tracebacks"] = node.log().count("Traceback")
     return report
+
+
+class _Secure:
+    """What --attackers adds to serve (issue 40): TLS with a self-signed certificate, a
+    LoRA adapter, a slot folder and two API keys; and the attackers that use them."""
+
+    def __init__(self, log_dir: Path) -> None:
+        tls_dir = log_dir / "tls"
+        tls_dir.mkdir(exist_ok=True)
+        self.key_file, self.cert_file = attacks.self_signed(tls_dir)
+        self.tls = attacks.tls_client(self.cert_file)
+        self.slot_dir = log_dir / "slots"
+        self.slot_dir.mkdir(exist_ok=True)
+        target = models.default_target()
+        self.adapter = attacks.write_lora(target, models.home() /
+                                          f"{target.stem}-soak-lora-r4.gguf")
+
+    def serve_args(self, a: argparse.Namespace) -> list[str]:
+        return ["--lora", str(self.adapter), "--lora-scale-max", str(a.lora_scale_max),
+                "--slot-save-path", str(self.slot_dir), "--ssl-key-file", self.key_file,
+                "--ssl-cert-file", self.cert_file, "--api-key", f"{HONEST_KEY},{ATTACKER_KEY}",
+                "--keep-alive", str(deadlines.KEEP_ALIVE_S),
+                "--header-timeout", str(deadlines.HEADER_TIMEOUT_S)]
+
+    def http(self, key: str) -> dict:
+        return {"verify": self.tls, "headers": {"Authorization": f"Bearer {key}"}}
+
+    def attackers(self, url: str, port: int, a: argparse.Namespace) -> list[attacks.Attacker]:
+        mine = self.http(ATTACKER_KEY)
+        return [attacks.LoraScales(url, mine, a.lora_scale_max),
+                attacks.IdleKeepAlive("127.0.0.1", port, self.tls, deadlines.KEEP_ALIVE_S),
+                attacks.SlotFiles(url, mine, self.slot_dir, a.parallel),
+                attacks.TlsStall("127.0.0.1", port, self.tls, deadlines.HEADER_TIMEOUT_S)]
+
+
+def attacker_faults(reports: dict[str, dict]) -> dict[str, int]:
+    """What no attacker may see, by "attacker:what": a connection held past its deadline,
+    a deadline that never closed one, an unexpected answer to a hostile request, a scale
+    changed, a spoiled slot file not refused, serve down, a TLS probe refused."""
+    faults = {}
+    for name, counts in reports.items():
+        for what in ("held_past_deadline", "unexpected", "scale_changed", "restore_not_400",
+                     "health_failed", "probe_failed", "saved_file_not_found"):
+            if counts.get(what):
+                faults[f"{name}:{what}"] = counts[what]
+        timed = name.endswith(("idle-keep-alive", "tls-stall"))
+        if timed and counts.get("closed_by_server", 0) == 0:
+            faults[f"{name}:never_closed_by_server"] = 1
+    return faults
+
+
+def _attacker_line(name: str, counts: dict) -> str:
+    parts = [f"{k}={v}" for k, v in counts.items() if not isinstance(v, (dict, list))]
+    if counts.get("close_s"):
+        parts.append(f"close_s p50 {counts['close_s']['p50']} max {counts['close_s']['max']}")
+    return f"[soak] attacker {name.removeprefix('soak-attack-')}: " + ", ".join(parts)
 
 
 class _SilentTarget:
@@ -464,14 +541,14 @@ def _summary_counts(t: Tally) -> dict:
             "first_5xx": t.five_xx, "transport_errors": dict(t.errors)}
 
 
-def _names(serve: Process, node: Process, url: str) -> dict:
+def _names(serve: Process, node: Process, url: str, http: dict | None = None) -> dict:
     """Both processes' threads by name and descriptors by kind (soak_attacks.proc_names),
     and the target's Python threads by name (its /metrics: /proc names them all python)."""
     time.sleep(0.5)      # the last scrape's connection closed on the server's side too
     out = {"serve": attacks.proc_names(serve.proc.pid), "node": attacks.proc_names(node.proc.pid)}
     # read after /proc: the scrape's own connection is not among the descriptors
     out["serve"]["python_threads"] = {
-        k[len('specwire:threads{name="'):-2]: int(v) for k, v in _scrape(url).items()
+        k[len('specwire:threads{name="'):-2]: int(v) for k, v in _scrape(url, http).items()
         if k.startswith('specwire:threads{name="')}
     return out
 
@@ -510,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-mode", choices=["auto", "sync", "pipelined"], default="auto")
     p.add_argument("--attackers", action="store_true",
                    help="issue 23's attackers beside the clients (soak_attacks.py)")
+    p.add_argument("--lora-scale-max", type=float, default=limits.LORA_SCALE_MAX,
+                   help="serve's --lora-scale-max with --attackers: 1e5 or more lets the "
+                   "LoRA attacker's scale 1e5 through, to exercise the NaN defence (its own "
+                   "request may then fail; never an honest one)")
     p.add_argument("--settle-s", type=float, default=16.0,
                    help="idle seconds before the start's and the end's readings (anyio "
                    "retires a request thread idle for 10 s; serve asks it every 5 s)")
@@ -525,6 +606,20 @@ def main(argv: list[str] | None = None) -> int:
     ok = report["count_5xx"] == 0 and report["target_rss_growth_pct"] < 5 and \
         not any(report["open_at_end"].values()) and report["target_tracebacks"] == 0 and \
         not report.get("greedy_answers_unlike_plain", 0) and not differ
+    for name, counts in report.get("attackers", {}).items():
+        print(_attacker_line(name, counts), flush=True)
+    if report.get("attacker_faults"):
+        ok = False
+        print(f"[soak] attacker faults: {report['attacker_faults']}", flush=True)
+    honest_errors = {k: v for k, v in report["transport_errors"].items()
+                     if not k.startswith("cut:")}
+    if honest_errors:
+        print(f"[soak] transport errors of honest requests (outside a cut stream): "
+              f"{honest_errors}", flush=True)
+    if "greedy_answers_checked" in report:
+        print(f"[soak] greedy answers equal to plain decoding: "
+              f"{report['greedy_answers_checked'] - report['greedy_answers_unlike_plain']}/"
+              f"{report['greedy_answers_checked']}", flush=True)
     if "silent_node" in report:
         quiet = report["silent_node"]
         ok = ok and quiet["count_5xx"] == 0 and not quiet["greedy_answers_unlike_plain"] \
