@@ -187,6 +187,9 @@ class Placement:
                   first pattern that matches a tensor).
     devices:      -dev names; None = llama.cpp's default (every GPU), () = none (-dev none).
     tensor_split: -ts proportions per device; () = llama.cpp's default split.
+    repack:       --repack / -nr: the CPU's extra weight layouts (CPU_REPACK, AMX); None =
+                  llama.cpp's default, but off where the CPU backend offers AMX
+                  (backend/placement.py says why).
     """
 
     overrides: tuple[TensorOverride, ...] = ()
@@ -196,6 +199,7 @@ class Placement:
     tensor_split: tuple[float, ...] = ()
     use_mmap: bool = True
     use_mlock: bool = False
+    repack: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.split_mode in SPLIT_MODES, "split_mode",

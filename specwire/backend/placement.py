@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from typing import Any
 
 from specwire.backend.base import BackendError
 from specwire.config import SPLIT_MODES, Placement, TensorOverride
+
+log = logging.getLogger("specwire.backend")
 
 #: ggml_backend_dev_type: CPU is 0 in every release (GPU, IGPU, ACCEL follow).
 DEVICE_CPU = 0
@@ -334,7 +337,36 @@ def apply(mp: ctypes.Structure, placement: Placement, n_gpu_layers: int,
         _apply_devices(mp, p.devices, names["devices"], applied)
     if p.overrides:
         _apply_overrides(mp, p.overrides, names["overrides"], applied)
+    _apply_repack(mp, p.repack)
     return applied
+
+
+#: ggml's AMX buffer type: its matrix product segfaults on the first decode of a quantized
+#: model on some AMX CPUs (llama.cpp #20824, open upstream; seen here on a Xeon with
+#: AMX_INT8 and llama-cpp-python 0.3.36), so weights stay out of it unless --repack asks.
+AMX_BUFFER = "AMX"
+
+
+def _apply_repack(mp: ctypes.Structure, repack: bool | None) -> None:
+    """--repack / -nr (use_extra_bufts); unset, off where the CPU backend offers AMX."""
+    if repack is None:
+        if not has_field(mp, "use_extra_bufts") or AMX_BUFFER not in buffer_types():
+            return
+        _warn_amx()
+        repack = False
+    set_field(mp, "use_extra_bufts", repack, "--repack" if repack else "--no-repack")
+
+
+_amx_warned = False
+
+
+def _warn_amx() -> None:
+    global _amx_warned
+    if not _amx_warned:
+        _amx_warned = True
+        log.warning("this CPU offers llama.cpp's AMX weight layout, whose matrix product "
+                    "crashes on some machines (llama.cpp #20824): weights are not "
+                    "repacked (--repack turns repacking and AMX back on)")
 
 
 #: llama_load_mode for (use_mmap, use_mlock), in builds where it replaced the two booleans.

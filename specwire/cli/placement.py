@@ -74,6 +74,11 @@ _SHARED: list[tuple[str, tuple[str, ...], dict]] = [
     ("no_mmap", ("--no-mmap",), dict(action="store_true",
                                      help="read the weights into memory instead of mapping")),
     ("mlock", ("--mlock",), dict(action="store_true", help="lock the weights in RAM")),
+    ("repack", ("--repack",), dict(action="store_const", const=True, default=None,
+                                   help="repack the weights for the CPU (llama.cpp's "
+                                        "default; off by default on an AMX CPU)")),
+    ("repack", ("-nr", "--no-repack"), dict(action="store_const", const=False, default=None,
+                                            help="keep the weights in the file's layout")),
     ("tensor_split", ("-ts", "--tensor-split"),
      dict(default=None, metavar="N0,N1,...",
           help="proportions of the model per GPU, e.g. 3,1")),
@@ -197,6 +202,7 @@ def placement(a: argparse.Namespace, draft: bool) -> Placement:
         tensor_split=tensor_split(getattr(a, "tensor_split", None)),
         use_mmap=not getattr(a, "no_mmap", False),
         use_mlock=getattr(a, "mlock", False),
+        repack=getattr(a, "repack", None),
     )
 
 
@@ -218,9 +224,12 @@ def node_flags(a: argparse.Namespace) -> list[str]:
     if getattr(a, "device_draft", None):
         out += ["-dev", a.device_draft]
     out += ["-fa", getattr(a, "flash_attn_draft", "auto")]
-    for dest, names, _kw in _SHARED:
+    for dest, names, kw in _SHARED:
         value = getattr(a, dest, None)
-        if value is True:
+        if "const" in kw:  # one of a pair of flags setting the same dest
+            if value is not None and value == kw["const"]:
+                out.append(names[0])
+        elif value is True:
             out.append(names[0])
         elif value not in (None, False, "layer", 0):
             out += [names[0], str(value)]

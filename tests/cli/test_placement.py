@@ -119,6 +119,17 @@ def test_bench_hands_the_draft_placement_to_the_node_it_starts() -> None:
     assert local == remote
 
 
+@pytest.mark.parametrize("argv, want", [
+    ([], None), (["--repack"], True), (["-nr"], False), (["--no-repack"], False),
+    (["-nr", "--repack"], True)])
+def test_repack_flags_reach_both_placements_and_the_node(argv: list[str], want) -> None:
+    a = parse("bench", *argv)
+    assert target_params(a, "t.gguf").placement.repack is want
+    assert draft_model_params(a, "d.gguf").placement.repack is want
+    node = parse("draft", *node_flags(a))
+    assert draft_model_params(node, "d.gguf").placement.repack is want
+
+
 @pytest.mark.parametrize("argv, dest, value", [
     (["--spec-draft-n-max", "5"], "draft_max", 5),
     (["--draft-max", "5"], "draft_max", 5),
@@ -278,6 +289,37 @@ def test_mmap_and_mlock_on_both_struct_layouts() -> None:
             assert mp.load_mode == getattr(C, f"LLAMA_LOAD_MODE_{mode}")
         else:
             assert (mp.use_mmap, mp.use_mlock) == (mmap, mlock)
+
+
+class _RepackParams(ctypes.Structure):
+    _fields_ = [("n_gpu_layers", ctypes.c_int32), ("use_extra_bufts", ctypes.c_bool)]
+
+
+@pytest.mark.parametrize("cpu_types, repack, want", [
+    (["CPU", "CPU_REPACK"], None, True),          # no AMX: llama.cpp's default stands
+    (["CPU", "AMX", "CPU_REPACK"], None, False),  # AMX: off unless asked (#20824)
+    (["CPU", "AMX", "CPU_REPACK"], True, True),
+    (["CPU", "CPU_REPACK"], False, False)])
+def test_repack_is_off_by_default_only_where_amx_is_offered(monkeypatch, caplog, cpu_types,
+                                                            repack, want) -> None:
+    monkeypatch.setattr(placement, "buffer_types", lambda: dict.fromkeys(cpu_types, 1))
+    monkeypatch.setattr(placement, "_amx_warned", False)
+    mp = _RepackParams(0, True)
+    with caplog.at_level("WARNING", logger="specwire.backend"):
+        placement.apply(mp, Placement(repack=repack), 0)
+    assert mp.use_extra_bufts is want
+    warned = [r for r in caplog.records if "#20824" in r.getMessage()]
+    assert len(warned) == (repack is None and "AMX" in cpu_types)
+
+
+def test_repack_on_this_build_and_refused_where_the_field_is_missing() -> None:
+    import llama_cpp as C
+    mp = C.llama_model_default_params()
+    placement.apply(mp, Placement(), 0)
+    if placement.has_field(mp, "use_extra_bufts"):
+        assert mp.use_extra_bufts is ("AMX" not in placement.buffer_types())
+    with pytest.raises(BackendError, match="--no-repack is not supported"):
+        placement.apply(_BareModelParams(), Placement(repack=False), 0)
 
 
 def test_overrides_array_is_null_terminated_and_kept() -> None:

@@ -106,8 +106,6 @@ IGNORED: tuple[Flag, ...] = (
     _f("-dt --defrag-thold", 1, "deprecated in llama.cpp; the cache defragments by itself"),
     _f("-nkvo --no-kv-offload -kvo --kv-offload", 0, "the KV cache follows its layer's "
        "device (-ngl) here"),
-    _f("--repack -nr --no-repack", 0, "llama.cpp's CPU weight repacking is left at its "
-       "default"),
     _f("--no-host", 0, "host buffers are left at llama.cpp's default"),
     _f("--op-offload --no-op-offload", 0, "left at llama.cpp's default (on)"),
     _f("--check-tensors", 0, "tensor data is not scanned at load"),
