@@ -17,7 +17,7 @@ import time
 import pytest
 from fakes import FakeBackend, FakeBatch, FakeClock
 from hybrid_fakes import FAKE_GREEDY, SAMPLED, TARGET, AheadSpy, V, lookup, reference
-from invariance_checks import explain_mismatch
+from invariance_checks import explain_mismatch, taking_turns
 from wire_helpers import CODE, GREEDY, N_CTX, PROSE, SEEDED, request, run_to_end
 
 from specwire.config import DraftParams
@@ -213,21 +213,20 @@ def test_real_pair_remote_hybrid_trees_are_token_identical(target, node, sp,
     tree_target = LlamaBackend(ModelParams(target.path, n_ctx=N_CTX, n_threads=1),
                                target.backend.model, tree_branches=4)
     trees = 0.0
-    for text in (CODE, PROSE):
+    for text, k in taking_turns((CODE, PROSE), (1, 2, 4, 8)):
         prompt = target.tokens(text)
         want = target.plain(prompt, sp, 40)
-        for k in (1, 2, 4, 8):
-            hybrid = HybridDrafter(lookup(), target.drafter(node.url, pipelined=True))
-            try:
-                gen = Engine(tree_target, hybrid).generate(
-                    request(prompt, 40, sp, n_max=k, policy="fixed"))
-                got = run_to_end(gen, on_step=_settle(hybrid.model))
-                if got != want:
-                    pytest.fail(f"hybrid trees, draft-max {k}:\n"
-                                + explain_mismatch(target.backend, text, want, got))
-                trees += hybrid.stats().get("trees", 0.0)
-            finally:
-                hybrid.close()
+        hybrid = HybridDrafter(lookup(), target.drafter(node.url, pipelined=True))
+        try:
+            gen = Engine(tree_target, hybrid).generate(
+                request(prompt, 40, sp, n_max=k, policy="fixed"))
+            got = run_to_end(gen, on_step=_settle(hybrid.model))
+            if got != want:
+                pytest.fail(f"hybrid trees, draft-max {k}:\n"
+                            + explain_mismatch(target.backend, text, want, got))
+            trees += hybrid.stats().get("trees", 0.0)
+        finally:
+            hybrid.close()
     assert trees > 0, "no round verified both candidates as a tree"
 
 

@@ -14,7 +14,7 @@ loosened.
 from __future__ import annotations
 
 import pytest
-from invariance_checks import explain_mismatch
+from invariance_checks import explain_mismatch, taking_turns
 
 from specwire.assets import models
 from specwire.backend.llama import LlamaBackend, load_model
@@ -74,13 +74,13 @@ def plain(target):
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("prompt", sorted(PROMPTS))
 @pytest.mark.parametrize("drafter", ["self", "q2k", "q4km", "threaded", "ngram", "random",
                                      "hybrid"])
-def test_same_tokens_for_every_draft_length(target, drafters, plain, drafter, prompt, sampling):
-    ref = plain[(prompt, sampling.temperature)]
-    assert len(ref) == N_PREDICT
-    for k in DRAFT_LENGTHS:
+def test_same_tokens_for_every_draft_length(target, drafters, plain, drafter, sampling):
+    """Every draft length, the two prompts taking turns (invariance_checks.taking_turns)."""
+    for prompt, k in taking_turns(tuple(sorted(PROMPTS)), DRAFT_LENGTHS):
+        ref = plain[(prompt, sampling.temperature)]
+        assert len(ref) == N_PREDICT
         gen = generate(target, drafters[drafter], PROMPTS[prompt], sampling, k)
         if gen.tokens != ref:
             pytest.fail(f"{drafter} draft, draft-max {k}:\n"

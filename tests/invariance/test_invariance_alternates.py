@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from alternates_everywhere import threaded_alternates_everywhere
+from invariance_checks import taking_turns
 from wire_helpers import CODE, GREEDY, PROSE, SEEDED, request, run_to_end
 
 from specwire.engine.engine import Engine
@@ -28,18 +29,17 @@ def _totals(stats: list[dict]) -> dict[str, float]:
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_remote_pipelined_with_alternates_is_token_identical(target, node, sp) -> None:
     seen = []
-    for text in (CODE, PROSE):
+    for text, k in taking_turns((CODE, PROSE), DRAFT_LENGTHS):
         prompt = target.tokens(text)
         want = target.plain(prompt, sp, N)
-        for k in DRAFT_LENGTHS:
-            remote = target.drafter(node.url, pipelined=True)
-            assert remote.branches is not None
-            try:
-                gen = Engine(target.backend, remote).generate(request(prompt, N, sp, n_max=k))
-                assert run_to_end(gen) == want, (text[:10], k)
-                seen.append(gen.stats.drafter)
-            finally:
-                remote.close()
+        remote = target.drafter(node.url, pipelined=True)
+        assert remote.branches is not None
+        try:
+            gen = Engine(target.backend, remote).generate(request(prompt, N, sp, n_max=k))
+            assert run_to_end(gen) == want, (text[:10], k)
+            seen.append(gen.stats.drafter)
+        finally:
+            remote.close()
     assert _totals(seen)["alternates_received"] > 0, _totals(seen)
 
 
@@ -49,15 +49,14 @@ def test_threaded_with_alternates_everywhere_is_token_identical(target, sp,
     drafter = threaded_alternates_everywhere(monkeypatch, 1024)
     seen = []
     try:
-        for text in (CODE, PROSE):
+        for text, k in taking_turns((CODE, PROSE), DRAFT_LENGTHS):
             prompt = target.tokens(text)
             want = target.plain(prompt, sp, N)
-            for k in DRAFT_LENGTHS:
-                before = drafter.stats()
-                gen = Engine(target.backend, drafter).generate(request(prompt, N, sp, n_max=k))
-                assert run_to_end(gen) == want, (text[:10], k)
-                after = drafter.stats()
-                seen.append({key: after[key] - before.get(key, 0.0) for key in after})
+            before = drafter.stats()
+            gen = Engine(target.backend, drafter).generate(request(prompt, N, sp, n_max=k))
+            assert run_to_end(gen) == want, (text[:10], k)
+            after = drafter.stats()
+            seen.append({key: after[key] - before.get(key, 0.0) for key in after})
     finally:
         drafter.end()
     totals = _totals(seen)

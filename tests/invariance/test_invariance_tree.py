@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 from alternates_everywhere import threaded_alternates_everywhere
-from invariance_checks import explain_mismatch
+from invariance_checks import explain_mismatch, taking_turns
 from wire_helpers import CODE, GREEDY, N_CTX, PROSE, SEEDED, request, run_to_end
 
 from specwire.assets import models
@@ -105,15 +105,14 @@ def test_local_trees_are_token_identical(target, tree_target, sp, length) -> Non
     p = ModelParams(str(models.default_draft(progress=False)), n_ctx=N_CTX, n_threads=1)
     drafter = TreeModelDrafter(LlamaBackend(p, load_model(p)), length=length)
     verified = taken = 0
-    for text in (CODE, PROSE):
+    for text, k in taking_turns((CODE, PROSE), DRAFT_LENGTHS):
         prompt = target.tokens(text)
         want = target.plain(prompt, sp, N)
-        for k in DRAFT_LENGTHS:
-            eng = Engine(tree_target, drafter)
-            gen = eng.generate(request(prompt, N, sp, n_max=k, policy="fixed"))
-            _check(target, text, want, run_to_end(gen), f"local trees, draft-max {k}")
-            verified += eng.tree_yield.rounds
-            taken += eng.tree_yield.taken
+        eng = Engine(tree_target, drafter)
+        gen = eng.generate(request(prompt, N, sp, n_max=k, policy="fixed"))
+        _check(target, text, want, run_to_end(gen), f"local trees, draft-max {k}")
+        verified += eng.tree_yield.rounds
+        taken += eng.tree_yield.taken
     assert verified > 0 and taken > 0, (verified, taken)
 
 
@@ -174,16 +173,15 @@ def test_threaded_trees_everywhere_are_token_identical(target, tree_target, sp, 
     verified = alone = 0.0
 
     try:
-        for text in (CODE, PROSE):
+        for text, k in taking_turns((CODE, PROSE), DRAFT_LENGTHS):
             prompt = target.tokens(text)
             want = target.plain(prompt, sp, N)
-            for k in DRAFT_LENGTHS:
-                eng = Engine(tree_target, drafter)
-                gen = eng.generate(request(prompt, N, sp, n_max=k, policy="fixed"))
-                _check(target, text, want, run_to_end(gen, on_step=_settle(drafter)),
-                       f"threaded {kind}, draft-max {k}")
-                verified += eng.tree_yield.rounds
-                alone += gen.stats.drafter.get("second_choices_taken", 0.0)
+            eng = Engine(tree_target, drafter)
+            gen = eng.generate(request(prompt, N, sp, n_max=k, policy="fixed"))
+            _check(target, text, want, run_to_end(gen, on_step=_settle(drafter)),
+                   f"threaded {kind}, draft-max {k}")
+            verified += eng.tree_yield.rounds
+            alone += gen.stats.drafter.get("second_choices_taken", 0.0)
     finally:
         drafter.end()
     assert verified > 0
@@ -194,19 +192,18 @@ def test_threaded_trees_everywhere_are_token_identical(target, tree_target, sp, 
 def test_remote_pipelined_trees_are_token_identical(target, tree_target, node, sp) -> None:
     """The node's own choice of alternates: drafted ones and second choices alone."""
     verified = received = alone = 0.0
-    for text in (CODE, PROSE):
+    for text, k in taking_turns((CODE, PROSE), DRAFT_LENGTHS):
         prompt = target.tokens(text)
         want = target.plain(prompt, sp, N)
-        for k in DRAFT_LENGTHS:
-            remote = target.drafter(node.url, pipelined=True)
-            try:
-                eng = Engine(tree_target, remote)
-                gen = eng.generate(request(prompt, N, sp, n_max=k, policy="fixed"))
-                _check(target, text, want, run_to_end(gen, on_step=_settle(remote)),
-                       f"remote, draft-max {k}")
-                verified += eng.tree_yield.rounds
-                received += gen.stats.drafter.get("alternates_received", 0.0)
-                alone += gen.stats.drafter.get("second_choices", 0.0)
-            finally:
-                remote.close()
+        remote = target.drafter(node.url, pipelined=True)
+        try:
+            eng = Engine(tree_target, remote)
+            gen = eng.generate(request(prompt, N, sp, n_max=k, policy="fixed"))
+            _check(target, text, want, run_to_end(gen, on_step=_settle(remote)),
+                   f"remote, draft-max {k}")
+            verified += eng.tree_yield.rounds
+            received += gen.stats.drafter.get("alternates_received", 0.0)
+            alone += gen.stats.drafter.get("second_choices", 0.0)
+        finally:
+            remote.close()
     assert received > alone > 0 and verified > 0, (received, alone, verified)

@@ -45,3 +45,11 @@ def explain_mismatch(target, prompt: str, ref: list[int], got: list[int]) -> str
                      f"gap {row[top[0]] - row[top[1]]:.6f}")
     lines.append(f"  max |plain - batched| = {np.abs(single - batched).max():.6f}")
     return "\n".join(lines)
+
+
+def taking_turns(texts: tuple, lengths: tuple) -> list[tuple]:
+    """(text, draft length) pairs: every draft length once, the prompts taking turns, so
+    each length and each prompt is verified without their cross product (which doubled
+    the suite's slowest tests; docs/testing.md). A draft length that misses a near tie on
+    one prompt would miss it on the other as likely."""
+    return [(texts[i % len(texts)], k) for i, k in enumerate(lengths)]
