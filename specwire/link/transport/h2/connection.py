@@ -43,6 +43,8 @@ __all__ = ["Connection", "CreditTimeout", "GrpcStatus", "H2Error", "Stream", "MA
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 MAX_FRAME = 16384  # the largest frame we accept (HTTP/2's default, never raised)
 SEND_TIMEOUT_S = 10.0
+#: the most a lingering close reads (Connection._linger) before it closes regardless
+LINGER_BYTES = 1 << 20
 #: A write that must happen even past its caller's deadline (a PING ACK, a window update)
 #: may still take this long before the connection is given up.
 MIN_SEND_S = 0.05
@@ -322,21 +324,44 @@ class Connection:
         self.ping_sent = time.monotonic()
         self._flush(time.monotonic() + SEND_TIMEOUT_S)
 
-    def close(self, code: int = h2.errors.ErrorCodes.NO_ERROR) -> None:
+    def close(self, code: int = h2.errors.ErrorCodes.NO_ERROR, linger_s: float = 0.0) -> None:
+        """A GOAWAY, then the socket closed. linger_s: first half-close and read what the
+        peer still sends, until it closes or linger_s pass: closing with its bytes unread
+        would send a TCP reset, which can destroy our last frames (a refusal's status)
+        before the peer reads them."""
         if self.closed:
             return
-        self.closed = True
-        self._waker.close()
-        self._wakee.close()
         try:
-            # A GOAWAY, unless h2 already queued one for a protocol error.
+            # A GOAWAY, unless h2 already queued one for a protocol error; written while
+            # the connection is still open (_write refuses a closed one: the GOAWAY and
+            # any last frames were once dropped here).
             with contextlib.suppress(h2.exceptions.H2Error):
                 self._h2.close_connection(error_code=code)
             self._write(self._h2.data_to_send(), 0.0)
+            if linger_s > 0:
+                self._linger(linger_s)
         except (OSError, H2Error):
             pass
         finally:
+            self.closed = True
+            self._waker.close()
+            self._wakee.close()
             self.sock.close()
+
+    def _linger(self, seconds: float) -> None:
+        """Half-close, then discard what arrives until the peer closes, LINGER_BYTES
+        arrive or `seconds` pass (a peer that keeps sending cannot hold us longer)."""
+        self.sock.shutdown(socket.SHUT_WR)
+        deadline, left = time.monotonic() + seconds, LINGER_BYTES
+        while left > 0 and (wait := deadline - time.monotonic()) > 0:
+            self.sock.settimeout(wait)
+            try:
+                chunk = self.sock.recv(min(left, 65536))
+            except (TimeoutError, ssl.SSLError):
+                return
+            if not chunk:
+                return
+            left -= len(chunk)
 
     # -- reading and writing --------------------------------------------------------
 

@@ -30,6 +30,9 @@ log = logging.getLogger("specwire.node")
 HANDSHAKE_TIMEOUT_S = 10.0
 #: After a transient accept() error (EMFILE...), the wait before the next accept.
 ACCEPT_PAUSE_S = 0.1
+#: a closing connection reads what its peer still sends for at most this long, so that a
+#: refused call's status reaches the peer instead of a TCP reset (Connection.close)
+LINGER_S = 0.5
 #: accept() errors that pass: out of descriptors or buffers, a peer gone before accept.
 TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
                        errno.ECONNABORTED, errno.EPROTO, errno.EINTR, errno.EAGAIN})
@@ -179,7 +182,7 @@ class H2Server:
                 with self._lock:
                     self._live.discard(calls)
             if conn is not None:
-                conn.close()
+                conn.close(linger_s=LINGER_S)
             else:
                 sock.close()
             self._slots.release()
