@@ -8,6 +8,7 @@ commands build the settings from their flags (specwire/cli/settings.py).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,14 +26,16 @@ log = logging.getLogger(__name__)
 
 
 def resolve_target(path: str | None) -> str:
-    if path:
+    """-m, else $LLAMA_ARG_MODEL (llama.cpp's environment spelling), else the bundled target."""
+    if path or (path := os.environ.get("LLAMA_ARG_MODEL")):
         return path
     from specwire.assets import models
     return str(models.default_target())
 
 
 def resolve_draft(path: str | None) -> str:
-    if path:
+    """-md (the node's -m), else $LLAMA_ARG_MODEL_DRAFT, else the bundled draft."""
+    if path or (path := os.environ.get("LLAMA_ARG_MODEL_DRAFT")):
         return path
     from specwire.assets import models
     return str(models.default_draft())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,6 +28,18 @@ if str(SUPPORT) not in sys.path:
 pytest_plugins = ("fast_guard", "pytester", "wire_helpers")
 
 CliRun = Callable[..., subprocess.CompletedProcess]
+for _name in ("LLAMA_ARG_MODEL", "LLAMA_ARG_MODEL_DRAFT"):   # the tests name their own models
+    os.environ.pop(_name, None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a slow test's fixtures start anything: its target (bundled.py: the Q8_0 copy,
+    or F32 where marked f32) becomes every `specwire` command's default. Fast tests load no
+    model and leave it unset."""
+    if item.get_closest_marker("slow"):
+        import bundled
+        bundled.name_target(f32=item.get_closest_marker("f32") is not None)
 
 
 def run_in_process(*args: str) -> subprocess.CompletedProcess:

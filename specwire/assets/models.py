@@ -73,6 +73,9 @@ RECIPES: dict[str, Recipe] = {
     "target": Recipe("gemma-3-270m-f32.gguf", "F32"),
     "draft": Recipe("gemma-3-270m-q2_k-q4e.gguf", "Q2_K", "Q4_0"),
     "f16": Recipe("gemma-3-270m-f16.gguf", "F16"),
+    # Bitwise batch-invariant on llama.cpp's CPU kernels and 2.6x F32's speed on one core
+    # (benchmarks/batch_invariance.py): the test suite's target (docs/testing.md).
+    "q8_0": Recipe("gemma-3-270m-q8_0.gguf", "Q8_0"),
 }
 
 
@@ -95,7 +98,7 @@ def home() -> Path:
 
 
 def bundled_path(role: str) -> Path:
-    """Where the bundled file for `role` (base, target, draft, f16) lives; may not exist yet."""
+    """Where the bundled file for `role` (base, target, draft, f16, q8_0) lives, made or not."""
     return home() / _recipe(role).name
 
 
@@ -132,7 +135,7 @@ def default_draft(progress: bool = True) -> Path:
 
 
 def ensure_model(role: str, progress: bool = True, verify: bool = False) -> Path:
-    """Prepare one bundled file (base, target, draft or f16) if needed; return its path."""
+    """Prepare one bundled file (base, target, draft, f16 or q8_0) if needed; return its path."""
     return ensure_models((role,), progress, verify)[role]
 
 

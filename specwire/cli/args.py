@@ -29,7 +29,8 @@ class CliError(ConfigError):
 
 def add_model_args(p: argparse.ArgumentParser, draft: bool = True) -> None:
     g = p.add_argument_group("target model")
-    g.add_argument("-m", "--model", help="target GGUF (default: the bundled F32 Gemma-3-270M)")
+    g.add_argument("-m", "--model", help="target GGUF (default: $LLAMA_ARG_MODEL, else the "
+                   "bundled F32 Gemma-3-270M)")
     g.add_argument("-c", "--ctx-size", type=int, default=4096, help="target context size")
     g.add_argument("-t", "--threads", type=int, default=1, help="target threads")
     g.add_argument(

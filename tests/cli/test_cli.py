@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bundled
 import pytest
 
 from specwire.assets import models
@@ -58,10 +59,10 @@ def test_generate_streams_text_then_stats() -> None:
 
 @pytest.mark.slow
 def test_incompatible_pair_is_refused_naming_both_files(other_vocab: Path) -> None:
-    target = load_model(ModelParams(str(models.default_target())))
+    target = load_model(ModelParams(str(bundled.target())))
     with pytest.raises(BackendError) as e:
         check_pair(target, load_model(ModelParams(str(other_vocab))))
-    assert str(models.default_target()) in str(e.value) and str(other_vocab) in str(e.value)
+    assert str(bundled.target()) in str(e.value) and str(other_vocab) in str(e.value)
     r = run("generate", "x", "-n", "4", "-md", str(other_vocab), "-c", "256")
     assert r.returncode == 2
     assert "incompatible models" in r.stderr and "Traceback" not in r.stderr

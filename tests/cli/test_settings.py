@@ -77,3 +77,13 @@ def test_no_namespace_travels_to_the_loader_the_wire_or_the_calibration() -> Non
     assert "argparse" not in inspect.getsource(remote.make_remote_drafter)
     assert inspect.signature(remote.make_remote_drafter).parameters["remote"].annotation \
         == "RemoteSettings"
+
+
+def test_llama_arg_model_names_the_models_when_the_flags_do_not(monkeypatch) -> None:
+    """llama.cpp's environment spellings of -m and -md: the flag wins, else the variable."""
+    monkeypatch.setenv("LLAMA_ARG_MODEL", "/models/big.gguf")
+    monkeypatch.setenv("LLAMA_ARG_MODEL_DRAFT", "/models/small.gguf")
+    s = settings()
+    assert s.target.path == "/models/big.gguf" and s.draft.model.path == "/models/small.gguf"
+    s = settings("-m", "t.gguf", "-md", "d.gguf")
+    assert s.target.path == "t.gguf" and s.draft.model.path == "d.gguf"

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import bundled
 import pytest
 
 
@@ -68,7 +69,7 @@ def test_emulated_engine_matches_for_every_draft_length() -> None:
     from specwire.engine.engine import Engine, Request
     from specwire.policy.throughput import VerifyCurve
 
-    target = LlamaBackend(ModelParams(str(models.default_target()), n_ctx=512))
+    target = LlamaBackend(ModelParams(str(bundled.target()), n_ctx=512))
     draft = LlamaBackend(ModelParams(str(models.default_draft()), n_ctx=512))
     prompt = target.tokenize("def is_prime(n: int) -> bool:\n", add_special=True,
                              parse_special=False)

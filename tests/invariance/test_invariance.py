@@ -13,6 +13,7 @@ loosened.
 
 from __future__ import annotations
 
+import bundled
 import pytest
 from invariance_checks import explain_mismatch, taking_turns
 
@@ -40,7 +41,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def target() -> LlamaBackend:
-    return LlamaBackend(ModelParams(str(models.default_target()), n_ctx=512))
+    return LlamaBackend(ModelParams(str(bundled.target()), n_ctx=512))
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,22 @@ def test_same_tokens_for_every_draft_length(target, drafters, plain, drafter, sa
             assert st.draft_n > 0 and st.draft_n_accepted <= 1, st.to_dict()
         if drafter == "self" and sampling.greedy:
             assert st.draft_n_accepted == st.draft_n > 0, st.to_dict()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_bundled_f32_target_too(sampling):
+    """The pair as users get it: the F32 target with the Q2_K draft, every draft length.
+    The tests above run the Q8_0 copy (bundled.py); F32's verification rows differ from
+    plain decoding's in their last bits, so this is the case a near-tie would show in."""
+    f32 = LlamaBackend(ModelParams(str(models.default_target()), n_ctx=512))
+    draft = ModelParams(str(models.default_draft()), n_ctx=512)
+    drafter = ModelDrafter(LlamaBackend(draft, load_model(draft)))
+    plain = {name: generate(f32, None, p, sampling).tokens for name, p in PROMPTS.items()}
+    for prompt, k in taking_turns(tuple(sorted(PROMPTS)), DRAFT_LENGTHS):
+        gen = generate(f32, drafter, PROMPTS[prompt], sampling, k)
+        if gen.tokens != plain[prompt]:
+            pytest.fail(f"F32 target, draft-max {k}:\n"
+                        + explain_mismatch(f32, PROMPTS[prompt], plain[prompt], gen.tokens))
 
 
 def test_seeded_runs_repeat_and_seeds_matter(target, drafters):

@@ -12,6 +12,7 @@ own. A near-tie flipped by a different batch shape is reported with both logit r
 
 from __future__ import annotations
 
+import bundled
 import pytest
 from invariance_checks import explain_mismatch
 
@@ -22,7 +23,7 @@ from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram.drafter import NgramDrafter
 from specwire.engine.engine import Engine, Request
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.f32]
 
 PROMPTS = [
     "The old lighthouse keeper climbed the stairs every evening, and",
@@ -37,7 +38,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def single() -> LlamaBackend:
-    return LlamaBackend(ModelParams(str(models.default_target()), n_ctx=512))
+    return LlamaBackend(ModelParams(str(bundled.target()), n_ctx=512))
 
 
 @pytest.fixture(scope="module")

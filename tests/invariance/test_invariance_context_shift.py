@@ -11,6 +11,7 @@ token, greedy and seeded; and a shift must change the output against a bigger co
 
 from __future__ import annotations
 
+import bundled
 import pytest
 
 from specwire.assets import models
@@ -34,7 +35,7 @@ SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=1
 
 @pytest.fixture(scope="module")
 def target() -> LlamaBackend:
-    return LlamaBackend(ModelParams(str(models.default_target()), n_ctx=N_CTX))
+    return LlamaBackend(ModelParams(str(bundled.target()), n_ctx=N_CTX))
 
 
 @pytest.fixture(scope="module")

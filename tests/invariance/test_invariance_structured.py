@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import bundled
 import pytest
 from invariance_checks import LOGPROB_TOLERANCE, same_alternatives
 
@@ -49,7 +50,7 @@ def _two_lengths(i: int) -> tuple[int, ...]:
 
 @pytest.fixture(scope="module")
 def target() -> LlamaBackend:
-    return LlamaBackend(ModelParams(str(models.default_target()), n_ctx=512))
+    return LlamaBackend(ModelParams(str(bundled.target()), n_ctx=512))
 
 
 @pytest.fixture(scope="module")

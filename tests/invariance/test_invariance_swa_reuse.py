@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import random
 
+import bundled
 import pytest
 
-from specwire.assets import models
 from specwire.backend.base import reusable_prefix
 from specwire.backend.llama import LlamaBackend
 from specwire.config import DraftParams, ModelParams, SamplingParams
@@ -32,7 +32,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def test_short_prompts_beside_long_ones_answer_as_plain_decoding() -> None:
-    target = LlamaBackend(ModelParams(str(models.default_target()), n_ctx=1024), n_seq=2)
+    target = LlamaBackend(ModelParams(str(bundled.target()), n_ctx=1024), n_seq=2)
     assert target.n_swa > 0 and len(target.tokenize(LONG)) > target.n_swa
     engine = Engine(target)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import bundled
 import numpy as np
 import pytest
 from fakes import FakeModel
@@ -181,10 +182,9 @@ def test_json_schema_errors_name_the_field() -> None:
 
 @pytest.fixture(scope="module")
 def vocab_model():
-    from specwire.assets import models
     from specwire.backend.llama import load_model
     from specwire.config import ModelParams
-    return load_model(ModelParams(str(models.default_target())))
+    return load_model(ModelParams(str(bundled.target())))
 
 
 @pytest.mark.slow

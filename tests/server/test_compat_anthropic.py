@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import bundled
 import httpx
 import pytest
 from fastapi.testclient import TestClient
@@ -233,7 +234,7 @@ def server() -> Iterator[str]:
     from serve_process import run_serve
 
     from specwire.assets import models
-    models.default_target()
+    bundled.target()
     models.default_draft()
     with run_serve("-t", "1", "-td", "1", "-c", "512", "--temp", "0", "--draft-p-min", "0",
                    "--api-key", KEY) as (url, _):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import bundled
 import httpx
 import pytest
 from serve_process import run_serve
@@ -36,7 +37,7 @@ SEEDED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 1234}
 def server(request: pytest.FixtureRequest,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from specwire.assets import models
-    models.default_target()
+    bundled.target()
     models.default_draft()
     with contextlib.ExitStack() as stack:
         if request.param == "draft-model":

@@ -20,6 +20,7 @@ import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
+import bundled
 import httpx
 import pytest
 from serve_process import run_serve
@@ -198,7 +199,7 @@ def _ask(url: str, **kw) -> dict:
 
 def _models():
     from specwire.assets import models
-    return str(models.default_target()), str(models.default_draft())
+    return str(bundled.target()), str(models.default_draft())
 
 
 def _issue_line(tmp: Path, draft: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import bundled
 import httpx
 import pytest
 from serve_process import run_serve
@@ -253,7 +254,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def server() -> Iterator[str]:
     """`python -m specwire serve` with no model flags: the bundled pair."""
     from specwire.assets import models
-    models.default_target()
+    bundled.target()
     models.default_draft()
     with run_serve("-t", "1", "-td", "1", "-c", "512", "--queue-size", "3",
                    "--api-key", KEY) as (url, log):
@@ -287,7 +288,7 @@ def test_serves_bundled_pair_and_needs_the_key(server: str, http: httpx.Client) 
                    headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and r.json()["error"]["message"]
     card = http.get("/v1/models").json()["data"][0]
-    assert card["id"] == "gemma-3-270m-f32.gguf"
+    assert card["id"] == bundled.target().name
     assert card["meta"]["drafter"].split(":", 1) in (
         ["model", "gemma-3-270m-q2_k-q4e.gguf"], ["threaded", "gemma-3-270m-q2_k-q4e.gguf"])
     assert card["meta"]["chat_template"] == "gemma"

@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Iterator
 
+import bundled
 import httpx
 import pytest
 from fuzz_bodies import GETS, POSTS, _check, _raw_bodies, bodies, constrained, segment
@@ -34,7 +35,7 @@ def server(request, tmp_path_factory) -> Iterator[str]:
     """The bundled pair, drafting in-process, or through a draft node (sampling settings
     then cross the link as protobuf fields: what they cannot hold must be a 400 first)."""
     from specwire.assets import models
-    models.default_target()
+    bundled.target()
     models.default_draft()
     with contextlib.ExitStack() as stack:
         draft = []

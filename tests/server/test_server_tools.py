@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import bundled
 import httpx
 import pytest
 from serve_process import run_serve
@@ -192,12 +193,11 @@ def test_tool_errors_are_400(server: str) -> None:
 
 @pytest.mark.parametrize("family", sorted(OUTPUTS))
 def test_every_family_grammar_compiles_in_llama_cpp(family: str) -> None:
-    from specwire.assets import models
     from specwire.backend.llama import load_model
     from specwire.config import ModelParams
     from specwire.sample.constraints import Grammar
 
-    vocab = load_model(ModelParams(str(models.default_target()))).vocab
+    vocab = load_model(ModelParams(str(bundled.target()))).vocab
     for parallel in (False, True):
         req, _ = _request(family, tool_choice="required", parallel_tool_calls=parallel)
         Grammar.compile(tool_calls.grammar(req), vocab).close()

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import bundled
 import httpx
 import pytest
 from browser_helpers import Browser, find_chromium
@@ -56,7 +57,7 @@ def _wait_listening(proc: subprocess.Popen, port: int, log, timeout: float = 120
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     from specwire.assets import models
-    models.default_target()
+    bundled.target()
     models.default_draft()
     node_port, port = _free_port(), _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -100,7 +101,7 @@ def test_live_page_asks_for_the_key_then_shows_figures_that_change(server: str) 
              "document.getElementById('key-panel').requestSubmit(); true")
         b.wait_for("document.getElementById('status').textContent === 'live'")
         assert b.js("getComputedStyle(document.getElementById('key-panel')).display") == "none"
-        assert "gemma-3-270m-f32.gguf" in _text(b, "about")
+        assert bundled.target().name in _text(b, "about")
         assert _tiles(b)["served"] == "0" and _tiles(b)["tps"] == "—"
         assert b.js("document.querySelectorAll('#recent tr').length") == 0
         node = str(b.wait_for("document.querySelector('#nodes .node') && "

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import bundled
 import grpc
 import numpy as np
 import pytest
@@ -78,8 +79,7 @@ class Target:
     """The target backend plus cached plain-decoding references."""
 
     def __init__(self) -> None:
-        from specwire.assets import models
-        self.path = str(models.default_target(progress=False))
+        self.path = str(bundled.target())
         self.backend = LlamaBackend(ModelParams(self.path, n_ctx=N_CTX, n_threads=1))
         self.n_vocab = self.backend.n_vocab
         self.fingerprint = self.backend.vocab_fingerprint()

@@ -7,6 +7,7 @@ markers as special tokens.
 
 from __future__ import annotations
 
+import bundled
 import pytest
 
 from specwire.config import ConfigError
@@ -134,11 +135,10 @@ def test_hf_helpers() -> None:
 
 @pytest.mark.slow
 def test_bundled_gemma_falls_back_to_gemma() -> None:
-    from specwire.assets import models
     from specwire.backend.llama import LlamaBackend
     from specwire.config import ModelParams
 
-    be = LlamaBackend(ModelParams(str(models.default_target()), n_ctx=64))
+    be = LlamaBackend(ModelParams(str(bundled.target()), n_ctx=64))
     try:
         assert be.chat_template() is None
         label, _ = chat.template_for(be, None)
