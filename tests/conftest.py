@@ -34,12 +34,12 @@ for _name in ("LLAMA_ARG_MODEL", "LLAMA_ARG_MODEL_DRAFT"):   # the tests name th
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Before a slow test's fixtures start anything: its target (bundled.py: the Q8_0 copy,
-    or F32 where marked f32) becomes every `specwire` command's default. Fast tests load no
-    model and leave it unset."""
+    """Before a slow test's fixtures start anything: its target (bundled.py: the F32 file,
+    or its Q8_0 copy where marked q8_0) becomes every `specwire` command's default. Fast
+    tests load no model and leave it unset."""
     if item.get_closest_marker("slow"):
         import bundled
-        bundled.name_target(f32=item.get_closest_marker("f32") is not None)
+        bundled.name_target(q8_0=item.get_closest_marker("q8_0") is not None)
 
 
 def run_in_process(*args: str) -> subprocess.CompletedProcess:

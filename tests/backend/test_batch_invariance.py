@@ -15,7 +15,7 @@ import pytest
 from specwire.backend.llama import LlamaBackend
 from specwire.config import ModelParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.q8_0]
 PROMPT = "def mean(values):\n    return sum(values) /"
 N = 20
 

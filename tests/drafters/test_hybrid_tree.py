@@ -33,6 +33,8 @@ from specwire.engine.engine import Engine, Request
 from specwire.policy.adaptive import AdaptivePolicy
 from specwire.policy.tree import TreeYield, tree_pays
 
+pytestmark = pytest.mark.q8_0   # the tests' fast target (bundled.py)
+
 HEAD = [7, 8, 9, 10, 11]
 
 

@@ -10,6 +10,8 @@ import sys
 import bundled
 import pytest
 
+pytestmark = pytest.mark.q8_0   # the tests' fast target (bundled.py)
+
 
 @pytest.mark.parametrize("command, args, needle", [
     ("generate", ["x", "--draft-tps", "30"], "--draft-tps: emulates a model"),

@@ -27,7 +27,7 @@ from specwire.drafters.random import RandomDrafter
 from specwire.engine.engine import Engine, Request
 from specwire.link.threaded import ThreadedDrafter
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.q8_0]
 PROMPTS = {
     "prose": "The old lighthouse keeper climbed the stairs every evening, and",
     "code": "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"

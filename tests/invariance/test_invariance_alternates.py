@@ -15,7 +15,7 @@ from wire_helpers import CODE, GREEDY, PROSE, SEEDED, request, run_to_end
 
 from specwire.engine.engine import Engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.q8_0]
 
 DRAFT_LENGTHS = (1, 2, 4, 8)
 N = 40

@@ -23,7 +23,7 @@ from specwire.drafters.model import ModelDrafter
 from specwire.drafters.ngram.drafter import NgramDrafter
 from specwire.engine.engine import Engine, Request
 
-pytestmark = [pytest.mark.slow, pytest.mark.f32]
+pytestmark = pytest.mark.slow
 
 PROMPTS = [
     "The old lighthouse keeper climbed the stairs every evening, and",

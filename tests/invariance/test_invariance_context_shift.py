@@ -22,7 +22,7 @@ from specwire.drafters.ngram.drafter import NgramDrafter
 from specwire.engine.engine import Engine, Request
 from specwire.link.threaded import ThreadedDrafter
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.q8_0]
 STORY = ("The old lighthouse keeper climbed the stairs every evening, lit the lamp, and "
          "wrote in his log what the sea had done that day. ")
 PROMPT = "Notes from a lighthouse:\n" + STORY * 7 + "The next evening"
@@ -139,7 +139,8 @@ def test_generate_shifts_with_and_without_a_draft() -> None:
     def run(*extra: str) -> dict:
         r = subprocess.run([sys.executable, "-m", "specwire", "generate", PROMPT, "-c",
                             str(N_CTX), "-n", str(N), "--ignore-eos", "--temp", "0", "-t", "1",
-                            "--context-shift", "--keep", "4", "--json", *extra],
+                            "--context-shift", "--keep", "4", "--json", *extra,
+                            "-m", str(models.default_target())],   # a draft that pays
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout.strip().splitlines()[-1])

@@ -28,7 +28,7 @@ from specwire.link.threaded import ThreadedDrafter
 from specwire.sample.constraints import GrammarSpec, schema_grammar
 from specwire.sample.logprobs import LogprobsSpec
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.q8_0]
 
 PROMPT = ("<start_of_turn>user\nDescribe a person named Ann, aged 31, who lives in Oslo, "
           "as JSON.<end_of_turn>\n<start_of_turn>model\n")

@@ -23,7 +23,7 @@ from specwire.backend.llama import LlamaBackend
 from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.engine.engine import Engine, Request
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.q8_0]
 
 LONG = ("The committee met on Tuesday to review the budget, the schedule and the list of "
         "open questions from the previous meeting. ") * 24      # ~550 tokens: past 512

@@ -31,7 +31,7 @@ from specwire.link import alternates
 from specwire.sample import sampling
 from specwire.sample import tree as trees
 
-pytestmark = [pytest.mark.slow, pytest.mark.f32]
+pytestmark = pytest.mark.slow
 
 DRAFT_LENGTHS = (1, 2, 4, 8)
 N = 40

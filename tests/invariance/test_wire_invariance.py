@@ -27,9 +27,6 @@ from specwire.config import DraftParams, ModelParams, SamplingParams
 from specwire.drafters.model import ModelDrafter
 from specwire.engine.engine import Engine
 
-# a drafter beside the target, which must outpace it (bundled.py)
-pytestmark = pytest.mark.f32
-
 # ============================================================================ invariance
 
 RUNS = [(1, 0.01), (4, 0.0), (16, 0.01)]     # (draft length, one-way delay): both RTTs

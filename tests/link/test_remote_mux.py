@@ -19,7 +19,7 @@ import pytest
 from serve_process import run_serve
 from wire_helpers import NodeProcess, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.f32]
+pytestmark = pytest.mark.slow
 
 PROMPTS = ["The old lighthouse keeper climbed the stairs every evening, and",
            "def mean(values):\n    total = 0\n",

@@ -41,9 +41,6 @@ from specwire.config import ModelParams
 from specwire.engine.engine import Engine
 from specwire.node.kv_cache import MIB, KvCache
 
-# a drafter beside the target, which must outpace it (bundled.py)
-pytestmark = pytest.mark.f32
-
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Three unrelated conversations' openings (each well over NOTICE_AFTER tokens apart from

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from serve_process import run_serve
 from wire_helpers import node_process
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.q8_0]
 EXAMPLES = int(os.environ.get("SPECWIRE_FUZZ_EXAMPLES", "150"))
 
 

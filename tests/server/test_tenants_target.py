@@ -32,6 +32,8 @@ from specwire.drafters.ngram.drafter import NgramDrafter
 from specwire.engine.engine import Engine, Request
 from specwire.server import ServerSettings, create_app
 
+pytestmark = pytest.mark.q8_0   # the tests' fast target (bundled.py)
+
 OPENING = "Dear bank, keep this private. "
 SECRET = "pin7"
 OTHER = "no,m"            # the same length: what the victim writes in the other run
