@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -440,6 +441,7 @@ class Worker:
         self.work = work / p.key
         self.argv = bench_argv(plan, p, pair, self.work / "bench")
         self.step_s = 0.0   # a plain step's seconds, measured after loading
+        self.failed = False
 
     def left(self) -> float:
         return self.deadline - time.time() - MARGIN_S
@@ -478,7 +480,15 @@ class Worker:
                                      f"{max(0.0, self.left()):.0f} s left")
                     continue
                 t0 = time.perf_counter()
-                note = getattr(self, f"step_{step}")()
+                try:
+                    note = getattr(self, f"step_{step}")()
+                except Exception as e:   # the next steps may still run: report, go on
+                    import traceback
+                    traceback.print_exc()
+                    self.failed = True
+                    self.report.step(name, "failed", time.perf_counter() - t0,
+                                     f"{type(e).__name__}: {e}"[:600])
+                    continue
                 self.report.step(name, "done", time.perf_counter() - t0, note or "")
 
     def plain_step_s(self) -> float:
@@ -787,7 +797,7 @@ def backtrace(model: Path, ngl: str, timeout: float) -> str:
 
 
 def run(dry: bool, out: Path, deadline: float | None, build: dict,
-        folder: Path | None = None) -> int:
+        folder: Path | None = None, gpu: str = "") -> int:
     """Models, then each placement's worker and the probe, in the order of their value,
     each started only where the budget leaves it time; the report after every step."""
     t_start = time.time()
@@ -796,7 +806,8 @@ def run(dry: bool, out: Path, deadline: float | None, build: dict,
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out)
     from specwire.bench.report import machine_info
-    report.write({"dry_run": dry, "build": build, "machine": machine_line(machine_info()),
+    machine = machine_line(machine_info()) + (f"; GPU {gpu}" if gpu else "")
+    report.write({"dry_run": dry, "build": build, "machine": machine,
                   "command": "scripts/gpu-check" + (" --dry-run" if dry else ""),
                   "plan": {"confidence": plan.confidence, "prompts": plan.prompts,
                            "n": plan.n}})
@@ -871,12 +882,15 @@ def worker(plan: Plan, p: Placement, pair: tuple[Path, Path], out: Path, work: P
     if dry:
         cmd.append("--dry-run")
     t0 = time.perf_counter()
+    # a session of its own: at the deadline it goes with the draft node it started
+    proc = subprocess.Popen(cmd, start_new_session=True)
     try:
-        r = subprocess.run(cmd, timeout=left, check=False)
-        ok, note = r.returncode == 0, ("" if r.returncode == 0 else
-                                       f"exit status {r.returncode}" if r.returncode > 0
-                                       else f"killed by signal {-r.returncode}")
+        rc = proc.wait(timeout=left)
+        ok, note = rc == 0, ("" if rc == 0 else f"exit status {rc} (a step failed)" if rc > 0
+                             else f"killed by signal {-rc}")
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         ok, note = False, "stopped at the deadline"
     if not ok:
         report.step(f"{p.key}", "failed", time.perf_counter() - t0, note)
@@ -929,6 +943,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--deadline", type=float, help="epoch seconds by which the report is final")
     r.add_argument("--build-s", type=float, help="the build's seconds, for the report")
     r.add_argument("--build", default="", help="how the build went, for the report")
+    r.add_argument("--gpu", default="", help="the GPU as nvidia-smi names it, for the report")
     r.add_argument("--models", type=Path, help="the models' folder (default: /tmp's, or "
                    "specwire's cache for the dry run)")
     m = sub.add_parser("models", help="make the models that are missing")
@@ -951,9 +966,10 @@ def main(argv: list[str] | None = None) -> int:
         # llama.cpp's libraries before numpy's (specwire/cli/main.py says why)
         import llama_cpp.llama_cpp  # noqa: F401
         p = next(p for p in PLACEMENTS if p.key == a.placement)
-        Worker(DRY if a.dry_run else GPU, p, (a.target, a.draft), a.out, a.work,
-               a.deadline).run()
-        return 0
+        w = Worker(DRY if a.dry_run else GPU, p, (a.target, a.draft), a.out, a.work,
+                   a.deadline)
+        w.run()
+        return 1 if w.failed else 0
     if a.cmd == "models":
         tokenizer = PACK / "tokenizer.gguf"
         if a.dry_run or not tokenizer.exists():
@@ -963,7 +979,8 @@ def main(argv: list[str] | None = None) -> int:
                            drafts=not a.targets_only)
         print(json.dumps(took))
         return 0
-    return run(a.dry_run, a.out, a.deadline, {"s": a.build_s, "how": a.build}, a.models)
+    return run(a.dry_run, a.out, a.deadline, {"s": a.build_s, "how": a.build}, a.models,
+               a.gpu)
 
 
 if __name__ == "__main__":
