@@ -55,7 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # this tree's specwire, whatever is installed (the GPU machine has none)
 sys.path.insert(0, str(ROOT))
-PACK = ROOT / ".gpu"
+PACK = ROOT / os.environ.get("GPU_CHECK_PACK", ".gpu")
 #: the carried tree's limit, with room for the project itself
 PACK_LIMIT = 48 * 2**20
 

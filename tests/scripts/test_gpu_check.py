@@ -3,6 +3,7 @@ so that the script a lent GPU machine runs once has already run end to end here.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -100,6 +101,43 @@ def test_a_mismatch_is_explained_by_its_position_and_both_rows_gaps() -> None:
     assert got["batched"]["top"][0][0] == got["plain"]["top"][1][0]
     assert got["max_abs_diff"] == pytest.approx(0.7)
     assert "first difference at token 2" in got["explain"]
+
+
+@pytest.mark.slow
+def test_a_second_run_keeps_the_build_and_reports_what_did_not_fit(tmp_path: Path) -> None:
+    """The GPU path of scripts/gpu-check up to its measurements, on CPU: a fake nvidia-smi,
+    a pack whose build is already kept under GPU_CHECK_TMP, a budget too short to make the
+    GPU's models. The build is skipped with a line saying so, and the report says why
+    nothing was measured."""
+    pack, kept, out, bin_ = (tmp_path / n for n in ("pack", "tmp", "out", "bin"))
+    (pack / "wheels").mkdir(parents=True)
+    sdist = pack / "llama-cpp-python.tar.xz"
+    with tarfile.open(sdist, "w:xz") as tar:
+        tar.addfile(tarfile.TarInfo("llama_cpp_python-0.0/empty"), io.BytesIO())
+    key = hashlib.sha256(sdist.read_bytes()).hexdigest()[:16] + "-sm90"
+    (kept / "gpu-check-build" / key).mkdir(parents=True)
+    (kept / "gpu-check-build" / key / ".done").touch()
+    bin_.mkdir()
+    smi = bin_ / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$*" in *compute_cap*) echo 9.0;; '
+                   '*) echo "Fake GPU, 1.0, 1 MiB";; esac\n')
+    smi.chmod(0o755)
+    py = bin_ / "python3"   # this interpreter, as the image's python3
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(ROOT), "GPU_CHECK_PACK": str(pack),
+           "GPU_CHECK_TMP": str(kept), "GPU_CHECK_BUDGET_S": "20",
+           "PATH": f"{bin_}:{os.environ['PATH']}"}
+    run = subprocess.run([str(ROOT / "scripts" / "gpu-check")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"build kept ({kept / 'gpu-check-build' / key}" in run.stdout
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert report["build"] == {"s": 0.0, "how": f"kept: {kept / 'gpu-check-build' / key} "
+                                                "(same sdist, sm_90)"}
+    assert report["machine"].endswith("GPU Fake GPU, 1.0, 1 MiB")
+    assert [(s["step"], s["status"]) for s in report["steps"]] == [("models", "skipped")]
+    assert not (kept / "gpu-check-models").exists()
 
 
 @pytest.mark.slow
