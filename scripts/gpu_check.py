@@ -49,7 +49,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -393,6 +393,14 @@ def markdown(d: dict) -> str:
                 out.append(f"| {p['name']} | {sp['sampling']} | {r['mode']} | "
                            f"{r['tok_s']:.1f} | {r['speedup']:.2f}x | {acc} | {plan} | "
                            f"{'yes' if r['same'] else 'NO'} |")
+    m, plan = d.get("models", {}), d.get("plan", {})
+    if m:
+        out += ["", "## The models", "",
+                f"Random F16 targets made confident (specwire/assets/moe.py, confidence "
+                f"{plan.get('confidence')}), each drafted by its Q4_0 copy: "
+                + "; ".join(f"{k}: {v}" for k, v in m.get("shapes", {}).items()) + ". Made: "
+                + (", ".join(f"{k} {v:.0f} s" for k, v in m.get("made_s", {}).items())
+                   or "all kept") + ". The drafts' acceptance is section 4's."]
     out += ["", "## Loading, and the import-order probe", ""]
     for p in places.values():
         if p.get("load"):
@@ -818,7 +826,10 @@ def run(dry: bool, out: Path, deadline: float | None, build: dict,
         return 1
     t0 = time.perf_counter()
     took = make_models_child(dry, folder)
-    report.put(("models",), {"made_s": took, "folder": str(folder)})
+    shapes = {name: ", ".join(f"{k} {v}" for k, v in asdict(spec).items()
+                              if k.startswith("n_") and k != "n_ctx_train")
+              for name, spec in model_specs(plan).items()}
+    report.put(("models",), {"made_s": took, "folder": str(folder), "shapes": shapes})
     report.step("models", "done", time.perf_counter() - t0,
                 ", ".join(f"{k} {v:.0f} s" for k, v in took.items()) or "kept")
     pairs = model_paths(plan, folder)
