@@ -18,8 +18,9 @@ measures, each placement in a process of its own that loads its models once:
      and their ratio, the Python cost per step;
   2. curve: the verification cost t_v(n) / t_v(1) for n = 1 to 32, beside the curves the
      presets gpu-dense and seed-moe claim;
-  3. lossless: greedy output with a local draft, a remote node waited for and one drafting
-     ahead, at every draft length 1-16, against plain decoding token for token; a prompt
+  3. lossless: greedy output with a local draft and a remote node drafting ahead (the dry
+     run adds a node waited for), at every draft length 1-16, against plain decoding token
+     for token; a prompt
      that differs is reported with the position and the target's top two logits there,
      computed as plain decoding does (a batch of one) and as a verification does;
   4. speedup, seeded: `specwire bench`'s sweep (plain, local, remote pipelined) on the same
@@ -170,6 +171,10 @@ class Plan:
     curve_sizes: tuple[int, ...]
     curve_reps: int
     lossless_lengths: tuple[int, ...]
+    #: the drafters of the lossless sweep: on the GPU local and the node drafting ahead; on
+    #: a CPU, whose tiny draft costs what its target does (the vocabulary's output matrix),
+    #: the node drafting ahead verifies little, so the node waited for is swept too
+    lossless_modes: tuple[str, ...]
     #: the bigram margin of the confident targets (specwire/assets/moe.py, _confident):
     #: on CPU a dense 16 x 1024 target's Q4_0 copy had greedy acceptance 0.77 at 8 and
     #: 0.83 at 12 (k = 8, three code prompts, 48 tokens each)
@@ -191,6 +196,7 @@ GPU = Plan(
     prompts=4, n=64, raw_n=128, raw_tries=3,
     curve_sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), curve_reps=5,
     lossless_lengths=LENGTHS,
+    lossless_modes=("local", "remote-pipelined"),
 )
 #: tiny shapes; a confidence of 5 leaves the 64-wide target's bigram about 4.3 standard
 #: deviations above the rest, near the largest of the others (4.9): its Q4_0 copy is
@@ -203,6 +209,7 @@ DRY = Plan(
     prompts=1, n=12, raw_n=16, raw_tries=2,
     curve_sizes=(1, 2, 4, 8, 16, 32), curve_reps=2,
     lossless_lengths=LENGTHS,
+    lossless_modes=("local", "remote-sync", "remote-pipelined"),
     confidence=5.0,
 )
 
@@ -227,16 +234,15 @@ class Placement:
 
 PLACEMENTS = (
     Placement("dense-gpu", "dense, all on the GPU", "dense", ("-ngl", "{ngl}"), "gpu-dense",
-              ("raw", "curve", "lossless", "speedup", "seeded"), 120, reserve_s=170),
+              ("raw", "curve", "lossless", "speedup", "seeded"), 120, reserve_s=60),
     Placement("moe-cpu", "MoE, experts in the CPU", "moe",
               ("-ngl", "{ngl}", "-ot", "exps=CPU"), "seed-moe",
-              ("curve", "speedup", "raw", "lossless"), 120, reserve_s=45),
+              ("curve", "speedup", "raw", "lossless"), 120, reserve_s=30),
     Placement("moe-gpu", "MoE, all on the GPU", "moe", ("-ngl", "{ngl}"), "gpu-dense",
               ("curve", "speedup"), 45),
 )
 MODES = "plain,local,remote-pipelined"
-#: the remote node both waited for (every round verifies a draft) and drafting ahead (a
-#: round verifies what has arrived: on a CPU whose draft costs what its target does, little)
+#: every drafter a lossless sweep may run, in the report's order
 LOSSLESS_MODES = ("local", "remote-sync", "remote-pipelined")
 RTT = "1ms"
 #: seconds kept back at the end for the report and the exit
@@ -370,8 +376,8 @@ def markdown(d: dict) -> str:
                 "",
                 "| mode | " + " | ".join(f"k={k}" for k in sorted(ll["lengths"])) + " |",
                 "|---" * (len(ll["lengths"]) + 1) + "|"]
-        for mode in LOSSLESS_MODES:
-            cells = [ll["by_mode"].get(mode, {}).get(str(k)) for k in sorted(ll["lengths"])]
+        for mode in (m for m in LOSSLESS_MODES if m in ll["by_mode"]):
+            cells = [ll["by_mode"][mode].get(str(k)) for k in sorted(ll["lengths"])]
             out.append(f"| {mode} | " + " | ".join(
                 "-" if c is None else f"{c['same']}/{c['prompts']} ({c['accepted']}/"
                 f"{c['drafted']})" for c in cells) + " |")
@@ -600,7 +606,7 @@ class Worker:
         refs = [self.plain(q, pl.n)[1] for q in self.prompts]
         out = {"prompts": len(refs), "n": pl.n, "lengths": [], "by_mode": {},
                "mismatches": []}
-        order = [(k, m) for k in pl.lossless_lengths for m in LOSSLESS_MODES]
+        order = [(k, m) for k in pl.lossless_lengths for m in pl.lossless_modes]
         # what the sweep leaves for the placements after this one (the dense target's
         # speedups come after its sweep: their own estimate is kept for them too)
         reserve = 0.0 if self.dry else self.p.reserve_s + sum(

@@ -175,7 +175,7 @@ def test_the_dry_run_measures_every_section_and_finds_the_tokens_unchanged(
         ll = places[key]["lossless"]
         assert sorted(ll["lengths"]) == list(range(1, 17)) and ll["mismatches"] == []
         assert "not_run" not in ll
-        for mode in gpu_check.LOSSLESS_MODES:
+        for mode in gpu_check.DRY.lossless_modes:
             cells = ll["by_mode"][mode]
             assert sorted(map(int, cells)) == list(range(1, 17))
             assert all(c["same"] == c["prompts"] == ll["prompts"] for c in cells.values())
