@@ -175,6 +175,8 @@ class Plan:
     #: a CPU, whose tiny draft costs what its target does (the vocabulary's output matrix),
     #: the node drafting ahead verifies little, so the node waited for is swept too
     lossless_modes: tuple[str, ...]
+    #: drafters swept after those, at every length, where the time budget leaves room
+    lossless_after: tuple[str, ...] = ()
     #: the bigram margin of the confident targets (specwire/assets/moe.py, _confident):
     #: on CPU a dense 16 x 1024 target's Q4_0 copy had greedy acceptance 0.77 at 8 and
     #: 0.83 at 12 (k = 8, three code prompts, 48 tokens each)
@@ -197,6 +199,7 @@ GPU = Plan(
     curve_sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), curve_reps=5,
     lossless_lengths=LENGTHS,
     lossless_modes=("local", "remote-pipelined"),
+    lossless_after=("remote-sync",),
 )
 #: tiny shapes; a confidence of 5 leaves the 64-wide target's bigram about 4.3 standard
 #: deviations above the rest, near the largest of the others (4.9): its Q4_0 copy is
@@ -606,7 +609,8 @@ class Worker:
         refs = [self.plain(q, pl.n)[1] for q in self.prompts]
         out = {"prompts": len(refs), "n": pl.n, "lengths": [], "by_mode": {},
                "mismatches": []}
-        order = [(k, m) for k in pl.lossless_lengths for m in pl.lossless_modes]
+        order = [(k, m) for modes in (pl.lossless_modes, pl.lossless_after)
+                 for k in pl.lossless_lengths for m in modes]
         # what the sweep leaves for the placements after this one (the dense target's
         # speedups come after its sweep: their own estimate is kept for them too)
         reserve = 0.0 if self.dry else self.p.reserve_s + sum(
