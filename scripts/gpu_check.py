@@ -424,6 +424,10 @@ def markdown(d: dict) -> str:
     out += ["", "## The run", "", "| step | status | s | note |", "|---|---|---|---|"]
     for st in d.get("steps", []):
         out.append(f"| {st['step']} | {st['status']} | {st['s']:.0f} | {st['note']} |")
+    build = d.get("build") or {}
+    if build.get("how") or d.get("total_s"):
+        out += ["", f"Build: {build.get('how') or 'none (dry run)'}. "
+                f"{d.get('total_s', 0):.0f} s in all, the build included."]
     out += ["", "Commands (the speedups' bench reproduces them alone):", ""]
     for p in places.values():
         if p.get("command"):
@@ -835,7 +839,11 @@ def run(dry: bool, out: Path, deadline: float | None, build: dict,
                     "s away: nothing measured")
         return 1
     t0 = time.perf_counter()
-    took = make_models_child(dry, folder)
+    try:
+        took = make_models_child(dry, folder)
+    except RuntimeError as e:
+        report.step("models", "failed", time.perf_counter() - t0, str(e)[-1500:])
+        return 1
     shapes = {name: ", ".join(f"{k} {v}" for k, v in asdict(spec).items()
                               if k.startswith("n_") and k != "n_ctx_train")
               for name, spec in model_specs(plan).items()}
@@ -880,8 +888,8 @@ def make_models_child(dry: bool, folder: Path) -> dict:
         cmd.append("--dry-run")
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
-        raise SystemExit(f"gpu-check: making the models failed:\n{r.stdout[-2000:]}"
-                         f"{r.stderr[-3000:]}")
+        raise RuntimeError(f"making the models failed (status {r.returncode}): "
+                           f"{r.stdout[-1000:]}{r.stderr[-2000:]}")
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     return json.loads(line[-1]) if line else {}
 
