@@ -6,12 +6,16 @@ fixed seed, a model llama.cpp loads as an ordinary `llama` with experts (Mixtral
 4 layers, 4 experts of which 2 are used, hidden size 64), carrying the bundled GGUF's
 Gemma-3 tokenizer so the bundled draft pairs with it, and weights scaled so that greedy
 output wanders over the vocabulary and a quantized copy (its draft) agrees on most tokens
-but not all. Files are written atomically under names hashing the recipe, so a changed
-recipe never reads a stale file.
+but not all. With `confidence` (MoeSpec), a target of any shape whose greedy token its
+quantized copy agrees with most of the time, by structure rather than scale (_confident
+says why): what the GPU check's models use, so that speculation there is meaningful.
+Files are written atomically under names hashing the recipe, so a changed recipe never
+reads a stale file.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -46,10 +50,16 @@ class MoeSpec:
     fim: bool = False
     #: the weights' type: "f32", or "f16" for a model big enough to measure a GPU with
     weights: str = "f32"
+    #: > 0: a confident target (see _confident): the greedy token follows a fixed random
+    #: bigram, by about this many standard deviations of the other logits, so that a
+    #: quantized copy agrees with it most of the time. 0: plain random weights.
+    confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if self.weights not in ("f32", "f16"):
             raise ValueError(f"weights: f32 or f16, got {self.weights!r}")
+        if self.confidence < 0:
+            raise ValueError(f"confidence: >= 0, got {self.confidence}")
         if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
             raise ValueError(f"n_expert_used: in [1, {self.n_expert}], got {self.n_expert_used}")
 
@@ -60,7 +70,7 @@ class MoeSpec:
 
     def key(self) -> str:
         spec = asdict(self)
-        for name, default in (("fim", False), ("weights", "f32")):
+        for name, default in (("fim", False), ("weights", "f32"), ("confidence", 0.0)):
             if spec[name] == default:
                 del spec[name]  # the files built before the option keep their names
         text = json.dumps({"spec": spec, "builder": 1}, sort_keys=True)
@@ -131,9 +141,8 @@ def write_moe(path: Path, spec: MoeSpec, tokenizer_from: Path) -> None:
     """Write the MoE GGUF to `path`, its tokenizer copied from the GGUF `tokenizer_from`."""
     gguf = _gguf()
 
-    reader = gguf.GGUFReader(tokenizer_from)
-    tokens = reader.fields["tokenizer.ggml.tokens"]
-    n_vocab = len(tokens.data)
+    keys = _tokenizer_keys(str(tokenizer_from))
+    n_vocab = next(len(v) for name, v, *_ in keys if name == "tokenizer.ggml.tokens")
     w = gguf.GGUFWriter(str(path), arch="llama")
     w.add_name(f"specwire tiny MoE {spec.key()}")
     w.add_context_length(spec.n_ctx_train)
@@ -151,7 +160,8 @@ def write_moe(path: Path, spec: MoeSpec, tokenizer_from: Path) -> None:
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if spec.weights == "f32"
                     else gguf.LlamaFileType.MOSTLY_F16)
-    _copy_tokenizer(reader, w)
+    for name, value, vtype, sub in keys:
+        w.add_key_value(name, value, vtype, sub)
     if spec.fim:
         for name, token in FIM_TOKENS.items():
             w.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", token)
@@ -163,15 +173,18 @@ def write_moe(path: Path, spec: MoeSpec, tokenizer_from: Path) -> None:
     w.close()
 
 
-def _copy_tokenizer(reader, writer) -> None:
-    """Every tokenizer.* key of the source, with its GGUF types."""
+@functools.lru_cache(maxsize=2)
+def _tokenizer_keys(path: str) -> tuple[tuple, ...]:
+    """Every tokenizer.* key of a GGUF as (name, value, type, array's item type): read once
+    per process (gguf's reader takes seconds over 262k tokens), for each model made."""
     gguf = _gguf()
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), vtype, sub)
+    out = []
+    for name, field in gguf.GGUFReader(path).fields.items():
+        if name.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+            out.append((name, field.contents(), vtype, sub))
+    return tuple(out)
 
 
 def _layout(spec: MoeSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], float | None, type]]:
@@ -184,7 +197,7 @@ def _layout(spec: MoeSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], flo
     f32 = np.float32
     w = np.float32 if spec.weights == "f32" else np.float16  # the matrices' type
     out: list[tuple[str, tuple[int, ...], float | None, type]] = [
-        ("token_embd.weight", (n_vocab, d), 1.0, np.float16)]
+        ("token_embd.weight", (n_vocab, d), embd_std(spec), np.float16)]
     for i in range(spec.n_layer):
         b = f"blk.{i}"
         out += [
@@ -219,17 +232,68 @@ def _weights(spec: MoeSpec, n_vocab: int):
     at a random offset each: drawing every value afresh would take minutes."""
     rng = np.random.default_rng(spec.seed)
     pool = rng.standard_normal(POOL, dtype=np.float32) if spec.weights == "f16" else None
+    embd = None
     for name, shape, std, dtype in _layout(spec, n_vocab):
         if std is None:
             yield name, np.ones(shape, dtype=np.float32)
-        elif pool is None:
-            yield name, (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
+            continue
+        if pool is None:
+            array = (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
         else:
             n = int(np.prod(shape))
             start = int(rng.integers(POOL))
             values = (pool[start:start + n] if n <= POOL - start
                       else np.resize(np.roll(pool, -start), n))
-            yield name, (values.reshape(shape) * std).astype(dtype)
+            array = (values.reshape(shape) * std).astype(dtype)
+        if name == "token_embd.weight":
+            embd = array
+        elif name == "output.weight" and spec.confidence > 0:
+            array = _confident(array, embd, std, spec, rng)
+        yield name, array
+
+
+def embd_std(spec: MoeSpec) -> float:
+    """The token embedding's scale: 1, or for a confident target 2 sqrt(n_layer), so that
+    the embedding still dominates the residual stream at the last layer (each layer adds
+    about one unit of variance to it, whatever the embedding's scale, its input being
+    normalized): about 0.85 of the stream's norm at any depth."""
+    return 2.0 * spec.n_layer ** 0.5 if spec.confidence > 0 else 1.0
+
+
+def _confident(out: np.ndarray, embd: np.ndarray, std: float, spec: MoeSpec,
+               rng: np.random.Generator) -> np.ndarray:
+    """The output matrix of a confident target: each row mixed with the embedding of
+    another token, row j = std (a R_j + b E[pi(j)]) with a^2 + b^2 = 1, for a fixed random
+    permutation pi of the vocabulary (E scaled to unit variance).
+
+    Why structure and not a larger output scale: greedy decoding reads the argmax, and
+    scaling every logit by one factor changes no argmax, nor where a quantized copy's
+    argmax differs (Q4_0's error scales with its block's largest weight): random weights
+    at any scale leave the top token within a small fraction of a standard deviation of
+    the second among 262k logits, where the copy's error decides, so its greedy draft is
+    seldom accepted. Here the residual stream still carries the current token's
+    embedding E[c] at the last layer (embd_std), so the row j with pi(j) = c scores
+    about 0.85 b sqrt(d) standard deviations above the others, and with
+    b = min(1, confidence / sqrt(d)) that is about 0.85 confidence whatever the width
+    (capped at 0.85 sqrt(d): a model 64 wide reaches 6.8): a next token that follows the
+    bigram c -> pi^-1(c) by a margin the copy's error rarely overturns, and that the
+    layers' part (the context) overturns where the margin is small. The largest of 262k
+    other logits is about 4.9 standard deviations, so a confidence of 8 makes the
+    bigram's token the target's choice most of the time. Every matrix keeps its shape
+    and about its scale, so the model costs what a random one does.
+    """
+    d = out.shape[1]
+    b = min(1.0, spec.confidence / d ** 0.5)
+    a = (1.0 - b * b) ** 0.5
+    unit = 1.0 / embd_std(spec)
+    perm = rng.permutation(out.shape[0])
+    mixed = np.empty_like(out)
+    step = 1 << 14
+    for i in range(0, out.shape[0], step):
+        rows = slice(i, i + step)
+        mixed[rows] = (a * out[rows].astype(np.float32)
+                       + (b * std * unit) * embd[perm[rows]].astype(np.float32)).astype(out.dtype)
+    return mixed
 
 
 #: values in the pool an F16 model's weights are drawn from

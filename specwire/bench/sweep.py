@@ -103,20 +103,45 @@ def run(s: SweepSettings, bench: BenchSettings, sampling: SamplingParams,
         holds: dict = {}
         if bench.emulation is not None:
             target, s, holds, emulation = _emulate(bench, s, target, drafters)
-        cfgs = configurations(s)
-        work = _workload(plist, target, bench, s, sampling, draft)
-        work.holds = holds
-        calib = _calibrate(cfgs, target, drafters, work)
-        runs = _run_all(cfgs, target, drafters, work, s, stack)
+        results = _sweep(plist, s, bench, sampling, draft, target, drafters, stack, holds,
+                         t_start)
         if emulation:
             emulation["node"] = node_holds(s.out / "draft-node.log")
-    results = _results(bench, s, cfgs, runs, calib, sampling, draft, time.time() - t_start)
     if emulation:
         results["emulation"] = emulation
     report.write_json(s.out / "results.json", results)
     if s.plots:
         results["plots"] = [str(p) for p in plots.write_all(results["records"], s.out)]
     return results
+
+
+def run_on(s: SweepSettings, bench: BenchSettings, sampling: SamplingParams,
+           draft: DraftParams, target: Any, drafters: Drafters,
+           stack: contextlib.ExitStack) -> dict:
+    """The sweep on a target already loaded and its Drafters (a draft node they started is
+    reused), without --emulate: for a caller that measures more on the same models
+    (scripts/gpu_check.py). Writes results.json; no plots."""
+    try:
+        plist = resolve(s.prompts, s.limit)
+    except PromptError as e:
+        raise ConfigError(str(e)) from None
+    s.out.mkdir(parents=True, exist_ok=True)
+    results = _sweep(plist, s, bench, sampling, draft, target, drafters, stack, {},
+                     time.time())
+    report.write_json(s.out / "results.json", results)
+    return results
+
+
+def _sweep(plist: list[Prompt], s: SweepSettings, bench: BenchSettings,
+           sampling: SamplingParams, draft: DraftParams, target: Any, drafters: Drafters,
+           stack: contextlib.ExitStack, holds: dict, t_start: float) -> dict:
+    """Calibrate, run every configuration, and the results (what results.json holds)."""
+    cfgs = configurations(s)
+    work = _workload(plist, target, bench, s, sampling, draft)
+    work.holds = holds
+    calib = _calibrate(cfgs, target, drafters, work)
+    runs = _run_all(cfgs, target, drafters, work, s, stack)
+    return _results(bench, s, cfgs, runs, calib, sampling, draft, time.time() - t_start)
 
 
 def _emulate(bench: BenchSettings, s: SweepSettings, target: Any, drafters: Drafters
