@@ -46,13 +46,15 @@ class RemoteDrafter(BranchDrafter):
 
     def status(self) -> tuple[LinkStatus, ...]:
         """Each link: up or not, the model its node announced, the handshake's round trip,
-        failures in a row, the last error and when it is tried again."""
+        failures in a row, the last error and when it is tried again, and the node's batch
+        (what its last decode for this target held)."""
         now = time.monotonic()
         return tuple(LinkStatus(
             url=str(link.url), up=bool(link.up),
             model=link.hello.draft_model if link.hello is not None else "",
             rtt_s=link.rtt_s, failures=int(link.failures), error=str(link.last_error),
-            retry_in_s=max(0.0, link.retry_at - now)) for link in self.links)
+            retry_in_s=max(0.0, link.retry_at - now), step=link.node_step)
+            for link in self.links)
 
     def close(self) -> None:
         """End the session; the last drafter of the LinkSet closes the connections."""

@@ -16,9 +16,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 
 from specwire.backend.base import Backend, sync_prefix, usable_prefix
+from specwire.backend.batch import Paced
 from specwire.config import DraftParams, VerifyMode
 from specwire.drafters.model import ModelDrafter
 from specwire.link import alternates as alt
@@ -57,6 +59,11 @@ class DraftSession:
     ) -> None:
         open_msg.check(backend.n_vocab, backend.n_ctx)
         self.backend, self.send = backend, send
+        # A draft node's sequence decodes with the other sessions' (node/steps.py): it is
+        # told while this session drafts, so that a shared decode waits for it then, and
+        # the target is told what the node's decodes hold.
+        self._paced = backend if isinstance(backend, Paced) else None
+        self._told_step: tuple[int, int] | None = None
         sampling = open_msg.sampling
         if seed is not None:  # the node's own --seed wins over the target's
             sampling = replace(sampling, seed=seed)
@@ -154,7 +161,14 @@ class DraftSession:
         if verdict is not None:
             self._apply(verdict)
         if not self.stalled and len(self.branch) < self._limit():
-            self._draft_burst()
+            with self._pace(alternate=False, answering=True):
+                self._draft_burst()
+
+    def _pace(self, alternate: bool, answering: bool) -> AbstractContextManager[None]:
+        """While this session drafts (a draft node's shared decodes wait for it then)."""
+        if self._paced is None:
+            return nullcontext()
+        return self._paced.drafting(alternate, answering)
 
     # -- pipelined: the drafting thread and what other threads call --------------
 
@@ -199,10 +213,11 @@ class DraftSession:
             self.announce()
             self._catch_up()
             while (work := self._next_work()) is not None:
-                if work == "draft":
-                    self._draft_burst()
-                else:
-                    self._draft_late_alternate(work)
+                with self._pace(alternate=work != "draft", answering=False):
+                    if work == "draft":
+                        self._draft_burst()
+                    else:
+                        self._draft_late_alternate(work)
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
             msg = error_message(e)
             self.error = msg.message
@@ -450,6 +465,8 @@ class DraftSession:
             chunk.alternates = list(self._pending_alts)
             self.alts.update((a.at, a.tokens) for a in self._pending_alts)
             self._pending_alts.clear()
+        if self._paced is not None and self._paced.step != self._told_step:
+            chunk.step = self._told_step = self._paced.step
         if not self._told_cache:
             chunk.cache_n, chunk.prompt_n, self._told_cache = self.cache_n, self.prompt_n, True
         elif behind is not None:

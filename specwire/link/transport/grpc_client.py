@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from specwire.link.messages import Close, Failure, TargetMessage, Verdict
+from specwire.link.messages import Chunk, Close, Failure, TargetMessage, Verdict
 from specwire.link.transport import protocol, roundcodec
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport.base import Branch, Transport
@@ -384,10 +384,11 @@ class GrpcTransport(Transport):
         try:
             # The common chunk decoded directly (roundcodec.py); anything else by protobuf.
             chunk = roundcodec.chunk_from_bytes(data)
-            if chunk is not None:
-                self.branch.on_chunk(call.session, chunk)
-            else:
-                self._take(call.session, pb.DraftMessage.FromString(data))
+            if chunk is None:
+                chunk = _chunk(pb.DraftMessage.FromString(data))
+            if chunk.step is not None:
+                call.link.node_step = chunk.step
+            self.branch.on_chunk(call.session, chunk)
         except DecodeError:
             self._failed(call, "undecodable frame: not a DraftMessage", dropped=True)
             return False
@@ -464,13 +465,6 @@ class GrpcTransport(Transport):
             call.counted = False
             call.link.give_stream()
 
-    def _take(self, session: int, msg: pb.DraftMessage) -> None:
-        """A message from the node; ProtocolError for a broken peer."""
-        got = protocol.draft_from_pb(msg)
-        if isinstance(got, Failure):
-            raise NodeFailure(f"draft node reported: {peer_text(got.message)}")
-        self.branch.on_chunk(session, got)
-
     def _drop(self, link: Link | None, reason: str, alone: bool = False) -> None:
         """A node that broke the protocol: disconnect it (alone: only this session) and
         back off."""
@@ -485,3 +479,12 @@ def _status_name(code: int) -> str:
         return Status(code).name
     except ValueError:
         return f"status {code}"
+
+
+def _chunk(msg: pb.DraftMessage) -> Chunk:
+    """The chunk a message from the node holds; NodeFailure for its DraftError,
+    ProtocolError for a broken peer."""
+    got = protocol.draft_from_pb(msg)
+    if isinstance(got, Failure):
+        raise NodeFailure(f"draft node reported: {peer_text(got.message)}")
+    return got
