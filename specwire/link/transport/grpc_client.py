@@ -101,8 +101,9 @@ class GrpcTransport(Transport):
     the draft nodes, the live Session stream, and the arrival forecast; the branch's
     state it reads through the branch alone."""
 
-    def __init__(self, links: list[Link] | LinkSet) -> None:
-        """links: this drafter's own, or a LinkSet shared with the target's other drafters."""
+    def __init__(self, links: list[Link] | LinkSet, poll: bool = True) -> None:
+        """links: this drafter's own, or a LinkSet shared with the target's other drafters;
+        poll: busy-poll a synchronous answer around its forecast arrival."""
         if not links:
             raise ValueError("RemoteDrafter needs at least one link")
         self.shared = links if isinstance(links, LinkSet) else LinkSet(links)
@@ -111,7 +112,8 @@ class GrpcTransport(Transport):
         self._loop = self.shared.loop
         self._call: _Call | None = None  # the live Session stream
         self._closed = False
-        self.forecast: ArrivalForecast | None = ArrivalForecast()  # None: never busy-poll
+        self.forecast: ArrivalForecast | None = (  # None: never busy-poll
+            ArrivalForecast() if poll else None)
         self._opening = False
         self._reopened = -1  # the session that replaces a call the node refused (_reopen)
 
