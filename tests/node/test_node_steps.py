@@ -184,6 +184,45 @@ def test_a_failed_decode_fails_its_parts_and_the_loop_goes_on() -> None:
         s.eval([1])
 
 
+def test_an_emulated_node_charges_a_decode_of_n_sessions_once_at_the_curves_n() -> None:
+    """--emulate on the node holds its one context (emulate/hold.py EmulatedBatch): three
+    sessions' tokens in one decode are held once, for the curve's cost of 3 tokens, as
+    the target's batch is charged, not three plain steps."""
+    from fakes import FakeBatch, FakeClock, FakeModel
+
+    from specwire.emulate.hold import HoldCounters, Regime, emulate
+    from specwire.policy.throughput import VerifyCurve
+
+    clock, holds = FakeClock(), HoldCounters()
+    fake = FakeBatch(FakeModel(n_vocab=40, seed=3), n_seq=4)
+    # what a LlamaBackend is besides a batch (sequence 0's view, closing), as the fake has not
+    fake.name, fake.params, fake.n_vocab, fake.n_ctx = "fake", None, 40, 512
+    fake.close = lambda: None
+    for s in fake.seqs:
+        s.params = None
+    loop = StepLoop(emulate(fake, Regime(0.1, VerifyCurve.parse("1:1,8:3")), holds, clock),
+                    gather_s=1.0)
+    try:
+        seqs = [loop.take() for _ in range(4)][1:]   # sequence 0 waits for its verdict
+        start = threading.Barrier(3)
+
+        def draft(s) -> None:
+            with s.drafting():
+                start.wait(5)
+                s.eval([1 + s.seq_id])
+
+        threads = [threading.Thread(target=draft, args=(s,)) for s in seqs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(fake.decodes) == 1 and loop.snapshot().per_decode() == (3.0, 0.0)
+        assert holds.decodes == 1
+        assert clock.now == pytest.approx(0.1 * (1 + 2 * 2 / 7))   # 1:1 to 8:3, at 3
+    finally:
+        loop.close()
+
+
 # ======================================================================== a real node
 
 
