@@ -163,7 +163,7 @@ def run_tree(a: argparse.Namespace, label: str, tree: Path, levels: list[int],
                                   "--metrics-port", str(metrics), "-td", str(a.threads_draft),
                                   "-c", str(a.ctx_size), "--max-sessions", str(2 * a.parallel),
                                   "--idle-timeout", "3600", *_emulation(a)],
-                         metrics, node_log, env=env)  # healthy: metrics
+                         metrics, node_log, env=env, health="/metrics")
     metrics_url = f"http://127.0.0.1:{metrics}/metrics"
     cmd = _serve_command(a, sport, [
         "--draft-url", f"127.0.0.1:{port}", "--draft-mode", a.draft_mode,
