@@ -67,10 +67,8 @@ def _measure(k: int, rounds: int, port: int, node_cpus: set[int] | None,
     with DraftNode(argv, _log_path(), node_cpus) as node, _TcpEcho(node_cpus) as tcp:
         url = node.start()
         link = Link(url, LinkSettings(), target.vocab_fingerprint(), target.n_vocab, target.name)
-        remote = RemoteDrafter([link], target.n_vocab, pipelined=False, sync_timeout_s=5.0)
-        remote.timing = True
-        if not poll:
-            remote.transport.forecast = None
+        remote = RemoteDrafter([link], target.n_vocab, pipelined=False, sync_timeout_s=5.0,
+                               timing=True, poll=poll)
         try:
             remote.handshake()
             pinger = _Pinger(link)

@@ -5,9 +5,14 @@ tree) starts a draft node (`specwire draft`, the bundled draft) and a `specwire 
 -np N --draft-url NODE` from that tree, and sends each concurrency level's burst of
 greedy requests (shipped prompts, n_predict tokens, ignore_eos) to it. Prints, per
 tree and level, the aggregate tokens/s, its ratio to level 1, the drafted and accepted
-tokens, and the connections the server opened to the node per port (counted by the
-node, specwire:node_connections; "?" for a node that does not count them). Trees run
-one after the other, so compare ratios within one run.
+tokens, the connections the server opened to the node per port (counted by the
+node, specwire:node_connections; "?" for a node that does not count them), and the
+node's sessions and alternates per decode over the level's bursts (node/steps.py;
+"?" for a node that does not batch). --plain adds the same bursts to a server without
+a draft (its level-1 rate is the ratios' base too, "x plain"). --emulate PRESET and
+--emulate-scale hold both processes to a regime (docs/benchmarks.md), and the share of
+the node's decodes over their emulated time is printed from its log. Trees run one
+after the other, so compare ratios within one run.
 
     python -m benchmarks.remote_slots --concurrency 1,4 -np 4 -n 32 --draft-mode sync \\
         --specwire-root before=/work/main --specwire-root after=.
@@ -52,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-mode", choices=["sync", "pipelined"], default="sync")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--specwire-root", action="append", metavar="LABEL=DIR")
+    p.add_argument("--plain", action="store_true", help="also a server without a draft")
+    p.add_argument("--emulate", metavar="PRESET", help="hold the server and the node to it")
+    p.add_argument("--emulate-scale", type=float, default=1.0)
     try:
         a = p.parse_args(argv)
         levels = parse_levels(a.concurrency)
@@ -61,37 +69,105 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     prompts = [(x.id, x.text) for x in resolve("code,prose,qa") if x.text]
     logs = Path(tempfile.mkdtemp(prefix="remote-slots-"))
-    print("| tree | level | tokens/s | x level 1 | drafted | accepted | connections |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tree | level | tokens/s | x level 1 | x plain | drafted | accepted | connections "
+          "| sessions per decode | alternates per decode |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, tree in roots:
-        if not run_tree(a, label, tree, levels, prompts, logs):
+        plain = run_plain(a, label, tree, levels, prompts, logs) if a.plain else {}
+        if plain is None or not run_tree(a, label, tree, levels, prompts, logs, plain):
             return 1
     print(f"\nload average {os.getloadavg()[0]:.1f}; logs in {logs}")
     return 0
 
 
+def _emulation(a: argparse.Namespace) -> list[str]:
+    if not a.emulate:
+        return []
+    return ["--emulate", a.emulate, "--emulate-scale", f"{a.emulate_scale:g}"]
+
+
+def _serve_command(a: argparse.Namespace, port: int, draft: list[str]) -> list[str]:
+    from specwire.assets import models
+    return [sys.executable, "-P", "-m", "specwire", "serve", "--host", "127.0.0.1",
+            "--port", str(port), "-m", str(models.default_target()),
+            "-c", str(a.ctx_size), "-t", str(a.threads), "-np", str(a.parallel),
+            "--no-webui", *draft, *_emulation(a)]
+
+
+def _bursts(a: argparse.Namespace, label: str, url: str, level: int,
+            prompts: list[tuple[str, str]]) -> tuple[float, int, int] | None:
+    """The level's bursts: the best aggregate tokens/s, drafted and accepted tokens."""
+    burst_set = [prompts[i % len(prompts)] for i in range(level)]
+    tps, drafted, accepted = [], 0, 0
+    for _ in range(a.repeats):
+        b = fire(url, "/completion", burst_set, a.n_predict, 900)
+        if b.errors:
+            print(f"{label}: {b.errors[0]}", file=sys.stderr)
+            return None
+        tps.append(b.aggregate_tps)
+        drafted += sum(r.draft_n or 0 for r in b.replies)
+        accepted += sum(r.draft_accepted or 0 for r in b.replies)
+    return max(tps), drafted, accepted
+
+
+def run_plain(a: argparse.Namespace, label: str, tree: Path, levels: list[int],
+              prompts: list[tuple[str, str]], logs: Path) -> dict[int, float] | None:
+    """The same bursts on a server without a draft: tokens/s per level; None on an error."""
+    sport = free_port()
+    server = ServerProcess(f"{label}-plain", _serve_command(a, sport, ["--no-draft"]), sport,
+                           logs / f"{label}-plain.log", env={"PYTHONPATH": str(tree)})
+    out: dict[int, float] = {}
+    try:
+        server.start(300)
+        fire(server.url, "/completion", prompts[:1], 8, 300)  # warm-up
+        for level in levels:
+            got = _bursts(a, f"{label}-plain", server.url, level, prompts)
+            if got is None:
+                return None
+            out[level] = got[0]
+            print(f"| {label} plain | {level} | {got[0]:.2f} | {got[0] / out[levels[0]]:.2f} "
+                  f"| 1.00 | | | | | |", flush=True)
+    finally:
+        server.stop()
+    return out
+
+
+def node_steps(metrics_url: str) -> tuple[float, float, float] | None:
+    """The node's (decodes, branch parts, alternate parts) so far; None if it does not
+    count them (a node that does not batch)."""
+    f: dict[str, float] = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("specwire:node_decode"):
+            name, value = line.rsplit(" ", 1)
+            f[name] = float(value)
+    if "specwire:node_decodes_total" not in f:
+        return None
+    return (f["specwire:node_decodes_total"],
+            f.get('specwire:node_decode_parts_total{kind="branch"}', 0.0),
+            f.get('specwire:node_decode_parts_total{kind="alternate"}', 0.0))
+
+
 def run_tree(a: argparse.Namespace, label: str, tree: Path, levels: list[int],
-             prompts: list[tuple[str, str]], logs: Path) -> bool:
+             prompts: list[tuple[str, str]], logs: Path,
+             plain: dict[int, float] | None = None) -> bool:
     """A node and a server from one source tree, each level's burst; False on an error."""
     from specwire.assets import models
     # -P: without it `python -m` puts the working directory before PYTHONPATH, and every
     # tree would run the one the benchmark was started in.
     env = {"PYTHONPATH": str(tree)}
     port, metrics, sport = free_port(), free_port(), free_port()
+    node_log = logs / f"{label}-node.log"
     node = ServerProcess("node", [sys.executable, "-P", "-m", "specwire", "draft",
                                   "-m", str(models.default_draft()), "--host", "127.0.0.1",
                                   "--port", str(port), "--sync-port", str(free_port()),
                                   "--metrics-port", str(metrics), "-td", str(a.threads_draft),
                                   "-c", str(a.ctx_size), "--max-sessions", str(2 * a.parallel),
-                                  "--idle-timeout", "3600"],
-                         metrics, logs / f"{label}-node.log", env=env)  # healthy: metrics
+                                  "--idle-timeout", "3600", *_emulation(a)],
+                         metrics, node_log, env=env, health="/metrics")
     metrics_url = f"http://127.0.0.1:{metrics}/metrics"
-    cmd = [sys.executable, "-P", "-m", "specwire", "serve", "--host", "127.0.0.1",
-           "--port", str(sport), "-m", str(models.default_target()),
-           "-c", str(a.ctx_size), "-t", str(a.threads), "-np", str(a.parallel),
-           "--no-webui", "--draft-url", f"127.0.0.1:{port}", "--draft-mode",
-           a.draft_mode, "--draft-max", str(a.draft_max), "--draft-policy", "fixed",
-           "--draft-p-min", "0"]
+    cmd = _serve_command(a, sport, [
+        "--draft-url", f"127.0.0.1:{port}", "--draft-mode", a.draft_mode,
+        "--draft-max", str(a.draft_max), "--draft-policy", "fixed", "--draft-p-min", "0"])
     server = ServerProcess(label, cmd, sport, logs / f"{label}.log", env=env)
     try:
         node.start(300)
@@ -99,25 +175,29 @@ def run_tree(a: argparse.Namespace, label: str, tree: Path, levels: list[int],
         fire(server.url, "/completion", prompts[:1], 8, 300)  # warm-up
         base = None
         for level in levels:
-            burst_set = [prompts[i % len(prompts)] for i in range(level)]
-            tps, drafted, accepted = [], 0, 0
-            for _ in range(a.repeats):
-                b = fire(server.url, "/completion", burst_set, a.n_predict, 900)
-                if b.errors:
-                    print(f"{label}: {b.errors[0]}", file=sys.stderr)
-                    return False
-                tps.append(b.aggregate_tps)
-                drafted += sum(r.draft_n or 0 for r in b.replies)
-                accepted += sum(r.draft_accepted or 0 for r in b.replies)
-            best = max(tps)
+            before = node_steps(metrics_url)
+            got = _bursts(a, label, server.url, level, prompts)
+            if got is None:
+                return False
+            best, drafted, accepted = got
             base = base or best
+            after = node_steps(metrics_url)
+            steps = "? | ?"
+            if before is not None and after is not None and after[0] > before[0]:
+                n = after[0] - before[0]
+                steps = f"{(after[1] - before[1]) / n:.2f} | {(after[2] - before[2]) / n:.2f}"
             conns = node_connections(metrics_url)
             shown = ", ".join(f"{k} {v:g}" for k, v in sorted(conns.items())) or "?"
-            print(f"| {label} | {level} | {best:.2f} | {best / base:.2f} | {drafted} "
-                  f"| {accepted} | {shown} |", flush=True)
+            vs_plain = f"{best / plain[level]:.2f}" if plain and level in plain else ""
+            print(f"| {label} | {level} | {best:.2f} | {best / base:.2f} | {vs_plain} "
+                  f"| {drafted} | {accepted} | {shown} | {steps} |", flush=True)
     finally:
         server.stop()
         node.stop()
+    over = [line.strip() for line in node_log.read_text(errors="replace").splitlines()
+            if "over their emulated time" in line]
+    if over:
+        print(f"{label} node, last session: {over[-1].split('emulation: ', 1)[-1]}")
     return True
 
 

@@ -77,14 +77,16 @@ class ServerProcess:
     """A server subprocess in its own session, its output in a log file."""
 
     def __init__(self, name: str, cmd: list[str], port: int, log_path: Path,
-                 env: dict[str, str] | None = None) -> None:
-        self.name, self.cmd, self.log_path = name, cmd, log_path
+                 env: dict[str, str] | None = None, health: str = "/health") -> None:
+        """health: the path that answers 200 once it serves (a draft node's metrics port
+        has /metrics only)."""
+        self.name, self.cmd, self.log_path, self.health = name, cmd, log_path, health
         self.url = f"http://127.0.0.1:{port}"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float) -> None:
-        """Start it and wait until GET /health answers 200 (llama-server: 503 while loading)."""
+        """Start it and wait until GET health answers 200 (llama-server: 503 while loading)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -96,7 +98,7 @@ class ServerProcess:
                 raise ServerStartError(f"{self.name} exited with {self.proc.returncode}: "
                                        f"{' '.join(self.cmd)}\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -179,12 +179,9 @@ def build_model_drafter(s: DraftSettings, target: Backend,
     check_pair(target.model, dmodel)
     backend = wrap(LlamaBackend(s.model, dmodel))
     if s.threaded:
-        from specwire.link.alternates import branch_params
+        from specwire.link.alternates import alternate_params
         from specwire.link.threaded import ThreadedDrafter
-        drafter = ThreadedDrafter(backend)
-        drafter.branches = branch_params(s.branches)
-        drafter.tree = s.tree
-        return drafter
+        return ThreadedDrafter(backend, alternates=alternate_params(s.branches), tree=s.tree)
     from specwire.drafters.model import ModelDrafter
     return ModelDrafter(backend)
 

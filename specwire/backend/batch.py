@@ -10,6 +10,7 @@ once for all of them; any other Backend is a batch of one (`OneSequence`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -71,6 +72,21 @@ class TreeBackend(Protocol):
     def keep_tree(self, seq: int, nodes: Sequence[int]) -> None:
         """After a tree part of sequence seq: keep the part's first token and then the
         tokens of `nodes` (a path from the first, its index excluded), drop the rest."""
+
+
+@runtime_checkable
+class Paced(Protocol):
+    """A sequence whose decodes are shared with other sequences' (a draft node's,
+    node/steps.py): its user says while it drafts, so that each shared decode waits for
+    its next tokens then, and not while it waits for something else."""
+
+    #: (sessions' branches, alternates) the last decode of its tokens held; None before one
+    step: tuple[int, int] | None
+
+    def drafting(self, alternate: bool = False,
+                 answering: bool = False) -> AbstractContextManager[None]:
+        """Drafting meanwhile (alternate: an alternate's tokens, counted apart; answering:
+        the answer to a verdict, as a synchronous session drafts)."""
 
 
 def tree_leaves(batch: BatchBackend) -> int:

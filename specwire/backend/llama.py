@@ -646,6 +646,10 @@ class LlamaBackend:
     def set_seq_state(self, tokens: Sequence[int], data: bytes | memoryview) -> int:
         return set_seq_state(self, tokens, data)
 
+    def state_size(self) -> int:
+        """Bytes seq_state would take for sequence 0 now."""
+        return int(C.llama_state_seq_get_size(self.ctx, 0))
+
     def close(self) -> None:
         if self.ctx:
             C.llama_batch_free(self._batch)
@@ -767,6 +771,10 @@ class SeqView:
     def set_seq_state(self, tokens: Sequence[int], data: bytes | memoryview) -> int:
         return set_seq_state(self, tokens, data)
 
+    def state_size(self) -> int:
+        """Bytes seq_state would take for this sequence now."""
+        return int(C.llama_state_seq_get_size(self.owner.ctx, self.seq_id))
+
 
 def check_pair(target: Model, draft: Model) -> None:
     """Refuse a target/draft pair whose token tables differ, naming both files."""
@@ -803,31 +811,25 @@ def _save_seq(backend: LlamaBackend, seq: int) -> ctypes.Array:
     return buf if got == n else (ctypes.c_uint8 * got).from_buffer_copy(buf, 0)
 
 
-def state_size(backend: LlamaBackend) -> int:
-    """Bytes `save` would take for what the context holds now."""
-    return int(C.llama_state_seq_get_size(backend.ctx, 0))
+def state_size(backend) -> int:  # noqa: ANN001 - a Backend with seq_state
+    """Bytes `save` would take for what the sequence holds now."""
+    return backend.state_size()
 
 
-def save(backend: LlamaBackend) -> SavedState:
-    n = state_size(backend)
-    buf = (ctypes.c_uint8 * n)()
-    got = C.llama_state_seq_get_data(backend.ctx, buf, n, 0)
-    if got == 0:
-        raise BackendError(f"llama.cpp could not save the KV state of {backend.name}")
-    if got < n:
-        buf = (ctypes.c_uint8 * got).from_buffer_copy(buf, 0)
-    return SavedState(np.asarray(backend.tokens, dtype=np.int32), buf)
+def save(backend) -> SavedState:  # noqa: ANN001 - a Backend with seq_state
+    """One sequence's cells and the tokens they hold (a context's sequence 0, a sequence
+    view, or a draft node's StepSequence)."""
+    tokens, data = backend.seq_state()
+    return SavedState(np.asarray(tokens, dtype=np.int32), data)
 
 
-def restore(backend: LlamaBackend, saved: SavedState) -> bool:
-    """Replace the context's sequence with a saved one; False (and an empty cache) if
-    llama.cpp refuses it."""
-    C.llama_memory_clear(backend.mem, True)
-    if C.llama_state_seq_set_data(backend.ctx, saved.data, len(saved.data), 0) == 0:
-        C.llama_memory_clear(backend.mem, True)
-        backend.adopt([])
+def restore(backend, saved: SavedState) -> bool:  # noqa: ANN001 - as save's
+    """Replace the sequence with a saved one; False (and an empty sequence) if llama.cpp
+    refuses it."""
+    try:
+        backend.set_seq_state(saved.tokens.tolist(), saved.data)
+    except BackendError:
         return False
-    backend.adopt(saved.tokens.tolist())
     return True
 
 

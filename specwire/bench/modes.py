@@ -215,9 +215,8 @@ class Drafters:
         ours = self._split[0] if split_here else None
         with cpus.pinned(ours):
             drafter = (self._llama_server(emu) if cfg.mode == "llama-server"
-                       else self._remote(emu, pipelined=cfg.mode != "remote-sync"))
-            if cfg.mode == "remote-chains":
-                drafter.tree = 0
+                       else self._remote(emu, pipelined=cfg.mode != "remote-sync",
+                                         chains=cfg.mode == "remote-chains"))
             if cfg.mode == "hybrid-pipelined":
                 drafter = self._hybrid(cfg, drafter)
             try:
@@ -232,12 +231,11 @@ class Drafters:
             from specwire.drafters.model import ModelDrafter
             return ModelDrafter(self.draft_backend())
         if mode == "local-pipelined":
-            from specwire.link.alternates import branch_params
+            from specwire.link.alternates import alternate_params
             from specwire.link.threaded import ThreadedDrafter
-            drafter = ThreadedDrafter(self.draft_backend())
-            drafter.branches = branch_params(self.bench.remote.branches)
-            drafter.tree = self.bench.remote.tree
-            return drafter
+            return ThreadedDrafter(self.draft_backend(),
+                                   alternates=alternate_params(self.bench.remote.branches),
+                                   tree=self.bench.remote.tree)
         if mode == "ngram":
             return self._ngram(cfg)
         if mode == "hybrid":
@@ -263,10 +261,12 @@ class Drafters:
         estimates = self._hybrid_memory.setdefault(cfg.label(), HybridEstimates())
         return HybridDrafter(self._ngram(cfg), model, estimates=estimates)
 
-    def _remote(self, emu: LinkEmulator, pipelined: bool) -> Any:
-        """A fresh Link + RemoteDrafter through the emulator, handshake done."""
+    def _remote(self, emu: LinkEmulator, pipelined: bool, chains: bool = False) -> Any:
+        """A fresh Link + RemoteDrafter through the emulator, handshake done (chains: its
+        rounds verify no alternate beside the draft)."""
         from specwire.link.remote import make_remote_drafter
-        opts = dataclasses.replace(self.bench.remote, pipelined=pipelined)
+        opts = dataclasses.replace(self.bench.remote, pipelined=pipelined,
+                                   **({"tree": 0} if chains else {}))
         drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
         link = drafter.status()[0]
         if not link.up:

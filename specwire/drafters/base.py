@@ -110,6 +110,8 @@ class LinkStatus:
     failures: int | None = None     # failures in a row
     error: str | None = None        # the last failure's reason
     retry_in_s: float | None = None  # seconds until the next connection attempt
+    #: the node's batch: (sessions, alternates) its last decode for this target held
+    step: tuple[int, int] | None = None
 
 
 def cut_branches(branches: Sequence[tuple[int, Sequence[int]]],

@@ -46,10 +46,12 @@ class ModelDrafter(DrafterBase):
         return [cls(shared.seq(i), shared, i, cost) for i in range(shared.n_seq)]
 
     def __init__(self, backend: Backend, shared: object = None, seq: int = 0,
-                 cost: DraftCost | None = None) -> None:
+                 cost: DraftCost | None = None,
+                 stop_rule: Callable[[int, float], bool] | None = None) -> None:
         """shared: the multi-sequence draft backend whose sequence `seq` backend is (its
         drafts are then stepped in lockstep with the other sequences'); None: alone.
-        cost: the draft backend's cost model (an engine hands its own, use_costs)."""
+        cost: the draft backend's cost model (an engine hands its own, use_costs).
+        stop_rule: where drafts stop, for good (a draft node's calibrated session)."""
         self.backend, self.shared, self.seq = backend, shared, seq
         self.cost = cost if cost is not None else DraftCost()
         self.name = f"model:{backend.name}"
@@ -59,7 +61,7 @@ class ModelDrafter(DrafterBase):
         self.sampling = SamplingParams(temperature=0.0)
         self.params = DraftParams()
         self._drafted = 0
-        self.stop_rule: Callable[[int, float], bool] | None = None
+        self.stop_rule = stop_rule
         self._steered = False  # stop_rule is a begin's policy's (end drops it)
         self._grammar: GrammarTrail | None = None
         self._cache_use: tuple[int, int] | None = None  # this request's, see cache_use

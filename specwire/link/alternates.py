@@ -1,4 +1,4 @@
-"""Pre-drafted branches: where a draft is unsure, also draft its second choice.
+"""Alternates: where a draft is unsure, also draft its second choice and a few tokens on.
 
 After a rejection a pipelined node's lookahead is gone and the target has nothing to
 verify until a fresh draft arrives. Where the draft model hesitates and the target is
@@ -24,7 +24,7 @@ from specwire.sample import rng, sampling
 
 
 @dataclass(slots=True, frozen=True)
-class BranchParams:
+class AlternateParams:
     """How many alternates a node drafts, how long, and where."""
 
     per_chunk: int = 2  # at most this many alternates in one chunk (B)
@@ -85,14 +85,14 @@ def top_two(row: np.ndarray, params: SamplingParams, position: int,
     return TopTwo(first, second, p1, p2)
 
 
-def branch_params(per_chunk: int | None) -> BranchParams | None:
+def alternate_params(per_chunk: int | None) -> AlternateParams | None:
     """The --draft-branches setting (None: the default): None for 0, no alternates."""
     if per_chunk is None:
-        return BranchParams()
-    return BranchParams(per_chunk=per_chunk) if per_chunk else None
+        return AlternateParams()
+    return AlternateParams(per_chunk=per_chunk) if per_chunk else None
 
 
-def worth_branching(two: TopTwo | None, reach: float, params: BranchParams) -> bool:
+def worth_branching(two: TopTwo | None, reach: float, params: AlternateParams) -> bool:
     """Draft the second choice here: the draft is unsure, and by its own judgment the
     target will likely get here (`reach`: the product of the draft's top probabilities
     at the branch's unverified positions before this one) and pick the second choice."""
@@ -100,7 +100,7 @@ def worth_branching(two: TopTwo | None, reach: float, params: BranchParams) -> b
             and reach * two.p_second >= params.value_min)
 
 
-def second_choice_due(two: TopTwo | None, reach: float, params: BranchParams) -> bool:
+def second_choice_due(two: TopTwo | None, reach: float, params: AlternateParams) -> bool:
     """Send the second choice alone here (a target that verifies it in a tree): wherever
     a drafted alternate is not worth it (worth_branching), however sure the draft is. A
     sure draft is rejected too, and then the target's token is often its second choice;
@@ -110,7 +110,7 @@ def second_choice_due(two: TopTwo | None, reach: float, params: BranchParams) ->
             and not worth_branching(two, reach, params))
 
 
-def alternate_first(value: float, reach_next: float, params: BranchParams) -> bool:
+def alternate_first(value: float, reach_next: float, params: AlternateParams) -> bool:
     """Draft an alternate of this worth before the branch's next token, whose chance of
     being verified at all is reach_next: when its worth per token drafted is higher."""
     return value * params.gain / max(1, params.length - 1) > reach_next

@@ -2,12 +2,12 @@
 
 A draft node (specwire/link/session.py) drafts a *branch* of tokens past the
 last verdict and streams it in chunks tagged with a branch number `gen`. This
-class keeps the newest branch and, each round, hands the engine the part that
-extends the committed history; every buffered token is checked against the
-history by content, so a stale, reordered or lying chunk can only be ignored,
-never change an output token. A Transport says how the messages travel: over gRPC
-(link/transport/grpc_client.py, for RemoteDrafter) or by a function call to a
-DraftSession in this process (link/threaded.py).
+class keeps the newest branch (link/received.py, which checks every token against
+the history by content, so a stale, reordered or lying chunk can only be ignored,
+never change an output token) and, each round, hands the engine the part that
+extends the committed history, and sends the verdicts. A Transport says how the
+messages travel: over gRPC (link/transport/grpc_client.py, for RemoteDrafter) or by a
+function call to a DraftSession in this process (link/threaded.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import replace
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.drafters.base import Capabilities, Draft, DrafterBase
 from specwire.drafters.bubble import BubbleWait
-from specwire.link.alternates import BranchParams
+from specwire.link.alternates import AlternateParams
 from specwire.link.messages import (
     MAX_ALTERNATES,
     MAX_CHUNK_TOKENS,
@@ -29,11 +29,11 @@ from specwire.link.messages import (
     Chunk,
     Close,
     Open,
-    ProtocolError,
     Verdict,
     f32_sampling,
 )
-from specwire.link.rule import LEFT, follow, take_alternate, take_tree_alternate
+from specwire.link.received import ReceivedBranch
+from specwire.link.round_timing import RoundTiming
 from specwire.link.transport.base import LinkCounters, Transport
 from specwire.policy.costs import VerifyCost
 from specwire.policy.scoped import Scoped
@@ -42,6 +42,8 @@ log = logging.getLogger("specwire.branch")
 
 #: How far the adaptive policy's stop threshold moves before a verdict carries it again.
 KEEP_MIN_SLACK = 0.15
+#: The alternates a pipelined drafter is asked for unless its builder says otherwise.
+DEFAULT_ALTERNATES = AlternateParams()
 #: Synchronous rounds in a row in which the drafter answered with nothing usable before it
 #: is dropped (an honest drafter's answer to a verdict always extends the history).
 USELESS_LIMIT = 3
@@ -56,22 +58,28 @@ class BranchDrafter(DrafterBase):
     remote = False  # its q comes over the network (RemoteDrafter)
 
     def __init__(self, transport: Transport, n_vocab: int, pipelined: bool = True,
-                 lookahead: int = 0, sync_timeout_s: float = 1.0) -> None:
+                 lookahead: int = 0, sync_timeout_s: float = 1.0, *,
+                 alternates: AlternateParams | None = DEFAULT_ALTERNATES,
+                 tree: int = MAX_ALTERNATES,
+                 timing: bool = False) -> None:
+        """alternates: the alternates to ask a pipelined drafter for (None: none); tree: how
+        many of them a round may verify beside the draft (0: chains); timing: ask the
+        drafter how long it worked on each chunk."""
         self.transport = transport
         self.n_vocab, self.pipelined, self.lookahead = n_vocab, pipelined, lookahead
         self.sync_timeout_s = sync_timeout_s
         # Ask the node how long it worked on each chunk (DraftChunk.busy_us): what
         # link_overhead needs to tell the link's cost from drafting. Off by default,
         # as it adds about 4 bytes to every chunk.
-        self.timing = False
+        self.timing = timing
         # Pipelined: ask the drafter for pre-drafted branches (link/alternates.py);
         # None asks for none. A drafter that predates them ignores the request.
-        self.branches: BranchParams | None = BranchParams() if pipelined else None
+        self.alternates: AlternateParams | None = alternates if pipelined else None
         # Hand up to this many of those alternates to the engine as side branches of the
         # draft, for a target that verifies trees (engine/tree_round.py: --draft-tree), where
         # the drafter follows the tree rule; the Open tells the drafter (0: chains). Its
-        # builders set it from the target's settings (link/remote.py, build.py).
-        self.tree = MAX_ALTERNATES
+        # builders give it from the target's settings (link/remote.py, build.py).
+        self.tree = tree
         # Pipelined: after a rejection, wait a moment for the fresh branch when that pays
         # more than a plain step (drafters/bubble.py); None never waits. Off where the
         # engine's step holds other sequences, or another drafter's draft may be ready.
@@ -100,17 +108,13 @@ class BranchDrafter(DrafterBase):
         # This request's sessions: history tokens the drafter found cached and evaluated
         # (summed over its sessions, e.g. after a reconnect); None until one reported.
         self._cache_use: tuple[int, int] | None = None
-        self._reset_buffer()
         self.counters = LinkCounters()
-        self._drafted = 0  # tokens proposed in the current round
+        #: the newest branch the drafter sent, checked against the history (under _cv)
+        self.received = ReceivedBranch(self.counters)
+        self._aim = 0  # pipelined: the tokens a waiting round waits for
         self._draft_gen = -1  # the branch they came from
-        self._starving = False  # since a rejection, no round has had a draft
-        self._starved_at: float | None = None  # perf_counter of a starved round's propose
-        self._proposed_at: float | None = None  # perf_counter when the round's draft was given
-        self._waited_s = 0.0  # how long the round's propose took
-        self._verdict_at: float | None = None  # perf_counter when the last verdict went out
-        self._fresh_gen = -1  # a branch begun after the last verdict: its arrivals are timed
-        self._fresh_n = 0  # tokens of it received
+        #: when this request's rounds and branches happened (the bubble rule learns it)
+        self.times = RoundTiming(self.counters)
         transport.bind(self)
 
     @property
@@ -174,9 +178,7 @@ class BranchDrafter(DrafterBase):
         self._sampling, self._params = f32_sampling(sampling), params
         self._history = list(prompt)
         self._active, self._late, self._k = True, False, params.n_max
-        self._drafted, self._starving, self._starved_at = 0, False, None
-        self._proposed_at = self._verdict_at = None
-        self._fresh_gen = -1
+        self.times = RoundTiming(self.counters)
         self._cache_use = None
         self._start(list(prompt))
 
@@ -251,45 +253,30 @@ class BranchDrafter(DrafterBase):
                     )
                     break
                 self.transport.wait(left)
-        self._proposed_at = time.perf_counter()
-        self._waited_s = self._proposed_at - t0
-        self.counters.wait_ms += 1000 * self._waited_s
+        self.times.proposed(len(draft), t0, self.pipelined)
         if self.pipelined and deadline is not None:
             self.counters.waited_rounds += 1
-            self.counters.waited_ms += 1000 * self._waited_s
+            self.counters.waited_ms += 1000 * self.times.waited_s
             self.counters.waited_empty += not draft.tokens
             if not draft.tokens and self.bubble is not None:
                 self.bubble.missed()
         self._judge_answer(draft, useless)
-        self._note_starved(draft)
         return draft
 
     def _bubble_deadline(self, have: int, k: int) -> float | None:
         """Pipelined, a round with fewer than k tokens: the time.monotonic() until
         which to wait for the drafter (setting self._aim, the tokens worth waiting for),
         or None to verify what is there (drafters/bubble.py). Under self._cv."""
-        if (self.bubble is None or self._done or self._late or self._verdict_at is None
+        since = self.times.since_verdict()
+        if (self.bubble is None or self.received.done or self._late or since is None
                 or not self.transport.live() or have >= k):
             return None
-        since = time.perf_counter() - self._verdict_at
         aim, wait_s = self.bubble.aim(have, k, since, fresh=have == 0)
         if aim <= have:
             return None
         self._aim = aim
         _, per_token = self.bubble.arrival.coefficients()
         return time.monotonic() + wait_s + 0.5 * per_token + 0.001
-
-    def _note_starved(self, draft: Draft) -> None:
-        """Count a pipelined round that has nothing to verify, and whether a rejection
-        left it so (starved)."""
-        self._drafted = len(draft)
-        if draft.tokens:
-            self._starving = False
-        elif self.pipelined:
-            self.counters.empty_rounds += 1
-            if self._starving:
-                self.counters.starved_rounds += 1
-                self._starved_at = time.perf_counter()
 
     def _heard(self) -> float:
         return self.counters.chunks + self.counters.stale_chunks
@@ -312,18 +299,7 @@ class BranchDrafter(DrafterBase):
         """Pipelined: send the verdict now, the drafter is at work. Synchronous: keep it
         for the next propose, which knows how many tokens to ask for (the adaptive k, 0
         for rounds that skip the drafter); it waits for the verdict either way."""
-        now = time.perf_counter()
-        if self._starved_at is not None:
-            self.counters.starved_ms += 1000 * (now - self._starved_at)
-            self._starved_at = None
-        if self.bubble is not None and self._proposed_at is not None:
-            self.bubble.observe_round(self._drafted, accepted, now - self._proposed_at,
-                                      self._waited_s)
-        self._proposed_at = None
-        if accepted < self._drafted:
-            self.counters.rejections += 1
-            self._starving = True
-        self._drafted = 0
+        self.times.learned(accepted, self.bubble)
         if self.pipelined:
             self._tell(history, accepted)
         elif len(history) > self._told and self._accepted is None:
@@ -355,11 +331,13 @@ class BranchDrafter(DrafterBase):
         self._accepted = None
         own = list(history[position + accepted :])
         with self._cv:
-            self._done = False  # the drafter works again after a verdict
-            # A branch begun after this verdict has its arrivals timed from it (bubble.py).
-            self._verdict_at, self._fresh_gen = time.perf_counter(), -1
-            gen = max(self._gen, 0)
-            alternate = self._take_alternate(position + accepted, own)
+            self.received.done = False  # the drafter works again after a verdict
+            self.times.told()
+            gen = max(self.received.gen, 0)
+            # After a rejection where the drafter sent an alternate that the target's own
+            # tokens begin: its rest is the next round's draft (ReceivedBranch).
+            alternate = self.received.take_alternate(position + accepted, own,
+                                                     self._draft_gen, self.transport.trees())
         # Fields that say nothing new stay 0, which the wire sends no byte for: gen when
         # no token is accepted, k when it is unchanged or the drafter pipelined.
         v = Verdict(position, accepted, own, alternate=alternate)
@@ -376,30 +354,6 @@ class BranchDrafter(DrafterBase):
                 v.keep_min = self._keep_min = min(1.0, max(keep_min, 1e-6))
         self.transport.post(v)
 
-    def _take_alternate(self, at: int, own: list[int]) -> bool:
-        """After a round drafted from branch _gen was rejected at `at`: if the target's own
-        tokens begin the alternate the drafter sent for `at`, its rest becomes the branch
-        (gen + 1, as the drafter makes it on this verdict: link/rule.py) and the
-        next round verifies it at once. Under self._cv."""
-        a = self._alts.get(at)
-        if a is None or self._draft_gen != self._gen or self._gen <= self._dead_gen:
-            return False
-        i = at - self._buf_start
-        if own and 0 <= i < len(self._buf) and self._buf[i] == own[0]:
-            return False  # no rejection there: the branch goes on
-        rest = take_tree_alternate(a, own) if self.transport.trees() else take_alternate(a, own)
-        if rest is None:
-            self.counters.alternate_misses += 1
-            return False
-        if not rest and len(own) == 1:
-            return False  # a second choice alone, not in the tree: it adds nothing
-        self.counters.alternate_trees += len(own) > 1   # a tree round kept some of it
-        self.counters.second_choices_taken += len(a) == 1
-        self._gen, self._buf_start, self._buf = self._gen + 1, at + len(own), rest
-        self._sparse, self._alts = None, {}
-        self.counters.alternate_rounds += 1
-        return True
-
     def _calibrated(self) -> bool:
         return not self.pipelined and self._policy is not None
 
@@ -408,7 +362,7 @@ class BranchDrafter(DrafterBase):
         self._accepted = None
         with self._cv:
             self._session += 1
-            self._reset_buffer()
+            self.received, self._aim = ReceivedBranch(self.counters), 0
             session = self._session
         self.transport.detach()
         self.transport.open(session, history)
@@ -430,12 +384,12 @@ class BranchDrafter(DrafterBase):
             timing=self.timing,
             calibrated=self._calibrated(),
             keep_min=self._open_keep_min(),
-            alternates=self.branches.per_chunk if self.pipelined and self.branches else 0,
-            alternate_len=self.branches.length if self.pipelined and self.branches else 0,
+            alternates=self.alternates.per_chunk if self.pipelined and self.alternates else 0,
+            alternate_len=self.alternates.length if self.pipelined and self.alternates else 0,
             cache_scope=p.cache_scope,
             no_store=not p.cache_store,
-            tree=self.tree if self.pipelined and self.branches else 0,
-            second_choices=bool(self.tree and self.pipelined and self.branches),
+            tree=self.tree if self.pipelined and self.alternates else 0,
+            second_choices=bool(self.tree and self.pipelined and self.alternates),
         )
 
     def _open_k(self) -> int:
@@ -448,53 +402,26 @@ class BranchDrafter(DrafterBase):
         self._keep_min = min(1.0, max(self._policy.stop_threshold(), 0.0))
         return self._keep_min
 
-    # -- the buffer of received draft tokens (under self._cv) ---------------------
-
-    def _reset_buffer(self) -> None:
-        self._gen = -1  # gen of the buffered branch
-        self._dead_gen = -1  # gens up to this one disagree with the history
-        self._buf_start = 0  # absolute position of _buf[0]
-        self._buf: list[int] = []
-        self._sparse: list | None = None
-        self._done = False  # the drafter stopped after _buf (p_min or its reach)
-        self._aim = 0  # pipelined: the tokens a waiting round waits for
-        self._alts: dict[int, list[int]] = {}  # alternates of branch _gen, by position
+    # -- the received branch (under self._cv) ---------------------------------------
 
     def _usable(self, history: Sequence[int], k: int) -> tuple[Draft, bool]:
         """Tokens of the current branch that extend history; and whether to stop waiting."""
-        n = len(history)
-        if self._gen < 0 or self._gen <= self._dead_gen:
+        got = self.received.usable(history, k)
+        if got is None:
             return Draft(), False
-        off = follow(self._buf_start, self._buf, history)
-        if off == LEFT:
-            self._dead_gen = self._gen
-            return Draft(), False
-        if off < 0:
-            # PASSED: a branch from before the last verdict (its `done` is stale too): the
-            # answer to that verdict is on its way, so a synchronous round waits for it.
-            # (AHEAD: a chunk past the history, which only a broken drafter sends.)
-            return Draft(), False
-        # Trim what the history has confirmed: the check is O(new tokens) per round.
-        del self._buf[:off]
-        if self._sparse is not None:
-            del self._sparse[:off]
-        self._buf_start = n
-        tokens = self._buf[:k]
+        tokens, sparse = got
         if tokens:
-            self._draft_gen = self._gen
-        sparse = None if self._sparse is None else self._sparse[:k]
-        complete = len(tokens) >= min(k, self._k) or self._done
-        return Draft(tokens, sparse, branches=self._branches(n, len(tokens))), complete
+            self._draft_gen = self.received.gen
+        complete = len(tokens) >= min(k, self._k) or self.received.done
+        return Draft(tokens, sparse, branches=self._branches(len(history), len(tokens))), \
+            complete
 
     def _branches(self, start: int, n: int) -> list[tuple[int, list[int]]] | None:
         """The alternates sent for the n draft tokens from `start`, as side branches a
-        tree round may verify (their drafter follows the tree rule): the drafted ones
-        first (each judged worth its drafting), then second choices alone, by position."""
-        if not self.tree or not self._alts or not n or not self.transport.trees():
+        tree round may verify (their drafter follows the tree rule)."""
+        if not self.tree or not self.transport.trees():
             return None
-        return [(p - start, list(t))
-                for p, t in sorted(self._alts.items(), key=lambda a: (len(a[1]) == 1, a[0]))
-                if start <= p < start + n] or None
+        return self.received.side_branches(start, n)
 
     def on_chunk(self, session: int, c: Chunk) -> None:
         """A chunk arrived (transport thread). Raises ProtocolError for a broken peer."""
@@ -508,43 +435,15 @@ class BranchDrafter(DrafterBase):
             self.counters.node_busy_ms += c.busy_us / 1000
             if c.cache_n is not None:
                 self._count_cache(c.cache_n, c.prompt_n or 0)
-            if c.gen < self._gen or c.gen <= self._dead_gen:
+            if self.received.stale(c.gen):
                 self.counters.stale_chunks += 1
                 return
-            self._ahead += c.start >= len(self._history)
-            if c.gen > self._gen:
-                self._gen, self._buf_start, self._buf = c.gen, c.start, []
-                self._sparse = [] if c.sparse is not None else None
-                self._alts = {}
-                if self._verdict_at is not None and self._fresh_gen < 0:
-                    self._fresh_gen, self._fresh_n = c.gen, 0
-            elif c.start != self._buf_start + len(self._buf):
-                raise ProtocolError(
-                    f"chunk of gen {c.gen} at {c.start}, expected "
-                    f"{self._buf_start + len(self._buf)}"
-                )
-            self._buf.extend(c.tokens)
-            if c.gen == self._fresh_gen and c.tokens:
-                since = time.perf_counter() - self._verdict_at
-                if self._fresh_n == 0:
-                    self.counters.fresh_branches += 1
-                    self.counters.fresh_first_ms += 1000 * since
-                self._fresh_n += len(c.tokens)
-                if self.bubble is not None:
-                    self.bubble.observe_arrival(self._fresh_n, since)
-            # Only positions not yet committed: the chunk check bounds them to the positions
-            # a branch may reach, so a flood of alternates cannot grow this.
             n = len(self._history)
-            if self._alts and min(self._alts) < n:
-                self._alts = {p: t for p, t in self._alts.items() if p >= n}
-            for a in c.alternates:
-                if a.at >= n:
-                    self._alts[a.at] = a.tokens
+            self._ahead += c.start >= n
+            newer = self.received.add(c, n, whole=not self.pipelined)
+            self.times.arrived(c.gen, newer, len(c.tokens), self.bubble)
             self.counters.alternates_received += len(c.alternates)
             self.counters.second_choices += sum(len(a.tokens) == 1 for a in c.alternates)
-            if c.sparse is not None and self._sparse is not None:
-                self._sparse.extend(c.sparse)
-            self._done = c.done or not self.pipelined  # a synchronous chunk is whole
             # An empty chunk saying the drafter is catching up (its first, on many tokens,
             # or a later one still behind): decode plainly, not waiting, until drafts come.
             behind = c.prompt_n or 0

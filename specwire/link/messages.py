@@ -153,6 +153,9 @@ class Chunk:
     # Open.alternates: second choices at positions of this branch already sent or sent
     # in this chunk, each with its continuation.
     alternates: list[Alternate] = field(default_factory=list)
+    # The node's batch, where it changed since the session's previous chunk: (sessions,
+    # alternates) its last decode of this session's tokens held (node/steps.py).
+    step: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.alternates) > MAX_ALTERNATES:

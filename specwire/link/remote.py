@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from specwire.drafters.base import Capabilities, LinkStatus
-from specwire.link.alternates import branch_params
-from specwire.link.branch import BranchDrafter
+from specwire.link.alternates import AlternateParams, alternate_params
+from specwire.link.branch import DEFAULT_ALTERNATES, BranchDrafter
+from specwire.link.messages import MAX_ALTERNATES
 from specwire.link.transport.channel import Link, LinkSettings
 from specwire.link.transport.channels import LinkSet
 from specwire.link.transport.grpc_client import GrpcTransport
@@ -32,9 +33,14 @@ class RemoteDrafter(BranchDrafter):
     transport: GrpcTransport
 
     def __init__(self, links: list[Link] | LinkSet, n_vocab: int, pipelined: bool = True,
-                 lookahead: int = 0, sync_timeout_s: float = 1.0) -> None:
-        """links: this drafter's own, or a LinkSet shared with the target's other drafters."""
-        super().__init__(GrpcTransport(links), n_vocab, pipelined, lookahead, sync_timeout_s)
+                 lookahead: int = 0, sync_timeout_s: float = 1.0, *,
+                 alternates: AlternateParams | None = DEFAULT_ALTERNATES,
+                 tree: int = MAX_ALTERNATES,
+                 timing: bool = False, poll: bool = True) -> None:
+        """links: this drafter's own, or a LinkSet shared with the target's other drafters;
+        alternates, tree, timing: as BranchDrafter's; poll: as GrpcTransport's."""
+        super().__init__(GrpcTransport(links, poll), n_vocab, pipelined, lookahead,
+                         sync_timeout_s, alternates=alternates, tree=tree, timing=timing)
         t = self.transport
         self.shared, self.links = t.shared, t.links
         self.handshake = t.handshake
@@ -46,13 +52,15 @@ class RemoteDrafter(BranchDrafter):
 
     def status(self) -> tuple[LinkStatus, ...]:
         """Each link: up or not, the model its node announced, the handshake's round trip,
-        failures in a row, the last error and when it is tried again."""
+        failures in a row, the last error and when it is tried again, and the node's batch
+        (what its last decode for this target held)."""
         now = time.monotonic()
         return tuple(LinkStatus(
             url=str(link.url), up=bool(link.up),
             model=link.hello.draft_model if link.hello is not None else "",
             rtt_s=link.rtt_s, failures=int(link.failures), error=str(link.last_error),
-            retry_in_s=max(0.0, link.retry_at - now)) for link in self.links)
+            retry_in_s=max(0.0, link.retry_at - now), step=link.node_step)
+            for link in self.links)
 
     def close(self) -> None:
         """End the session; the last drafter of the LinkSet closes the connections."""
@@ -107,13 +115,11 @@ def make_remote_drafters(urls: list[str], remote: RemoteSettings, target, n: int
         Link(u, settings, target.vocab_fingerprint(), target.n_vocab, target.name) for u in urls
     ])
     shared.loop.set_default_executor(hello_pool(len(urls) * n))
-    drafters = [RemoteDrafter(shared, target.n_vocab, pipelined=remote.pipelined)
+    drafters = [RemoteDrafter(shared, target.n_vocab, pipelined=remote.pipelined,
+                              alternates=alternate_params(remote.branches),
+                              tree=remote.tree if n == 1 and remote.pipelined else 0,
+                              poll=remote.poll)
                 for _ in range(n)]
-    for drafter in drafters:
-        if not remote.poll:
-            drafter.transport.forecast = None
-        drafter.branches = branch_params(remote.branches)
-        drafter.tree = remote.tree if n == 1 and remote.pipelined else 0
     errors = drafters[0].handshake()
     fatal = [e for e in errors if e and e.startswith("incompatible")]
     if fatal:

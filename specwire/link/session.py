@@ -16,15 +16,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 
 from specwire.backend.base import Backend, sync_prefix, usable_prefix
+from specwire.backend.batch import Paced
 from specwire.config import DraftParams, VerifyMode
 from specwire.drafters.model import ModelDrafter
 from specwire.link import alternates as alt
+from specwire.link.alternate_plan import AlternatePlan
 from specwire.link.messages import (
     NOTICE_AFTER,
-    Alternate,
     Chunk,
     DraftMessage,
     Failure,
@@ -35,7 +37,6 @@ from specwire.link.messages import (
 )
 from specwire.link.rule import follow, take_tree_alternate
 from specwire.policy.adaptive import CalibratedStop, Calibration
-from specwire.sample.sampling import recent_window
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,11 @@ class DraftSession:
     ) -> None:
         open_msg.check(backend.n_vocab, backend.n_ctx)
         self.backend, self.send = backend, send
+        # A draft node's sequence decodes with the other sessions' (node/steps.py): it is
+        # told while this session drafts, so that a shared decode waits for it then, and
+        # the target is told what the node's decodes hold.
+        self._paced = backend if isinstance(backend, Paced) else None
+        self._told_step: tuple[int, int] | None = None
         sampling = open_msg.sampling
         if seed is not None:  # the node's own --seed wins over the target's
             sampling = replace(sampling, seed=seed)
@@ -73,25 +79,16 @@ class DraftSession:
         params = DraftParams(
             n_max=min(64, self.lookahead), p_min=p_min, mode=self.mode, top_k_q=self.q_k
         )
-        self.drafter = ModelDrafter(backend)
-        self.drafter.stop_rule = self.stop
+        self.drafter = ModelDrafter(backend, stop_rule=self.stop)
         self.drafter.begin(open_msg.history, sampling, params)
         # Pre-drafted branches (pipelined, where a draft token carries no q of its own).
-        self.branching: alt.BranchParams | None = None
+        self.plan: AlternatePlan | None = None
         if self.pipelined and open_msg.alternates and (
                 self.mode is not VerifyMode.REJECTION or sampling.greedy):
-            self.branching = alt.BranchParams(per_chunk=open_msg.alternates,
-                                              length=max(1, open_msg.alternate_len))
-        # The target verifies up to this many alternates beside the branch in one decode
-        # (0: chains): each is then drafted right after its position is sent.
-        self.tree = open_msg.tree if self.branching is not None else 0
-        # Such a target also verifies a second choice alone (its row gives the target's next
-        # token): sent with its position, undrafted, where no drafted alternate is due.
-        self.second_choices = bool(self.tree and open_msg.second_choices)
-        self.choices: list[alt.TopTwo | None] = []  # branching: per branch token
-        # Alternates of branch `gen` by position: drafted once, sent if longer than a token.
-        self.alts: dict[int, list[int]] = {}
-        self._pending_alts: list[Alternate] = []  # drafted, to go with the next chunk
+            self.plan = AlternatePlan(
+                alt.AlternateParams(per_chunk=open_msg.alternates,
+                                 length=max(1, open_msg.alternate_len)),
+                self.drafter.sampling, open_msg.tree, open_msg.second_choices)
         self.committed: list[int] = list(open_msg.history)
         # What the backend's cache already holds of the history, and what is left to evaluate.
         self.cache_n = usable_prefix(backend, self.committed)
@@ -154,7 +151,14 @@ class DraftSession:
         if verdict is not None:
             self._apply(verdict)
         if not self.stalled and len(self.branch) < self._limit():
-            self._draft_burst()
+            with self._pace(alternate=False, answering=True):
+                self._draft_burst()
+
+    def _pace(self, alternate: bool, answering: bool) -> AbstractContextManager[None]:
+        """While this session drafts (a draft node's shared decodes wait for it then)."""
+        if self._paced is None:
+            return nullcontext()
+        return self._paced.drafting(alternate, answering)
 
     # -- pipelined: the drafting thread and what other threads call --------------
 
@@ -199,10 +203,11 @@ class DraftSession:
             self.announce()
             self._catch_up()
             while (work := self._next_work()) is not None:
-                if work == "draft":
-                    self._draft_burst()
-                else:
-                    self._draft_late_alternate(work)
+                with self._pace(alternate=work != "draft", answering=False):
+                    if work == "draft":
+                        self._draft_burst()
+                    else:
+                        self._draft_late_alternate(work)
         except Exception as e:  # noqa: BLE001 - the node must survive any one session
             msg = error_message(e)
             self.error = msg.message
@@ -226,70 +231,12 @@ class DraftSession:
                 self._cv.wait()
 
     def _alternate_first(self) -> int | None:
-        """The sent branch token whose alternate to draft before the branch's next token:
-        for a target that verifies trees, the first one worth it (tree_alternate_at); else
-        any worth it while the branch waits (its lookahead full), or one whose worth per
-        token drafted beats the chance that the target will ever verify that next token
-        (link/alternates.py, alternate_first). None for sessions without alternates."""
-        if self.tree:
-            j = self._tree_alternate_at(self.sent)
-            if j is not None:
-                return j
-        j, value = self._late_alternate_at()
-        if j is None:
+        """The sent branch token whose alternate to draft before the branch's next token
+        (AlternatePlan.first); None for sessions without alternates."""
+        if self.plan is None:
             return None
-        if self.stalled or len(self.branch) >= self._limit():
-            return j
-        reach = 1.0
-        for c in self.choices:
-            reach *= 1.0 if c is None else c.p_first
-        return j if alt.alternate_first(value, reach, self.branching) else None
-
-    def _tree_alternate_at(self, upto: int) -> int | None:
-        """For a target that verifies trees: the first of the branch's first `upto` tokens
-        whose alternate is worth drafting (link/alternates.py, worth_branching) and not yet
-        tried, while fewer than `tree` alternates wait for the branch's unverified part. An
-        alternate joins the decode of its position only if it arrives before that decode,
-        so it is drafted before the branch goes on, but only once the branch holds a
-        round's worth (half the lookahead): before that, the target is likely waiting for
-        the branch's next tokens, which the alternate would delay."""
-        bp = self.branching
-        start = len(self.committed)
-        if (bp is None or upto < self.lookahead // 2
-                or sum(1 for p, t in self.alts.items() if p >= start and len(t) > 1)
-                >= self.tree):
-            return None
-        reach = 1.0
-        for j, two in enumerate(self.choices[:upto]):
-            if two is None:
-                continue
-            if start + j not in self.alts and alt.worth_branching(two, reach, bp):
-                return j
-            reach *= two.p_first
-            if reach < bp.value_min:
-                break
-        return None
-
-    def _late_alternate_at(self) -> tuple[int | None, float]:
-        """The sent branch token whose alternate is now worth most (drafters/
-        alternates.py), and its worth: as verdicts keep the branch, its later positions
-        come within reach. None when there is none, or the session drafts none."""
-        bp = self.branching
-        if bp is None:
-            return None, 0.0
-        best, best_value, reach = None, 0.0, 1.0
-        start = len(self.committed)
-        for j, two in enumerate(self.choices[: self.sent]):
-            if two is None:
-                continue
-            if start + j not in self.alts and alt.worth_branching(two, reach, bp):
-                value = reach * two.p_second
-                if value > best_value:
-                    best, best_value = j, value
-            reach *= two.p_first
-            if reach < bp.value_min:
-                break
-        return best, best_value
+        full = self.stalled or len(self.branch) >= self._limit()
+        return self.plan.first(len(self.committed), self.sent, full, self.lookahead)
 
     def _draft_late_alternate(self, j: int) -> None:
         """Draft the alternate for branch token j and send it in a chunk of its own; a
@@ -300,29 +247,10 @@ class DraftSession:
         if kept < len(ctx):
             self.backend.eval(ctx[kept:], logits="none")
         tokens = alt.draft_alternate(self.backend, self.drafter.sampling, ctx,
-                                     self.choices[j].second, self.branching.length,
+                                     self.plan.choices[j].second, self.plan.params.length,
                                      stop=lambda: bool(self._inbox) or self._closed)
-        self.alts[len(ctx)] = tokens  # tried: never again, sent or not
-        if len(tokens) > 1:  # a lone second choice leaves nothing to verify after it
-            self._pending_alts.append(Alternate(len(ctx), tokens))
+        if self.plan.drafted(len(ctx), tokens):
             self._flush([], [], done=len(self.branch) >= self._limit())
-
-    def _queue_second_choices(self, first: int, n: int) -> None:
-        """Branch tokens first..first+n-1 are about to be sent: queue the second choice
-        alone at each where a drafted alternate is not worth it yet
-        (alternates.second_choice_due), up to a chunk's alternates. Such a position
-        never gets a drafted alternate: both ends read a verdict by the one alternate sent
-        there."""
-        bp, start = self.branching, len(self.committed)
-        reach = 1.0
-        for j, two in enumerate(self.choices[: first + n]):
-            if two is None:
-                continue
-            if (j >= first and len(self._pending_alts) < bp.per_chunk
-                    and start + j not in self.alts
-                    and alt.second_choice_due(two, reach, bp)):
-                self._pending_alts.append(Alternate(start + j, [two.second]))
-            reach *= two.p_first
 
     def _limit(self) -> int:
         room = self.backend.n_ctx - len(self.committed) - 1
@@ -353,13 +281,13 @@ class DraftSession:
         if n >= 0:
             self.branch = self.branch[n:]
             del self.confidence[:n]
-            del self.choices[:n]
             self.sent = max(0, self.sent - n)
-            end = len(self.committed)
-            self.alts = {p: t for p, t in self.alts.items() if p >= end}
+            if self.plan is not None:
+                self.plan.kept(n, len(self.committed))
         else:  # dead, or passed: this end holds the whole branch, so it is over
             self.branch, self.confidence, self.sent, self.gen = [], [], 0, self.gen + 1
-            self.choices, self.alts = [], {}
+            if self.plan is not None:
+                self.plan.restart()
         if not self.pipelined:
             # A smaller k drops what is unsent past it, never what was sent: the target
             # holds that (or will, from a chunk on its way) and would read new tokens of
@@ -374,21 +302,16 @@ class DraftSession:
         """A verdict that takes the alternate sent for position + accepted: its rest,
         already sent, is branch gen + 1 (specwire/link/rule.py)."""
         at = v.position + v.accepted
-        rest = take_tree_alternate(self.alts.get(at) if v.gen == self.gen else None, tokens)
+        sent = self.plan.alts.get(at) if self.plan is not None and v.gen == self.gen else None
+        rest = take_tree_alternate(sent, tokens)
         if rest is None:
             raise ProtocolError(f"verdict takes an alternate at {at} of gen {v.gen} "
                                 "that was not sent, or does not begin with its tokens")
         self.committed += self.branch[: v.accepted] + tokens
-        self.branch, self.sent, self.gen, self.alts = rest, len(rest), self.gen + 1, {}
-        self.confidence, self.choices = [], [None] * len(rest)
+        self.branch, self.sent, self.gen = rest, len(rest), self.gen + 1
+        self.confidence = []
+        self.plan.restart(len(rest))
         self.stalled = False
-
-    def _branch_at(self, row, ctx: list[int], tok: int) -> None:
-        """As the branch drafts `tok`: note the draft's two best choices there, which
-        say later whether an alternate there is worth drafting (_late_alternate_at)."""
-        sp = self.drafter.sampling
-        two = alt.top_two(row, sp, len(ctx), recent_window(ctx, sp))
-        self.choices.append(two if two is not None and two.first == tok else None)
 
     def _calibrate(self, accepted: int, tokens: list[int]) -> None:
         """Judge the sent branch against what the verdict commits: its first `accepted`
@@ -415,17 +338,18 @@ class DraftSession:
             pending.append(tok)
             if sd is not None:
                 sparse_pending.append(sd)
-            due = self.tree and self._tree_alternate_at(len(self.branch)) is not None
+            due = (self.plan is not None and self.plan.tree and self.plan.tree_at(
+                len(self.committed), len(self.branch), self.lookahead) is not None)
             if self.pipelined and (self.sent == 0 or len(pending) >= 2 or due):
                 self._flush(pending, sparse_pending, done=False)
-                if self.branching is not None and self._alternate_first() is not None:
+                if self._alternate_first() is not None:
                     paused = True
                     return False  # an alternate first: the next work says which
             return not self._inbox and not self._closed
 
         result = self.drafter.draft_from(
             base, target, on_token=on_token,
-            at_choice=self._branch_at if self.branching is not None else None)
+            at_choice=self.plan.note if self.plan is not None else None)
         if self.stop is not None:
             self.confidence += result.confidence or []
         stopped_by_pmin = len(result) < target and not self._inbox and not paused
@@ -437,8 +361,8 @@ class DraftSession:
     def _flush(self, pending: list[int], sparse_pending: list, done: bool,
                behind: int | None = None) -> None:
         start = len(self.committed) + self.sent
-        if self.second_choices and pending:
-            self._queue_second_choices(self.sent, len(pending))
+        if self.plan is not None and self.plan.second_choices and pending:
+            self.plan.queue_second_choices(len(self.committed), self.sent, len(pending))
         # A synchronous chunk is the whole answer to its verdict: no `done` to send.
         chunk = Chunk(self.gen, start, list(pending), done=done and self.pipelined,
                       sparse=pad_sparse(sparse_pending, self.q_k) if sparse_pending else None)
@@ -446,10 +370,10 @@ class DraftSession:
             now = time.perf_counter()
             chunk.busy_us = min(2**32 - 1, int(1e6 * (now - self._busy_since)))
             self._busy_since = now
-        if self._pending_alts:
-            chunk.alternates = list(self._pending_alts)
-            self.alts.update((a.at, a.tokens) for a in self._pending_alts)
-            self._pending_alts.clear()
+        if self.plan is not None and self.plan.pending:
+            chunk.alternates = self.plan.take_pending()
+        if self._paced is not None and self._paced.step != self._told_step:
+            chunk.step = self._told_step = self._paced.step
         if not self._told_cache:
             chunk.cache_n, chunk.prompt_n, self._told_cache = self.cache_n, self.prompt_n, True
         elif behind is not None:

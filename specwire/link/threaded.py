@@ -15,8 +15,16 @@ from collections.abc import Sequence
 
 from specwire.backend.base import Backend
 from specwire.config import DraftParams, SamplingParams
-from specwire.link.branch import BranchDrafter
-from specwire.link.messages import Chunk, DraftMessage, ProtocolError, TargetMessage, Verdict
+from specwire.link.alternates import AlternateParams
+from specwire.link.branch import DEFAULT_ALTERNATES, BranchDrafter
+from specwire.link.messages import (
+    MAX_ALTERNATES,
+    Chunk,
+    DraftMessage,
+    ProtocolError,
+    TargetMessage,
+    Verdict,
+)
 from specwire.link.session import DraftSession
 from specwire.link.transport.base import Transport
 from specwire.policy.adaptive import Calibration
@@ -81,8 +89,12 @@ class ThreadedDrafter(BranchDrafter):
 
     transport: InProcessTransport
 
-    def __init__(self, backend: Backend, pipelined: bool = True, lookahead: int = 0) -> None:
-        super().__init__(InProcessTransport(backend), backend.n_vocab, pipelined, lookahead)
+    def __init__(self, backend: Backend, pipelined: bool = True, lookahead: int = 0, *,
+                 alternates: AlternateParams | None = DEFAULT_ALTERNATES,
+                 tree: int = MAX_ALTERNATES) -> None:
+        """alternates, tree: as BranchDrafter's."""
+        super().__init__(InProcessTransport(backend), backend.n_vocab, pipelined, lookahead,
+                         alternates=alternates, tree=tree)
         self.backend = backend
         self.name = f"threaded:{backend.name}"
 

@@ -1,10 +1,11 @@
 """The draft node's figures for Prometheus (`specwire draft --metrics-port PORT`).
 
 A target's /metrics shows its own side of the link; what the node holds for
-all its targets is only visible here: admitted calls, llama.cpp contexts
-(one per open session, so 0 when no target is drafting: a leak shows as a
-count that stays up), sessions by how they ended, refusals by reason, and
-the process collector (resident memory, open files). Served on a port of its own
+all its targets is only visible here: admitted calls, sequences of the node's
+llama.cpp context (one per open session, so 0 when no target is drafting: a leak
+shows as a count that stays up), its decodes and what each held (sessions and
+alternates per decode: node/steps.py), refusals by reason, and the process
+collector (resident memory, open files). Served on a port of its own
 (node/exporter.py), with the node's token when it has one.
 """
 
@@ -13,9 +14,13 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from specwire.node.steps import StepCounters
 
 PREFIX = "specwire:node_"
 #: Peers (address and port: one per connection) remembered to count connections.
@@ -26,14 +31,16 @@ class NodeMetrics:
     """Counters updated by the RPC threads, read at scrape time."""
 
     def __init__(self, slots_in_use: Callable[[], int], contexts: Callable[[], int],
-                 calibrations: Callable[[], int], cached: Callable[[], int] = lambda: 0) -> None:
-        """contexts: llama.cpp contexts open in the process; cached: those of them held for
-        finished sessions (docs/memory.md), counted apart so that contexts_open reads 0 when
-        no session is open."""
+                 calibrations: Callable[[], int], cached: Callable[[], int] = lambda: 0,
+                 steps: Callable[[], StepCounters] | None = None) -> None:
+        """contexts: sequences of the node's context handed out; cached: those of them held
+        for finished sessions (docs/memory.md), counted apart so that contexts_open reads 0
+        when no session is open; steps: what the node's decodes held so far."""
         self._lock = threading.Lock()
         self._slots_in_use, self._contexts, self._calibrations = (slots_in_use, contexts,
                                                                  calibrations)
         self._cached = cached
+        self._steps = steps
         self.calls: Counter[str] = Counter()       # admitted calls by method
         self.refused: Counter[str] = Counter()     # reason -> calls refused or ended by the node
         self.connections: Counter[str] = Counter()  # port -> connections that made a call
@@ -94,6 +101,8 @@ class NodeMetrics:
                                 "prefix (at most --max-sessions).", value=cached)
         yield GaugeMetricFamily(PREFIX + "calibrations", "Targets whose draft calibration this "
                                 "node keeps (bounded).", value=self._calibrations())
+        if self._steps is not None:
+            yield from _step_families(self._steps())
 
     def serve(self, host: str, port: int, token: str | None = None, purge=None,
               tokens: dict[str, str] | None = None, tls=None) -> int:  # noqa: ANN001
@@ -112,8 +121,25 @@ class NodeMetrics:
             self._http = None
 
 
+def _step_families(c: StepCounters) -> Iterator[Metric]:
+    """The node's decodes and what they held: sessions per decode is branches / decodes."""
+    yield CounterMetricFamily(PREFIX + "decodes", "Decodes of the node's draft context "
+                              "(every drafting session's next tokens in one).", value=c.decodes)
+    parts = CounterMetricFamily(PREFIX + "decode_parts", "Sequences' parts in the node's "
+                                "decodes, by kind: a session's branch, or an alternate.",
+                                labels=["kind"])
+    parts.add_metric(["branch"], c.branches)
+    parts.add_metric(["alternate"], c.alternates)
+    yield parts
+    sessions, alternates = c.per_decode()
+    yield GaugeMetricFamily(PREFIX + "sessions_per_decode", "Sessions' branches per decode "
+                            "since the node started.", value=sessions)
+    yield GaugeMetricFamily(PREFIX + "alternates_per_decode", "Alternates per decode since "
+                            "the node started.", value=alternates)
+
+
 def _contexts_gauge(n: int) -> GaugeMetricFamily:
-    g = GaugeMetricFamily("specwire:contexts_open", "llama.cpp contexts serving a session now: "
+    g = GaugeMetricFamily("specwire:contexts_open", "llama.cpp sequences serving a session now: "
                           "one per drafting session.", labels=["side"])
     g.add_metric(["node"], n)
     return g

@@ -1,8 +1,9 @@
 """The draft node: a gRPC server holding one small model for many targets.
 
-Each Session stream gets its own llama.cpp context over the shared weights, so
-sequences from several targets are isolated from each other. Contexts and the
-KV caches of finished sessions are kept (node/kv_cache.py, --cache-ram and
+Each Session stream gets a sequence of its own in the node's one llama.cpp context
+(node/steps.py), so sequences from several targets are isolated from each other while
+one loop decodes every drafting session's next tokens together. Sequences and the KV
+caches of finished sessions are kept (node/kv_cache.py, --cache-ram and
 --cache-sessions), so a chat's next turn evaluates only its new tokens. Every call
 is served by link/transport/h2/server.py, a thread per connection: a synchronous
 round (read verdict, draft, write chunk) happens on that thread, a pipelined
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from specwire.backend.llama import Model, load_model, open_contexts
+from specwire.backend.llama import LlamaBackend, Model, load_model
 from specwire.config import ModelParams
 from specwire.emulate.hold import HoldCounters, Regime, emulate
 from specwire.link.messages import Chunk, DraftMessage, Failure, Verdict
@@ -35,6 +36,7 @@ from specwire.link.transport.protocol import ProtocolError
 from specwire.node.calibrations import Calibrations, target_key
 from specwire.node.kv_cache import KvCache
 from specwire.node.metrics import NodeMetrics
+from specwire.node.steps import StepLoop
 from specwire.node.tenants import Quotas, certificate_subject, identity, token_name
 
 log = logging.getLogger("specwire.node")
@@ -89,8 +91,11 @@ MAX_CALIBRATIONS = 64
 class DraftNodeService:
     """The node's calls (Hello, Ping, Session), admission and memory, for every port."""
 
-    def __init__(self, settings: NodeSettings, model: Model) -> None:
-        self.settings, self.model = settings, model
+    def __init__(self, settings: NodeSettings, model: Model, steps: StepLoop,
+                 holds: HoldCounters) -> None:
+        """steps: the loop over the node's draft context (draft_context), whose --emulate
+        holds count into `holds`."""
+        self.settings, self.model, self.steps, self.holds = settings, model, steps, holds
         # What verdicts taught about the draft's confidence, kept across sessions, per target.
         self.calibrations = Calibrations(MAX_CALIBRATIONS)
         self.quotas = Quotas(settings.sessions_per_identity)
@@ -99,17 +104,15 @@ class DraftNodeService:
         self.draining = False  # shutting down: no new sessions
         self._in_use_lock = threading.Lock()
         self.sync_port = 0  # advertised in Hello once the second port listens
-        self.holds = HoldCounters()   # what --emulate's holds saw, logged per session
-        regime = settings.emulation
         self.memory = KvCache(settings.model, model, settings.cache_ram_mib,
                               settings.cache_sessions, settings.max_sessions,
                               ttl_s=settings.cache_ttl_s,
                               identity_mib=settings.cache_ram_per_identity_mib,
                               identity_sessions=settings.cache_sessions_per_identity,
-                              wrap=None if regime is None
-                              else lambda b: emulate(b, regime, self.holds))
-        self.metrics = NodeMetrics(lambda: self._in_use, open_contexts,
-                                   lambda: len(self.calibrations), self.memory.pooled)
+                              new_backend=self.steps.take)
+        self.metrics = NodeMetrics(lambda: self._in_use, self.steps.taken,
+                                   lambda: len(self.calibrations), self.memory.pooled,
+                                   steps=self.steps.snapshot)
 
     def identity(self, context) -> str:
         """The peer's authenticated identity (node/tenants.py): its token's name in the
@@ -255,11 +258,24 @@ class DraftNodeService:
             self.memory.release(session.backend, session.committed)
             if self.memory.enabled:
                 log.info("session closes: %d tokens kept", session.backend.n_past)
+            branches, alternates = self.steps.snapshot().per_decode()
+            log.info("node steps: %.2f sessions and %.2f alternates per decode",
+                     branches, alternates)
             if self.settings.emulation is not None:
                 h = self.holds
                 log.info("emulation: %d draft decodes, %d over their emulated time; "
                          "%d prompt chunks, %d over", h.decodes, h.over, h.prompt_chunks,
                          h.prompt_over)
+
+
+def draft_context(settings: NodeSettings, model: Model, holds: HoldCounters):  # noqa: ANN201
+    """The node's one llama.cpp context: a sequence for every session it admits and one
+    for every finished session its memory keeps warm (node/kv_cache.py), held to the
+    --emulate regime where given (one decode of n sequences charged as a batch of n)."""
+    n_seq = 2 * settings.max_sessions
+    shared = LlamaBackend(settings.model, model, n_seq=n_seq)
+    regime = settings.emulation
+    return shared if regime is None else emulate(shared, regime, holds)
 
 
 def _encode(msg: DraftMessage) -> bytes:
@@ -465,13 +481,16 @@ class RunningNode:
             server.stop(grace_s + 2.0)
         self.service.metrics.close()
         self.service.memory.close()
+        self.service.steps.close()
 
 
 def start(settings: NodeSettings) -> RunningNode:
     """Load the model and start serving on every configured port (returns at once)."""
     model = load_model(settings.model)
     model.fingerprint()  # computed once, before the first Hello
-    service = DraftNodeService(settings, model)
+    holds = HoldCounters()   # what --emulate's holds saw, logged per session
+    service = DraftNodeService(settings, model,
+                               StepLoop(draft_context(settings, model, holds)), holds)
     server = _server(settings, service, settings.port, "main")
     sync = None
     if settings.sync_port is not None:

@@ -196,7 +196,7 @@ def _settle(remote):
     the node's draft is in, and the two candidates would seldom meet."""
     def settle(_) -> None:
         deadline = time.monotonic() + 1.0
-        while not remote._done and time.monotonic() < deadline:
+        while not remote.received.done and time.monotonic() < deadline:
             time.sleep(0.002)
     return settle
 

@@ -33,7 +33,7 @@ def test_remote_pipelined_with_alternates_is_token_identical(target, node, sp) -
         prompt = target.tokens(text)
         want = target.plain(prompt, sp, N)
         remote = target.drafter(node.url, pipelined=True)
-        assert remote.branches is not None
+        assert remote.alternates is not None
         try:
             gen = Engine(target.backend, remote).generate(request(prompt, N, sp, n_max=k))
             assert run_to_end(gen) == want, (text[:10], k)

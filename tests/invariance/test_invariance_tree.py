@@ -157,7 +157,7 @@ def _settle(drafter):
     otherwise verify every round before any alternate exists, and no tree would be made."""
     def settle(_) -> None:
         deadline = time.monotonic() + 1.0
-        while not drafter._done and time.monotonic() < deadline:
+        while not drafter.received.done and time.monotonic() < deadline:
             time.sleep(0.002)
     return settle
 

@@ -19,9 +19,9 @@ from fakes import FakeBackend, FakeModel
 from specwire.cli.args import _branch_count
 from specwire.config import DraftParams, SamplingParams, VerifyMode
 from specwire.link.alternates import (
-    BranchParams,
+    AlternateParams,
     TopTwo,
-    branch_params,
+    alternate_params,
     draft_alternate,
     top_two,
     worth_branching,
@@ -122,8 +122,8 @@ def test_branches_flag_is_checked() -> None:
     for bad in ("5", "-1", "two"):
         with pytest.raises(argparse.ArgumentTypeError):
             _branch_count(bad)
-    assert branch_params(0) is None and branch_params(None) == BranchParams()
-    assert branch_params(3).per_chunk == 3
+    assert alternate_params(0) is None and alternate_params(None) == AlternateParams()
+    assert alternate_params(3).per_chunk == 3
 
 
 # ============================================================================ choosing
@@ -145,13 +145,13 @@ def test_top_two_is_the_drafts_own_first_choice_then_the_next() -> None:
 
 
 def test_worth_branching_where_the_draft_hesitates_and_the_target_will_look() -> None:
-    bp = BranchParams(top_below=0.8, value_min=0.15)
+    bp = AlternateParams(top_below=0.8, value_min=0.15)
     unsure, sure = TopTwo(1, 2, 0.5, 0.4), TopTwo(1, 2, 0.9, 0.05)
     assert worth_branching(unsure, 1.0, bp)
     assert not worth_branching(unsure, 0.3, bp)       # likely rejected before it
     assert not worth_branching(sure, 1.0, bp)
     assert not worth_branching(None, 1.0, bp)
-    assert not worth_branching(unsure, 1.0, BranchParams(per_chunk=0))
+    assert not worth_branching(unsure, 1.0, AlternateParams(per_chunk=0))
 
 
 def test_drafting_an_alternate_leaves_the_cache_as_it_was() -> None:
@@ -184,15 +184,15 @@ def test_both_ends_take_the_same_alternates(seed: int, sp: SamplingParams) -> No
     target = Branching(FakeBackend(model.perturbed(0.8, seed), n_ctx=600))
     history = [1, 2, 3, 4]
     target.begin(history, sp, DraftParams(n_max=4, p_min=0.0))
-    assert target.node.branching is not None
+    assert target.node.plan is not None
     taken = 0
     for _ in range(80):
         k = rng.choice([1, 2, 4])
         node = target.node
-        alts_before = dict(node.alts)
+        alts_before = dict(node.plan.alts)
         draft = target.propose(history, k).tokens
         assert node.committed == history
-        assert node.gen == max(target._gen, 0)
+        assert node.gen == max(target.received.gen, 0)
         assert draft == node.branch[: len(draft)]
         a = rng.randint(0, len(draft))
         at = len(history) + a
@@ -227,7 +227,7 @@ def test_a_node_that_does_not_branch_and_a_target_that_does_not_ask() -> None:
     for asks in (True, False):
         target = Branching(FakeBackend(model.perturbed(0.8, 2), n_ctx=400))
         if not asks:
-            target.branches = None
+            target.alternates = None
         sent: list[Chunk] = []
         real_open = target.open_message
 
@@ -272,8 +272,8 @@ def test_alternates_for_committed_positions_are_not_kept() -> None:
     d = ScriptedDrafter(pipelined=True)
     d.begin(PROMPT, GREEDY, DraftParams(n_max=4, p_min=0.0))
     d.on_chunk(d.session, Chunk(0, 4, [10, 11], alternates=[Alternate(4, [12, 13])]))
-    assert 4 in d._alts
+    assert 4 in d.received.alts
     assert d.propose([*PROMPT, 10, 11], 4).tokens == []
     for _ in range(50):
         d.on_chunk(d.session, Chunk(0, 6, [], alternates=[Alternate(5, [14, 15])] * 4))
-    assert d._alts == {}
+    assert d.received.alts == {}

@@ -211,7 +211,7 @@ def test_both_ends_follow_the_same_branch(seed: int, pipelined: bool) -> None:
         draft = target.propose(history, k).tokens
         node = target.node
         assert node.committed == history
-        assert node.gen == max(target._gen, 0)
+        assert node.gen == max(target.received.gen, 0)
         assert draft == node.branch[: len(draft)]
         assert node.sent == len(node.branch)
         assert len(draft) == min(k, len(node.branch)), "the target missed tokens it was sent"

@@ -21,7 +21,8 @@ verdicts = st.builds(Verdict, small, small, tokens, gen=small, k=st.integers(0, 
                      keep_min=st.one_of(st.just(0.0), st.floats(0, 1, width=32)),
                      alternate=st.booleans())
 chunks = st.builds(Chunk, small, small, tokens, done=st.booleans(), busy_us=small,
-                   cache_n=st.one_of(st.none(), small), prompt_n=st.one_of(st.none(), small))
+                   cache_n=st.one_of(st.none(), small), prompt_n=st.one_of(st.none(), small),
+                   step=st.one_of(st.none(), st.tuples(small, small)))
 
 
 def _pb_verdict(data: bytes) -> Verdict:

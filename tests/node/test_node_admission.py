@@ -25,7 +25,6 @@ from specwire.engine.engine import Engine
 from specwire.link.transport import protocol
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport.h2 import server as sync_server
-from specwire.node import kv_cache
 from specwire.node import server as node_mod
 from specwire.node.calibrations import Calibrations
 from specwire.node.server import NodeSettings, RunningNode
@@ -143,16 +142,17 @@ def test_ping_is_admitted_like_a_session(start_node) -> None:
         wait_for(lambda: node.service._in_use == 0, 5, "the silent ping's slot released")
 
 
-def test_open_is_checked_before_a_context_is_allocated(start_node, monkeypatch) -> None:
+def test_open_is_checked_before_a_sequence_is_allocated(start_node, monkeypatch) -> None:
     node = start_node()
     allocated: list[int] = []
-    real = kv_cache.LlamaBackend   # the node takes its contexts from its memory
+    memory = node.service.memory   # the node takes its sequences from its memory
+    real = memory._new
 
-    def counting(*a, **kw):
+    def counting():
         allocated.append(1)
-        return real(*a, **kw)
+        return real()
 
-    monkeypatch.setattr(kv_cache, "LlamaBackend", counting)
+    monkeypatch.setattr(memory, "_new", counting)
     history = _history(node)
     bad = [_open([]), _open([2, node.service.model.n_vocab]), _open(history, want=10**6),
            _open(history, mode=9), _open(history * 100),

@@ -324,13 +324,16 @@ class FakeCall:
 
 def test_admission_knows_each_token_and_holds_each_to_its_quota() -> None:
     from specwire.config import ModelParams
+    from specwire.emulate.hold import HoldCounters
     from specwire.link.transport.h2.grpcframe import Status
     from specwire.node.server import DraftNodeService, NodeSettings
+    from specwire.node.steps import StepLoop
 
     alice, bob, shared = "a" * 20, "b" * 20, "s" * 20
     settings = NodeSettings(model=ModelParams("unused.gguf"), token=shared, max_sessions=4,
                             tokens={alice: "alice", bob: "bob"}, sessions_per_identity=1)
-    service = DraftNodeService(settings, model=None)
+    service = DraftNodeService(settings, None, StepLoop(SimpleNamespace(n_seq=1, n_batch=1)),
+                               HoldCounters())
     assert service._admit(FakeCall(alice), "Session") == "token:alice"
     with pytest.raises(Refused) as e:
         service._admit(FakeCall(alice), "Session")

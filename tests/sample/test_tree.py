@@ -24,7 +24,7 @@ from specwire.engine import engine as engine_mod
 from specwire.engine import round as round_mod
 from specwire.engine import sequence as sequence_mod
 from specwire.engine.engine import Engine, Request
-from specwire.link.alternates import BranchParams
+from specwire.link.alternates import AlternateParams
 from specwire.link.rule import take_tree_alternate
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.policy.adaptive import AdaptivePolicy, FixedPolicy
@@ -286,7 +286,7 @@ def _tree_link(trees_on: bool):
     from fakes import FakeBackend
 
     d = Branching(FakeBackend(DRAFT, n_ctx=1024))
-    d.branches = BranchParams(per_chunk=4, length=4, value_min=0.0, top_below=1.0)
+    d.alternates = AlternateParams(per_chunk=4, length=4, value_min=0.0, top_below=1.0)
     d.transport.trees = lambda: trees_on
     return d
 
@@ -497,7 +497,7 @@ def test_the_target_says_tree_only_where_it_verifies_trees() -> None:
     assert d.open_message(list(PROMPT)).tree == 3
     d.tree = 0
     assert d.open_message(list(PROMPT)).tree == 0
-    d.tree, d.branches = 3, None
+    d.tree, d.alternates = 3, None
     assert d.open_message(list(PROMPT)).tree == 0
 
 
@@ -509,8 +509,8 @@ def _second_choice_link(monkeypatch):
     worth it (value_min 1): it sends only second choices alone."""
     from specwire.link import alternates
 
-    monkeypatch.setattr(alternates, "BranchParams",
-                        partial(BranchParams, top_below=1.0, value_min=1.0))
+    monkeypatch.setattr(alternates, "AlternateParams",
+                        partial(AlternateParams, top_below=1.0, value_min=1.0))
     return _tree_link(True)
 
 
@@ -555,7 +555,7 @@ def test_a_node_sends_second_choices_alone_only_when_asked() -> None:
     for c, a in singles:
         assert c.start <= a.at < c.start + len(c.tokens)      # with its position
         j = a.at - len(PROMPT)
-        assert a.tokens[0] == node.choices[j].second != node.branch[j]
+        assert a.tokens[0] == node.plan.choices[j].second != node.branch[j]
     assert all(len(c.alternates) <= 2 for c in sent)
     ats = [a.at for c in sent for a in c.alternates]
     assert len(ats) == len(set(ats))                           # one alternate a position
@@ -573,9 +573,9 @@ def test_a_second_choice_alone_outside_a_tree_is_not_taken(monkeypatch) -> None:
     drafter.begin(list(PROMPT), GREEDY, DraftParams(n_max=4, p_min=0.0))
     draft = drafter.propose(list(PROMPT), 4)
     node = drafter.node
-    single = next(a for a in (node.alts.get(len(PROMPT) + j) for j in range(len(draft)))
+    single = next(a for a in (node.plan.alts.get(len(PROMPT) + j) for j in range(len(draft)))
                   if a is not None and len(a) == 1)
-    at = next(p for p, t in node.alts.items() if t == single)
+    at = next(p for p, t in node.plan.alts.items() if t == single)
     a = at - len(PROMPT)
     history = [*PROMPT, *draft.tokens[:a], single[0]]
     gen = node.gen

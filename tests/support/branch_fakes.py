@@ -7,7 +7,7 @@ from __future__ import annotations
 from fakes import FakeBackend, Forward
 
 from specwire.link.alternates import (
-    BranchParams,
+    AlternateParams,
 )
 from specwire.link.branch import BranchDrafter
 from specwire.link.messages import (
@@ -107,7 +107,7 @@ class Branching(Joined):
 
     def __init__(self, backend: FakeBackend) -> None:
         super().__init__(backend, pipelined=True)
-        self.branches = BranchParams(value_min=0.05, top_below=0.95)
+        self.alternates = AlternateParams(value_min=0.05, top_below=0.95)
 
     def _pipelined_step(self, v: Verdict) -> None:
         self.node._apply(v)

@@ -70,6 +70,10 @@ class Link:
         self.violations = 0  # protocol violations seen (see failed)
         self.retry_at = 0.0
         self.last_error = ""
+        #: what the node's last decode for this target held, as its last chunk that
+        #: said so: (sessions' branches, alternates) (DraftChunk.step_sessions); None:
+        #: not said (a node that does not batch, or no chunk yet)
+        self.node_step: tuple[int, int] | None = None
         #: Bumps at every failure: a session remembers the epoch it opened in, and its own
         #: failure counts only if no other failure was counted since (the sessions on a
         #: connection that breaks all fail, and the backoff must grow once, not per session).

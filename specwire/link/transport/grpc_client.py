@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from specwire.link.messages import Close, Failure, TargetMessage, Verdict
+from specwire.link.messages import Chunk, Close, Failure, TargetMessage, Verdict
 from specwire.link.transport import protocol, roundcodec
 from specwire.link.transport import specwire_pb2 as pb
 from specwire.link.transport.base import Branch, Transport
@@ -101,8 +101,9 @@ class GrpcTransport(Transport):
     the draft nodes, the live Session stream, and the arrival forecast; the branch's
     state it reads through the branch alone."""
 
-    def __init__(self, links: list[Link] | LinkSet) -> None:
-        """links: this drafter's own, or a LinkSet shared with the target's other drafters."""
+    def __init__(self, links: list[Link] | LinkSet, poll: bool = True) -> None:
+        """links: this drafter's own, or a LinkSet shared with the target's other drafters;
+        poll: busy-poll a synchronous answer around its forecast arrival."""
         if not links:
             raise ValueError("RemoteDrafter needs at least one link")
         self.shared = links if isinstance(links, LinkSet) else LinkSet(links)
@@ -111,7 +112,8 @@ class GrpcTransport(Transport):
         self._loop = self.shared.loop
         self._call: _Call | None = None  # the live Session stream
         self._closed = False
-        self.forecast: ArrivalForecast | None = ArrivalForecast()  # None: never busy-poll
+        self.forecast: ArrivalForecast | None = (  # None: never busy-poll
+            ArrivalForecast() if poll else None)
         self._opening = False
         self._reopened = -1  # the session that replaces a call the node refused (_reopen)
 
@@ -384,10 +386,11 @@ class GrpcTransport(Transport):
         try:
             # The common chunk decoded directly (roundcodec.py); anything else by protobuf.
             chunk = roundcodec.chunk_from_bytes(data)
-            if chunk is not None:
-                self.branch.on_chunk(call.session, chunk)
-            else:
-                self._take(call.session, pb.DraftMessage.FromString(data))
+            if chunk is None:
+                chunk = _chunk(pb.DraftMessage.FromString(data))
+            if chunk.step is not None:
+                call.link.node_step = chunk.step
+            self.branch.on_chunk(call.session, chunk)
         except DecodeError:
             self._failed(call, "undecodable frame: not a DraftMessage", dropped=True)
             return False
@@ -464,13 +467,6 @@ class GrpcTransport(Transport):
             call.counted = False
             call.link.give_stream()
 
-    def _take(self, session: int, msg: pb.DraftMessage) -> None:
-        """A message from the node; ProtocolError for a broken peer."""
-        got = protocol.draft_from_pb(msg)
-        if isinstance(got, Failure):
-            raise NodeFailure(f"draft node reported: {peer_text(got.message)}")
-        self.branch.on_chunk(session, got)
-
     def _drop(self, link: Link | None, reason: str, alone: bool = False) -> None:
         """A node that broke the protocol: disconnect it (alone: only this session) and
         back off."""
@@ -485,3 +481,12 @@ def _status_name(code: int) -> str:
         return Status(code).name
     except ValueError:
         return f"status {code}"
+
+
+def _chunk(msg: pb.DraftMessage) -> Chunk:
+    """The chunk a message from the node holds; NodeFailure for its DraftError,
+    ProtocolError for a broken peer."""
+    got = protocol.draft_from_pb(msg)
+    if isinstance(got, Failure):
+        raise NodeFailure(f"draft node reported: {peer_text(got.message)}")
+    return got

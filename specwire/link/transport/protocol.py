@@ -193,6 +193,8 @@ def draft_to_pb(msg: DraftMessage) -> pb.DraftMessage:
         c.prompt_n = msg.prompt_n
     for a in msg.alternates:
         c.alternates.add(at=a.at, tokens=a.tokens)
+    if msg.step is not None:
+        c.step_sessions, c.step_alternates = msg.step
     return out
 
 
@@ -210,7 +212,9 @@ def chunk_from_pb(m: pb.DraftChunk) -> Chunk:
     c = Chunk(m.gen, m.start, list(m.tokens), done=m.done, busy_us=m.busy_us,
               cache_n=m.cache_n if m.HasField("cache_n") else None,
               prompt_n=m.prompt_n if m.HasField("prompt_n") else None,
-              alternates=_alternates_from_pb(m))
+              alternates=_alternates_from_pb(m),
+              step=(m.step_sessions, m.step_alternates) if m.HasField("step_sessions")
+              else None)
     if m.q_k or m.q_ids or m.q_probs:
         c.sparse = _sparse_from_pb(m, c.tokens)
     return c

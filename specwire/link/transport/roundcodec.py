@@ -83,8 +83,9 @@ def verdict_bytes(v: Verdict) -> bytes | None:
 def chunk_bytes(c: Chunk) -> bytes | None:
     """DraftMessage{chunk: c} as protobuf writes it; None for a chunk with q or alternates,
     or a value out of its field's range."""
+    step = c.step or (0, 0)
     if c.sparse is not None or c.alternates or \
-            not _uint32s(c.gen, c.start, c.busy_us, c.cache_n or 0, c.prompt_n or 0):
+            not _uint32s(c.gen, c.start, c.busy_us, c.cache_n or 0, c.prompt_n or 0, *step):
         return None
     b = bytearray()
     if c.gen:
@@ -101,6 +102,9 @@ def chunk_bytes(c: Chunk) -> bytes | None:
         _put(0x48, c.cache_n, b)
     if c.prompt_n is not None:
         _put(0x50, c.prompt_n, b)
+    if c.step is not None:
+        _put(0x60, step[0], b)
+        _put(0x68, step[1], b)
     return _wrapped(0x0A, b)
 
 
@@ -161,7 +165,7 @@ def _read(data: bytes, i: int, end: int) -> tuple[int | None, int]:
 
 #: Field number -> wire type (0 varint, 2 packed, 5 float) of each fast-path message.
 _VERDICT = {1: 0, 2: 0, 3: 2, 4: 0, 5: 0, 6: 5, 7: 0}
-_CHUNK = {1: 0, 2: 0, 3: 2, 7: 0, 8: 0, 9: 0, 10: 0}
+_CHUNK = {1: 0, 2: 0, 3: 2, 7: 0, 8: 0, 9: 0, 10: 0, 12: 0, 13: 0}
 
 
 def verdict_from_bytes(data: bytes) -> Verdict | None:
@@ -180,5 +184,8 @@ def chunk_from_bytes(data: bytes) -> Chunk | None:
     f = _fields(data, 0x0A, _CHUNK)
     if f is None or f.get(7, 0) > 1:
         return None
+    if (12 in f) != (13 in f):
+        return None
     return Chunk(f.get(1, 0), f.get(2, 0), f.get(3) or [], done=bool(f.get(7)),
-                 busy_us=f.get(8, 0), cache_n=f.get(9), prompt_n=f.get(10))
+                 busy_us=f.get(8, 0), cache_n=f.get(9), prompt_n=f.get(10),
+                 step=(f[12], f[13]) if 12 in f else None)

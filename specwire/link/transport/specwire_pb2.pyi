@@ -145,7 +145,7 @@ class TargetMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
 
 class DraftChunk(_message.Message):
-    __slots__ = ("gen", "start", "tokens", "q_k", "q_ids", "q_probs", "done", "busy_us", "cache_n", "prompt_n", "alternates")
+    __slots__ = ("gen", "start", "tokens", "q_k", "q_ids", "q_probs", "done", "busy_us", "cache_n", "prompt_n", "alternates", "step_sessions", "step_alternates")
     GEN_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,8 @@ class DraftChunk(_message.Message):
     CACHE_N_FIELD_NUMBER: _ClassVar[int]
     PROMPT_N_FIELD_NUMBER: _ClassVar[int]
     ALTERNATES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ALTERNATES_FIELD_NUMBER: _ClassVar[int]
     gen: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -168,7 +170,9 @@ class DraftChunk(_message.Message):
     cache_n: int
     prompt_n: int
     alternates: _containers.RepeatedCompositeFieldContainer[Alternate]
-    def __init__(self, gen: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_k: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., busy_us: _Optional[int] = ..., cache_n: _Optional[int] = ..., prompt_n: _Optional[int] = ..., alternates: _Optional[_Iterable[_Union[Alternate, _Mapping]]] = ...) -> None: ...
+    step_sessions: int
+    step_alternates: int
+    def __init__(self, gen: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_k: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., done: _Optional[bool] = ..., busy_us: _Optional[int] = ..., cache_n: _Optional[int] = ..., prompt_n: _Optional[int] = ..., alternates: _Optional[_Iterable[_Union[Alternate, _Mapping]]] = ..., step_sessions: _Optional[int] = ..., step_alternates: _Optional[int] = ...) -> None: ...
 
 class Alternate(_message.Message):
     __slots__ = ("at", "tokens")

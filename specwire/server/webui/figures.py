@@ -98,7 +98,9 @@ def _link(link: LinkStatus) -> dict:
             "rtt_ms": _r(1000 * rtt) if rtt is not None and math.isfinite(rtt) else None,
             "failures": link.failures or 0,
             "error": link.error or "",
-            "retry_in_s": _r(retry) if retry > 0 else 0}
+            "retry_in_s": _r(retry) if retry > 0 else 0,
+            "step": None if link.step is None else {"sessions": link.step[0],
+                                                    "alternates": link.step[1]}}
 
 
 def _histogram(by_length: dict[str, float]) -> list[int]:

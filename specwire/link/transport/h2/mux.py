@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import socket
 import threading
@@ -28,6 +27,9 @@ from specwire.link.transport.h2.grpcframe import Status
 from specwire.link.transport.protocol import ProtocolError
 
 log = logging.getLogger("specwire.node")
+
+#: Calls of one connection whose messages are taken side by side (serve -np N's slots).
+SYNC_WORKERS = 16
 
 
 class Abort(Exception):
@@ -212,9 +214,9 @@ class Calls:
         (a session's step is bounded by its own draft length), and only then raises what
         the connection did meanwhile: a session must not be closed while it drafts."""
         if self._pool is None:
-            # a worker per core: sessions draft side by side as on connections of their own
-            self._pool = ThreadPoolExecutor(min(os.cpu_count() or 1, 16),
-                                            thread_name_prefix="sync-draft")
+            # a worker per call: their sessions' tokens share the node's decodes
+            # (node/steps.py), as on connections of their own
+            self._pool = ThreadPoolExecutor(SYNC_WORKERS, thread_name_prefix="sync-draft")
         events = self._events
         for call in ready:
             self._pool.submit(_work, call, self._next(call), events)
