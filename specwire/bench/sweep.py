@@ -280,7 +280,18 @@ def _rounds(rec: dict) -> predict.Rounds:
                           drafted=rec["draft_n"], accepted=rec["draft_n_accepted"],
                           short=rec.get("short_rounds", 0),
                           asked=rec.get("asked_rounds", rec["rounds"]),
-                          rejected=rec.get("rejected_rounds"))
+                          rejected=rec.get("rejected_rounds"), reads=_reads(rec))
+
+
+def _reads(rec: dict) -> tuple[tuple[int, float, int], ...]:
+    """Per request whose drafter was asked: the draft's prompt tokens, the target's prompt
+    seconds, the tokens generated (predict.Rounds.reads)."""
+    out = []
+    for p in rec["prompts"]:
+        st = p["stats"]
+        if st.get("asked_rounds", 0) and st.get("draft_prompt_n") is not None:
+            out.append((int(st["draft_prompt_n"]), p["prompt_ms"] / 1000.0, p["generated"]))
+    return tuple(out)
 
 
 def _prediction(rec: dict, cfg: RunParams, plain_tps: float, calib: dict) -> dict | None:

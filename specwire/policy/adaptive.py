@@ -304,7 +304,7 @@ class AdaptivePolicy:
         st = self.state
         b = st.batch_tokens if batch_tokens is None else batch_tokens
         draft_s = self.draft_cost if k else self._catch_up_s
-        if b == 0:
+        if b == 0 and not (k and self._reads_prompt()):
             return throughput.round_rate(self.acceptance, k, draft_s, self.verify_cost,
                                          self.continuation)
         # Alone, what plain steps make the drafter redo is charged to them; in a batch the
@@ -328,6 +328,13 @@ class AdaptivePolicy:
         paid = lockstep_s(throughput.drafted_tokens(g, peers.paid)) if peers.paid else 0.0
         return throughput.step_rate(self.acceptance, k, lockstep_s, self.verify_cost, g, b,
                                     behind, peers.after, paid)
+
+    def _reads_prompt(self) -> bool:
+        """The request's first draft is still to come, and its drafter must read the
+        prompt first: alone, drafting must pay for that read over what the request may
+        still produce (throughput.request_rate), or this request runs plainly."""
+        st = self.state
+        return not st.begun and not st.warm and self.behind_s() > 0.0
 
     def _catch_up_s(self, _drafted: float) -> float:
         return self.catch_up_cost()
