@@ -435,6 +435,10 @@ class AdaptivePolicy:
             return 0
         if st.batch_tokens and st.idle_s * self.params.probe_budget < self.probe_cost(try_k):
             return 0
+        if not st.batch_tokens and self._reads_prompt() and throughput.round_rate(
+                self.acceptance, try_k, self.draft_cost, self.verify_cost,
+                self.continuation) > rates[0]:
+            return 0    # drafting would pay but for the prompt's read: a probe teaches nothing
         st.idle_rounds, st.idle_s, st.probed = 0, 0.0, True
         st.probing = True
         return try_k
@@ -469,8 +473,10 @@ class AdaptivePolicy:
                     self.draft.observe(drafted, draft_s)
                 elif steady_s is not None:
                     self.draft.observe(drafted, steady_s)
-            if not st.warm and st.skipped and not self.drafter_stops:
-                # the first round after plain steps, or of the request
+            if not st.warm and st.skipped and not self.drafter_stops and (
+                    st.begun or steady_s is not None or self.draft.line.w > 0.0):
+                # the first round after plain steps, or of the request (a prompt's read
+                # once a draft's own time is known: else all of the round would count)
                 steady = self.draft.seconds(drafted) if steady_s is None else steady_s
                 extra = max(0.0, draft_s - steady)
                 (self.draft.catch_up if st.begun else self.draft.prompt).add(st.skipped, extra)
