@@ -5,7 +5,8 @@ predictions share this arithmetic and its priors, so that they give one figure f
 same inputs. A round asked for k tokens drafts g + ... + g^k of them (`drafted_tokens`),
 yields E = 1 + ga + ... + (ga)^k tokens (`expected_tokens`) and costs the drafter's time
 plus its share of the target's decode (`verify_share`); `round_rate` divides one by the
-other, and `sync_rate`, `local_rate` and `pipelined_rate` price the deployment modes.
+other, and `sync_rate`, `local_rate` and `pipelined_rate` price the deployment modes, over a
+request whose draft first reads its prompt where PlanInputs says one (`request_rate`).
 Unmeasured, t_v(n) is the memory-bound prior t_s (1 + VERIFY_SLOPE (n - 1)).
 docs/planner.md defines the symbols (a, g, t_s, t_d, t_v, RTT) and the modes.
 """
