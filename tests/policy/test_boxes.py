@@ -85,7 +85,10 @@ def test_cli_prints_both_sides_and_the_verdict(capsys: pytest.CaptureFixture[str
 def test_cli_takes_the_figures_from_a_bench_run(tmp_path, capsys) -> None:
     results = {"calibration": {"plain_tps_overall": 6.6, "draft_tps": 30.0,
                                "verify_cost": [[1, 1.0], [8, 3.0]]},
-               "records": [{"mode": "plain", "draft_n": 0, "prompts": []},
+               "records": [{"mode": "plain", "draft_n": 0, "prompts": [
+                               {"prompt_tokens": 300, "prompt_ms": 1000.0, "generated": 64}]},
+                           {"mode": "remote-pipelined", "draft_n": 10, "rtt_ms": 2.0,
+                            "draft_n_accepted": 5, "prompts": []},
                            {"mode": "local", "draft_n": 1000, "draft_n_accepted": 750,
                             "prompts": [{"prompt_tokens": 100, "generated": 64},
                                         {"prompt_tokens": 200, "generated": 64}]}]}
@@ -96,6 +99,7 @@ def test_cli_takes_the_figures_from_a_bench_run(tmp_path, capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["inputs"]["target_tps"] == 6.6 and out["inputs"]["acceptance"] == 0.75
     assert out["inputs"]["verify_cost"] == [[1, 1.0], [8, 3.0]]
+    assert out["inputs"]["rtt_s"] == pytest.approx(0.002)
     assert out["boxes"]["acceptance"][0] < 0.75 < out["boxes"]["acceptance"][2]
     assert plan_cmd.run(_args("--bench", str(path), "--acceptance", "0.5", "--json")) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["acceptance"] == 0.5

@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="draft model's decoding speed, tokens/s")
     p.add_argument("--acceptance", metavar="A",
                    help="per-token acceptance, 0..1 or ACCEPTED/DRAFTED (e.g. 810/1093)")
-    p.add_argument("--rtt", default="1ms",
+    p.add_argument("--rtt",
                    help="round trip to the draft node (default 1ms; bare number = ms)")
     p.add_argument("--bandwidth", default="1gbit",
                    help="link bandwidth, e.g. 1gbit, 100mbit, or 'inf' (default 1gbit)")
@@ -157,7 +157,8 @@ def apply_bench(args: argparse.Namespace) -> None:
 def bench_figures(results: dict) -> dict[str, str | None]:
     """A bench run's figures as plan's flags: the plain rate over the set, the calibrated
     draft speed and curve, the acceptance of its local run (else its first drafting one)
-    as counts, a request's mean prompt and reply."""
+    as counts, a request's mean prompt and reply, the target's prompt rate, the round trip
+    of its first remote configuration."""
     records = results["records"]
     cal = results["calibration"]
     drafting = [r for r in records if r["mode"] != "plain" and r.get("draft_n")]
@@ -173,6 +174,13 @@ def bench_figures(results: dict) -> dict[str, str | None]:
         ps = r["prompts"]
         out["prompt_tokens"] = str(round(sum(p["prompt_tokens"] for p in ps) / len(ps)))
         out["reply_tokens"] = str(round(sum(p["generated"] for p in ps) / len(ps)))
+    plain = [p for r in records if r["mode"] == "plain" for p in r["prompts"]]
+    prompt_s = sum(p["prompt_ms"] for p in plain) / 1000.0
+    if prompt_s > 0:
+        out["target_prompt_tps"] = repr(sum(p["prompt_tokens"] for p in plain) / prompt_s)
+    rtts = [r["rtt_ms"] for r in records if r.get("rtt_ms") is not None]
+    if rtts:
+        out["rtt"] = f"{rtts[0]:g}ms"
     return out
 
 
@@ -263,7 +271,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         target_tps=_positive("--target-tps", args.target_tps),
         draft_tps=_positive("--draft-tps", args.draft_tps),
         acceptance=_acceptance(args.acceptance),
-        rtt_s=_parsed("--rtt", parse_duration, args.rtt),
+        rtt_s=_parsed("--rtt", parse_duration, args.rtt or "1ms"),
         bandwidth_bps=_bandwidth(args.bandwidth),
         draft_bytes=_count("--draft-bytes", args.draft_bytes),
         verdict_bytes=_count("--verdict-bytes", args.verdict_bytes),
