@@ -89,7 +89,8 @@ def test_cli_takes_the_figures_from_a_bench_run(tmp_path, capsys) -> None:
                                {"prompt_tokens": 300, "prompt_ms": 1000.0, "generated": 64}]},
                            {"mode": "remote-pipelined", "draft_n": 10, "rtt_ms": 2.0,
                             "draft_n_accepted": 5, "prompts": []},
-                           {"mode": "local", "draft_n": 1000, "draft_n_accepted": 750,
+                           {"mode": "local", "draft_n": 1100, "draft_n_accepted": 750,
+                            "rejected_rounds": 250,
                             "prompts": [{"prompt_tokens": 100, "generated": 64},
                                         {"prompt_tokens": 200, "generated": 64}]}]}
     path = tmp_path / "results.json"

@@ -157,8 +157,8 @@ def apply_bench(args: argparse.Namespace) -> None:
 def bench_figures(results: dict) -> dict[str, str | None]:
     """A bench run's figures as plan's flags: the plain rate over the set, the calibrated
     draft speed and curve, the acceptance of its local run (else its first drafting one)
-    as counts, a request's mean prompt and reply, the target's prompt rate, the round trip
-    of its first remote configuration."""
+    as counts (kept tokens over those judged: predict.Rounds.acceptance), a request's mean
+    prompt and reply, the target's prompt rate, its first remote configuration's RTT."""
     records = results["records"]
     cal = results["calibration"]
     drafting = [r for r in records if r["mode"] != "plain" and r.get("draft_n")]
@@ -170,7 +170,10 @@ def bench_figures(results: dict) -> dict[str, str | None]:
         "acceptance": None, "prompt_tokens": None, "reply_tokens": None}
     if local:
         r = local[0]
-        out["acceptance"] = f"{r['draft_n_accepted']}/{r['draft_n']}"
+        # the geometric a: the tokens judged were the kept ones and one per rejected round
+        judged = (r["draft_n_accepted"] + r["rejected_rounds"] if r.get("rejected_rounds")
+                  is not None else r["draft_n"])
+        out["acceptance"] = f"{r['draft_n_accepted']}/{judged}"
         ps = r["prompts"]
         out["prompt_tokens"] = str(round(sum(p["prompt_tokens"] for p in ps) / len(ps)))
         out["reply_tokens"] = str(round(sum(p["generated"] for p in ps) / len(ps)))
