@@ -45,14 +45,13 @@ class Boxes:
 
     one: Side
     two: Side
-    acceptance: tuple[float, float, float]   # (low, estimate, high)
+    acceptance: tuple[float, float, float]   # one box's (low, estimate, high)
     gain: tuple[float, float, float]         # two / one - 1 at each
 
     def verdict(self) -> str:
         lo, mid, hi = self.gain
-        span = (f" ({_pct(min(lo, hi))} to {_pct(max(lo, hi))} over acceptance "
-                f"{self.acceptance[0]:.3f}-{self.acceptance[2]:.3f})"
-                if self.acceptance[0] != self.acceptance[2] else
+        span = (f" ({_pct(min(self.gain))} to {_pct(max(self.gain))} over the acceptance's "
+                "90% range)" if self.gain[0] != self.gain[2] else
                 " (no range: give the acceptance as ACCEPTED/DRAFTED)")
         if mid > EVEN:
             head = f"a draft node pays, by {_pct(mid)}"
@@ -88,16 +87,18 @@ def two_boxes(p: PlanInputs) -> Side:
     return best
 
 
-def compare(one: PlanInputs, two: PlanInputs, low: float | None = None,
-            high: float | None = None) -> Boxes:
+def compare(one: PlanInputs, two: PlanInputs, one_range: tuple[float, float] | None = None,
+            two_range: tuple[float, float] | None = None) -> Boxes:
     """one: the figures with the draft in the target's process; two: with the draft on its
-    own box (its speed there, the link). low/high: the acceptance's range (None: none)."""
-    a = one.acceptance
-    low, high = (a if low is None else low), (a if high is None else high)
-    sides = [(one_box(replace(one, acceptance=x)), two_boxes(replace(two, acceptance=x)))
-             for x in (low, a, high)]
+    own box (its speed there, its acceptance there, the link). one_range/two_range: the
+    acceptances' ranges (None: none); the ends are taken together, low with low."""
+    lo1, hi1 = one_range or (one.acceptance, one.acceptance)
+    lo2, hi2 = two_range or (two.acceptance, two.acceptance)
+    pairs = ((lo1, lo2), (one.acceptance, two.acceptance), (hi1, hi2))
+    sides = [(one_box(replace(one, acceptance=x)), two_boxes(replace(two, acceptance=y)))
+             for x, y in pairs]
     gains = tuple(t.tokens_per_s / o.tokens_per_s - 1.0 for o, t in sides)
-    return Boxes(sides[1][0], sides[1][1], (low, a, high), gains)
+    return Boxes(sides[1][0], sides[1][1], (lo1, one.acceptance, hi1), gains)
 
 
 def acceptance_range(accepted: int, drafted: int, z: float = Z90) -> tuple[float, float]:

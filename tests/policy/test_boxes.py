@@ -52,12 +52,12 @@ def test_the_range_comes_from_the_counts_and_can_hold_both_answers() -> None:
     assert hi2 - lo2 > 3 * (hi - lo)                     # fewer tokens, wider
     assert boxes.acceptance_range(0, 0) == (0.0, 1.0)
     node = replace(SEED, draft_tps=100.0)
-    sure = boxes.compare(SEED, node, lo, hi)
+    sure = boxes.compare(SEED, node, (lo, hi), (lo, hi))
     assert sure.gain[0] < sure.gain[1] < sure.gain[2]   # more acceptance, more gain
     assert "range holds both" not in sure.verdict()
     # a node a little slower than the box's draft (pipelining makes up for it): the
     # estimate says even, the top of a wide range says it pays
-    unsure = boxes.compare(SEED, replace(SEED, draft_tps=12.0), 0.6, 0.88)
+    unsure = boxes.compare(SEED, replace(SEED, draft_tps=12.0), (0.6, 0.88), (0.6, 0.88))
     assert "even" in unsure.verdict() and "range holds both" in unsure.verdict(), unsure
 
 
@@ -74,7 +74,7 @@ def test_cli_prints_both_sides_and_the_verdict(capsys: pytest.CaptureFixture[str
     assert plan_cmd.run(_args(*argv)) == 0
     text = capsys.readouterr().out
     for words in ("one box    plain", "two boxes  pipelined", "verdict: a draft node pays",
-                  "over acceptance 0.7", "285 prompt + 64 reply"):
+                  "90% range", "285 prompt + 64 reply"):
         assert words in text, text
     assert plan_cmd.run(_args(*argv, "--json")) == 0
     out = json.loads(capsys.readouterr().out)["boxes"]
@@ -102,6 +102,11 @@ def test_cli_takes_the_figures_from_a_bench_run(tmp_path, capsys) -> None:
     assert out["inputs"]["verify_cost"] == [[1, 1.0], [8, 3.0]]
     assert out["inputs"]["rtt_s"] == pytest.approx(0.002)
     assert out["boxes"]["acceptance"][0] < 0.75 < out["boxes"]["acceptance"][2]
+    # the node's own acceptance (a pipelined run's, 5 kept of 10 judged) prices two boxes
+    node = PlanInputs(6.6, 30.0, 0.5, rtt_s=0.002, bandwidth_bps=1e9, verify=MOE,
+                      prompt_tokens=150, reply_tokens=64, target_prompt_tps=300.0)
+    assert out["boxes"]["two_boxes"]["tokens_per_s"] == pytest.approx(
+        boxes.two_boxes(node).tokens_per_s)
     assert plan_cmd.run(_args("--bench", str(path), "--acceptance", "0.5", "--json")) == 0
     assert json.loads(capsys.readouterr().out)["inputs"]["acceptance"] == 0.5
     with pytest.raises(plan_cmd.CliError, match="--bench"):

@@ -63,6 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--node-draft-tps", metavar="TPS",
                    help="the draft's speed on a box of its own (default: --draft-tps, its "
                    "speed beside the target)")
+    b.add_argument("--node-acceptance", metavar="A",
+                   help="the acceptance of the draft node's drafts, as --acceptance (default: "
+                   "--acceptance; a pipelined node never stops a draft early, so its tokens "
+                   "are kept less often than a stopped local draft's)")
     b.add_argument("--prompt-tokens", default="0", metavar="N",
                    help="a request's prompt: the draft reads it before its first draft "
                    "(default 0: a steady run)")
@@ -118,9 +122,15 @@ def boxes_from_args(args: argparse.Namespace, p: PlanInputs) -> boxes.Boxes:
     it was given as counts."""
     node = p if args.node_draft_tps is None else replace(
         p, draft_tps=_positive("--node-draft-tps", args.node_draft_tps))
-    counts = _acceptance_counts(args.acceptance)
-    lo, hi = boxes.acceptance_range(*counts) if counts else (None, None)
-    return boxes.compare(p, node, lo, hi)
+    node_a = args.acceptance if args.node_acceptance is None else args.node_acceptance
+    node = replace(node, acceptance=_acceptance(node_a, "--node-acceptance"))
+    return boxes.compare(p, node, _range(args.acceptance), _range(node_a))
+
+
+def _range(text: str) -> tuple[float, float] | None:
+    """The acceptance's 90% range where it was given as counts."""
+    counts = _acceptance_counts(text)
+    return boxes.acceptance_range(*counts) if counts else None
 
 
 def render_boxes(b: boxes.Boxes, p: PlanInputs, args: argparse.Namespace) -> str:
@@ -157,8 +167,8 @@ def apply_bench(args: argparse.Namespace) -> None:
 def bench_figures(results: dict) -> dict[str, str | None]:
     """A bench run's figures as plan's flags: the plain rate over the set, the calibrated
     draft speed and curve, the acceptance of its local run (else its first drafting one)
-    as counts (kept tokens over those judged: predict.Rounds.acceptance), a request's mean
-    prompt and reply, the target's prompt rate, its first remote configuration's RTT."""
+    and of its remote one as counts (`_judged`), a request's mean prompt and reply, the
+    target's prompt rate, its first remote configuration's RTT."""
     records = results["records"]
     cal = results["calibration"]
     drafting = [r for r in records if r["mode"] != "plain" and r.get("draft_n")]
@@ -168,12 +178,13 @@ def bench_figures(results: dict) -> dict[str, str | None]:
         "draft_tps": repr(cal["draft_tps"]) if cal.get("draft_tps") else None,
         "verify_cost": ",".join(f"{n}:{c:g}" for n, c in cal["verify_cost"] or []) or None,
         "acceptance": None, "prompt_tokens": None, "reply_tokens": None}
+    remote = [r for m in ("remote-pipelined", "remote-sync") for r in drafting
+              if r["mode"] == m]
+    if remote:
+        out["node_acceptance"] = _judged(remote[0])
     if local:
         r = local[0]
-        # the geometric a: the tokens judged were the kept ones and one per rejected round
-        judged = (r["draft_n_accepted"] + r["rejected_rounds"] if r.get("rejected_rounds")
-                  is not None else r["draft_n"])
-        out["acceptance"] = f"{r['draft_n_accepted']}/{judged}"
+        out["acceptance"] = _judged(r)
         ps = r["prompts"]
         out["prompt_tokens"] = str(round(sum(p["prompt_tokens"] for p in ps) / len(ps)))
         out["reply_tokens"] = str(round(sum(p["generated"] for p in ps) / len(ps)))
@@ -287,6 +298,14 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     )
 
 
+def _judged(record: dict) -> str:
+    """A bench record's geometric acceptance as counts: the tokens judged were the kept
+    ones and one per rejected round (all drafted, where those were not counted)."""
+    kept = record["draft_n_accepted"]
+    rejected = record.get("rejected_rounds")
+    return f"{kept}/{kept + rejected if rejected is not None else record['draft_n']}"
+
+
 def _optional(flag: str, text: str | None) -> float:
     """A positive rate, or 0 where the flag was not given."""
     return 0.0 if text is None else _positive(flag, text)
@@ -323,15 +342,15 @@ def _count(flag: str, text: str) -> int:
     return n
 
 
-def _acceptance(text: str) -> float:
+def _acceptance(text: str, flag: str = "--acceptance") -> float:
     """'0.74' or '810/1093' (llama-server's draft_n_accepted / draft_n)."""
     num, sep, den = text.partition("/")
     try:
         a = float(num) / float(den) if sep else float(text)
     except (ValueError, ZeroDivisionError):
-        raise CliError(f"--acceptance: expected 0..1 or ACCEPTED/DRAFTED, got {text!r}") from None
+        raise CliError(f"{flag}: expected 0..1 or ACCEPTED/DRAFTED, got {text!r}") from None
     if not 0.0 <= a <= 1.0:
-        raise CliError(f"--acceptance: must be in [0, 1], got {text!r}")
+        raise CliError(f"{flag}: must be in [0, 1], got {text!r}")
     return a
 
 
