@@ -103,7 +103,7 @@ def test_cli_takes_the_figures_from_a_bench_run(tmp_path, capsys) -> None:
     assert out["inputs"]["rtt_s"] == pytest.approx(0.002)
     assert out["boxes"]["acceptance"][0] < 0.75 < out["boxes"]["acceptance"][2]
     # the node's own acceptance (a pipelined run's, 5 kept of 10 judged) prices two boxes
-    node = PlanInputs(6.6, 30.0, 0.5, rtt_s=0.002, bandwidth_bps=1e9, verify=MOE,
+    node = PlanInputs(6.6, 100.0, 0.5, rtt_s=0.002, bandwidth_bps=1e9, verify=MOE,
                       prompt_tokens=150, reply_tokens=64, target_prompt_tps=300.0)
     assert out["boxes"]["two_boxes"]["tokens_per_s"] == pytest.approx(
         boxes.two_boxes(node).tokens_per_s)
