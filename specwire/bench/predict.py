@@ -56,8 +56,10 @@ class Rounds:
     asked: int | None = None  # rounds that asked the drafter at all (None: every round)
     rejected: int | None = None  # drafting rounds that had a token refused (None: unknown)
     #: per request whose draft model was asked: (prompt tokens it read, seconds the
-    #: target read its own prompt, tokens generated); empty: not known (older results)
-    reads: tuple[tuple[int, float, int], ...] = ()
+    #: target read its own prompt, tokens generated, rounds it was not asked in); empty:
+    #: not known (older results)
+    reads: tuple[tuple[int, float, int, int], ...] = ()
+    generated: int = 0  # tokens generated in all (0: the reads' sum)
 
     @property
     def stop_evals(self) -> float:
@@ -171,7 +173,7 @@ def predict(cfg: RunParams, plain_tps: float, draft_tps: float | None, rounds: R
             r = mixed_rate(r, expected_tokens(a, k), rounds.share, empty_s)
         rate += weight * r
     if cfg.mode in MODEL_MODES and inputs is not None and rounds.reads:
-        tokens = sum(n for _, _, n in rounds.reads)
+        tokens = rounds.generated or sum(r[2] for r in rounds.reads)
         rate = tokens / (tokens / rate + _extra_s(inputs, plan_mode, rounds, rate))
     return _result(plan_mode, rounds.k, rounds.share, rate, plain_tps, measured_tps, inputs)
 
@@ -180,17 +182,17 @@ def _extra_s(p: PlanInputs, plan_mode: str, rounds: Rounds, rate: float) -> floa
     """What a draft model adds to a steady run of rounds: each request's prompt read
     before its first draft (throughput.late_s: a node reads while the target reads its
     own; a pipelined target decodes plainly meanwhile) and, where the target waits for
-    its drafts, the catch-up with every plain step it was not asked in."""
+    its drafts, the catch-up with every plain step it was not asked in (in a request that
+    asked it at all: one that never did read nothing)."""
     remote = plan_mode != "local"
     extra = 0.0
-    for prompt, prefill_s, n in rounds.reads:
+    for prompt, prefill_s, n, plain in rounds.reads:
         q = replace(p, prompt_tokens=prompt, reply_tokens=n,
                     target_prompt_tps=prompt / prefill_s if prefill_s > 0 else 0.0)
         extra += late_s(q.prompt_lag_s(remote), n, rate, p.target_tps,
                         races=plan_mode == "pipelined")
-    if plan_mode != "pipelined":
-        asked = rounds.rounds if rounds.asked is None else rounds.asked
-        extra += max(0, rounds.rounds - asked) * p.catch_up_s(1)
+        if plan_mode != "pipelined":
+            extra += plain * p.catch_up_s(1)
     return extra
 
 

@@ -280,17 +280,19 @@ def _rounds(rec: dict) -> predict.Rounds:
                           drafted=rec["draft_n"], accepted=rec["draft_n_accepted"],
                           short=rec.get("short_rounds", 0),
                           asked=rec.get("asked_rounds", rec["rounds"]),
-                          rejected=rec.get("rejected_rounds"), reads=_reads(rec))
+                          rejected=rec.get("rejected_rounds"), reads=_reads(rec),
+                          generated=rec["tokens_generated"])
 
 
-def _reads(rec: dict) -> tuple[tuple[int, float, int], ...]:
+def _reads(rec: dict) -> tuple[tuple[int, float, int, int], ...]:
     """Per request whose drafter was asked: the draft's prompt tokens, the target's prompt
-    seconds, the tokens generated (predict.Rounds.reads)."""
+    seconds, the tokens generated, the rounds that did not ask it (predict.Rounds.reads)."""
     out = []
     for p in rec["prompts"]:
         st = p["stats"]
         if st.get("asked_rounds", 0) and st.get("draft_prompt_n") is not None:
-            out.append((int(st["draft_prompt_n"]), p["prompt_ms"] / 1000.0, p["generated"]))
+            out.append((int(st["draft_prompt_n"]), p["prompt_ms"] / 1000.0, p["generated"],
+                        st.get("rounds", 0) - st["asked_rounds"]))
     return tuple(out)
 
 
