@@ -121,7 +121,8 @@ def fit_acceptance(kept: float, k: int) -> float:
 
 
 def predict(cfg: RunParams, plain_tps: float, draft_tps: float | None, rounds: Rounds,
-            verify: VerifyCurve | None, measured_tps: float) -> dict | None:
+            verify: VerifyCurve | None, measured_tps: float,
+            draft_prompt_tps: float = 0.0) -> dict | None:
     """plan's tokens/s for cfg and its error against the measured rate (None if unknown).
 
     The plan gets k = the mean tokens per drafting round (rounded), a = the acceptance at
@@ -130,7 +131,8 @@ def predict(cfg: RunParams, plain_tps: float, draft_tps: float | None, rounds: R
     rate = (f E + (1 - f)) / (f E / rate_k + (1 - f) e). Pipelined drafting models its
     draftless rounds itself (the race after a miss), so f is not applied there. A draft
     model also reads each request's prompt before its first draft and catches up after
-    each plain step it was not asked in (`_extra_s`). Modes map to plan's: local and ngram
+    each plain step it was not asked in (`_extra_s`), at draft_prompt_tps (0: along the
+    verification curve, PlanInputs.draft_read_s). Modes map to plan's: local and ngram
     (its lookup time as draft speed) to `local`, remote-sync and llama-server to
     `synchronous`, remote- and local-pipelined to `pipelined`."""
     if not plain_tps > 0.0 or not measured_tps > 0.0:
@@ -158,7 +160,7 @@ def predict(cfg: RunParams, plain_tps: float, draft_tps: float | None, rounds: R
         inputs = PlanInputs(
             target_tps=plain_tps, draft_tps=min(draft_tps, _FREE_DRAFT_TPS), acceptance=a,
             rtt_s=cfg.rtt_s or 0.0, bandwidth_bps=cfg.bandwidth_bps or math.inf, verify=verify,
-            draft_max=max(k, 1),
+            draft_max=max(k, 1), draft_prompt_tps=draft_prompt_tps,
             stop_evals=rounds.stop_evals if cfg.mode in MODEL_MODES else 0.0)
         r = fn(inputs, k)
         if plan_mode != "pipelined":

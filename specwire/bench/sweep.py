@@ -204,7 +204,9 @@ def _calibrate(cfgs: list[RunParams], target: Any, drafters: Drafters, work: Wor
     out["verify"] = calibrate.verify_curve(target, prompt)
     out["verify_cost"] = [list(p) for p in out["verify"].points]
     if any(c.mode in MODEL_MODES for c in cfgs):
-        out["draft_tps"] = calibrate.draft_tps(drafters.draft_backend(), prompt)
+        backend = drafters.draft_backend()
+        out["draft_tps"] = calibrate.draft_tps(backend, prompt)
+        out["draft_prompt_tps"] = calibrate.draft_prompt_tps(backend, prompt, out["draft_tps"])
     return out
 
 
@@ -267,6 +269,7 @@ def _results(bench: BenchSettings, s: SweepSettings, cfgs: list[RunParams],
                                "verify": draft.mode.value, "top_k_q": draft.top_k_q},
                      "lossless_expected": lossless},
         "calibration": {"draft_tps": calib["draft_tps"], "verify_cost": calib["verify_cost"],
+                        "draft_prompt_tps": calib.get("draft_prompt_tps"),
                         "plain_tps_overall": plain_tps},
         "elapsed_s": elapsed_s,
         "records": records,
@@ -304,7 +307,8 @@ def _prediction(rec: dict, cfg: RunParams, plain_tps: float, calib: dict) -> dic
     else:
         # n-gram lookups, or a llama-server's drafting: the engine's wait less the link
         draft_tps = predict.measured_draft_tps(rec["time"]["ms"]["draft"], rec["draft_n"])
-    return predict.predict(cfg, plain_tps, draft_tps, rounds, calib.get("verify"), measured)
+    return predict.predict(cfg, plain_tps, draft_tps, rounds, calib.get("verify"), measured,
+                           calib.get("draft_prompt_tps") or 0.0)
 
 
 #: Flags whose values must not land in a results file that gets shared.

@@ -11,6 +11,7 @@ within 5% of what B measured. Without the draft's prompt read the model misses i
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -49,6 +50,7 @@ def _run(monkeypatch, prompts: list[Prompt], tokens: list[list[int]], mode: str)
     runs = run_config(engine, work, cfg)
     calib = {"verify": calibrate.verify_curve(target, tokens[0]),
              "draft_tps": calibrate.draft_tps(draft, tokens[0])}
+    calib["draft_prompt_tps"] = calibrate.draft_prompt_tps(draft, tokens[0], calib["draft_tps"])
     return cfg, runs, calib
 
 
@@ -79,3 +81,25 @@ def test_held_out_both_ways(monkeypatch, fit_len: int, held_len: int) -> None:
     fit, held = _set("fit", 3, 3, fit_len), _set("held", 4, 3, held_len)
     got = _predict(monkeypatch, fit, held)
     assert abs(got["error_pct"]) < 5.0, got
+
+
+def test_a_read_that_does_not_pay_runs_requests_plainly_and_is_predicted(monkeypatch) -> None:
+    """A draft that reads its prompt slowly (15 ms a token, not on the target's curve):
+    once the policy has paid one read, it runs the other long-prompt requests plainly, and
+    the prediction counts the read and catch-ups of the one request that drafted only."""
+    monkeypatch.setattr(sys.modules[__name__], "DRAFT_COST", (0.02, 0.015))
+    got = _predict(monkeypatch, _set("short", 1, 3, 12), _set("long", 2, 4, 200))
+    assert 0.0 < got["drafting_share"] < 0.3, got    # some requests drafted, most did not
+    assert abs(got["error_pct"]) < 5.0, got
+
+
+def test_the_drafts_prompt_rate_is_what_reading_costs_beyond_one_token(monkeypatch) -> None:
+    """A decode of n tokens costs c0 + c1 n: one token's c0 + c1, the others c1 each."""
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
+    draft = FakeBackend(DRAFT, clock=clock, cost=DRAFT_COST)
+    prompt = _set("p", 0, 1, 100)[1][0]
+    assert calibrate.draft_tps(draft, prompt) == pytest.approx(1 / sum(DRAFT_COST))
+    got = calibrate.draft_prompt_tps(draft, prompt, 1 / sum(DRAFT_COST))
+    assert got == pytest.approx(1 / DRAFT_COST[1])
+    assert calibrate.draft_prompt_tps(draft, prompt[:1], 10.0) is None

@@ -176,6 +176,8 @@ def bench_figures(results: dict) -> dict[str, str | None]:
     out: dict[str, str | None] = {
         "target_tps": repr(cal["plain_tps_overall"]),
         "draft_tps": repr(cal["draft_tps"]) if cal.get("draft_tps") else None,
+        "draft_prompt_tps": (repr(cal["draft_prompt_tps"]) if cal.get("draft_prompt_tps")
+                             else None),
         "verify_cost": ",".join(f"{n}:{c:g}" for n, c in cal["verify_cost"] or []) or None,
         "acceptance": None, "prompt_tokens": None, "reply_tokens": None}
     remote = [r for m in ("remote-pipelined", "remote-sync") for r in drafting
