@@ -369,3 +369,15 @@ def test_alone_a_prompt_read_that_the_request_cannot_repay_keeps_it_plain() -> N
     once = learnt()
     once.state.begun = True              # the read is paid: drafting pays again
     assert once.choose(16) > 0
+    # it does not probe while only the read stands in the way (a probe would pay it and
+    # learn nothing), and does where the acceptance itself looks too low to pay
+    for a, probes in ((0.9, False), (0.05, True)):
+        p = learnt()
+        p.state.accepted, p.state.rejected = 1000.0 * a, 1000.0 * (1 - a)
+        ks = []
+        for _ in range(200):
+            ks.append(p.choose(16))
+            p.observe(ks[-1], 0, 0.0 if not ks[-1] else 3.0, 0.1)
+            if ks[-1]:
+                break
+        assert any(ks) is probes, (a, ks)
