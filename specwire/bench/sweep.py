@@ -302,10 +302,11 @@ def _reads(rec: dict) -> tuple[tuple[int, float, int, int], ...]:
 def _prediction(rec: dict, cfg: RunParams, plain_tps: float, calib: dict) -> dict | None:
     measured = report.overall_rate(rec) or 0.0
     rounds = _rounds(rec)
-    if cfg.mode in MODEL_MODES:
+    if cfg.mode in MODEL_MODES and cfg.mode != "hybrid":
         draft_tps = calib["draft_tps"]
     else:
-        # n-gram lookups, or a llama-server's drafting: the engine's wait less the link
+        # n-gram lookups, a hybrid's (mostly lookups, its model now and then), or a
+        # llama-server's drafting: the engine's wait less the link
         draft_tps = predict.measured_draft_tps(rec["time"]["ms"]["draft"], rec["draft_n"])
     return predict.predict(cfg, plain_tps, draft_tps, rounds, calib.get("verify"), measured,
                            calib.get("draft_prompt_tps") or 0.0)
