@@ -435,9 +435,9 @@ class AdaptivePolicy:
             return 0
         if st.batch_tokens and st.idle_s * self.params.probe_budget < self.probe_cost(try_k):
             return 0
-        if not st.batch_tokens and self._reads_prompt() and throughput.round_rate(
-                self.acceptance, try_k, self.draft_cost, self.verify_cost,
-                self.continuation) > rates[0]:
+        if not st.batch_tokens and self._reads_prompt() and rates[try_k] < rates[0] < \
+                throughput.round_rate(self.acceptance, try_k, self.draft_cost,
+                                      self.verify_cost, self.continuation):
             return 0    # drafting would pay but for the prompt's read: a probe teaches nothing
         st.idle_rounds, st.idle_s, st.probed = 0, 0.0, True
         st.probing = True
