@@ -25,6 +25,9 @@ from specwire.settings import MeasureSettings
 
 VERIFY_SIZES = (1, 2, 4, 8, 16)
 DRAFT_TOKENS = 32
+#: A prompt read: the first tokens of a prompt, read this many times from an empty cache.
+PROMPT_TOKENS = 64
+PROMPT_REPS = 3
 VERIFY_REPS = 7
 
 
@@ -42,6 +45,26 @@ def draft_tps(backend: Any, prompt: Sequence[int], n: int = DRAFT_TOKENS) -> flo
     elapsed = time.perf_counter() - t0
     backend.truncate(0)
     return n / elapsed
+
+
+def draft_prompt_tps(backend: Any, prompt: Sequence[int], draft_tps_: float,
+                     n: int = PROMPT_TOKENS, reps: int = PROMPT_REPS) -> float | None:
+    """The draft's prompt reading rate as PlanInputs.draft_prompt_tps wants it: reading n
+    tokens at once costs one token's 1 / draft_tps_ and the other n - 1 at this rate
+    (median of reps reads of the prompt's first n tokens from an empty cache; None for a
+    prompt of one token)."""
+    toks = list(prompt[:n])
+    if len(toks) < 2:
+        return None
+    times = []
+    for _ in range(reps):
+        backend.truncate(0)
+        t0 = time.perf_counter()
+        backend.eval(toks, logits="last")
+        times.append(time.perf_counter() - t0)
+    backend.truncate(0)
+    extra = statistics.median(times) - 1.0 / draft_tps_
+    return (len(toks) - 1) / extra if extra > 0 else None
 
 
 def verify_curve(backend: Any, prompt: Sequence[int], sizes: Sequence[int] = VERIFY_SIZES,

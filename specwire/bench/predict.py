@@ -11,7 +11,7 @@ early or find no match; `predict` says how.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specwire.bench.modes import MODEL_MODES
 from specwire.bench.runner import RunParams
@@ -21,6 +21,7 @@ from specwire.policy.throughput import (
     RateFn,
     VerifyCurve,
     expected_tokens,
+    late_s,
     local_rate,
     pipelined_rate,
     sync_rate,
@@ -54,6 +55,11 @@ class Rounds:
     short: int = 0  # drafting rounds whose draft came back shorter than asked
     asked: int | None = None  # rounds that asked the drafter at all (None: every round)
     rejected: int | None = None  # drafting rounds that had a token refused (None: unknown)
+    #: per request whose draft model was asked: (prompt tokens it read, seconds the
+    #: target read its own prompt, tokens generated, rounds it was not asked in); empty:
+    #: not known (older results)
+    reads: tuple[tuple[int, float, int, int], ...] = ()
+    generated: int = 0  # tokens generated in all (0: the reads' sum)
 
     @property
     def stop_evals(self) -> float:
@@ -115,16 +121,20 @@ def fit_acceptance(kept: float, k: int) -> float:
 
 
 def predict(cfg: RunParams, plain_tps: float, draft_tps: float | None, rounds: Rounds,
-            verify: VerifyCurve | None, measured_tps: float) -> dict | None:
+            verify: VerifyCurve | None, measured_tps: float,
+            draft_prompt_tps: float = 0.0) -> dict | None:
     """plan's tokens/s for cfg and its error against the measured rate (None if unknown).
 
     The plan gets k = the mean tokens per drafting round (rounded), a = the acceptance at
     which a k-token round keeps the tokens measured, and the share f of rounds that had a
     draft; the others were plain steps that still paid for asking, e = t_s + t_d (+ RTT):
     rate = (f E + (1 - f)) / (f E / rate_k + (1 - f) e). Pipelined drafting models its
-    draftless rounds itself (the race after a miss), so f is not applied there. Modes map
-    to plan's: local and ngram (its lookup time as draft speed) to `local`, remote-sync and
-    llama-server to `synchronous`, remote- and local-pipelined to `pipelined`."""
+    draftless rounds itself (the race after a miss), so f is not applied there. A draft
+    model also reads each request's prompt before its first draft and catches up after
+    each plain step it was not asked in (`_extra_s`), at draft_prompt_tps (0: along the
+    verification curve, PlanInputs.draft_read_s). Modes map to plan's: local and ngram
+    (its lookup time as draft speed) to `local`, remote-sync and llama-server to
+    `synchronous`, remote- and local-pipelined to `pipelined`."""
     if not plain_tps > 0.0 or not measured_tps > 0.0:
         return None
     if not cfg.drafting:
@@ -150,7 +160,7 @@ def predict(cfg: RunParams, plain_tps: float, draft_tps: float | None, rounds: R
         inputs = PlanInputs(
             target_tps=plain_tps, draft_tps=min(draft_tps, _FREE_DRAFT_TPS), acceptance=a,
             rtt_s=cfg.rtt_s or 0.0, bandwidth_bps=cfg.bandwidth_bps or math.inf, verify=verify,
-            draft_max=max(k, 1),
+            draft_max=max(k, 1), draft_prompt_tps=draft_prompt_tps,
             stop_evals=rounds.stop_evals if cfg.mode in MODEL_MODES else 0.0)
         r = fn(inputs, k)
         if plan_mode != "pipelined":
@@ -164,7 +174,28 @@ def predict(cfg: RunParams, plain_tps: float, draft_tps: float | None, rounds: R
                 if empty > 0 else inputs.t_s
             r = mixed_rate(r, expected_tokens(a, k), rounds.share, empty_s)
         rate += weight * r
+    if cfg.mode in MODEL_MODES and inputs is not None and rounds.reads:
+        tokens = rounds.generated or sum(r[2] for r in rounds.reads)
+        rate = tokens / (tokens / rate + _extra_s(inputs, plan_mode, rounds, rate))
     return _result(plan_mode, rounds.k, rounds.share, rate, plain_tps, measured_tps, inputs)
+
+
+def _extra_s(p: PlanInputs, plan_mode: str, rounds: Rounds, rate: float) -> float:
+    """What a draft model adds to a steady run of rounds: each request's prompt read
+    before its first draft (throughput.late_s: a node reads while the target reads its
+    own; a pipelined target decodes plainly meanwhile) and, where the target waits for
+    its drafts, the catch-up with every plain step it was not asked in (in a request that
+    asked it at all: one that never did read nothing)."""
+    remote = plan_mode != "local"
+    extra = 0.0
+    for prompt, prefill_s, n, plain in rounds.reads:
+        q = replace(p, prompt_tokens=prompt, reply_tokens=n,
+                    target_prompt_tps=prompt / prefill_s if prefill_s > 0 else 0.0)
+        extra += late_s(q.prompt_lag_s(remote), n, rate, p.target_tps,
+                        races=plan_mode == "pipelined")
+        if plan_mode != "pipelined":
+            extra += plain * p.catch_up_s(1)
+    return extra
 
 
 def bound(cfg: RunParams, plain_tps: float, rounds: Rounds, verify: VerifyCurve | None,

@@ -229,7 +229,9 @@ def _calibrate(cfgs: list[RunParams], target: Any, drafters: Drafters, work: Wor
     out["verify"] = calibrate.verify_curve(target, prompt)
     out["verify_cost"] = [list(p) for p in out["verify"].points]
     if any(c.mode in MODEL_MODES for c in cfgs):
-        out["draft_tps"] = calibrate.draft_tps(drafters.draft_backend(), prompt)
+        backend = drafters.draft_backend()
+        out["draft_tps"] = calibrate.draft_tps(backend, prompt)
+        out["draft_prompt_tps"] = calibrate.draft_prompt_tps(backend, prompt, out["draft_tps"])
     return out
 
 
@@ -292,6 +294,7 @@ def _results(bench: BenchSettings, s: SweepSettings, cfgs: list[RunParams],
                                "verify": draft.mode.value, "top_k_q": draft.top_k_q},
                      "lossless_expected": lossless},
         "calibration": {"draft_tps": calib["draft_tps"], "verify_cost": calib["verify_cost"],
+                        "draft_prompt_tps": calib.get("draft_prompt_tps"),
                         "plain_tps_overall": plain_tps},
         "elapsed_s": elapsed_s,
         "records": records,
@@ -305,18 +308,33 @@ def _rounds(rec: dict) -> predict.Rounds:
                           drafted=rec["draft_n"], accepted=rec["draft_n_accepted"],
                           short=rec.get("short_rounds", 0),
                           asked=rec.get("asked_rounds", rec["rounds"]),
-                          rejected=rec.get("rejected_rounds"))
+                          rejected=rec.get("rejected_rounds"), reads=_reads(rec),
+                          generated=rec["tokens_generated"])
+
+
+def _reads(rec: dict) -> tuple[tuple[int, float, int, int], ...]:
+    """Per request whose drafter was asked: the draft's prompt tokens, the target's prompt
+    seconds, the tokens generated, the rounds that did not ask it (predict.Rounds.reads)."""
+    out = []
+    for p in rec["prompts"]:
+        st = p["stats"]
+        if st.get("asked_rounds", 0) and st.get("draft_prompt_n") is not None:
+            out.append((int(st["draft_prompt_n"]), p["prompt_ms"] / 1000.0, p["generated"],
+                        st.get("rounds", 0) - st["asked_rounds"]))
+    return tuple(out)
 
 
 def _prediction(rec: dict, cfg: RunParams, plain_tps: float, calib: dict) -> dict | None:
     measured = report.overall_rate(rec) or 0.0
     rounds = _rounds(rec)
-    if cfg.mode in MODEL_MODES:
+    if cfg.mode in MODEL_MODES and cfg.mode != "hybrid":
         draft_tps = calib["draft_tps"]
     else:
-        # n-gram lookups, or a llama-server's drafting: the engine's wait less the link
+        # n-gram lookups, a hybrid's (mostly lookups, its model now and then), or a
+        # llama-server's drafting: the engine's wait less the link
         draft_tps = predict.measured_draft_tps(rec["time"]["ms"]["draft"], rec["draft_n"])
-    return predict.predict(cfg, plain_tps, draft_tps, rounds, calib.get("verify"), measured)
+    return predict.predict(cfg, plain_tps, draft_tps, rounds, calib.get("verify"), measured,
+                           calib.get("draft_prompt_tps") or 0.0)
 
 
 #: Flags whose values must not land in a results file that gets shared.

@@ -304,7 +304,7 @@ class AdaptivePolicy:
         st = self.state
         b = st.batch_tokens if batch_tokens is None else batch_tokens
         draft_s = self.draft_cost if k else self._catch_up_s
-        if b == 0:
+        if b == 0 and not (k and self._reads_prompt()):
             return throughput.round_rate(self.acceptance, k, draft_s, self.verify_cost,
                                          self.continuation)
         # Alone, what plain steps make the drafter redo is charged to them; in a batch the
@@ -328,6 +328,13 @@ class AdaptivePolicy:
         paid = lockstep_s(throughput.drafted_tokens(g, peers.paid)) if peers.paid else 0.0
         return throughput.step_rate(self.acceptance, k, lockstep_s, self.verify_cost, g, b,
                                     behind, peers.after, paid)
+
+    def _reads_prompt(self) -> bool:
+        """The request's first draft is still to come, and its drafter must read the
+        prompt first: alone, drafting must pay for that read over what the request may
+        still produce (throughput.request_rate), or this request runs plainly."""
+        st = self.state
+        return not st.begun and not st.warm and self.behind_s() > 0.0
 
     def _catch_up_s(self, _drafted: float) -> float:
         return self.catch_up_cost()
@@ -428,6 +435,10 @@ class AdaptivePolicy:
             return 0
         if st.batch_tokens and st.idle_s * self.params.probe_budget < self.probe_cost(try_k):
             return 0
+        if not st.batch_tokens and self._reads_prompt() and rates[try_k] < rates[0] < \
+                throughput.round_rate(self.acceptance, try_k, self.draft_cost,
+                                      self.verify_cost, self.continuation):
+            return 0    # drafting would pay but for the prompt's read: a probe teaches nothing
         st.idle_rounds, st.idle_s, st.probed = 0, 0.0, True
         st.probing = True
         return try_k
@@ -462,8 +473,10 @@ class AdaptivePolicy:
                     self.draft.observe(drafted, draft_s)
                 elif steady_s is not None:
                     self.draft.observe(drafted, steady_s)
-            if not st.warm and st.skipped and not self.drafter_stops:
-                # the first round after plain steps, or of the request
+            if not st.warm and st.skipped and not self.drafter_stops and (
+                    st.begun or steady_s is not None or self.draft.line.w > 0.0):
+                # the first round after plain steps, or of the request (a prompt's read
+                # once a draft's own time is known: else all of the round would count)
                 steady = self.draft.seconds(drafted) if steady_s is None else steady_s
                 extra = max(0.0, draft_s - steady)
                 (self.draft.catch_up if st.begun else self.draft.prompt).add(st.skipped, extra)

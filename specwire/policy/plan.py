@@ -190,6 +190,9 @@ class Plan:
                 "draft_bytes": p.draft_bytes, "verdict_bytes": p.verdict_bytes,
                 "verify_cost": [list(pt) for pt in p.verify.points],
                 "verify_cost_assumed": p.verify.assumed, "draft_max": p.draft_max,
+                "prompt_tokens": p.prompt_tokens, "reply_tokens": p.reply_tokens,
+                "draft_prompt_tps": p.draft_prompt_tps or None,
+                "target_prompt_tps": p.target_prompt_tps or None,
             },
             "modes": {name: {"k": m.k, "tokens_per_s": m.tokens_per_s, "speedup": m.speedup}
                       for name, m in self.modes.items()},

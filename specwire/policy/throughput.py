@@ -5,7 +5,8 @@ predictions share this arithmetic and its priors, so that they give one figure f
 same inputs. A round asked for k tokens drafts g + ... + g^k of them (`drafted_tokens`),
 yields E = 1 + ga + ... + (ga)^k tokens (`expected_tokens`) and costs the drafter's time
 plus its share of the target's decode (`verify_share`); `round_rate` divides one by the
-other, and `sync_rate`, `local_rate` and `pipelined_rate` price the deployment modes.
+other, and `sync_rate`, `local_rate` and `pipelined_rate` price the deployment modes, over a
+request whose draft first reads its prompt where PlanInputs says one (`request_rate`).
 Unmeasured, t_v(n) is the memory-bound prior t_s (1 + VERIFY_SLOPE (n - 1)).
 docs/planner.md defines the symbols (a, g, t_s, t_d, t_v, RTT) and the modes.
 """
@@ -298,6 +299,16 @@ class PlanInputs:
     #: draft evaluations per round beyond its k tokens (bench: the share of rounds
     #: a draft model ended at --draft-p-min, having evaluated the declined position)
     stop_evals: float = 0.0
+    #: a request: the prompt tokens its draft reads before the first draft, and the
+    #: tokens it generates, over which that read is spread (0: a steady run, read free)
+    prompt_tokens: int = 0
+    reply_tokens: int = 0
+    #: the draft's prompt-reading rate; 0: a batch costs t_d on the target's curve shape
+    #: (a draft of the same family), t_d t_v(n) / t_s
+    draft_prompt_tps: float = 0.0
+    #: the target's prompt rate: a draft node reads its prompt while the target does
+    #: (0: unknown, no overlap counted)
+    target_prompt_tps: float = 0.0
 
     def __post_init__(self) -> None:
         _need(0.0 < self.target_tps < math.inf, "target_tps", "must be > 0")
@@ -308,6 +319,9 @@ class PlanInputs:
         _need(self.draft_bytes >= 0 and self.verdict_bytes >= 0, "bytes", "must be >= 0")
         _need(1 <= self.draft_max <= 256, "draft_max", "must be in [1, 256]")
         _need(0.0 <= self.stop_evals <= 1.0, "stop_evals", "must be in [0, 1]")
+        _need(self.prompt_tokens >= 0 and self.reply_tokens >= 0, "tokens", "must be >= 0")
+        _need(0.0 <= self.draft_prompt_tps < math.inf, "draft_prompt_tps", "must be >= 0")
+        _need(0.0 <= self.target_prompt_tps < math.inf, "target_prompt_tps", "must be >= 0")
 
     @property
     def t_s(self) -> float:
@@ -333,6 +347,28 @@ class PlanInputs:
     def draft_cost(self) -> float:
         """TK-SLT's L: one draft token, computed and sent, in target steps."""
         return (self.t_d + 8.0 * self.draft_bytes / self.bandwidth_bps) / self.t_s
+
+    def draft_read_s(self, n: float) -> float:
+        """Seconds the draft takes to evaluate n tokens in one decode (a prompt, or a
+        catch-up): one token's t_d, the rest at the prompt rate or along the curve."""
+        if n <= 0:
+            return 0.0
+        if self.draft_prompt_tps > 0.0:
+            return self.t_d + (n - 1) / self.draft_prompt_tps
+        return self.t_d * self.verify.cost(n) / self.verify.cost(1)
+
+    def catch_up_s(self, n: float) -> float:
+        """What n tokens the draft missed (plain steps) add to its next decode."""
+        return self.draft_read_s(n + 1) - self.draft_read_s(1) if n > 0 else 0.0
+
+    def prompt_lag_s(self, remote: bool) -> float:
+        """How late a request's first draft comes: the draft reads the prompt first. In
+        this process that adds to decoding; a draft node reads it while the target reads
+        its own (the Open goes out first), so only the excess is late."""
+        read = self.draft_read_s(self.prompt_tokens)
+        if remote and self.target_prompt_tps > 0.0:
+            read -= self.prompt_tokens / self.target_prompt_tps
+        return max(0.0, read)
 
     def local(self) -> PlanInputs:
         """The same figures with the drafter in-process: no round trip, no link."""
@@ -363,16 +399,41 @@ def sync_round_s(p: PlanInputs, k: int) -> float:
     return p.sync_draft_s(k) + p.verify_s(k + 1)
 
 
+def late_s(lag_s: float, tokens: float, rate: float, plain_tps: float, races: bool) -> float:
+    """Seconds a request of `tokens` at `rate` loses to a first draft lag_s late: all of
+    it when the target waits; racing (a pipelined target decodes plainly meanwhile), the
+    time those plain tokens took beyond what drafting would have spent on them."""
+    if lag_s <= 0.0 or tokens <= 0:
+        return 0.0
+    if not races:
+        return lag_s
+    plain = min(tokens, lag_s * plain_tps)
+    return plain / plain_tps - plain / rate
+
+
+def request_rate(p: PlanInputs, rate: float, remote: bool, races: bool = False) -> float:
+    """A mode's steady rate over a request of p.reply_tokens whose draft first reads
+    p.prompt_tokens (prompt_lag_s); the steady rate when either is 0."""
+    n = p.reply_tokens
+    if n <= 0 or p.prompt_tokens <= 0:
+        return rate
+    return n / (n / rate + late_s(p.prompt_lag_s(remote), n, rate, p.target_tps, races))
+
+
 def sync_rate(p: PlanInputs, k: int) -> float:
     """Tokens/s of synchronous remote drafting; can be below the plain rate."""
     if k == 0:
         return 1.0 / p.t_s
-    return round_rate(p.acceptance, k, p.sync_draft_s, p.verify_s)
+    return request_rate(p, round_rate(p.acceptance, k, p.sync_draft_s, p.verify_s), True)
 
 
 def local_rate(p: PlanInputs, k: int) -> float:
-    """Draft model in the target's process: synchronous, no round trip, no link."""
-    return sync_rate(p.local(), k)
+    """Draft model in the target's process: synchronous, no round trip, no link; its
+    prompt is read on the decoding's time."""
+    if k == 0:
+        return 1.0 / p.t_s
+    q = p.local()
+    return request_rate(p, round_rate(q.acceptance, k, q.sync_draft_s, q.verify_s), False)
 
 
 def pipelined_rate(p: PlanInputs, k: int) -> float:
@@ -402,7 +463,9 @@ def pipelined_rate(p: PlanInputs, k: int) -> float:
     verification that costs more than the tokens it yields can
     (E(k) t_s < max(t_v(k+1), supply)), and then the best k is 0: no draft.
     """
-    return max(pipelined_rates(p, k).values())
+    if k == 0:
+        return plain_rate(p)
+    return request_rate(p, max(pipelined_rates(p, k).values()), True, races=True)
 
 
 def pipelined_rates(p: PlanInputs, k: int) -> dict[str, float]:

@@ -212,6 +212,7 @@ def test_catching_up_is_priced_by_the_draft_backend_alone(monkeypatch) -> None:
         return add(self, *a)
     monkeypatch.setattr(PerToken, "add", spy)
     p = AdaptivePolicy(8)
+    p.draft.observe(2, 0.05)                        # a draft's own time, known already
     p.start(behind=6)
     p.state.k, p.state.skipped = 2, 6
     p.observe(2, 2, 0.3, 0.02)                      # a request's first round: its prompt

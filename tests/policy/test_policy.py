@@ -14,6 +14,7 @@ import pytest
 
 from specwire.policy.adaptive import (
     AdaptivePolicy,
+    AdaptiveState,
     CalibratedStop,
     Calibration,
     FixedPolicy,
@@ -345,3 +346,38 @@ def test_calibrated_stop_follows_its_threshold() -> None:
     stop = CalibratedStop(cal, 0.2)
     assert [stop(i, 0.9) for i in range(4)] == [True, True, False, False]
     assert stop(0, 0.9) and stop.kept == 0.5
+
+
+def test_alone_a_prompt_read_that_the_request_cannot_repay_keeps_it_plain() -> None:
+    """A draft that must first read a long prompt (here 300 tokens at 10 ms each, 3 s)
+    pays only if the request is long enough to win it back: the same learnt figures
+    draft for a 2000-token reply and not for a 16-token one (throughput.request_rate)."""
+    from specwire.policy.costs import PerToken
+
+    def learnt() -> AdaptivePolicy:
+        p = AdaptivePolicy(8, state=AdaptiveState(accepted=900.0, rejected=100.0,
+                                                  continued=1.0, stopped=0.0))
+        for k in range(1, 9):
+            p.draft.observe(k, 0.01 * k)
+            p.costs.observe(k + 1, 0.1 * (1 + 0.1 * k))
+        p.draft.prompt = PerToken(seconds=3.0, tokens=300.0)
+        p.start(behind=300)
+        return p
+
+    assert learnt().choose(2000) > 0
+    assert learnt().choose(16) == 0
+    once = learnt()
+    once.state.begun = True              # the read is paid: drafting pays again
+    assert once.choose(16) > 0
+    # it does not probe while only the read stands in the way (a probe would pay it and
+    # learn nothing), and does where the acceptance itself looks too low to pay
+    for a, probes in ((0.9, False), (0.05, True)):
+        p = learnt()
+        p.state.accepted, p.state.rejected = 1000.0 * a, 1000.0 * (1 - a)
+        ks = []
+        for _ in range(200):
+            ks.append(p.choose(16))
+            p.observe(ks[-1], 0, 0.0 if not ks[-1] else 3.0, 0.1)
+            if ks[-1]:
+                break
+        assert any(ks) is probes, (a, ks)

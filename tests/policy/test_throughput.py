@@ -4,6 +4,8 @@ adds to a shared target decode."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from specwire.bench.predict import Rounds, fit_acceptance, predict
@@ -17,6 +19,8 @@ from specwire.policy.throughput import (
     draft_line,
     expected_tokens,
     local_rate,
+    pipelined_rate,
+    sync_rate,
     verify_line,
     verify_share,
 )
@@ -157,3 +161,28 @@ def test_drafting_shrinks_as_the_batch_grows() -> None:
 def test_fixed_policy_ignores_the_batch() -> None:
     assert FixedPolicy(6).choose(8, batch_tokens=100) == 6
     assert FixedPolicy(6).choose(4, batch_tokens=0) == 4
+
+
+def test_a_request_pays_for_its_drafts_prompt_read() -> None:
+    """The draft reads a request's prompt before its first draft: in this process on the
+    decoding's time; a draft node while the target reads its own (only the excess is
+    late); a pipelined target decodes plainly meanwhile. A steady run (no prompt, or no
+    reply length) is priced as before."""
+    base = PlanInputs(target_tps=1 / T_S, draft_tps=1 / T_D, acceptance=0.8, verify=CURVE)
+    req = replace(base, prompt_tokens=801, reply_tokens=64, target_prompt_tps=4000.0)
+    read = T_D * CURVE.cost(801)             # along the curve's shape: 81 draft tokens
+    assert req.draft_read_s(801) == pytest.approx(read)
+    steady = local_rate(base, 4)
+    assert local_rate(req, 4) == pytest.approx(64 / (64 / steady + read))
+    late = read - 801 / 4000
+    assert late > 0.1
+    assert sync_rate(req, 4) == pytest.approx(64 / (64 / sync_rate(base, 4) + late))
+    pipe = pipelined_rate(base, 4)
+    plain = min(64, late / T_S)
+    assert pipelined_rate(req, 4) == pytest.approx(
+        64 / (64 / pipe + plain * T_S - plain / pipe))
+    assert local_rate(replace(req, reply_tokens=0), 4) == steady
+    assert local_rate(req, 0) == 1 / T_S
+    fast = replace(req, draft_prompt_tps=2000.0)
+    assert fast.draft_read_s(801) == pytest.approx(T_D + 800 / 2000)
+    assert fast.catch_up_s(10) == pytest.approx(10 / 2000)

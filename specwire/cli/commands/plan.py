@@ -13,13 +13,14 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 from specwire.bench import calibrate
 from specwire.bench.netemu import parse_bandwidth, parse_duration
 from specwire.cli.args import CliError, add_draft_model_args, add_model_args
 from specwire.cli.settings import measure_settings
-from specwire.policy import rpc
+from specwire.policy import boxes, rpc
 from specwire.policy.plan import MODES, Plan, plan
 from specwire.policy.throughput import VERIFY_SLOPE, PlanInputs, VerifyCurve
 
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="draft model's decoding speed, tokens/s")
     p.add_argument("--acceptance", metavar="A",
                    help="per-token acceptance, 0..1 or ACCEPTED/DRAFTED (e.g. 810/1093)")
-    p.add_argument("--rtt", default="1ms",
+    p.add_argument("--rtt",
                    help="round trip to the draft node (default 1ms; bare number = ms)")
     p.add_argument("--bandwidth", default="1gbit",
                    help="link bandwidth, e.g. 1gbit, 100mbit, or 'inf' (default 1gbit)")
@@ -58,6 +59,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verdict-bytes", default="32", metavar="B",
                    help="bytes on the wire per verdict (default 32)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    b = p.add_argument_group("one box or two: the draft in the target's process or on a node")
+    b.add_argument("--node-draft-tps", metavar="TPS",
+                   help="the draft's speed on a box of its own (default: --draft-tps, its "
+                   "speed beside the target)")
+    b.add_argument("--node-acceptance", metavar="A",
+                   help="the acceptance of the draft node's drafts, as --acceptance (default: "
+                   "--acceptance; a pipelined node never stops a draft early, so its tokens "
+                   "are kept less often than a stopped local draft's)")
+    b.add_argument("--prompt-tokens", default="0", metavar="N",
+                   help="a request's prompt: the draft reads it before its first draft "
+                   "(default 0: a steady run)")
+    b.add_argument("--reply-tokens", default="0", metavar="N",
+                   help="tokens a request generates, over which that read is spread "
+                   "(default 0: a steady run)")
+    b.add_argument("--draft-prompt-tps", metavar="TPS",
+                   help="the draft's prompt reading speed (default: a batch on the "
+                   "--verify-cost curve at the draft's speed)")
+    b.add_argument("--target-prompt-tps", metavar="TPS",
+                   help="the target's prompt speed: a draft node reads its prompt meanwhile "
+                   "(default: no overlap counted)")
+    b.add_argument("--bench", metavar="RESULTS",
+                   help="a `specwire bench` results.json: the figures not given come from its "
+                   "run (plain rate, draft speed, verification curve, the acceptance of its "
+                   "local run, prompt and reply lengths)")
     g = p.add_argument_group("a second box: split target (llama.cpp --rpc) or draft node")
     g.add_argument("--rpc-embd", metavar="N",
                    help="the target's hidden size (n_embd, in its GGUF): compare splitting it "
@@ -74,18 +99,105 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    apply_measurement(args)      # --measure fills the figures not given
+    apply_bench(args)            # --bench and --measure fill the figures not given
+    apply_measurement(args)
     inputs = inputs_from_args(args)
     result = plan(inputs)
     second = rpc_from_args(args, inputs)
+    two = boxes_from_args(args, inputs)
     if args.json:
         out = result.to_dict()
+        out["boxes"] = two.to_dict()
         if second is not None:
             out["second_box"] = {**second.to_dict(), "verdict": second.verdict()}
         print(json.dumps(out, indent=2))
     else:
-        print(render(result) + ("" if second is None else "\n\n" + render_rpc(second)))
+        print(render(result) + "\n\n" + render_boxes(two, inputs, args)
+              + ("" if second is None else "\n\n" + render_rpc(second)))
     return 0
+
+
+def boxes_from_args(args: argparse.Namespace, p: PlanInputs) -> boxes.Boxes:
+    """One box (p) against two (the node's draft speed), over the acceptance's range when
+    it was given as counts."""
+    node = p if args.node_draft_tps is None else replace(
+        p, draft_tps=_positive("--node-draft-tps", args.node_draft_tps))
+    node_a = args.acceptance if args.node_acceptance is None else args.node_acceptance
+    node = replace(node, acceptance=_acceptance(node_a, "--node-acceptance"))
+    return boxes.compare(p, node, _range(args.acceptance), _range(node_a))
+
+
+def _range(text: str) -> tuple[float, float] | None:
+    """The acceptance's 90% range where it was given as counts."""
+    counts = _acceptance_counts(text)
+    return boxes.acceptance_range(*counts) if counts else None
+
+
+def render_boxes(b: boxes.Boxes, p: PlanInputs, args: argparse.Namespace) -> str:
+    """One box and two side by side, and the verdict."""
+    node_tps = p.draft_tps if args.node_draft_tps is None else float(args.node_draft_tps)
+    request = (f"requests of {p.prompt_tokens} prompt + {p.reply_tokens} reply tokens"
+               if p.prompt_tokens and p.reply_tokens else "a steady run (no prompt read)")
+    plain = p.target_tps
+    rows = [("one box", b.one, f"draft at {p.draft_tps:.4g} tokens/s in the target's process"),
+            ("two boxes", b.two, f"draft node at {node_tps:.4g} tokens/s, RTT "
+             f"{p.rtt_s * 1e3:g} ms")]
+    lines = [f"one box or two ({request}):"]
+    for name, side, note in rows:
+        lines.append(f"  {name:<10} {side.mode:<12} k={side.k:<3} {side.tokens_per_s:>9.2f} "
+                     f"tokens/s {side.tokens_per_s / plain:>6.2f}x   {note}")
+    lines.append(f"  verdict: {b.verdict()}")
+    return "\n".join(lines)
+
+
+def apply_bench(args: argparse.Namespace) -> None:
+    """Fill the figures not given from a bench run's results.json (--bench)."""
+    if getattr(args, "bench", None) is None:
+        return
+    try:
+        with open(args.bench, encoding="utf-8") as f:
+            got = bench_figures(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CliError(f"--bench: {args.bench}: {e}") from None
+    for name, value in got.items():
+        if getattr(args, name, None) in (None, "0") and value is not None:
+            setattr(args, name, value)
+
+
+def bench_figures(results: dict) -> dict[str, str | None]:
+    """A bench run's figures as plan's flags: the plain rate over the set, the calibrated
+    draft speed and curve, the acceptance of its local run (else its first drafting one)
+    and of its remote one as counts (`_judged`), a request's mean prompt and reply, the
+    target's prompt rate, its first remote configuration's RTT."""
+    records = results["records"]
+    cal = results["calibration"]
+    drafting = [r for r in records if r["mode"] != "plain" and r.get("draft_n")]
+    local = [r for r in drafting if r["mode"] == "local"] or drafting
+    out: dict[str, str | None] = {
+        "target_tps": repr(cal["plain_tps_overall"]),
+        "draft_tps": repr(cal["draft_tps"]) if cal.get("draft_tps") else None,
+        "draft_prompt_tps": (repr(cal["draft_prompt_tps"]) if cal.get("draft_prompt_tps")
+                             else None),
+        "verify_cost": ",".join(f"{n}:{c:g}" for n, c in cal["verify_cost"] or []) or None,
+        "acceptance": None, "prompt_tokens": None, "reply_tokens": None}
+    remote = [r for m in ("remote-pipelined", "remote-sync") for r in drafting
+              if r["mode"] == m]
+    if remote:
+        out["node_acceptance"] = _judged(remote[0])
+    if local:
+        r = local[0]
+        out["acceptance"] = _judged(r)
+        ps = r["prompts"]
+        out["prompt_tokens"] = str(round(sum(p["prompt_tokens"] for p in ps) / len(ps)))
+        out["reply_tokens"] = str(round(sum(p["generated"] for p in ps) / len(ps)))
+    plain = [p for r in records if r["mode"] == "plain" for p in r["prompts"]]
+    prompt_s = sum(p["prompt_ms"] for p in plain) / 1000.0
+    if prompt_s > 0:
+        out["target_prompt_tps"] = repr(sum(p["prompt_tokens"] for p in plain) / prompt_s)
+    rtts = [r["rtt_ms"] for r in records if r.get("rtt_ms") is not None]
+    if rtts:
+        out["rtt"] = f"{rtts[0]:g}ms"
+    return out
 
 
 def rpc_from_args(args: argparse.Namespace, p: PlanInputs) -> rpc.SecondBox | None:
@@ -158,7 +270,7 @@ def apply_measurement(args: argparse.Namespace) -> None:
     if args.draft_tps is None:
         args.draft_tps = repr(m.draft_tps)
     if args.acceptance is None:
-        args.acceptance = repr(m.acceptance)
+        args.acceptance = f"{m.draft_n_accepted}/{m.draft_n}" if m.draft_n else "0"
     if args.verify_cost is None:
         args.verify_cost = ",".join(f"{n}:{c:g}" for n, c in m.verify.points)
 
@@ -175,13 +287,30 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         target_tps=_positive("--target-tps", args.target_tps),
         draft_tps=_positive("--draft-tps", args.draft_tps),
         acceptance=_acceptance(args.acceptance),
-        rtt_s=_parsed("--rtt", parse_duration, args.rtt),
+        rtt_s=_parsed("--rtt", parse_duration, args.rtt or "1ms"),
         bandwidth_bps=_bandwidth(args.bandwidth),
         draft_bytes=_count("--draft-bytes", args.draft_bytes),
         verdict_bytes=_count("--verdict-bytes", args.verdict_bytes),
         verify=verify,
         draft_max=draft_max,
+        prompt_tokens=_count("--prompt-tokens", args.prompt_tokens),
+        reply_tokens=_count("--reply-tokens", args.reply_tokens),
+        draft_prompt_tps=_optional("--draft-prompt-tps", args.draft_prompt_tps),
+        target_prompt_tps=_optional("--target-prompt-tps", args.target_prompt_tps),
     )
+
+
+def _judged(record: dict) -> str:
+    """A bench record's geometric acceptance as counts: the tokens judged were the kept
+    ones and one per rejected round (all drafted, where those were not counted)."""
+    kept = record["draft_n_accepted"]
+    rejected = record.get("rejected_rounds")
+    return f"{kept}/{kept + rejected if rejected is not None else record['draft_n']}"
+
+
+def _optional(flag: str, text: str | None) -> float:
+    """A positive rate, or 0 where the flag was not given."""
+    return 0.0 if text is None else _positive(flag, text)
 
 
 def _parsed(flag: str, fn: Callable[[str], T], text: str) -> T:
@@ -215,16 +344,28 @@ def _count(flag: str, text: str) -> int:
     return n
 
 
-def _acceptance(text: str) -> float:
+def _acceptance(text: str, flag: str = "--acceptance") -> float:
     """'0.74' or '810/1093' (llama-server's draft_n_accepted / draft_n)."""
     num, sep, den = text.partition("/")
     try:
         a = float(num) / float(den) if sep else float(text)
     except (ValueError, ZeroDivisionError):
-        raise CliError(f"--acceptance: expected 0..1 or ACCEPTED/DRAFTED, got {text!r}") from None
+        raise CliError(f"{flag}: expected 0..1 or ACCEPTED/DRAFTED, got {text!r}") from None
     if not 0.0 <= a <= 1.0:
-        raise CliError(f"--acceptance: must be in [0, 1], got {text!r}")
+        raise CliError(f"{flag}: must be in [0, 1], got {text!r}")
     return a
+
+
+def _acceptance_counts(text: str) -> tuple[int, int] | None:
+    """(accepted, drafted) where --acceptance was given as counts, else None."""
+    num, sep, den = text.partition("/")
+    if not sep:
+        return None
+    try:
+        accepted, drafted = int(float(num)), int(float(den))
+    except ValueError:
+        return None
+    return (accepted, drafted) if drafted > 0 else None
 
 
 def _bandwidth(text: str) -> float:
