@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -117,8 +117,7 @@ class StepLoop:
 
     def snapshot(self) -> StepCounters:
         with self._cv:
-            c = self.counters
-            return StepCounters(c.decodes, c.branches, c.alternates, c.tokens)
+            return replace(self.counters)
 
     @contextmanager
     def drafting(self, seq: int, answering: bool = False) -> Iterator[None]:

@@ -26,7 +26,8 @@ ENV = "LLAMA_ARG_MODEL"
 
 def name_target(q8_0: bool) -> None:
     """Prepare the test's target and make it the default of every `specwire` command."""
-    path = models.ensure_model("q8_0", False) if q8_0 else models.default_target(progress=False)
+    role = "q8_0" if q8_0 else "target"
+    path = models.ensure_model(role, progress=False)
     os.environ[ENV] = str(path)
 
 
