@@ -285,7 +285,8 @@ def test_four_targets_drafting_at_once_share_decodes_and_keep_plain_tokens(
         target, node_in_process, pipelined) -> None:
     """Four target contexts over the same weights, each with its own RemoteDrafter (trees
     and alternates where pipelined), run at once against one node: each output equals its
-    own plain decoding, and the node's decodes held more than one session on average."""
+    own plain decoding, drafts were accepted, and the node's decodes held more than one
+    session on average."""
     node, n, length = node_in_process, 4, 24
     prompts = [target.tokens(CODE), target.tokens(PROSE),
                target.tokens(CODE + "\n# again\n"), target.tokens(PROSE + " and so on:")]
@@ -314,9 +315,12 @@ def test_four_targets_drafting_at_once_share_decodes_and_keep_plain_tokens(
         t.join(timeout=300)
     for i, res in enumerate(results):
         assert not isinstance(res, BaseException) and res is not None, res
-        tokens, stats = res
-        assert tokens == want[i]
-        assert stats.draft_n_accepted > 0
+        assert res[0] == want[i]
+    accepted = [stats.draft_n_accepted for _, stats in results]
+    # A synchronous target waits for every draft, so each request accepts some; a pipelined
+    # one never waits, and on a loaded machine one request may verify no draft in time
+    # (CI saw it): there the four together must accept some.
+    assert min(accepted) > 0 if not pipelined else sum(accepted) > 0, accepted
     after = node.service.steps.snapshot()
     decodes = after.decodes - before.decodes
     parts = after.branches + after.alternates - before.branches - before.alternates
