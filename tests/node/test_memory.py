@@ -334,7 +334,10 @@ def test_long_history_reaches_the_node_and_the_target_does_not_wait(target, tmp_
 
     chunk = target.tokens(TEXTS[1] + " " + TEXTS[0])[1:]
     history = ([target.backend.model.bos] + chunk * (32000 // len(chunk) + 1))[:32000]
-    with node_process(tmp_path, ["-c", "32768", "-tbd", "2"], name="long") as n:
+    # One session: the node's context holds 2 x --max-sessions sequences of -c cells each,
+    # and eight sessions' worth of 32k (9 GiB of KV) took 22 s to allocate here.
+    with node_process(tmp_path, ["-c", "32768", "-tbd", "2", "--max-sessions", "1"],
+                      name="long") as n:
         rd = target.drafter(n.url, pipelined=False, sync_timeout_s=5.0)
         try:
             rd.begin(history, GREEDY, DraftParams(n_max=4, p_min=0.0))

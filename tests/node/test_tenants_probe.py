@@ -47,7 +47,7 @@ from specwire.link.transport.h2 import mux as sync_mux
 from specwire.node import server as node_mod
 from specwire.node.server import NodeSettings
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.q8_0]   # one sequence: tests/support/bundled.py
 ALICE, MALLORY = "alice-token-0123456789", "mallory-token-0123456789"
 KNOWN = "<start_of_turn>user\nKeep this private.\n"
 PRIVATE = "My account password is tulip-4817 and my PIN is 2093, never share them."
@@ -66,8 +66,8 @@ def node(tmp_path_factory) -> Iterator[NodeProcess]:
 
 
 def _turn(target, url: str, token: str, prompt: list[int], n: int = 6, **draft):
-    """One request through a synchronous drafter with this token (a target of its own);
-    returns (tokens, stats, seconds)."""
+    """One request of n tokens through a synchronous drafter with this token (a target of
+    its own); returns (tokens, stats, seconds)."""
     rd = target.drafter(url, pipelined=False, settings=LinkSettings(token=token),
                         sync_timeout_s=30.0)
     try:
@@ -84,14 +84,16 @@ def _probe(target, url: str, token: str, known: list[int], secret: list[int],
     """Positions where the true guess stood out by its draft_cache_n; what each saw; what
     a first request of the known prefix alone found cached (it puts the prefix in the
     prober's own scope)."""
-    _, first, _ = _turn(target, url, token, known + filler)
+    _, first, _ = _turn(target, url, token, known + filler, n=3)
     distinguished, seen = 0, []
     for i in range(POSITIONS):
         true = secret[i]
         guesses = [true] + [(true + k * 7919) % target.n_vocab for k in (1, 2, 3)]
         row = {}
         for g in guesses:
-            _, st, s = _turn(target, url, token, known + secret[:i] + [g] + filler)
+            # three tokens, the fewest that open a node session (the prompt's token, then a
+            # round that drafts one fewer than are left): its answer carries draft_cache_n
+            _, st, s = _turn(target, url, token, known + secret[:i] + [g] + filler, n=3)
             row[g] = (st.draft_cache_n, st.draft_prompt_n, s)
         others = [row[g][0] for g in guesses[1:]]
         distinguished += row[true][0] > max(others)
