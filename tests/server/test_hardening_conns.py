@@ -103,17 +103,24 @@ def _closed_within(conn: socket.socket, seconds: float) -> bool:
 
 
 def _health(conn: socket.socket) -> None:
-    """One GET /health on a kept-alive connection, its answer read whole."""
+    """One GET /health on a kept-alive connection, its answer read whole; a connection the
+    server closed first raises ConnectionError (recv's b"" would otherwise loop forever)."""
+    def more() -> bytes:
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise ConnectionError("the server closed the connection before its answer")
+        return chunk
+
     conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     data = b""
     while b"\r\n\r\n" not in data:
-        data += conn.recv(4096)
+        data += more()
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head
     length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                       if line.lower().startswith(b"content-length")))
     while len(body) < length:
-        body += conn.recv(4096)
+        body += more()
 
 
 def _get_health(port: int, source: str = "127.0.0.1", timeout: float = 5) -> int:
