@@ -114,7 +114,8 @@ def test_a_model_that_works_ahead_is_always_asked_and_told_what_the_history_kept
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sp", [pytest.param(GREEDY, id="greedy", marks=pytest.mark.extended),
+                                pytest.param(SEEDED, id="seeded")])
 def test_real_pair_local_hybrid_is_token_identical(target, sp) -> None:
     from specwire.assets import models
     from specwire.backend.llama import LlamaBackend, load_model

@@ -202,7 +202,8 @@ def _settle(remote):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sp", [pytest.param(GREEDY, id="greedy", marks=pytest.mark.extended),
+                                pytest.param(SEEDED, id="seeded")])
 def test_real_pair_remote_hybrid_trees_are_token_identical(target, node, sp,
                                                           monkeypatch) -> None:
     """A draft node drafting ahead and the lookup, on a target with tree sequences, for
@@ -236,7 +237,8 @@ def test_real_pair_remote_hybrid_trees_are_token_identical(target, node, sp,
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_real_pair_local_hybrid_trees_are_token_identical(target, sp) -> None:
     """The draft model in this process and the lookup, on a target with tree sequences:
-    plain decoding's tokens for each draft length, fixed and adaptive. (How many trees
+    plain decoding's tokens for each draft length, fixed and adaptive, the prompts taking
+    turns (invariance_checks.taking_turns). (How many trees
     are made follows the measured times, so it is not asserted here: the node's test
     above asserts that trees were verified.)"""
     from specwire.assets import models
@@ -246,14 +248,14 @@ def test_real_pair_local_hybrid_trees_are_token_identical(target, sp) -> None:
                                target.backend.model, tree_branches=4)
     p = ModelParams(str(models.default_draft(progress=False)), n_ctx=1024, n_threads=1)
     model = ModelDrafter(LlamaBackend(p, load_model(p)))
-    for text in (CODE, PROSE):
+    settings = ((1, "fixed"), (3, "fixed"), (8, "fixed"), (8, "adaptive"))
+    for text, (k, policy) in taking_turns((CODE, PROSE), settings):
         prompt = target.tokens(text)
         want = target.plain(prompt, sp, 40)
-        for k, policy in ((1, "fixed"), (3, "fixed"), (8, "fixed"), (8, "adaptive")):
-            hybrid = HybridDrafter(lookup(), model)
-            gen = Engine(tree_target, hybrid).generate(
-                request(prompt, 40, sp, n_max=k, policy=policy))
-            got = run_to_end(gen)
-            if got != want:
-                pytest.fail(f"local hybrid trees, draft-max {k}, {policy}:\n"
-                            + explain_mismatch(target.backend, text, want, got))
+        hybrid = HybridDrafter(lookup(), model)
+        gen = Engine(tree_target, hybrid).generate(
+            request(prompt, 40, sp, n_max=k, policy=policy))
+        got = run_to_end(gen)
+        if got != want:
+            pytest.fail(f"local hybrid trees, draft-max {k}, {policy}:\n"
+                        + explain_mismatch(target.backend, text, want, got))

@@ -39,7 +39,7 @@ def test_unknown_preset_is_refused(specwire_cli) -> None:
 
 
 def _generate(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "specwire", "generate", "def fib(n):", "-n", "24",
+    r = subprocess.run([sys.executable, "-m", "specwire", "generate", "def fib(n):", "-n", "12",
                         "--temp", "0", "--json", "-c", "512", "--draft-mode", "sync", *args],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr

@@ -34,6 +34,10 @@ PROMPTS = [
 N_PREDICT = [24, 16, 20, 24]
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=1234)
 GREEDY = SamplingParams(temperature=0.0)
+#: Draft lengths: the shortest and longest in the default run, the two between in the
+#: extended tier (docs/testing.md).
+LENGTHS = [1, pytest.param(2, marks=pytest.mark.extended),
+           pytest.param(4, marks=pytest.mark.extended), 8]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +67,7 @@ def alone(single) -> dict:
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", LENGTHS)
 def test_each_request_gets_its_own_tokens_in_a_batch(single, batched, alone, sampling, k):
     target = batched.target
 
@@ -130,7 +134,7 @@ def lockstep(single) -> Engine:
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", LENGTHS)
 def test_drafting_in_lockstep_keeps_each_request_its_own_tokens(single, lockstep, alone,
                                                                 sampling, k):
     """Four requests drafting together (a draft position of all four per draft decode),

@@ -28,6 +28,8 @@ STORY = ("The old lighthouse keeper climbed the stairs every evening, lit the la
 PROMPT = "Notes from a lighthouse:\n" + STORY * 7 + "The next evening"
 N_CTX = 256
 N = 110
+#: The end-to-end runs (serve, generate) past the context of 256: two shifts, not four.
+N_E2E = 80
 DISCARD = 16
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, seed=1234)
@@ -115,7 +117,7 @@ def test_serve_with_a_draft_node_shifts_losslessly(tmp_path) -> None:
     from serve_process import run_serve
     from wire_helpers import node_process
 
-    body = {"prompt": PROMPT, "n_predict": N, "n_keep": 4, "n_discard": DISCARD,
+    body = {"prompt": PROMPT, "n_predict": N_E2E, "n_keep": 4, "n_discard": DISCARD,
             "temperature": 0, "ignore_eos": True, "return_tokens": True}
     with node_process(tmp_path) as node, run_serve(
             "-t", "1", "-c", str(N_CTX), "--context-shift", "--draft-url", node.url,
@@ -124,7 +126,7 @@ def test_serve_with_a_draft_node_shifts_losslessly(tmp_path) -> None:
         drafted = httpx.post(url + "/completion", json=body, timeout=600).json()
         plain = httpx.post(url + "/completion", json={**body, "speculative": False},
                            timeout=600).json()
-    assert len(plain["tokens"]) == N and plain["truncated"]
+    assert len(plain["tokens"]) == N_E2E and plain["truncated"]
     assert drafted["tokens"] == plain["tokens"]
     assert drafted["timings"]["draft_n_accepted"] > 0
 
@@ -138,7 +140,7 @@ def test_generate_shifts_with_and_without_a_draft() -> None:
 
     def run(*extra: str) -> dict:
         r = subprocess.run([sys.executable, "-m", "specwire", "generate", PROMPT, "-c",
-                            str(N_CTX), "-n", str(N), "--ignore-eos", "--temp", "0", "-t", "1",
+                            str(N_CTX), "-n", str(N_E2E), "--ignore-eos", "--temp", "0", "-t", "1",
                             "--context-shift", "--keep", "4", "--json", *extra,
                             "-m", str(models.default_target())],   # a draft that pays
                            capture_output=True, text=True, timeout=600)
@@ -146,5 +148,5 @@ def test_generate_shifts_with_and_without_a_draft() -> None:
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     drafted, plain = run("-td", "1", "--draft-max", "4"), run("--no-draft")
-    assert len(plain["tokens"]) == N and plain["truncated"]
+    assert len(plain["tokens"]) == N_E2E and plain["truncated"]
     assert drafted["tokens"] == plain["tokens"] and drafted["timings"]["draft_n"] > 0

@@ -70,7 +70,9 @@ def run(target, drafter, sampling, k=4, grammar=None, logprobs=None, prompt=PROM
     return gen
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [
+    pytest.param(GREEDY, id="greedy", marks=pytest.mark.extended),
+    pytest.param(SEEDED, id="seeded")])
 def test_json_schema_output_is_the_same_with_every_drafter(target, drafters, sampling):
     grammar = schema_grammar(SCHEMA)
     ref = run(target, None, sampling, grammar=grammar)
@@ -95,7 +97,9 @@ def test_a_gbnf_grammar_shapes_greedy_output(target, drafters):
     assert run(target, drafters["ngram"], GREEDY, 4, grammar).tokens == ref.tokens
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [
+    pytest.param(GREEDY, id="greedy", marks=pytest.mark.extended),
+    pytest.param(SEEDED, id="seeded")])
 def test_penalties_and_logit_bias_are_lossless(target, drafters, sampling):
     banned = target.tokenize(" the", False, False)[0]
     s = replace(sampling, presence_penalty=0.6, frequency_penalty=0.4, repeat_penalty=1.1,

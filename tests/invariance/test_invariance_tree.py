@@ -35,6 +35,10 @@ pytestmark = pytest.mark.slow
 
 DRAFT_LENGTHS = (1, 2, 4, 8)
 N = 40
+#: The default run verifies each drafter's trees once, and greedy and seeded, drafted
+#: alternates and second choices alone each somewhere; `-m extended` runs the rest of the
+#: cross product (docs/testing.md, "The extended tier").
+EXTENDED = pytest.mark.extended
 
 
 @pytest.fixture(autouse=True)
@@ -98,8 +102,12 @@ class TreeModelDrafter(DrafterBase):
         return {}
 
 
-@pytest.mark.parametrize("length", [4, 1], ids=["drafted", "alone"])
-@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sp, length", [
+    pytest.param(GREEDY, 4, id="greedy-drafted"),
+    pytest.param(SEEDED, 4, id="seeded-drafted", marks=EXTENDED),
+    pytest.param(GREEDY, 1, id="greedy-alone", marks=EXTENDED),
+    pytest.param(SEEDED, 1, id="seeded-alone", marks=EXTENDED),
+])
 def test_local_trees_are_token_identical(target, tree_target, sp, length) -> None:
     """length 1: the second choice alone, as a node sends it for Open.second_choices."""
     p = ModelParams(str(models.default_draft(progress=False)), n_ctx=N_CTX, n_threads=1)
@@ -162,8 +170,12 @@ def _settle(drafter):
     return settle
 
 
-@pytest.mark.parametrize("kind", ["drafted", "alone"])
-@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sp, kind", [
+    pytest.param(SEEDED, "alone", id="seeded-alone"),
+    pytest.param(GREEDY, "drafted", id="greedy-drafted", marks=EXTENDED),
+    pytest.param(SEEDED, "drafted", id="seeded-drafted", marks=EXTENDED),
+    pytest.param(GREEDY, "alone", id="greedy-alone", marks=EXTENDED),
+])
 def test_threaded_trees_everywhere_are_token_identical(target, tree_target, sp, kind,
                                                        monkeypatch) -> None:
     """drafted: an alternate drafted at every position; alone: the second choice alone
@@ -188,7 +200,8 @@ def test_threaded_trees_everywhere_are_token_identical(target, tree_target, sp, 
     assert (alone > 0) is (kind == "alone"), alone
 
 
-@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sp", [pytest.param(GREEDY, id="greedy", marks=EXTENDED),
+                                pytest.param(SEEDED, id="seeded")])
 def test_remote_pipelined_trees_are_token_identical(target, tree_target, node, sp) -> None:
     """The node's own choice of alternates: drafted ones and second choices alone."""
     verified = received = alone = 0.0

@@ -109,7 +109,8 @@ def test_remote_drafts_under_penalties_are_accepted_as_local_ones(target, node) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+@pytest.mark.parametrize("pipelined", [   # sync: test_output_equals_plain_decoding_...[*-sync]
+    pytest.param(False, id="sync", marks=pytest.mark.extended), pytest.param(True, id="pipelined")])
 def test_rejection_mode_over_the_link(target, tmp_path, pipelined) -> None:
     """Rejection verification over the link, where each drafted token travels with its
     sparse top-K q: drafts are accepted and the output has the requested length; a

@@ -91,7 +91,8 @@ def concurrently(url: str, bodies: list[dict]) -> list[dict]:
     return [got[i] for i in range(len(bodies))]
 
 
-@pytest.mark.parametrize("mode", ["sync", "pipelined"])
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.extended),
+                                  "pipelined"])
 def test_four_slots_draft_over_one_connection(node, mode) -> None:
     before = {p: connections(node, p) for p in ("main", "sync")}
     with run_serve(*serve_flags(node, mode), no_traceback=True) as (url, _):
@@ -131,7 +132,8 @@ def test_a_client_that_leaves_ends_its_session_alone(node) -> None:
         assert connections(node, "sync") - before == 1
 
 
-@pytest.mark.parametrize("mode", ["sync", "pipelined"])
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.extended),
+                                  "pipelined"])
 def test_node_killed_mid_way_every_request_completes_plainly(tmp_path, mode) -> None:
     node = start_node(tmp_path, name=f"killed-{mode}")
     try:

@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.q8_0]
 EXAMPLES = int(os.environ.get("SPECWIRE_FUZZ_EXAMPLES", "150"))
 
 
-@pytest.fixture(scope="module", params=["local-draft", "draft-node"])
+@pytest.fixture(scope="module", params=[
+    pytest.param("local-draft", marks=pytest.mark.extended), "draft-node"])
 def server(request, tmp_path_factory) -> Iterator[str]:
     """The bundled pair, drafting in-process, or through a draft node (sampling settings
     then cross the link as protobuf fields: what they cannot hold must be a 400 first)."""

@@ -15,7 +15,7 @@ import pytest
 from invariance_checks import LOGPROB_TOLERANCE, same_alternatives
 from serve_process import run_serve
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.q8_0]   # the tests' fast target (bundled.py)
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

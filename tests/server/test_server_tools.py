@@ -21,7 +21,7 @@ from tool_outputs import OUTPUTS, _request
 
 from specwire.server import tool_calls
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.q8_0]   # the tests' fast target (bundled.py)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -59,9 +59,10 @@ def _call_args(call) -> dict:
     return args
 
 
-@pytest.mark.parametrize("choice", ["required",
-                                    {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize("choice", [   # a named choice: also test_named_tool_choice_...
+    pytest.param("required", id="required"),
+    pytest.param({"type": "function", "function": {"name": "get_weather"}}, id="named",
+                 marks=pytest.mark.extended)])
 def test_forced_call_has_schema_valid_arguments_and_streams_the_same(oai, choice) -> None:
     """One call (parallel calls off: the small model, free to add calls, repeats its call)."""
     kw = {"model": oai.models.list().data[0].id, "messages": ASK, "tools": [WEATHER],
