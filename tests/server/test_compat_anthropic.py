@@ -237,6 +237,10 @@ def server() -> Iterator[str]:
     bundled.target()
     models.default_draft()
     with run_serve("-t", "1", "-td", "1", "-c", "512", "--temp", "0", "--draft-p-min", "0",
+                   # a draft every round whatever the machine's load: these tests check
+                   # that the routes speculate (draft_n > 0), which an adaptive policy
+                   # pricing a loaded core may decline for a 12-token reply
+                   "--draft-policy", "fixed", "--draft-mode", "sync",
                    "--api-key", KEY) as (url, _):
         yield url
 
