@@ -126,8 +126,11 @@ def predict(cfg: RunParams, plain_tps: float, draft_tps: float | None, rounds: R
     """plan's tokens/s for cfg and its error against the measured rate (None if unknown).
 
     The plan gets k = the mean tokens per drafting round (rounded), a = the acceptance at
-    which a k-token round keeps the tokens measured, and the share f of rounds that had a
-    draft; the others were plain steps that still paid for asking, e = t_s + t_d (+ RTT):
+    which a k-token round keeps the tokens measured (pipelined: the geometric a by maximum
+    likelihood, Rounds.acceptance, as `plan --bench` reads it; there a short draft is what
+    had come, and on gpu-dense the rounds that kept one whole fitted a = 0.99 at k = 6 and
+    0.95 at k = 7 for an MLE of 0.96: docs/benchmarks.md), and the share f of rounds that
+    had a draft; the others were plain steps that still paid for asking, e = t_s + t_d (+ RTT):
     rate = (f E + (1 - f)) / (f E / rate_k + (1 - f) e). Pipelined drafting models its
     draftless rounds itself (the race after a miss), so f is not applied there. A draft
     model also reads each request's prompt before its first draft and catches up after
@@ -151,12 +154,17 @@ def predict(cfg: RunParams, plain_tps: float, draft_tps: float | None, rounds: R
     lo = max(1, math.floor(mean))
     hi = max(lo, math.ceil(mean))
     w = 0.0 if hi == lo else (mean - lo) / (hi - lo)
+    # A pipelined round verifies what has come: its length says nothing of its tokens, so
+    # a short draft kept whole is cut, not all-accepted, and the per-token a is the
+    # maximum-likelihood one. A drafter that stops by its own confidence picks lengths
+    # that do: there the a that keeps the measured tokens at the mean length is fitted.
+    acceptance = rounds.acceptance if plan_mode == "pipelined" else None
     inputs = None
     rate = 0.0
     for k, weight in ((lo, 1.0 - w), (hi, w)):
         if weight == 0.0:
             continue
-        a = fit_acceptance(rounds.kept_per_round, k)
+        a = acceptance if acceptance is not None else fit_acceptance(rounds.kept_per_round, k)
         inputs = PlanInputs(
             target_tps=plain_tps, draft_tps=min(draft_tps, _FREE_DRAFT_TPS), acceptance=a,
             rtt_s=cfg.rtt_s or 0.0, bandwidth_bps=cfg.bandwidth_bps or math.inf, verify=verify,

@@ -279,7 +279,7 @@ def _results(bench: BenchSettings, s: SweepSettings, cfgs: list[RunParams],
     # The plan works on rates over the whole workload: all tokens over all decoding time.
     plain_tps = report.overall_rate(records[0]) or 0.0
     for rec, cfg in zip(records, cfgs, strict=True):
-        rec["plan"] = _prediction(rec, cfg, plain_tps, calib)
+        rec["plan"] = prediction(rec, cfg, plain_tps, calib)
         rec["bound"] = predict.bound(cfg, plain_tps, _rounds(rec), calib.get("verify"),
                                      report.overall_rate(rec) or 0.0)
     return {
@@ -324,7 +324,10 @@ def _reads(rec: dict) -> tuple[tuple[int, float, int, int], ...]:
     return tuple(out)
 
 
-def _prediction(rec: dict, cfg: RunParams, plain_tps: float, calib: dict) -> dict | None:
+def prediction(rec: dict, cfg: RunParams, plain_tps: float, calib: dict) -> dict | None:
+    """What `plan` predicts for a record of this run (predict.predict on its rounds), from
+    the calibration (draft_tps, verify: a VerifyCurve, draft_prompt_tps): at the end of a
+    sweep, and again from a results.json by benchmarks/repredict.py."""
     measured = report.overall_rate(rec) or 0.0
     rounds = _rounds(rec)
     if cfg.mode in MODEL_MODES and cfg.mode != "hybrid":

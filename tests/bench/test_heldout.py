@@ -64,7 +64,7 @@ def _predict(monkeypatch, fit: tuple, held: tuple, keep_reads: bool = True) -> d
     if not keep_reads:
         for p in rec["prompts"]:
             p["stats"]["draft_prompt_n"] = None
-    return sweep._prediction(rec, cfg, report.overall_rate(plain_rec), calib)
+    return sweep.prediction(rec, cfg, report.overall_rate(plain_rec), calib)
 
 
 def test_fitted_on_short_prompts_it_predicts_long_ones(monkeypatch) -> None:
