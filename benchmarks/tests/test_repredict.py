@@ -4,7 +4,8 @@ configuration, recomputed. Both runs are valid emulations on held-out prompts, a
 long code rewrites, 64 tokens. With the acceptance fitted at the mean draft length the
 pipelined predictions were +11% and +8% (gpu-dense) and +6.4% (seed-moe); with the
 maximum-likelihood acceptance, what a pipelined round's cut drafts call for, +4.1%, +5.04%
-and +0.8%."""
+and +0.8%. The cpu-membound run kept beside them is not asserted: there the fit was -2.4%
+and the maximum-likelihood a is +7.4% (docs/benchmarks.md: what is left of issue 39)."""
 
 import json
 from pathlib import Path
