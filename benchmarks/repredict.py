@@ -26,9 +26,7 @@ def repredict(results: dict) -> list[tuple[str, dict | None, dict | None]]:
     plain_tps = cal["plain_tps_overall"]
     out = []
     for rec in results["records"]:
-        rtt = rec.get("rtt_ms")
-        cfg = RunParams(rec["mode"], rec["draft_max"], rec["policy"],
-                        None if rtt is None else rtt / 1000.0, rec.get("bandwidth_bps"))
+        cfg = RunParams.from_dict(rec)
         out.append((rec.get("label") or cfg.label(), rec.get("plan"),
                     sweep.prediction(rec, cfg, plain_tps, calib)))
     return out

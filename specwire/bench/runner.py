@@ -57,6 +57,13 @@ class RunParams:
                 "rtt_ms": None if self.rtt_s is None else 1000 * self.rtt_s,
                 "bandwidth_bps": self.bandwidth_bps, "label": self.label()}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> RunParams:
+        """The point a results.json record was run at (to_dict's fields, which it holds)."""
+        rtt_ms = d.get("rtt_ms")
+        return cls(d["mode"], d["draft_max"], d["policy"],
+                   None if rtt_ms is None else rtt_ms / 1000.0, d.get("bandwidth_bps"))
+
 
 @dataclass(slots=True)
 class Workload:

@@ -225,6 +225,12 @@ def test_counter_delta_and_digest() -> None:
 # --------------------------------------------------------------------------- prediction
 
 
+def test_a_records_run_params_read_back_as_run() -> None:
+    for cfg in (RunParams("plain"), RunParams("local", 8, "adaptive"),
+                RunParams("remote-pipelined", 4, "fixed", 0.0025, 1e8)):
+        assert RunParams.from_dict(cfg.to_dict()) == cfg
+
+
 def test_fit_acceptance_inverts_expected_tokens() -> None:
     for a in (0.1, 0.5, 0.9):
         kept = expected_tokens(a, 5) - 1
