@@ -89,6 +89,18 @@ class Paced(Protocol):
         the answer to a verdict, as a synchronous session drafts)."""
 
 
+@runtime_checkable
+class Forking(Protocol):
+    """A Paced sequence with a fork: a sequence of its own that shares this one's first
+    cells and decodes in the same shared decodes (a draft node's, node/steps.py)."""
+
+    #: whether `fork` gives one (the context was made with forks)
+    forks: bool
+
+    def fork(self, n: int) -> Backend:
+        """The fork, holding this sequence's first n tokens; close() empties it."""
+
+
 def tree_leaves(batch: BatchBackend) -> int:
     """The most leaves a tree part of this batch may have (1: chains only)."""
     return batch.tree_leaves if isinstance(batch, TreeBackend) else 1

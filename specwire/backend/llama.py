@@ -231,14 +231,21 @@ class LlamaBackend:
     prefix's cells (llama_memory_seq_cp adds a sequence id to cells, copying nothing),
     each tree token is one cell carrying the ids of the leaves below it, and keep_tree
     leaves the kept path's cells in the part's sequence and frees the others.
+
+    With forks, each sequence i also has a fork (sequence n_seq + i, `fork_seq`): a
+    sequence of its own that shares i's first cells, as a draft node's alternate is drafted
+    from its branch's history in the same decodes as the branch (link/fork.py). A fork
+    holds few cells of its own (_FORK_CELLS); trees and forks exclude each other.
     """
 
     def __init__(self, params: ModelParams, model: Model | None = None, n_seq: int = 1,
-                 tree_branches: int = 0) -> None:
+                 tree_branches: int = 0, forks: bool = False) -> None:
         if n_seq < 1:
             raise BackendError(f"n_seq: must be >= 1, got {n_seq}")
         if tree_branches < 0:
             raise BackendError(f"tree_branches: must be >= 0, got {tree_branches}")
+        if forks and tree_branches:
+            raise BackendError("a context holds trees or forks, not both")
         self.params = params
         self.model = model or load_model(params)
         self.name = self.model.name
@@ -247,17 +254,18 @@ class LlamaBackend:
         #: the sliding attention window of the model's SWA layers (0: none)
         self.n_swa = int(C.llama_model_n_swa(self.model.ptr))
         self.tree_leaves = tree_branches + 1
-        # The cells a tree's side branches hold until keep_tree frees them.
-        slack = n_seq * tree_branches * _TREE_CELLS
+        self.n_forks = n_seq if forks else 0
+        # The cells a tree's side branches hold until keep_tree frees them, and the forks'.
+        slack = n_seq * tree_branches * _TREE_CELLS + self.n_forks * _FORK_CELLS
         cp = C.llama_context_default_params()
         cp.n_ctx = params.n_ctx * n_seq + slack
         cp.n_batch = params.n_batch
         placement.set_field(cp, "n_ubatch", min(params.n_ubatch, params.n_batch), "-ub")
-        cp.n_seq_max = n_seq * self.tree_leaves
+        cp.n_seq_max = n_seq * self.tree_leaves + self.n_forks
         if cp.n_seq_max > 1 and placement.has_field(cp, "kv_unified"):
             cp.kv_unified = True
-        elif tree_branches:
-            raise BackendError("tree verification needs llama.cpp's unified KV cache")
+        elif tree_branches or forks:
+            raise BackendError("trees and forks need llama.cpp's unified KV cache")
         cp.n_threads = params.n_threads
         cp.n_threads_batch = params.n_threads_batch or params.n_threads
         cp.type_k = _GGML_TYPES[params.type_k]
@@ -302,12 +310,13 @@ class LlamaBackend:
         self._seq_max = int(cp.n_seq_max)
         self._finite_stride = max(1, self.n_vocab // 256)   # _check_finite's sample
         self._leaves: list[list[int]] = [[] for _ in range(n_seq)]
-        self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
+        n_ids = n_seq + self.n_forks   # the sequences held by index: forks after the rest
+        self._seqs: list[list[int]] = [[] for _ in range(n_ids)]
         #: per sequence: its pending tree part (tokens, parents, leaf of each node), or None
-        self._trees: list[_PendingTree | None] = [None] * n_seq
-        self._views = [self, *(SeqView(self, i) for i in range(1, n_seq))]
+        self._trees: list[_PendingTree | None] = [None] * n_ids
+        self._views = [self, *(SeqView(self, i) for i in range(1, n_ids))]
         self.decode_s = 0.0          # time inside llama_decode, to measure our own overhead
-        self._seq_decode_s = [0.0] * n_seq   # ... each sequence's share of it
+        self._seq_decode_s = [0.0] * n_ids   # ... each sequence's share of it
 
     # -- the Backend protocol (sequence 0) -------------------------------------
 
@@ -329,10 +338,25 @@ class LlamaBackend:
     # -- several sequences ---------------------------------------------------
 
     def seq(self, i: int) -> LlamaBackend | SeqView:
-        """Sequence i as a Backend of its own (sequence 0 is this object)."""
-        if not 0 <= i < self.n_seq:
-            raise BackendError(f"sequence {i} outside 0..{self.n_seq - 1}")
+        """Sequence i as a Backend of its own (sequence 0 is this object; n_seq + j is
+        sequence j's fork)."""
+        if not 0 <= i < len(self._views):
+            raise BackendError(f"sequence {i} outside 0..{len(self._views) - 1}")
         return self._views[i]
+
+    def fork_seq(self, seq: int, n: int) -> int:
+        """Sequence seq's fork, holding seq's first n tokens and nothing else (their cells
+        shared: llama_memory_seq_cp adds the fork's id to them, copying nothing); its id."""
+        if not 0 <= seq < self.n_forks:
+            raise BackendError(f"sequence {seq} has no fork ({self.n_forks} forks)")
+        if not 0 <= n <= len(self._seqs[seq]):
+            raise BackendError(f"fork of {n} tokens outside 0..{len(self._seqs[seq])}")
+        fork = self.n_seq + seq
+        C.llama_memory_seq_rm(self.mem, fork, -1, -1)
+        if n:
+            C.llama_memory_seq_cp(self.mem, seq, fork, 0, n)
+        self._seqs[fork] = self._seqs[seq][:n]
+        return fork
 
     def eval_seq(self, seq: int, tokens: Sequence[int], logits: str = "last") -> np.ndarray:
         """One sequence's tokens alone, in chunks of -b (rows from the last chunk only)."""
@@ -449,6 +473,8 @@ class LlamaBackend:
             C.llama_memory_seq_rm(self.mem, seq, -1, -1)
             self._seqs[seq].clear()
         kept = {}
+        for fork in range(self.n_seq, len(self._seqs)):   # scratch: dropped, not saved
+            self._seqs[fork].clear()
         for seq in range(self.n_seq):
             if self._seqs[seq] and self._trees[seq] is None:
                 try:
@@ -664,6 +690,9 @@ class LlamaBackend:
 
 #: KV cells a tree's side branch may hold beyond its sequence's own context.
 _TREE_CELLS = 16
+#: The cells each fork may hold of its own: an alternate (link/messages.py allows 8
+#: tokens) and the branch tokens it is drafted after that its sequence had not evaluated.
+_FORK_CELLS = 32
 
 
 def _pad(n: int, to: int) -> int:

@@ -75,6 +75,14 @@ class AlternatePlan:
             reach *= 1.0 if c is None else c.p_first
         return j if alt.alternate_first(value, reach, self.params) else None
 
+    def beside(self, start: int, sent: int) -> int | None:
+        """The sent branch token whose alternate to draft next on a fork (link/fork.py),
+        where it holds the branch up by nothing: for a target that verifies trees, the
+        first worth it at any length of the branch (tree_at); else the one worth most."""
+        if self.tree:
+            return self.tree_at(start, sent, 0)
+        return self.late_at(start, sent)[0]
+
     def tree_at(self, start: int, upto: int, lookahead: int) -> int | None:
         """For a target that verifies trees: the first of the branch's first `upto` tokens
         whose alternate is worth drafting (alternates.worth_branching) and not yet tried,

@@ -117,18 +117,21 @@ def alternate_first(value: float, reach_next: float, params: AlternateParams) ->
 
 
 def draft_alternate(backend: Backend, params: SamplingParams, ctx: list[int], first: int,
-                    length: int, stop: Callable[[], bool] | None = None) -> list[int]:
-    """Draft `first` and up to length - 1 tokens after it, from ctx, whose every token the
-    backend's cache holds, until stop() says so; the cache holds exactly ctx again
-    afterwards."""
+                    length: int, stop: Callable[[], bool] | None = None,
+                    cached: int | None = None) -> list[int]:
+    """Draft `first` and up to length - 1 tokens after it, from ctx, until stop() says so.
+    The backend's cache holds ctx's first `cached` tokens (None: all of it); the rest go
+    into the first decode with `first`. The cache holds at most ctx afterwards."""
     n = len(ctx)
     out = [first]
     room = backend.n_ctx - n - 1
+    todo = ctx[n if cached is None else cached:]
     try:
         while len(out) < min(length, room) and not (stop is not None and stop()):
-            row = backend.eval([out[-1]], logits="last")[-1]
+            row = backend.eval([*todo, out[-1]], logits="last")[-1]
+            todo = []
             seq = ctx + out
             out.append(sampling.coupled(row, params, len(seq), sampling.recent_window(seq, params)))
     finally:
-        backend.truncate(n)
+        backend.truncate(min(n, backend.n_past))
     return out

@@ -25,6 +25,7 @@ from specwire.config import DraftParams, VerifyMode
 from specwire.drafters.model import ModelDrafter
 from specwire.link import alternates as alt
 from specwire.link.alternate_plan import AlternatePlan
+from specwire.link.fork import ForkDrafter, ForkJob
 from specwire.link.messages import (
     NOTICE_AFTER,
     Chunk,
@@ -89,6 +90,12 @@ class DraftSession:
                 alt.AlternateParams(per_chunk=open_msg.alternates,
                                  length=max(1, open_msg.alternate_len)),
                 self.drafter.sampling, open_msg.tree, open_msg.second_choices)
+        # A node's sequence with a fork drafts the alternates beside the branch, in the
+        # same decodes; any other backend drafts them between the branch's tokens.
+        self.fork: ForkDrafter | None = None
+        if self.plan is not None and ForkDrafter.usable(backend):
+            self.fork = ForkDrafter(backend, self.drafter.sampling, self.plan.params.length,
+                                    stale=self._stale, wake=self._wake)
         self.committed: list[int] = list(open_msg.history)
         # What the backend's cache already holds of the history, and what is left to evaluate.
         self.cache_n = usable_prefix(backend, self.committed)
@@ -135,6 +142,8 @@ class DraftSession:
         for t in (self.thread, self._catcher):
             if t is not None and t.is_alive():
                 t.join()
+        if self.fork is not None:
+            self.fork.close()
 
     def step(self, verdict: Verdict | None) -> None:
         """Apply a verdict (None right after the Open), then draft the tokens wanted."""
@@ -203,6 +212,9 @@ class DraftSession:
             self.announce()
             self._catch_up()
             while (work := self._next_work()) is not None:
+                if work == "fork":
+                    self._fork_work(send=True)
+                    continue
                 with self._pace(alternate=work != "draft", answering=False):
                     if work == "draft":
                         self._draft_burst()
@@ -214,15 +226,17 @@ class DraftSession:
             self.send(msg)
 
     def _next_work(self) -> str | int | None:
-        """Apply verdicts; wait until there is work: the index of a sent branch token
-        whose alternate is worth drafting first, or "draft" the branch on. None when
-        closed."""
+        """Apply verdicts; wait until there is work: "fork" (an alternate drafted on the
+        fork is done, or one is due there), the index of a sent branch token whose
+        alternate is worth drafting first, or "draft" the branch on. None when closed."""
         with self._cv:
             while True:
                 while self._inbox:
                     self._apply(self._inbox.popleft())
                 if self._closed:
                     return None
+                if self.fork is not None and (self.fork.take_ready() or self._fork_due()):
+                    return "fork"
                 j = self._alternate_first()
                 if j is not None:
                     return j
@@ -232,11 +246,42 @@ class DraftSession:
 
     def _alternate_first(self) -> int | None:
         """The sent branch token whose alternate to draft before the branch's next token
-        (AlternatePlan.first); None for sessions without alternates."""
-        if self.plan is None:
+        (AlternatePlan.first); None for sessions without alternates, or with a fork."""
+        if self.plan is None or self.fork is not None:
             return None
         full = self.stalled or len(self.branch) >= self._limit()
         return self.plan.first(len(self.committed), self.sent, full, self.lookahead)
+
+    # -- alternates on the fork (link/fork.py) -----------------------------------
+
+    def _fork_due(self) -> int | None:
+        """The sent branch token whose alternate the idle fork should draft now."""
+        if self.fork.busy:
+            return None
+        return self.plan.beside(len(self.committed), self.sent)
+
+    def _fork_work(self, send: bool) -> None:
+        """Take the fork's finished alternate into the next chunk (send: in a chunk of its
+        own now), and start the next one due."""
+        job = self.fork.take()
+        if job is not None:
+            if job.error is not None:
+                raise job.error
+            fresh = not self._stale(job) and job.at not in self.plan.alts
+            if fresh and self.plan.drafted(job.at, job.tokens) and send:
+                self._flush([], [], done=self.stalled or len(self.branch) >= self._limit())
+        j = self._fork_due()
+        if j is not None:
+            ctx = self.committed + self.branch[:j]
+            self.fork.start(self.gen, ctx, self.plan.choices[j].second)
+
+    def _stale(self, job: ForkJob) -> bool:
+        """The branch moved past this job's alternate (or the session closed)."""
+        return self._closed or job.gen != self.gen or job.at < len(self.committed)
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
 
     def _draft_late_alternate(self, j: int) -> None:
         """Draft the alternate for branch token j and send it in a chunk of its own; a
@@ -340,6 +385,8 @@ class DraftSession:
                 sparse_pending.append(sd)
             due = (self.plan is not None and self.plan.tree and self.plan.tree_at(
                 len(self.committed), len(self.branch), self.lookahead) is not None)
+            if self.fork is not None:
+                self._fork_work(send=False)
             if self.pipelined and (self.sent == 0 or len(pending) >= 2 or due):
                 self._flush(pending, sparse_pending, done=False)
                 if self._alternate_first() is not None:
@@ -355,7 +402,7 @@ class DraftSession:
         stopped_by_pmin = len(result) < target and not self._inbox and not paused
         self.stalled = stopped_by_pmin
         done = stopped_by_pmin or len(self.branch) >= self._limit()
-        if pending or done:
+        if pending or done or (self.plan is not None and self.plan.pending):
             self._flush(pending, sparse_pending, done=done)
 
     def _flush(self, pending: list[int], sparse_pending: list, done: bool,

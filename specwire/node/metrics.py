@@ -131,6 +131,9 @@ def _step_families(c: StepCounters) -> Iterator[Metric]:
     parts.add_metric(["branch"], c.branches)
     parts.add_metric(["alternate"], c.alternates)
     yield parts
+    yield CounterMetricFamily(PREFIX + "alternates_beside", "Alternate parts decoded in the "
+                              "same decode as their own branch's part (drafted on its fork).",
+                              value=c.beside)
     sessions, alternates = c.per_decode()
     yield GaugeMetricFamily(PREFIX + "sessions_per_decode", "Sessions' branches per decode "
                             "since the node started.", value=sessions)

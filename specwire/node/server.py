@@ -258,9 +258,10 @@ class DraftNodeService:
             self.memory.release(session.backend, session.committed)
             if self.memory.enabled:
                 log.info("session closes: %d tokens kept", session.backend.n_past)
-            branches, alternates = self.steps.snapshot().per_decode()
-            log.info("node steps: %.2f sessions and %.2f alternates per decode",
-                     branches, alternates)
+            steps = self.steps.snapshot()
+            branches, alternates = steps.per_decode()
+            log.info("node steps: %.2f sessions and %.2f alternates per decode (%d alternate "
+                     "parts beside their branch's)", branches, alternates, steps.beside)
             if self.settings.emulation is not None:
                 h = self.holds
                 log.info("emulation: %d draft decodes, %d over their emulated time; "
@@ -270,10 +271,11 @@ class DraftNodeService:
 
 def draft_context(settings: NodeSettings, model: Model, holds: HoldCounters):  # noqa: ANN201
     """The node's one llama.cpp context: a sequence for every session it admits and one
-    for every finished session its memory keeps warm (node/kv_cache.py), held to the
-    --emulate regime where given (one decode of n sequences charged as a batch of n)."""
+    for every finished session its memory keeps warm (node/kv_cache.py), each with a fork
+    for its alternates (link/fork.py), held to the --emulate regime where given (one
+    decode of n sequences charged as a batch of n)."""
     n_seq = 2 * settings.max_sessions
-    shared = LlamaBackend(settings.model, model, n_seq=n_seq)
+    shared = LlamaBackend(settings.model, model, n_seq=n_seq, forks=True)
     regime = settings.emulation
     return shared if regime is None else emulate(shared, regime, holds)
 

@@ -46,6 +46,7 @@ class StepCounters:
     decodes: int = 0
     branches: int = 0      # branch parts, summed over decodes (sessions per decode)
     alternates: int = 0    # alternate parts, summed over decodes
+    beside: int = 0        # ... of them in the same decode as their own branch's part
     tokens: int = 0
 
     def per_decode(self) -> tuple[float, float]:
@@ -238,10 +239,13 @@ class StepLoop:
                 r.error = e
         alternates = sum(r.alternate for r in batch)
         step = (len(batch) - alternates, alternates)
+        seqs = {r.part.seq for r in batch}
+        beside = sum(r.part.seq - self.n_seq in seqs for r in batch if r.alternate)
         with self._cv:
             c = self.counters
             c.decodes += 1
             c.alternates += alternates
+            c.beside += beside
             c.branches += step[0]
             c.tokens += sum(len(r.part.tokens) for r in batch)
             for r in batch:
@@ -252,10 +256,12 @@ class StepLoop:
 
 class StepSequence:
     """One sequence of a StepLoop's context, as a session's Backend: its evals are parts
-    of the loop's decodes, everything else a call into the context under its lock."""
+    of the loop's decodes, everything else a call into the context under its lock. Where
+    the context has forks, `fork` gives this sequence's (link/fork.py drafts an alternate
+    on it, beside the branch)."""
 
-    def __init__(self, loop: StepLoop, seq: int) -> None:
-        self.loop, self.seq_id = loop, seq
+    def __init__(self, loop: StepLoop, seq: int, parent: StepSequence | None = None) -> None:
+        self.loop, self.seq_id, self.parent = loop, seq, parent
         self._view = loop.shared.seq(seq)
         self.model, self.name, self.params = self._view.model, self._view.name, self._view.params
         self.n_vocab, self.n_ctx = self._view.n_vocab, self._view.n_ctx
@@ -312,6 +318,18 @@ class StepSequence:
         with self.loop.lock:
             self._view.truncate(n)
 
+    @property
+    def forks(self) -> bool:
+        """Whether `fork` can give this sequence a fork."""
+        return self.parent is None and self.seq_id < getattr(self.loop.shared, "n_forks", 0)
+
+    def fork(self, n: int) -> StepSequence:
+        """This sequence's fork, holding its first n tokens (their cells shared), as a
+        Backend of its own whose parts join the same decodes; closing it empties it."""
+        with self.loop.lock:
+            fork = self.loop.shared.fork_seq(self.seq_id, n)
+        return StepSequence(self.loop, fork, parent=self)
+
     def holds_window(self, n: int) -> bool:
         with self.loop.lock:
             return self._view.holds_window(n)
@@ -345,7 +363,12 @@ class StepSequence:
         return self._view.vocab_fingerprint()
 
     def close(self) -> None:
-        """The sequence back to the loop, emptied (once)."""
-        if not self._closed:
-            self._closed = True
+        """The sequence back to the loop, emptied (once); a fork only emptied."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.parent is not None:
+            with self.loop.lock:
+                self._view.truncate(0)
+        else:
             self.loop.give_back(self.seq_id)
