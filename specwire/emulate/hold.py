@@ -210,7 +210,9 @@ class EmulatedBatch(EmulatedBackend):
                  counters: HoldCounters | None = None, clock: Clock = time) -> None:
         super().__init__(inner, regime, counters, clock)
         self._views: list[EmulatedBackend] = [self]
-        self._views += [_EmulatedSeq(self, i) for i in range(1, inner.n_seq)]
+        # every sequence the inner one addresses: its forks too (backend/llama.py)
+        n_ids = inner.n_seq + getattr(inner, "n_forks", 0)
+        self._views += [_EmulatedSeq(self, i) for i in range(1, n_ids)]
 
     def seq(self, i: int) -> EmulatedBackend:
         self.inner.seq(i)   # the real one's range check and message

@@ -19,10 +19,12 @@ from wire_helpers import CODE, GREEDY, N_CTX, draft_model_path, request, run_to_
 from specwire.backend.batch import Part
 from specwire.backend.llama import LlamaBackend, load_model
 from specwire.config import ModelParams
+from specwire.emulate.hold import Regime
 from specwire.engine.engine import Engine
 from specwire.link.fork import ForkDrafter, ForkJob
 from specwire.node import server as node_mod
 from specwire.node.server import NodeSettings
+from specwire.policy.throughput import VerifyCurve
 
 # ======================================================================== fakes (fast)
 
@@ -179,9 +181,14 @@ def _settle(drafter):
 
 
 @pytest.mark.slow
-def test_a_nodes_alternates_are_drafted_beside_their_branch_losslessly(target) -> None:
+@pytest.mark.parametrize("emulated", [False, True], ids=["real", "emulated"])
+def test_a_nodes_alternates_are_drafted_beside_their_branch_losslessly(target,
+                                                                       emulated) -> None:
+    """A real node, as `specwire draft` and its --emulate run it (the held context
+    addresses the forks too)."""
+    regime = Regime(0.01, VerifyCurve.parse("1:1,16:1.1")) if emulated else None
     node = node_mod.start(NodeSettings(model=ModelParams(draft_model_path(), n_ctx=N_CTX),
-                                       port=0, max_sessions=2))
+                                       port=0, max_sessions=2, emulation=regime))
     try:
         prompt = target.tokens(CODE)
         want = target.plain(prompt, GREEDY, 48)
