@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from specwire.policy.plan import best_k
 from specwire.policy.throughput import (
     PlanInputs,
+    batched,
     local_rate,
     pipelined_rate,
     plain_rate,
@@ -88,17 +89,22 @@ def two_boxes(p: PlanInputs) -> Side:
 
 
 def compare(one: PlanInputs, two: PlanInputs, one_range: tuple[float, float] | None = None,
-            two_range: tuple[float, float] | None = None) -> Boxes:
+            two_range: tuple[float, float] | None = None, parallel: int = 1) -> Boxes:
     """one: the figures with the draft in the target's process; two: with the draft on its
     own box (its speed there, its acceptance there, the link). one_range/two_range: the
-    acceptances' ranges (None: none); the ends are taken together, low with low."""
+    acceptances' ranges (None: none); the ends are taken together, low with low.
+    parallel: requests decoding together (throughput.batched); the sides' summed rates."""
     lo1, hi1 = one_range or (one.acceptance, one.acceptance)
     lo2, hi2 = two_range or (two.acceptance, two.acceptance)
     pairs = ((lo1, lo2), (one.acceptance, two.acceptance), (hi1, hi2))
+    one, two = batched(one, parallel), batched(two, parallel)
     sides = [(one_box(replace(one, acceptance=x)), two_boxes(replace(two, acceptance=y)))
              for x, y in pairs]
     gains = tuple(t.tokens_per_s / o.tokens_per_s - 1.0 for o, t in sides)
-    return Boxes(sides[1][0], sides[1][1], (lo1, one.acceptance, hi1), gains)
+    o, t = sides[1]
+    return Boxes(replace(o, tokens_per_s=parallel * o.tokens_per_s),
+                 replace(t, tokens_per_s=parallel * t.tokens_per_s),
+                 (lo1, one.acceptance, hi1), gains)
 
 
 def acceptance_range(accepted: int, drafted: int, z: float = Z90) -> tuple[float, float]:

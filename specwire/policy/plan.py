@@ -17,6 +17,7 @@ from specwire.policy.throughput import (
     RATE_FNS,
     PlanInputs,
     RateFn,
+    batched,
     expected_tokens,
     free_rate,
     plain_rate,
@@ -174,10 +175,11 @@ class ClosedForm:
 @dataclass(frozen=True, slots=True)
 class Plan:
     inputs: PlanInputs
-    modes: dict[str, ModePlan]
+    modes: dict[str, ModePlan]   # tokens/s of all `parallel` requests together
     closed_form: ClosedForm
     verdict: str
     bound: ModePlan | None = None  # a free, instant drafter at the same acceptance
+    parallel: int = 1   # requests decoding together (serve -np), each mode's rate summed
 
     def to_dict(self) -> dict:
         """JSON-ready; infinities become null."""
@@ -199,6 +201,7 @@ class Plan:
             "closed_form": {"L": self.closed_form.cost, "k_real": _finite(self.closed_form.k_real),
                             "k": self.closed_form.k, "speedup": self.closed_form.speedup},
             "verdict": self.verdict,
+            "parallel": self.parallel,
             "bound": None if self.bound is None else {
                 "k": self.bound.k, "tokens_per_s": self.bound.tokens_per_s,
                 "speedup": self.bound.speedup,
@@ -211,18 +214,24 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def plan(p: PlanInputs) -> Plan:
-    """Every mode at its best k in 1..draft_max, the closed form, and a verdict."""
-    plain = plain_rate(p)
+def plan(p: PlanInputs, parallel: int = 1) -> Plan:
+    """Every mode at its best k in 1..draft_max, the closed form, and a verdict; for
+    `parallel` requests decoding together (throughput.batched), their summed rates."""
+    if parallel < 1:
+        raise ValueError(f"parallel: must be >= 1, got {parallel}")
+    q = batched(p, parallel)
+    plain = parallel * plain_rate(q)
     modes = {"plain": ModePlan(0, plain, 1.0)}
     for name, fn in RATE_FNS.items():
-        k, rate = best_k(fn, p)
-        modes[name] = ModePlan(k, rate, rate / plain)
-    cost = p.draft_cost()
-    k_cf = tkslt_k_star(p.acceptance, cost, SEARCH_K_MAX)
-    closed = ClosedForm(cost, tkslt_k_real(p.acceptance, cost), k_cf,
-                        tkslt_speedup(p.acceptance, cost, k_cf))
-    return Plan(p, modes, closed, verdict(modes), free_bound(p))
+        k, rate = best_k(fn, q)
+        modes[name] = ModePlan(k, parallel * rate, parallel * rate / plain)
+    cost = q.draft_cost()
+    k_cf = tkslt_k_star(q.acceptance, cost, SEARCH_K_MAX)
+    closed = ClosedForm(cost, tkslt_k_real(q.acceptance, cost), k_cf,
+                        tkslt_speedup(q.acceptance, cost, k_cf))
+    bound = free_bound(q)
+    bound = ModePlan(bound.k, parallel * bound.tokens_per_s, bound.speedup)
+    return Plan(p, modes, closed, verdict(modes), bound, parallel)
 
 
 def verdict(modes: dict[str, ModePlan]) -> str:

@@ -6,7 +6,8 @@ same inputs. A round asked for k tokens drafts g + ... + g^k of them (`drafted_t
 yields E = 1 + ga + ... + (ga)^k tokens (`expected_tokens`) and costs the drafter's time
 plus its share of the target's decode (`verify_share`); `round_rate` divides one by the
 other, and `sync_rate`, `local_rate` and `pipelined_rate` price the deployment modes, over a
-request whose draft first reads its prompt where PlanInputs says one (`request_rate`).
+request whose draft first reads its prompt where PlanInputs says one (`request_rate`);
+`batched` gives the figures each of n requests decoding together sees.
 Unmeasured, t_v(n) is the memory-bound prior t_s (1 + VERIFY_SLOPE (n - 1)).
 docs/planner.md defines the symbols (a, g, t_s, t_d, t_v, RTT) and the modes.
 """
@@ -373,6 +374,22 @@ class PlanInputs:
     def local(self) -> PlanInputs:
         """The same figures with the drafter in-process: no round trip, no link."""
         return replace(self, rtt_s=0.0, bandwidth_bps=math.inf)
+
+
+def batched(p: PlanInputs, n: int) -> PlanInputs:
+    """The figures as each of n requests decoding together sees them (serve -np n, one
+    draft for all: the node's step loop, or a lockstep draft in the target's process).
+    A plain step is the target's decode of n tokens, t_s t_v(n); a draft token the draft's
+    decode of n sequences (draft_read_s(n): one token's time, the rest on the draft's
+    curve); verifying m tokens a decode of n m; the link carries n requests' drafts. Each
+    mode's rate under these figures, times n, is the aggregate. Prompts are read as given."""
+    if n <= 1:
+        return p
+    step = p.verify.cost(n)
+    curve = VerifyCurve(tuple((m, p.verify.cost(n * m) / step)
+                              for m in range(1, p.draft_max + 2)), assumed=p.verify.assumed)
+    return replace(p, target_tps=p.target_tps / step, draft_tps=1.0 / p.draft_read_s(n),
+                   bandwidth_bps=p.bandwidth_bps / n, verify=curve)
 
 
 def _need(cond: bool, name: str, msg: str) -> None:

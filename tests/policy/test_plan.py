@@ -26,6 +26,7 @@ from specwire.policy.throughput import (
     DEFAULT_DRAFT_BYTES,
     PlanInputs,
     VerifyCurve,
+    batched,
     expected_tokens,
     local_rate,
     pipelined_rate,
@@ -311,3 +312,49 @@ def test_cli_bad_values_name_their_flag(flag: str, value: str) -> None:
     args = _args(*[x for kv in base.items() for x in kv])
     with pytest.raises(CliError, match=flag):
         plan_cmd.run(args)
+
+
+# --------------------------------------------------------------------------- parallel requests
+
+
+def test_one_request_is_not_batched_and_a_flat_target_scales_every_mode() -> None:
+    p = PlanInputs(target_tps=5.0, draft_tps=50.0, acceptance=0.7, rtt_s=0.002,
+                   verify=VerifyCurve.parse("1:1,64:1"))
+    assert batched(p, 1) is p
+    one, four = plan(p), plan(p, parallel=4)
+    assert four.parallel == 4 and four.to_dict()["parallel"] == 4
+    # A decode of any size costs one step on both curves (the draft's takes the target's
+    # shape): four requests go four times as fast in every mode, each at the same k.
+    for name, m in one.modes.items():
+        assert four.modes[name].k == m.k
+        assert four.modes[name].tokens_per_s == pytest.approx(4 * m.tokens_per_s)
+        assert four.modes[name].speedup == pytest.approx(m.speedup)
+
+
+def test_a_compute_bound_target_gains_nothing_from_batching_plain_steps() -> None:
+    """t_v(n) = n: a step of four requests costs four steps, so plain decoding's sum is one
+    request's rate, and a draft's verification of 4 (k + 1) tokens is priced on that curve."""
+    p = PlanInputs(target_tps=5.0, draft_tps=50.0, acceptance=0.7,
+                   verify=VerifyCurve.parse("1:1,2:2"), draft_max=8)
+    q = batched(p, 4)
+    assert q.target_tps == pytest.approx(5.0 / 4)
+    assert q.verify.cost(3) == pytest.approx(3.0)      # 12 tokens against a step of 4
+    assert q.draft_tps == pytest.approx(50.0 / 4)      # the draft's decode of 4 sequences
+    assert q.bandwidth_bps == p.bandwidth_bps / 4
+    four = plan(p, parallel=4)
+    assert four.modes["plain"].tokens_per_s == pytest.approx(5.0)
+    assert four.modes["local"].tokens_per_s == pytest.approx(4 * best_k(local_rate, q)[1])
+
+
+def test_cli_parallel(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ("--target-tps", "2.24", "--draft-tps", "21.6", "--acceptance", "0.6",
+             "--verify-cost", "1:1,4:1.02,16:1.13")
+    assert plan_cmd.run(_args(*flags, "-np", "4", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parallel"] == 4
+    assert out["modes"]["plain"]["tokens_per_s"] == pytest.approx(4 * 2.24 / 1.02)
+    assert out["boxes"]["one_box"]["tokens_per_s"] > out["modes"]["plain"]["tokens_per_s"]
+    assert plan_cmd.run(_args(*flags, "--parallel", "4")) == 0
+    assert "4 requests decoding together" in capsys.readouterr().out
+    with pytest.raises(CliError, match="--parallel"):
+        plan_cmd.run(_args(*flags, "-np", "0"))

@@ -58,6 +58,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default 24)")
     p.add_argument("--verdict-bytes", default="32", metavar="B",
                    help="bytes on the wire per verdict (default 32)")
+    p.add_argument("-np", "--parallel", default="1", metavar="N",
+                   help="requests decoding together (llama-server's -np): the target verifies "
+                   "all of them in one decode, the draft drafts all of them in one decode "
+                   "(a node's step, or a lockstep local draft), each on its --verify-cost "
+                   "curve; tokens/s summed over them (default 1)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     b = p.add_argument_group("one box or two: the draft in the target's process or on a node")
     b.add_argument("--node-draft-tps", metavar="TPS",
@@ -102,9 +107,12 @@ def run(args: argparse.Namespace) -> int:
     apply_bench(args)            # --bench and --measure fill the figures not given
     apply_measurement(args)
     inputs = inputs_from_args(args)
-    result = plan(inputs)
+    parallel = _int("--parallel", args.parallel)
+    if not 1 <= parallel <= 256:
+        raise CliError(f"--parallel: must be in 1..256, got {parallel}")
+    result = plan(inputs, parallel)
     second = rpc_from_args(args, inputs)
-    two = boxes_from_args(args, inputs)
+    two = boxes_from_args(args, inputs, parallel)
     if args.json:
         out = result.to_dict()
         out["boxes"] = two.to_dict()
@@ -112,19 +120,21 @@ def run(args: argparse.Namespace) -> int:
             out["second_box"] = {**second.to_dict(), "verdict": second.verdict()}
         print(json.dumps(out, indent=2))
     else:
-        print(render(result) + "\n\n" + render_boxes(two, inputs, args)
+        print(render(result) + "\n\n"
+              + render_boxes(two, inputs, args, result.modes["plain"].tokens_per_s)
               + ("" if second is None else "\n\n" + render_rpc(second)))
     return 0
 
 
-def boxes_from_args(args: argparse.Namespace, p: PlanInputs) -> boxes.Boxes:
+def boxes_from_args(args: argparse.Namespace, p: PlanInputs,
+                    parallel: int = 1) -> boxes.Boxes:
     """One box (p) against two (the node's draft speed), over the acceptance's range when
-    it was given as counts."""
+    it was given as counts, for `parallel` requests at once."""
     node = p if args.node_draft_tps is None else replace(
         p, draft_tps=_positive("--node-draft-tps", args.node_draft_tps))
     node_a = args.acceptance if args.node_acceptance is None else args.node_acceptance
     node = replace(node, acceptance=_acceptance(node_a, "--node-acceptance"))
-    return boxes.compare(p, node, _range(args.acceptance), _range(node_a))
+    return boxes.compare(p, node, _range(args.acceptance), _range(node_a), parallel)
 
 
 def _range(text: str) -> tuple[float, float] | None:
@@ -133,12 +143,14 @@ def _range(text: str) -> tuple[float, float] | None:
     return boxes.acceptance_range(*counts) if counts else None
 
 
-def render_boxes(b: boxes.Boxes, p: PlanInputs, args: argparse.Namespace) -> str:
-    """One box and two side by side, and the verdict."""
+def render_boxes(b: boxes.Boxes, p: PlanInputs, args: argparse.Namespace,
+                 plain: float | None = None) -> str:
+    """One box and two side by side, and the verdict; speedups against `plain` (default:
+    the target's plain rate)."""
     node_tps = p.draft_tps if args.node_draft_tps is None else float(args.node_draft_tps)
     request = (f"requests of {p.prompt_tokens} prompt + {p.reply_tokens} reply tokens"
                if p.prompt_tokens and p.reply_tokens else "a steady run (no prompt read)")
-    plain = p.target_tps
+    plain = plain or p.target_tps
     rows = [("one box", b.one, f"draft at {p.draft_tps:.4g} tokens/s in the target's process"),
             ("two boxes", b.two, f"draft node at {node_tps:.4g} tokens/s, RTT "
              f"{p.rtt_s * 1e3:g} ms")]
@@ -385,6 +397,9 @@ def render(result: Plan) -> str:
         f"acceptance {p.acceptance:.3f}, RTT {p.rtt_s * 1e3:g} ms, "
         f"bandwidth {_bits(p.bandwidth_bps)}",
         f"verify cost: {p.verify.describe()}",
+        *([f"{result.parallel} requests decoding together: tokens/s summed over them "
+           "(each step of the target and of the draft holds all of them)"]
+          if result.parallel > 1 else []),
         "",
         f"{'mode':<12} {'best k':>6} {'tokens/s':>9} {'speedup':>8} {'of bound':>8}",
     ]
