@@ -160,6 +160,7 @@ class Drafters:
         # server, as the policy's estimates do (its cache of requests does not, here)
         self._ngram_memory: dict[str, tuple[Any, Any]] = {}
         self._hybrid_memory: dict[str, Any] = {}  # the hybrid's estimates, likewise
+        self._bubble_memory: dict[str, Any] = {}  # a pipelined drafter's bubble rule's
         self._draft_regime: Any = None   # --emulate: the draft's times (see hold)
         self._draft_counters: Any = None
         self._held_draft: Any = None
@@ -215,7 +216,7 @@ class Drafters:
         ours = self._split[0] if split_here else None
         with cpus.pinned(ours):
             drafter = (self._llama_server(emu) if cfg.mode == "llama-server"
-                       else self._remote(emu, pipelined=cfg.mode != "remote-sync",
+                       else self._remote(emu, cfg, pipelined=cfg.mode != "remote-sync",
                                          chains=cfg.mode == "remote-chains"))
             if cfg.mode == "hybrid-pipelined":
                 drafter = self._hybrid(cfg, drafter)
@@ -235,7 +236,7 @@ class Drafters:
             from specwire.link.threaded import ThreadedDrafter
             return ThreadedDrafter(self.draft_backend(),
                                    alternates=alternate_params(self.bench.remote.branches),
-                                   tree=self.bench.remote.tree)
+                                   tree=self.bench.remote.tree, bubbles=self._bubbles(cfg))
         if mode == "ngram":
             return self._ngram(cfg)
         if mode == "hybrid":
@@ -261,13 +262,23 @@ class Drafters:
         estimates = self._hybrid_memory.setdefault(cfg.label(), HybridEstimates())
         return HybridDrafter(self._ngram(cfg), model, estimates=estimates)
 
-    def _remote(self, emu: LinkEmulator, pipelined: bool, chains: bool = False) -> Any:
+    def _bubbles(self, cfg: RunParams) -> Any:
+        """The configuration's bubble estimates (drafters/bubble.py), handed from each
+        prompt's drafter to the next, as the policy's estimates are (runner.py)."""
+        from specwire.drafters.bubble import BubbleWait
+        from specwire.policy.scoped import Scoped
+        return self._bubble_memory.setdefault(cfg.label(), Scoped(BubbleWait, BubbleWait()))
+
+    def _remote(self, emu: LinkEmulator, cfg: RunParams, pipelined: bool,
+                chains: bool = False) -> Any:
         """A fresh Link + RemoteDrafter through the emulator, handshake done (chains: its
-        rounds verify no alternate beside the draft)."""
+        rounds verify no alternate beside the draft), going on from the configuration's
+        bubble estimates."""
         from specwire.link.remote import make_remote_drafter
         opts = dataclasses.replace(self.bench.remote, pipelined=pipelined,
                                    **({"tree": 0} if chains else {}))
-        drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target)
+        drafter = make_remote_drafter([f"{emu.listen_host}:{emu.port}"], opts, self.target,
+                                      self._bubbles(cfg) if pipelined else None)
         link = drafter.status()[0]
         if not link.up:
             drafter.close()

@@ -61,10 +61,14 @@ class BranchDrafter(DrafterBase):
                  lookahead: int = 0, sync_timeout_s: float = 1.0, *,
                  alternates: AlternateParams | None = DEFAULT_ALTERNATES,
                  tree: int = MAX_ALTERNATES,
-                 timing: bool = False) -> None:
+                 timing: bool = False,
+                 bubbles: Scoped[BubbleWait] | None = None) -> None:
         """alternates: the alternates to ask a pipelined drafter for (None: none); tree: how
         many of them a round may verify beside the draft (0: chains); timing: ask the
-        drafter how long it worked on each chunk."""
+        drafter how long it worked on each chunk; bubbles: what the bubble rule learned
+        per cache scope, kept by whoever replaces this drafter with the next (bench builds
+        one per prompt: the estimates carry over, as a server's drafter per slot keeps
+        them and as the policy's do; None: its own)."""
         self.transport = transport
         self.n_vocab, self.pipelined, self.lookahead = n_vocab, pipelined, lookahead
         self.sync_timeout_s = sync_timeout_s
@@ -83,11 +87,13 @@ class BranchDrafter(DrafterBase):
         # Pipelined: after a rejection, wait a moment for the fresh branch when that pays
         # more than a plain step (drafters/bubble.py); None never waits. Off where the
         # engine's step holds other sequences, or another drafter's draft may be ready.
-        self.bubble: BubbleWait | None = BubbleWait() if pipelined else None
         #: per cache scope, the bubble rule's estimates (acceptance and rate are learned
         #: from that scope's text: policy/scoped.py); begin picks one
-        self.bubbles: Scoped[BubbleWait] | None = (
-            Scoped(self._fresh_bubble, self.bubble) if pipelined else None)
+        self.bubbles: Scoped[BubbleWait] | None = None
+        self.bubble: BubbleWait | None = None
+        if pipelined:
+            self.bubbles = bubbles or Scoped(self._fresh_bubble, BubbleWait())
+            self.bubble = self.bubbles.get("")
         self._cv = threading.Condition()
         self._session = 0  # bumps at every open: older chunks are ignored
         self._history: list[int] = []

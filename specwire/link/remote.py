@@ -14,12 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from specwire.drafters.base import Capabilities, LinkStatus
+from specwire.drafters.bubble import BubbleWait
 from specwire.link.alternates import AlternateParams, alternate_params
 from specwire.link.branch import DEFAULT_ALTERNATES, BranchDrafter
 from specwire.link.messages import MAX_ALTERNATES
 from specwire.link.transport.channel import Link, LinkSettings
 from specwire.link.transport.channels import LinkSet
 from specwire.link.transport.grpc_client import GrpcTransport
+from specwire.policy.scoped import Scoped
 from specwire.settings import RemoteSettings
 
 log = logging.getLogger("specwire.remote")
@@ -36,11 +38,13 @@ class RemoteDrafter(BranchDrafter):
                  lookahead: int = 0, sync_timeout_s: float = 1.0, *,
                  alternates: AlternateParams | None = DEFAULT_ALTERNATES,
                  tree: int = MAX_ALTERNATES,
-                 timing: bool = False, poll: bool = True) -> None:
+                 timing: bool = False, poll: bool = True,
+                 bubbles: Scoped[BubbleWait] | None = None) -> None:
         """links: this drafter's own, or a LinkSet shared with the target's other drafters;
-        alternates, tree, timing: as BranchDrafter's; poll: as GrpcTransport's."""
+        alternates, tree, timing, bubbles: as BranchDrafter's; poll: as GrpcTransport's."""
         super().__init__(GrpcTransport(links, poll), n_vocab, pipelined, lookahead,
-                         sync_timeout_s, alternates=alternates, tree=tree, timing=timing)
+                         sync_timeout_s, alternates=alternates, tree=tree, timing=timing,
+                         bubbles=bubbles)
         t = self.transport
         self.shared, self.links = t.shared, t.links
         self.handshake = t.handshake
@@ -88,15 +92,19 @@ def hello_pool(n: int) -> ThreadPoolExecutor:
     return pool
 
 
-def make_remote_drafter(urls: list[str], remote: RemoteSettings, target) -> object:
-    """Build the drafter for --draft-url flags: gRPC nodes, or a llama-server over HTTP."""
-    return make_remote_drafters(urls, remote, target, 1)[0]
+def make_remote_drafter(urls: list[str], remote: RemoteSettings, target,
+                        bubbles: Scoped[BubbleWait] | None = None) -> object:
+    """Build the drafter for --draft-url flags: gRPC nodes, or a llama-server over HTTP.
+    bubbles: an earlier drafter's bubble estimates, to go on from (BranchDrafter)."""
+    return make_remote_drafters(urls, remote, target, 1, bubbles)[0]
 
 
-def make_remote_drafters(urls: list[str], remote: RemoteSettings, target, n: int) -> list:
+def make_remote_drafters(urls: list[str], remote: RemoteSettings, target, n: int,
+                         bubbles: Scoped[BubbleWait] | None = None) -> list:
     """n drafters (one per slot of `serve -np n`) for --draft-url flags. gRPC nodes: the
     drafters share one LinkSet, so each node sees one connection per port from this
-    target, a stream per session (link/transport/channels.py), and one handshake."""
+    target, a stream per session (link/transport/channels.py), and one handshake. bubbles
+    (n = 1 only): as make_remote_drafter's."""
     from specwire.config import ConfigError
 
     if any(u.startswith(("http://", "https://")) for u in urls):
@@ -118,7 +126,7 @@ def make_remote_drafters(urls: list[str], remote: RemoteSettings, target, n: int
     drafters = [RemoteDrafter(shared, target.n_vocab, pipelined=remote.pipelined,
                               alternates=alternate_params(remote.branches),
                               tree=remote.tree if n == 1 and remote.pipelined else 0,
-                              poll=remote.poll)
+                              poll=remote.poll, bubbles=bubbles if n == 1 else None)
                 for _ in range(n)]
     errors = drafters[0].handshake()
     fatal = [e for e in errors if e and e.startswith("incompatible")]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from specwire.backend.base import Backend
 from specwire.config import DraftParams, SamplingParams
+from specwire.drafters.bubble import BubbleWait
 from specwire.link.alternates import AlternateParams
 from specwire.link.branch import DEFAULT_ALTERNATES, BranchDrafter
 from specwire.link.messages import (
@@ -28,6 +29,7 @@ from specwire.link.messages import (
 from specwire.link.session import DraftSession
 from specwire.link.transport.base import Transport
 from specwire.policy.adaptive import Calibration
+from specwire.policy.scoped import Scoped
 from specwire.sample.constraints.grammar import GrammarSpec
 
 log = logging.getLogger("specwire.threaded")
@@ -91,10 +93,11 @@ class ThreadedDrafter(BranchDrafter):
 
     def __init__(self, backend: Backend, pipelined: bool = True, lookahead: int = 0, *,
                  alternates: AlternateParams | None = DEFAULT_ALTERNATES,
-                 tree: int = MAX_ALTERNATES) -> None:
-        """alternates, tree: as BranchDrafter's."""
+                 tree: int = MAX_ALTERNATES,
+                 bubbles: Scoped[BubbleWait] | None = None) -> None:
+        """alternates, tree, bubbles: as BranchDrafter's."""
         super().__init__(InProcessTransport(backend), backend.n_vocab, pipelined, lookahead,
-                         alternates=alternates, tree=tree)
+                         alternates=alternates, tree=tree, bubbles=bubbles)
         self.backend = backend
         self.name = f"threaded:{backend.name}"
 
