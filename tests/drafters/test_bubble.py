@@ -173,3 +173,22 @@ def test_a_bigger_batch_never_prices_cheaper() -> None:
     assert abs(t(4) - (1.6 + 1.34 + 1.09) / 3) < 1e-9  # 3, 4, 5 pooled, equal weights
     assert t(1) == 1.0 and t(9) == 2.4
     assert monotone({1: (1.0, 1.0), 2: (0.5, 3.0)}) == {1: 0.625, 2: 0.625}
+
+
+def test_what_the_rule_learned_carries_over_to_the_next_drafter() -> None:
+    """bench builds a pipelined drafter per prompt: handed the last one's estimates, the
+    next begins where it ended (as a server's drafter per slot does), per cache scope;
+    without them, a drafter begins from the priors."""
+    from specwire.policy.scoped import Scoped
+
+    store = Scoped(BubbleWait, BubbleWait())
+    first = BranchDrafter(Forward(), V, pipelined=True, bubbles=store)
+    first.bubble.observe_arrival(1, 0.01)
+    first.bubbles.get("tenant").observe_arrival(2, 0.02)
+    second = BranchDrafter(Forward(), V, pipelined=True, bubbles=store)
+    assert second.bubble is first.bubble and second.bubble.arrivals == 1
+    assert second.bubbles.peek("tenant").arrivals == 1
+    fresh = BranchDrafter(Forward(), V, pipelined=True)
+    assert fresh.bubble is not first.bubble and fresh.bubble.arrivals == 0
+    assert BranchDrafter(Forward(), V, pipelined=False, bubbles=store).bubble is None
+
