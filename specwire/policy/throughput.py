@@ -418,13 +418,16 @@ def sync_round_s(p: PlanInputs, k: int) -> float:
 
 def late_s(lag_s: float, tokens: float, rate: float, plain_tps: float, races: bool) -> float:
     """Seconds a request of `tokens` at `rate` loses to a first draft lag_s late: all of
-    it when the target waits; racing (a pipelined target decodes plainly meanwhile), the
-    time those plain tokens took beyond what drafting would have spent on them."""
-    if lag_s <= 0.0 or tokens <= 0:
+    it when the target waits. Racing (a pipelined target decodes plainly meanwhile), the
+    time its plain tokens took beyond what drafting would have spent on them: the first
+    round's token always (the target's first decode begins as its prompt ends, and the
+    drafter, which read the same prompt meanwhile, has yet to draft its first token), then
+    one per plain step of the lag."""
+    if tokens <= 0:
         return 0.0
     if not races:
-        return lag_s
-    plain = min(tokens, lag_s * plain_tps)
+        return max(lag_s, 0.0)
+    plain = min(tokens, 1.0 + max(lag_s, 0.0) * plain_tps)
     return plain / plain_tps - plain / rate
 
 

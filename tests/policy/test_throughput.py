@@ -167,7 +167,8 @@ def test_a_request_pays_for_its_drafts_prompt_read() -> None:
     """The draft reads a request's prompt before its first draft: in this process on the
     decoding's time; a draft node while the target reads its own (only the excess is
     late); a pipelined target decodes plainly meanwhile. A steady run (no prompt, or no
-    reply length) is priced as before."""
+    reply length) is priced as before. A pipelined request's first round is a plain step
+    however early the draft is: the target's first decode starts as its prompt ends."""
     base = PlanInputs(target_tps=1 / T_S, draft_tps=1 / T_D, acceptance=0.8, verify=CURVE)
     req = replace(base, prompt_tokens=801, reply_tokens=64, target_prompt_tps=4000.0)
     read = T_D * CURVE.cost(801)             # along the curve's shape: 81 draft tokens
@@ -178,9 +179,12 @@ def test_a_request_pays_for_its_drafts_prompt_read() -> None:
     assert late > 0.1
     assert sync_rate(req, 4) == pytest.approx(64 / (64 / sync_rate(base, 4) + late))
     pipe = pipelined_rate(base, 4)
-    plain = min(64, late / T_S)
+    plain = min(64, 1 + late / T_S)
     assert pipelined_rate(req, 4) == pytest.approx(
         64 / (64 / pipe + plain * T_S - plain / pipe))
+    early = replace(req, target_prompt_tps=100.0)     # the draft done reading first
+    assert early.prompt_lag_s(True) == 0.0
+    assert pipelined_rate(early, 4) == pytest.approx(64 / (64 / pipe + T_S - 1 / pipe))
     assert local_rate(replace(req, reply_tokens=0), 4) == steady
     assert local_rate(req, 0) == 1 / T_S
     fast = replace(req, draft_prompt_tps=2000.0)
