@@ -12,6 +12,7 @@ An adaptive target's synchronous session stops its drafts by the calibrated rule
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from specwire.config import DraftParams, VerifyMode
 from specwire.drafters.model import ModelDrafter
 from specwire.link import alternates as alt
 from specwire.link.alternate_plan import AlternatePlan
+from specwire.link.catch_up import CatchUp
 from specwire.link.fork import ForkDrafter, ForkJob
 from specwire.link.messages import (
     NOTICE_AFTER,
@@ -115,11 +117,9 @@ class DraftSession:
         self._closed = False
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="draft-session", daemon=True)
-        # Synchronous sessions with a long history catch up on this thread, answering
-        # verdicts meanwhile with empty chunks (see announce).
-        self._catcher: threading.Thread | None = None
-        self._catch_error: Exception | None = None
-        self._caught = self.cache_n  # history tokens in the cache so far
+        # Synchronous sessions with a long history catch up on a thread of its own,
+        # answering verdicts meanwhile with empty chunks (see announce).
+        self.catch_up = CatchUp(backend, self.committed, self.cache_n, lambda: self._closed)
 
     # -- synchronous: on the caller's thread --------------------------------------
 
@@ -132,31 +132,29 @@ class DraftSession:
             self._busy_since = time.perf_counter()
             self._flush([], [], done=False)
             if not self.pipelined:
-                self._catcher = threading.Thread(target=self._catch_up_safely,
-                                                 name="draft-catch-up", daemon=True)
-                self._catcher.start()
+                self.catch_up.start()
 
     def finish(self) -> None:
         """Close, and wait for the session's threads to stop."""
         self.close()
-        for t in (self.thread, self._catcher):
-            if t is not None and t.is_alive():
-                t.join()
+        if self.thread.is_alive():
+            self.thread.join()
+        with contextlib.suppress(Exception):   # the catch-up's error: reported by step
+            self.catch_up.finish()
         if self.fork is not None:
             self.fork.close()
 
     def step(self, verdict: Verdict | None) -> None:
         """Apply a verdict (None right after the Open), then draft the tokens wanted."""
         self._busy_since = time.perf_counter()
-        if self._catcher is not None:
-            if self._catcher.is_alive():  # still catching up: no draft yet, and how far behind
+        if self.catch_up.started:
+            if self.catch_up.running:  # still catching up: no draft yet, and how far behind
                 if verdict is not None:
                     self._apply(verdict)
-                    self._flush([], [], done=False, behind=self._behind())
+                    self._flush([], [], done=False,
+                                behind=self.catch_up.behind(len(self.committed)))
                 return
-            self._catcher = None
-            if self._catch_error is not None:
-                raise self._catch_error
+            self.catch_up.finish()
         if verdict is not None:
             self._apply(verdict)
         if not self.stalled and len(self.branch) < self._limit():
@@ -186,31 +184,10 @@ class DraftSession:
 
     # -- the drafting thread ------------------------------------------------------
 
-    def _catch_up(self) -> None:
-        """Evaluate the Open's history a batch at a time, stopping at a Close: what was
-        evaluated stays in the cache, for the next session of the same conversation."""
-        be, history = self.backend, self.committed[: self.cache_n + self.prompt_n]
-        self._caught = pos = sync_prefix(be, history)
-        step = max(1, getattr(getattr(be, "params", None), "n_batch", 512))
-        while pos < len(history) - 1 and not self._closed:
-            n = min(step, len(history) - 1 - pos)
-            be.eval(history[pos : pos + n], logits="none")
-            self._caught = pos = pos + n
-
-    def _behind(self) -> int:
-        """History tokens not yet evaluated (while catching up)."""
-        return max(0, len(self.committed) - self._caught)
-
-    def _catch_up_safely(self) -> None:
-        try:
-            self._catch_up()
-        except Exception as e:  # noqa: BLE001 - raised by the next step, on the RPC thread
-            self._catch_error = e
-
     def _run(self) -> None:
         try:
             self.announce()
-            self._catch_up()
+            self.catch_up.run()
             while (work := self._next_work()) is not None:
                 if work == "fork":
                     self._fork_work(send=True)
