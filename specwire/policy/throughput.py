@@ -421,8 +421,9 @@ def late_s(lag_s: float, tokens: float, rate: float, plain_tps: float, races: bo
     it when the target waits. Racing (a pipelined target decodes plainly meanwhile), the
     time its plain tokens took beyond what drafting would have spent on them: the first
     round's token always (the target's first decode begins as its prompt ends, and the
-    drafter, which read the same prompt meanwhile, has yet to draft its first token), then
-    one per plain step of the lag."""
+    drafter, which read the same prompt meanwhile, has yet to draft its first token: that
+    round decodes plainly, or waits about as long for the first draft where the bubble
+    rule has learnt the link), then one per plain step of the lag."""
     if tokens <= 0:
         return 0.0
     if not races:
