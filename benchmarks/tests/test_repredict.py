@@ -1,11 +1,17 @@
 """benchmarks/repredict.py on stored runs: the model's prediction for each measured
-configuration, recomputed. Both runs are valid emulations on held-out prompts, at 3927caa
-(docs/benchmarks.md): gpu-dense on prose and qa, 128 tokens a reply, and seed-moe on two
-long code rewrites, 64 tokens. With the acceptance fitted at the mean draft length the
-pipelined predictions were +11% and +8% (gpu-dense) and +6.4% (seed-moe); with the
-maximum-likelihood acceptance, what a pipelined round's cut drafts call for, +4.1%, +5.04%
-and +0.8%. The cpu-membound run kept beside them is not asserted: there the fit was -2.4%
-and the maximum-likelihood a is +7.4% (docs/benchmarks.md: what is left of issue 39)."""
+configuration, recomputed. Every run is a valid emulation on held-out prompts
+(docs/benchmarks.md, "`plan` on held-out prompts"): gpu-dense on prose and qa, 128 tokens a
+reply; seed-moe on two long code rewrites, 64 tokens; cpu-membound on a code rewrite and
+prose, 32 tokens. Each was run twice: at 3927caa, where bench built every prompt's drafter
+with a bubble rule that had learnt nothing, and again (`-warm`) once a configuration's
+drafters handed it on, as a server's drafter per slot keeps it.
+
+The pipelined predictions took the acceptance fitted at the mean draft length (+11%, +8%
+and +6.4% on the first runs), then the maximum-likelihood one (+4.1%, +5.04%, +0.8%), then
+a request's first round as a plain step: within 5% on five of the nine pipelined
+configurations, and nearer the measured rate than the prediction stored with the run on
+all nine. The other four (gpu-dense warm +5.8% and +7.9%, cpu-membound +5.2%, +5.3% and
++5.3%) are what is left of issue 39."""
 
 import json
 from pathlib import Path
@@ -15,12 +21,16 @@ import pytest
 from benchmarks.repredict import repredict
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+RUNS = sorted(p.name for p in RESULTS.glob("*.json"))
+PIPELINED = ("local-pipelined", "remote-pipelined")
 #: (stored run, configuration, its maximum-likelihood acceptance: tokens kept over tokens
-#: kept plus rounds refused)
-PIPELINED = [
+#: kept plus rounds refused): within issue 39's 5%
+WITHIN_5 = [
     ("gpu-dense-heldout-n128.json", "local-pipelined", 213 / 221),
     ("gpu-dense-heldout-n128.json", "remote-pipelined", 212 / 220),
     ("seed-moe-heldout-code-n64.json", "remote-pipelined", None),
+    ("seed-moe-heldout-code-n64-warm.json", "remote-pipelined", None),
+    ("cpu-membound-heldout-n32-warm.json", "local-pipelined", None),
 ]
 
 
@@ -29,7 +39,7 @@ def _rows(name: str) -> dict:
     return {label.split()[0]: (stored, today) for label, stored, today in repredict(results)}
 
 
-@pytest.mark.parametrize("name", sorted({run for run, _, _ in PIPELINED}))
+@pytest.mark.parametrize("name", RUNS)
 def test_plain_is_predicted_exactly_and_alternating_as_stored(name: str) -> None:
     rows = _rows(name)
     assert rows["plain"][1]["error_pct"] == pytest.approx(0.0, abs=1e-9)
@@ -38,12 +48,20 @@ def test_plain_is_predicted_exactly_and_alternating_as_stored(name: str) -> None
         assert today["error_pct"] == pytest.approx(stored["error_pct"], abs=1e-6)
 
 
-@pytest.mark.parametrize("name, mode, acceptance", PIPELINED)
-def test_pipelined_predictions_are_near_the_measured_rate(name: str, mode: str,
-                                                          acceptance: float | None) -> None:
-    """Within 5.5%: issue 39's goal is 5%, and gpu-dense's remote run is at +5.04%."""
+@pytest.mark.parametrize("name", RUNS)
+def test_every_pipelined_prediction_is_nearer_than_the_stored_one(name: str) -> None:
+    rows = _rows(name)
+    for mode in PIPELINED:
+        if mode in rows:
+            stored, today = rows[mode]
+            assert today["measured_tps"] == pytest.approx(stored["measured_tps"])
+            assert abs(today["error_pct"]) < abs(stored["error_pct"]), (mode, today, stored)
+
+
+@pytest.mark.parametrize("name, mode, acceptance", WITHIN_5)
+def test_pipelined_predictions_within_five_percent(name: str, mode: str,
+                                                   acceptance: float | None) -> None:
     stored, today = _rows(name)[mode]
-    assert today["measured_tps"] == pytest.approx(stored["measured_tps"])
     if acceptance is not None:
         assert today["inputs"]["acceptance"] == pytest.approx(acceptance)
-    assert abs(today["error_pct"]) < 5.5, today["error_pct"]
+    assert abs(today["error_pct"]) < 5.0, today["error_pct"]
