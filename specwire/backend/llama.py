@@ -169,6 +169,12 @@ _models: dict[tuple, Model] = {}
 _models_lock = threading.Lock()
 
 
+def max_sequences() -> int:
+    """The most sequences one llama.cpp context holds (LLAMA_MAX_SEQ)."""
+    fn = getattr(C, "llama_max_parallel_sequences", None)
+    return int(fn()) if fn is not None else 64
+
+
 def load_model(params: ModelParams, flags: dict[str, str] | None = None) -> Model:
     """Load (or reuse) the weights of a GGUF file, placed as `params.placement` says.
 
@@ -262,6 +268,11 @@ class LlamaBackend:
         cp.n_batch = params.n_batch
         placement.set_field(cp, "n_ubatch", min(params.n_ubatch, params.n_batch), "-ub")
         cp.n_seq_max = n_seq * self.tree_leaves + self.n_forks
+        if cp.n_seq_max > max_sequences():
+            raise BackendError(
+                f"{n_seq} sequences{' with their forks' if forks else ''}"
+                f"{' and trees' if tree_branches else ''} need {cp.n_seq_max} llama.cpp "
+                f"sequence ids; one context holds at most {max_sequences()}")
         if cp.n_seq_max > 1 and placement.has_field(cp, "kv_unified"):
             cp.kv_unified = True
         elif tree_branches or forks:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from specwire.backend.llama import LlamaBackend, Model, load_model
+from specwire.backend.llama import LlamaBackend, Model, load_model, max_sequences
 from specwire.config import ModelParams
 from specwire.emulate.hold import HoldCounters, Regime, emulate
 from specwire.link.messages import Chunk, DraftMessage, Failure, Verdict
@@ -275,7 +275,12 @@ def draft_context(settings: NodeSettings, model: Model, holds: HoldCounters):  #
     for its alternates (link/fork.py), held to the --emulate regime where given (one
     decode of n sequences charged as a batch of n)."""
     n_seq = 2 * settings.max_sessions
-    shared = LlamaBackend(settings.model, model, n_seq=n_seq, forks=True)
+    forks = 2 * n_seq <= max_sequences()
+    if not forks:
+        log.warning("--max-sessions %d leaves no llama.cpp sequence ids for forks (at most %d "
+                    "in a context): alternates are drafted between their branch's tokens",
+                    settings.max_sessions, max_sequences())
+    shared = LlamaBackend(settings.model, model, n_seq=n_seq, forks=forks)
     regime = settings.emulation
     return shared if regime is None else emulate(shared, regime, holds)
 

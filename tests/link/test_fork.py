@@ -204,3 +204,26 @@ def test_a_nodes_alternates_are_drafted_beside_their_branch_losslessly(target,
         node.stop()
     assert steps.alternates > 0 and steps.beside > 0, steps
     assert received > 0
+
+
+@pytest.mark.slow
+def test_forks_only_where_llama_cpp_has_the_sequence_ids(model, caplog) -> None:
+    """A context holds at most max_sequences() ids: more sessions than leave room for their
+    forks keep the node serving (alternates between the branch's tokens), with a warning;
+    a context that cannot hold its sequences at all is refused by name."""
+    from specwire.backend.base import BackendError
+    from specwire.backend.llama import max_sequences
+    from specwire.emulate.hold import HoldCounters
+
+    params = ModelParams(draft_model_path(), n_ctx=64, n_threads=1)
+    most = max_sequences()
+    with pytest.raises(BackendError, match=f"at most {most}"):
+        LlamaBackend(params, model, n_seq=most // 2 + 1, forks=True)
+    for sessions, forks in ((8, 16), (most // 4 + 1, 0)):
+        ctx = node_mod.draft_context(NodeSettings(model=params, max_sessions=sessions), model,
+                                     HoldCounters())
+        try:
+            assert ctx.n_seq == 2 * sessions and ctx.n_forks == forks
+        finally:
+            ctx.close()
+    assert "no llama.cpp sequence ids for forks" in caplog.text
