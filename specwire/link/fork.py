@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from specwire.backend.base import Backend
+from specwire.backend.base import Backend, usable_prefix
 from specwire.backend.batch import Forking, Paced
 from specwire.config import SamplingParams
 from specwire.link import alternates as alt
@@ -69,9 +69,7 @@ class ForkDrafter:
         ctx begins with; on the session's thread, between its branch's decodes."""
         if self.busy:
             raise RuntimeError("ForkDrafter.start: a job is still out")
-        held = self.branch.tokens
-        n = min(len(ctx), len(held))
-        cached = next((i for i in range(n) if held[i] != ctx[i]), n)
+        cached = usable_prefix(self.branch, ctx)
         self._fork = self.branch.fork(cached)
         self._job = ForkJob(gen, list(ctx), first)
         self._done.clear()
@@ -85,7 +83,7 @@ class ForkDrafter:
 
     def take(self) -> ForkJob | None:
         """The job, once done (then the drafter is free again); None while it runs."""
-        if self._job is None or not self._done.is_set():
+        if not self.take_ready():
             return None
         job, self._job = self._job, None
         self._thread.join()

@@ -265,12 +265,10 @@ class DraftSession:
         verdict cuts it short. The cache re-syncs to the branch at its next burst."""
         self._busy_since = time.perf_counter()
         ctx = self.committed + self.branch[:j]
-        kept = sync_prefix(self.backend, ctx)
-        if kept < len(ctx):
-            self.backend.eval(ctx[kept:], logits="none")
         tokens = alt.draft_alternate(self.backend, self.drafter.sampling, ctx,
                                      self.plan.choices[j].second, self.plan.params.length,
-                                     stop=lambda: bool(self._inbox) or self._closed)
+                                     stop=lambda: bool(self._inbox) or self._closed,
+                                     cached=sync_prefix(self.backend, ctx))
         if self.plan.drafted(len(ctx), tokens):
             self._flush([], [], done=len(self.branch) >= self._limit())
 
