@@ -12,13 +12,11 @@ target with tree sequences, token-identical to plain decoding.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from fakes import FakeBackend, FakeBatch, FakeClock
 from hybrid_fakes import FAKE_GREEDY, SAMPLED, TARGET, AheadSpy, V, lookup, reference
 from invariance_checks import explain_mismatch, taking_turns
-from wire_helpers import CODE, GREEDY, N_CTX, PROSE, SEEDED, request, run_to_end
+from wire_helpers import CODE, GREEDY, N_CTX, PROSE, SEEDED, request, run_to_end, settled
 
 from specwire.config import DraftParams
 from specwire.drafters import hybrid as hybrid_mod
@@ -190,17 +188,6 @@ def test_the_tree_rule_prices_a_drafters_gain_on_the_curve() -> None:
 # ------------------------------------------------------------------ real models (slow)
 
 
-def _settle(remote):
-    """An on_step that lets each round wait (a second at most) for the node to finish its
-    lookahead: on a loaded machine the target would otherwise verify each round before
-    the node's draft is in, and the two candidates would seldom meet."""
-    def settle(_) -> None:
-        deadline = time.monotonic() + 1.0
-        while not remote.received.done and time.monotonic() < deadline:
-            time.sleep(0.002)
-    return settle
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [pytest.param(GREEDY, id="greedy", marks=pytest.mark.extended),
                                 pytest.param(SEEDED, id="seeded")])
@@ -209,8 +196,11 @@ def test_real_pair_remote_hybrid_trees_are_token_identical(target, node, sp,
     """A draft node drafting ahead and the lookup, on a target with tree sequences, for
     each draft length: plain decoding's tokens (a near-tie flipped by the batch's shape
     is reported with both rows, never tolerated), and trees of both were verified (every
-    tree made is: on this compute-bound pair the priced rule would send chains)."""
+    tree made is: on this compute-bound pair the priced rule would send chains, and
+    verification here costs the same at any size, so that every round where the two
+    candidates part is a tree whatever the loaded machine measured)."""
     monkeypatch.setattr(tree_round, "tree_pays", lambda *args, **kwargs: True)
+    monkeypatch.setattr(HybridDrafter, "_verify_s", lambda self, n: 0.01)
     from specwire.backend.llama import LlamaBackend
     from specwire.config import ModelParams
     tree_target = LlamaBackend(ModelParams(target.path, n_ctx=N_CTX, n_threads=1),
@@ -223,7 +213,7 @@ def test_real_pair_remote_hybrid_trees_are_token_identical(target, node, sp,
         try:
             gen = Engine(tree_target, hybrid).generate(
                 request(prompt, 40, sp, n_max=k, policy="fixed"))
-            got = run_to_end(gen, on_step=_settle(hybrid.model))
+            got = run_to_end(gen, on_step=settled(hybrid.model))
             if got != want:
                 pytest.fail(f"hybrid trees, draft-max {k}:\n"
                             + explain_mismatch(target.backend, text, want, got))

@@ -11,13 +11,11 @@ kept path's KV is what decoding that path gives.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from alternates_everywhere import threaded_alternates_everywhere
 from invariance_checks import explain_mismatch, taking_turns
-from wire_helpers import CODE, GREEDY, N_CTX, PROSE, SEEDED, request, run_to_end
+from wire_helpers import CODE, GREEDY, N_CTX, PROSE, SEEDED, request, run_to_end, settled
 
 from specwire.assets import models
 from specwire.backend.base import sync_prefix
@@ -159,17 +157,6 @@ def test_a_trees_rows_are_each_paths_and_the_kept_path_is_its_kv(target, tree_ta
     be.truncate(0)
 
 
-def _settle(drafter):
-    """An on_step that lets each round wait (a second at most) for the pipelined drafter to
-    finish its lookahead and the alternates in it: on a loaded machine the target would
-    otherwise verify every round before any alternate exists, and no tree would be made."""
-    def settle(_) -> None:
-        deadline = time.monotonic() + 1.0
-        while not drafter.received.done and time.monotonic() < deadline:
-            time.sleep(0.002)
-    return settle
-
-
 @pytest.mark.parametrize("sp, kind", [
     pytest.param(SEEDED, "alone", id="seeded-alone"),
     pytest.param(GREEDY, "drafted", id="greedy-drafted", marks=EXTENDED),
@@ -190,7 +177,7 @@ def test_threaded_trees_everywhere_are_token_identical(target, tree_target, sp, 
             want = target.plain(prompt, sp, N)
             eng = Engine(tree_target, drafter)
             gen = eng.generate(request(prompt, N, sp, n_max=k, policy="fixed"))
-            _check(target, text, want, run_to_end(gen, on_step=_settle(drafter)),
+            _check(target, text, want, run_to_end(gen, on_step=settled(drafter)),
                    f"threaded {kind}, draft-max {k}")
             verified += eng.tree_yield.rounds
             alone += gen.stats.drafter.get("second_choices_taken", 0.0)
@@ -212,7 +199,7 @@ def test_remote_pipelined_trees_are_token_identical(target, tree_target, node, s
         try:
             eng = Engine(tree_target, remote)
             gen = eng.generate(request(prompt, N, sp, n_max=k, policy="fixed"))
-            _check(target, text, want, run_to_end(gen, on_step=_settle(remote)),
+            _check(target, text, want, run_to_end(gen, on_step=settled(remote)),
                    f"remote, draft-max {k}")
             verified += eng.tree_yield.rounds
             received += gen.stats.drafter.get("alternates_received", 0.0)

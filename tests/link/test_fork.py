@@ -10,11 +10,10 @@ stays plain decoding's.
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
-from wire_helpers import CODE, GREEDY, N_CTX, draft_model_path, request, run_to_end
+from wire_helpers import CODE, GREEDY, N_CTX, draft_model_path, request, run_to_end, settled
 
 from specwire.backend.batch import Part
 from specwire.backend.llama import LlamaBackend, load_model
@@ -170,16 +169,6 @@ def test_a_forks_rows_are_a_fresh_sequences_and_its_parent_does_not_feel_it(mode
         ref.close()
 
 
-def _settle(drafter):
-    """Each round waits (a second at most) for the node's lookahead to be done, so that on a
-    loaded machine the target does not verify every round before any alternate exists."""
-    def settle(_) -> None:
-        deadline = time.monotonic() + 1.0
-        while not drafter.received.done and time.monotonic() < deadline:
-            time.sleep(0.002)
-    return settle
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("emulated", [False, True], ids=["real", "emulated"])
 def test_a_nodes_alternates_are_drafted_beside_their_branch_losslessly(target,
@@ -195,7 +184,7 @@ def test_a_nodes_alternates_are_drafted_beside_their_branch_losslessly(target,
         rd = target.drafter(f"127.0.0.1:{node.port}", pipelined=True)
         try:
             gen = Engine(target.backend, rd).generate(request(prompt, 48, GREEDY, 4))
-            assert run_to_end(gen, on_step=_settle(rd)) == want
+            assert run_to_end(gen, on_step=settled(rd)) == want
             received = gen.stats.drafter.get("alternates_received", 0.0)
         finally:
             rd.close()

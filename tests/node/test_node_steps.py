@@ -29,6 +29,8 @@ from wire_helpers import (
     _sync_open,
     draft_model_path,
     request,
+    run_to_end,
+    settled,
     wait_for,
 )
 
@@ -285,8 +287,8 @@ def test_four_targets_drafting_at_once_share_decodes_and_keep_plain_tokens(
         target, node_in_process, pipelined) -> None:
     """Four target contexts over the same weights, each with its own RemoteDrafter (trees
     and alternates where pipelined), run at once against one node: each output equals its
-    own plain decoding, drafts were accepted, and the node's decodes held more than one
-    session on average."""
+    own plain decoding, each request accepted drafts, and the node's decodes held more
+    than one session on average."""
     node, n, length = node_in_process, 4, 24
     prompts = [target.tokens(CODE), target.tokens(PROSE),
                target.tokens(CODE + "\n# again\n"), target.tokens(PROSE + " and so on:")]
@@ -302,7 +304,7 @@ def test_four_targets_drafting_at_once_share_decodes_and_keep_plain_tokens(
         try:
             barrier.wait(timeout=60)
             g = Engine(backends[i], rd).generate(request(prompts[i], length, GREEDY, 4))
-            results[i] = (g.run(), g.stats)
+            results[i] = (run_to_end(g, on_step=settled(rd)), g.stats)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             results[i] = e
         finally:
@@ -317,10 +319,9 @@ def test_four_targets_drafting_at_once_share_decodes_and_keep_plain_tokens(
         assert not isinstance(res, BaseException) and res is not None, res
         assert res[0] == want[i]
     accepted = [stats.draft_n_accepted for _, stats in results]
-    # A synchronous target waits for every draft, so each request accepts some; a pipelined
-    # one never waits, and on a loaded machine one request may verify no draft in time
-    # (CI saw it): there the four together must accept some.
-    assert min(accepted) > 0 if not pipelined else sum(accepted) > 0, accepted
+    # A pipelined target never waits: each round here waits a little for the node's
+    # lookahead (settled), else on a loaded machine none is verified in time (CI saw it).
+    assert min(accepted) > 0, accepted
     after = node.service.steps.snapshot()
     decodes = after.decodes - before.decodes
     parts = after.branches + after.alternates - before.branches - before.alternates

@@ -128,6 +128,18 @@ def request(prompt: Sequence[int], n: int, sampling: SamplingParams, n_max: int 
     return Request(list(prompt), n, sampling, DraftParams(n_max=n_max, **draft))
 
 
+def settled(remote, wait_s: float = 2.0) -> Callable[[Generation], None]:
+    """An on_step for run_to_end that lets each round wait (wait_s at most) for a pipelined
+    drafter's lookahead to come in: on a loaded machine (CI's two workers) the target
+    would otherwise verify every round before the node's draft arrives, and a test about
+    verified drafts would see none. Tokens do not depend on it: only what is verified."""
+    def settle(_: Generation) -> None:
+        deadline = time.monotonic() + wait_s
+        while not remote.received.done and time.monotonic() < deadline:
+            time.sleep(0.002)
+    return settle
+
+
 def run_to_end(gen: Generation, timeout: float = 120.0,
                on_step: Callable[[Generation], None] | None = None) -> list[int]:
     """Drive a generation on this thread; fail if it takes longer than timeout seconds.
