@@ -20,6 +20,7 @@ from wire_helpers import (
     ref,
     request,
     run_to_end,
+    settled,
 )
 
 from specwire.backend.llama import LlamaBackend
@@ -48,7 +49,7 @@ def test_output_equals_plain_decoding_over_the_link(target, node, pipelined, sam
             for n_max, one_way in RUNS:
                 emu.one_way_s = one_way
                 g = Engine(target.backend, rd).generate(request(prompt, n, sampling, n_max))
-                got = run_to_end(g)
+                got = run_to_end(g, on_step=settled(rd) if pipelined else None)
                 assert got == want, f"n_max={n_max}, rtt={2000 * one_way:.0f} ms"
                 assert g.stats.draft_n <= n_max * g.stats.rounds
                 if sampling is GREEDY:
@@ -123,7 +124,7 @@ def test_rejection_mode_over_the_link(target, tmp_path, pipelined) -> None:
     def run(rd) -> tuple[list[int], object]:
         g = Engine(target.backend, rd).generate(
             request(prompt, n, SEEDED, 4, p_min=0.0, mode="rejection"))
-        return run_to_end(g), g.stats
+        return run_to_end(g, on_step=settled(rd) if pipelined else None), g.stats
 
     with node_process(tmp_path, ["--cache-ram", "0"], name="no-memory") as node:
         rd = target.drafter(node.url, pipelined=pipelined)

@@ -20,6 +20,7 @@ from wire_helpers import (
     ref,
     request,
     run_to_end,
+    settled,
 )
 
 from specwire.engine.engine import Engine
@@ -200,7 +201,7 @@ def test_two_targets_draft_from_one_node_at_once(target, node) -> None:
         try:
             barrier.wait(timeout=30)
             g = Engine(backends[i], rd).generate(request(jobs[i][0], 24, GREEDY, 4))
-            results[i] = (g.run(), g.stats)
+            results[i] = (run_to_end(g, on_step=settled(rd)), g.stats)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             results[i] = e
         finally:
