@@ -61,6 +61,7 @@ class _Request:
 
     part: Part
     alternate: bool
+    parent: int | None = None  # a fork's part: the sequence it branches from
     rows: np.ndarray | None = None
     step: tuple[int, int] = (0, 0)   # (branches, alternates) in its decode
     error: Exception | None = None
@@ -140,12 +141,12 @@ class StepLoop:
                 self._note_idle()
                 self._cv.notify_all()     # a step may be waiting for this sequence
 
-    def submit(self, seq: int, tokens: Sequence[int], logits: str,
-               alternate: bool = False) -> tuple[np.ndarray, tuple[int, int]]:
+    def submit(self, seq: int, tokens: Sequence[int], logits: str, alternate: bool = False,
+               parent: int | None = None) -> tuple[np.ndarray, tuple[int, int]]:
         """Sequence seq's tokens appended in the next decode that has room; their rows
         (a copy: the context's buffer is the next decode's) and what that decode held:
-        (branches, alternates)."""
-        req = _Request(Part(seq, list(tokens), logits), alternate)
+        (branches, alternates). parent: the sequence a fork's tokens branch from."""
+        req = _Request(Part(seq, list(tokens), logits), alternate, parent)
         with self._cv:
             if self._closed:
                 raise BackendError("the node's draft context is closed")
@@ -240,7 +241,7 @@ class StepLoop:
         alternates = sum(r.alternate for r in batch)
         step = (len(batch) - alternates, alternates)
         seqs = {r.part.seq for r in batch}
-        beside = sum(r.part.seq - self.n_seq in seqs for r in batch if r.alternate)
+        beside = sum(r.parent in seqs for r in batch if r.alternate and r.parent is not None)
         with self._cv:
             c = self.counters
             c.decodes += 1
@@ -309,8 +310,9 @@ class StepSequence:
         while done < n:
             m = min(cap, n - done)
             last = done + m == n
-            rows, self.step = self.loop.submit(self.seq_id, tokens[done:done + m],
-                                               logits if last else "none", self._alternate)
+            rows, self.step = self.loop.submit(
+                self.seq_id, tokens[done:done + m], logits if last else "none", self._alternate,
+                None if self.parent is None else self.parent.seq_id)
             done += m
         return rows
 
