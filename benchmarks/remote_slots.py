@@ -3,7 +3,8 @@
 For each source tree (--specwire-root LABEL=DIR, as bench.concurrency; default this
 tree) starts a draft node (`specwire draft`, the bundled draft) and a `specwire serve
 -np N --draft-url NODE` from that tree, and sends each concurrency level's burst of
-greedy requests (shipped prompts, n_predict tokens, ignore_eos) to it. Prints, per
+greedy requests (shipped prompts, n_predict tokens, ignore_eos) to it; --warm-prompts
+reads each burst's prompts first, so that the bursts measure decoding alone. Prints, per
 tree and level, the aggregate tokens/s, its ratio to level 1, the drafted and accepted
 tokens, the connections the server opened to the node per port (counted by the
 node, specwire:node_connections; "?" for a node that does not count them), and the
@@ -29,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.burst import fire
-from benchmarks.concurrency import UsageError, parse_levels, parse_roots
+from benchmarks.concurrency import UsageError, parse_levels, parse_roots, warm_prompts
 from benchmarks.server_process import ServerProcess, free_port
 from specwire.bench.prompts import resolve
 
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--specwire-root", action="append", metavar="LABEL=DIR")
     p.add_argument("--plain", action="store_true", help="also a server without a draft")
+    p.add_argument("--warm-prompts", action="store_true",
+                   help="read each burst's prompts first (1 token each): the bursts measure "
+                        "decoding alone")
     p.add_argument("--emulate", metavar="PRESET", help="hold the server and the node to it")
     p.add_argument("--emulate-scale", type=float, default=1.0)
     try:
@@ -86,6 +90,14 @@ def _emulation(a: argparse.Namespace) -> list[str]:
     return ["--emulate", a.emulate, "--emulate-scale", f"{a.emulate_scale:g}"]
 
 
+def _warm(a: argparse.Namespace, levels: list[int],
+          prompts: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The warm-up's prompts, one per slot: none a burst reads (concurrency.warm_prompts),
+    so that no level starts from a prompt the warm-up left cached (level 1 did: its
+    prompt was the warm-up's, and 4 requests against 1 compared a read prompt with none)."""
+    return warm_prompts(prompts, levels, a.repeats, a.parallel)
+
+
 def _serve_command(a: argparse.Namespace, port: int, draft: list[str]) -> list[str]:
     from specwire.assets import models
     return [sys.executable, "-P", "-m", "specwire", "serve", "--host", "127.0.0.1",
@@ -100,6 +112,9 @@ def _bursts(a: argparse.Namespace, label: str, url: str, level: int,
     burst_set = [prompts[i % len(prompts)] for i in range(level)]
     tps, drafted, accepted = [], 0, 0
     for _ in range(a.repeats):
+        if a.warm_prompts and fire(url, "/completion", burst_set, 1, 900).errors:
+            print(f"{label}: reading the burst's prompts failed", file=sys.stderr)
+            return None
         b = fire(url, "/completion", burst_set, a.n_predict, 900)
         if b.errors:
             print(f"{label}: {b.errors[0]}", file=sys.stderr)
@@ -119,7 +134,7 @@ def run_plain(a: argparse.Namespace, label: str, tree: Path, levels: list[int],
     out: dict[int, float] = {}
     try:
         server.start(300)
-        fire(server.url, "/completion", prompts[:1], 8, 300)  # warm-up
+        fire(server.url, "/completion", _warm(a, levels, prompts), 8, 300)
         for level in levels:
             got = _bursts(a, f"{label}-plain", server.url, level, prompts)
             if got is None:
@@ -172,7 +187,7 @@ def run_tree(a: argparse.Namespace, label: str, tree: Path, levels: list[int],
     try:
         node.start(300)
         server.start(300)
-        fire(server.url, "/completion", prompts[:1], 8, 300)  # warm-up
+        fire(server.url, "/completion", _warm(a, levels, prompts), 8, 300)
         base = None
         for level in levels:
             before = node_steps(metrics_url)
