@@ -144,7 +144,9 @@ def test_a_second_run_keeps_the_build_and_reports_what_did_not_fit(tmp_path: Pat
 def test_the_dry_run_measures_every_section_and_finds_the_tokens_unchanged(
         tmp_path: Path) -> None:
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(ROOT)}
+    # the script runs `python3`: this interpreter's, even where its venv is not on PATH
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(ROOT), "PATH": path}
     run = subprocess.run([str(ROOT / "scripts" / "gpu-check"), "--dry-run"], env=env,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
