@@ -51,6 +51,15 @@ USELESS_LIMIT = 3
 
 
 
+def lookahead_for(n_max: int) -> int:
+    """How far past the last verdict a pipelined drafter drafts by default: the round's
+    draft, its guess at the target's bonus token, and the next round's whole draft, so
+    that a round that keeps everything finds the next one drafted at its verdict. (Twice
+    n_max left the next draft's last token to after the verdict: on gpu-dense the target
+    then waited for it in half its rounds.)"""
+    return 2 * max(1, n_max) + 1
+
+
 class BranchDrafter(DrafterBase):
     """Pipelined (never waits) or synchronous (waits for `k` tokens, with a deadline)."""
 
@@ -383,7 +392,7 @@ class BranchDrafter(DrafterBase):
             sampling=sampling,
             mode=mode,
             pipelined=self.pipelined,
-            lookahead=self.lookahead or 2 * max(1, p.n_max),
+            lookahead=self.lookahead or lookahead_for(p.n_max),
             k=self._open_k(),
             p_min=p.p_min,
             top_k_q=p.top_k_q,

@@ -17,6 +17,7 @@ from branch_fakes import Joined, _wire
 from fakes import FakeBackend, FakeModel
 
 from specwire.config import DraftParams, SamplingParams, VerifyMode
+from specwire.link.branch import lookahead_for
 from specwire.link.messages import (
     Chunk,
     Close,
@@ -222,4 +223,27 @@ def test_both_ends_follow_the_same_branch(seed: int, pipelined: bool) -> None:
     assert stats["sync_timeouts"] == 0 and stats["useless_answers"] == 0
     assert stats["stale_chunks"] == 0
     assert min(target.outcomes.values()) > 5, target.outcomes   # both outcomes of the rule
+    target.end()
+
+
+@pytest.mark.parametrize("n_max", [1, 4, 8])
+def test_a_round_that_keeps_its_draft_finds_the_next_one_drafted(n_max: int) -> None:
+    """A pipelined node drafts, while the target verifies, as far as its default
+    lookahead: the round's draft, the bonus token's guess and the next round's whole
+    draft. So a round that keeps every token, the bonus as guessed, finds the next
+    n_max tokens already drafted at its verdict, none left to draft while the target
+    waits."""
+    model = FakeModel(n_vocab=40, seed=3)
+    target = Joined(FakeBackend(model, n_ctx=400), pipelined=True, lookahead=0)
+    history = [1, 2, 3, 4]
+    target.begin(history, GREEDY, DraftParams(n_max=n_max, p_min=0.0))
+    node = target.node
+    assert node.lookahead == lookahead_for(n_max)
+    while len(node.branch) < node._limit():    # what it drafts during the verification
+        node._draft_burst()
+    draft = target.propose(history, n_max).tokens
+    assert len(draft) == n_max
+    bonus = node.branch[n_max]
+    node._apply(Verdict(len(history), n_max, [bonus], gen=node.gen))
+    assert len(node.branch) >= n_max, (n_max, node.branch)
     target.end()

@@ -63,8 +63,9 @@ class Joined(BranchDrafter):
     """A BranchDrafter whose drafter is a DraftSession reached by function call: each
     message is handled, and answered, before the call returns."""
 
-    def __init__(self, backend: FakeBackend, pipelined: bool = False) -> None:
-        super().__init__(Forward(), backend.n_vocab, pipelined=pipelined, lookahead=6,
+    def __init__(self, backend: FakeBackend, pipelined: bool = False,
+                 lookahead: int = 6) -> None:
+        super().__init__(Forward(), backend.n_vocab, pipelined=pipelined, lookahead=lookahead,
                          sync_timeout_s=0.05)
         self.backend = backend
         self.node: DraftSession | None = None
