@@ -54,9 +54,9 @@ USELESS_LIMIT = 3
 def lookahead_for(n_max: int) -> int:
     """How far past the last verdict a pipelined drafter drafts by default: the round's
     draft, its guess at the target's bonus token, and the next round's whole draft, so
-    that a round that keeps everything finds the next one drafted at its verdict. (Twice
-    n_max left the next draft's last token to after the verdict: on gpu-dense the target
-    then waited for it in half its rounds.)"""
+    that a round that keeps everything finds the next one drafted at its verdict (with
+    twice n_max, the next draft's last token waited for the verdict, and the target for
+    it: docs/benchmarks.md)."""
     return 2 * max(1, n_max) + 1
 
 
