@@ -474,8 +474,10 @@ def pipelined_rate(p: PlanInputs, k: int) -> float:
       - wait: idle RTT + k t_d + transfer for a fresh draft (what a fast
         drafter on a short link wants);
       - race (`race_plain_s`): decode plainly meanwhile, never idle, and
-        resume verifying once the drafter has caught up and its tokens
-        agreed with the plain ones. The race phase runs at the plain rate.
+        resume verifying as soon as the drafter's tokens run past the plain
+        ones and agreed with them, with the m tokens it has by then
+        (`race_resume`: a short round when the drafter is not much faster
+        than the target). The race phase runs at the plain rate.
     * Rounds form a renewal process: rate = E[tokens] / E[time] per round.
 
     Because the race strategy never waits for the network and only verifies
@@ -490,41 +492,77 @@ def pipelined_rate(p: PlanInputs, k: int) -> float:
 
 
 def pipelined_rates(p: PlanInputs, k: int) -> dict[str, float]:
-    """Tokens/s of the two miss strategies of `pipelined_rate`: 'wait' and 'race'."""
+    """Tokens/s of the two miss strategies of `pipelined_rate`: 'wait' and 'race'.
+
+    Racing, a miss is followed by plain steps (race_plain_s) and then a resumed round of
+    the m tokens the drafter has beyond them (race_resume), which can itself miss. The
+    rounds form a two-state chain: full rounds S (k tokens) and resumed rounds R (m);
+    after a hit the next round is full, after a miss it is resumed, so per full round
+    there are (1 - h_k) / h_m resumed ones."""
     if k == 0:
         return {"wait": plain_rate(p), "race": plain_rate(p)}
-    a, t_v = p.acceptance, p.verify_s(k + 1)
-    tokens = expected_tokens(a, k)
-    hit = a ** (k + 1)
-    hit_wait = max(0.0, (k + 1) * p.t_d + p.transfer_s(k) - t_v)
-    busy = t_v + hit * hit_wait
+    tokens, busy, hit = _round(p, k, k)
     waiting = tokens / (busy + (1.0 - hit) * (p.rtt_s + k * p.t_d + p.transfer_s(k)))
     race = race_plain_s(p, k)
     if math.isinf(race):
-        racing = plain_rate(p)
-    else:
-        racing = (tokens + (1.0 - hit) * race / p.t_s) / (busy + (1.0 - hit) * race)
+        return {"wait": waiting, "race": plain_rate(p)}
+    _, m = race_resume(p, k)
+    r_tokens, r_busy, r_hit = _round(p, k, m)
+    resumed = (1.0 - hit) / r_hit if r_hit > 0.0 else math.inf
+    if math.isinf(resumed):
+        return {"wait": waiting, "race": plain_rate(p)}
+    racing = ((tokens + resumed * (race / p.t_s + r_tokens))
+              / (busy + resumed * (race + r_busy)))
     return {"wait": waiting, "race": racing}
 
 
-def race_plain_s(p: PlanInputs, k: int) -> float:
-    """Expected plain-decoding time after a miss until a usable draft is ready.
+def _round(p: PlanInputs, k: int, m: int) -> tuple[float, float, float]:
+    """A pipelined round verifying m drafted tokens at draft length k: (expected tokens,
+    expected seconds, the chance h = a^(m+1) that the drafter's run-ahead is valid). On a
+    hit the target waits for the next draft of k + 1 tokens beyond the verdict, where the
+    drafter makes them slower than the verification."""
+    t_v = p.verify_s(m + 1)
+    hit = p.acceptance ** (m + 1)
+    hit_wait = max(0.0, (k + 1) * p.t_d + p.transfer_s(k) - t_v)
+    return expected_tokens(p.acceptance, m), t_v + hit * hit_wait, hit
 
-    The target steps plainly (token i done at i t_s); the restarted drafter's
-    token i reaches it at RTT + i t_d + transfer. Verification can resume at
-    position j once draft tokens j+1..j+k have arrived by j t_s, i.e.
-    j = ceil((RTT + k t_d + transfer) / (t_s - t_d)); and the draft's first j
-    tokens must equal the plain ones (probability a^j). A mismatch at i
-    restarts the race from i. Solving P = sum_i a^(i-1)(1-a)(i t_s + P)
-    + a^j j t_s gives P = t_s (1 - a^j) / ((1 - a) a^j). Infinite when the
-    drafter is no faster than the target or can never agree.
+
+def race_resume(p: PlanInputs, k: int) -> tuple[int, int]:
+    """After a miss, racing: (j, m), the plain steps before the target verifies again and
+    the tokens it then verifies. The restarted drafter's token i reaches the target at
+    RTT + i t_d + transfer; at the start of plain step j + 1 (j t_s after the verdict) the
+    tokens past the j plain ones are a draft, m_j = min(k, tokens there - j). The engine
+    verifies what has come: the first j whose m_j tokens pay their verification
+    (E(a, m) t_s >= t_v(m + 1)), or whose draft is whole. (0, 0) when the drafter is no
+    faster than the target."""
+    if p.t_d >= p.t_s:
+        return 0, 0
+    lead = p.rtt_s + p.transfer_s(k)
+    j = max(1, math.ceil((lead + p.t_d) / (p.t_s - p.t_d) - 1e-12))
+    while True:
+        m = min(k, math.floor((j * p.t_s - lead) / p.t_d + 1e-12) - j)
+        if m >= k or (m >= 1 and expected_tokens(p.acceptance, m) * p.t_s
+                      >= p.verify_s(m + 1)):
+            return j, m
+        j += 1
+
+
+def race_plain_s(p: PlanInputs, k: int) -> float:
+    """Expected plain-decoding time after a miss until a draft can be verified.
+
+    The target steps plainly (token i done at i t_s) until the restarted drafter's
+    tokens run past its own (race_resume's j), and the draft's first j tokens must
+    equal the plain ones (probability a^j); a mismatch at i restarts the race from i.
+    Solving P = sum_i a^(i-1)(1-a)(i t_s + P) + a^j j t_s gives
+    P = t_s (1 - a^j) / ((1 - a) a^j). Infinite when the drafter is no faster than the
+    target or can never agree.
     """
     a = p.acceptance
-    if p.t_d >= p.t_s:
+    j, _ = race_resume(p, k)
+    if j == 0:
         return math.inf
-    j = math.ceil((p.rtt_s + k * p.t_d + p.transfer_s(k)) / (p.t_s - p.t_d) - 1e-12)
-    if j <= 0 or a >= 1.0:
-        return 0.0
+    if a >= 1.0:
+        return j * p.t_s
     agree = a ** j
     if agree <= 0.0:
         return math.inf

@@ -32,6 +32,7 @@ from specwire.policy.throughput import (
     pipelined_rate,
     pipelined_rates,
     race_plain_s,
+    race_resume,
     sync_rate,
     sync_round_s,
 )
@@ -172,19 +173,20 @@ def test_round_trips_slow_synchronous_below_plain_but_never_pipelined() -> None:
 
 
 def _simulate_race(p: PlanInputs, k: int, rounds: int, rng: random.Random) -> float:
-    """Monte Carlo of the pipelined 'race' strategy, event by event."""
-    a, t_s = p.acceptance, p.t_s
-    j = math.ceil((p.rtt_s + k * p.t_d + p.transfer_s(k)) / (t_s - p.t_d) - 1e-12)
-    hit_wait = max(0.0, (k + 1) * p.t_d + p.transfer_s(k) - p.verify_s(k + 1))
-    tokens, time = 0, 0.0
+    """Monte Carlo of the pipelined 'race' strategy, event by event: after a miss, plain
+    steps until the drafter's tokens run past them, then a round of what it has."""
+    a, t_s, t_d = p.acceptance, p.t_s, p.t_d
+    j, m = race_resume(p, k)
+    tokens, time, length = 0, 0.0, k
     for _ in range(rounds):
         kept = 0
-        while kept < k and rng.random() < a:
+        while kept < length and rng.random() < a:
             kept += 1
         tokens += kept + 1
-        time += p.verify_s(k + 1)
-        if kept == k and rng.random() < a:        # the drafter guessed the bonus too
-            time += hit_wait
+        time += p.verify_s(length + 1)
+        if kept == length and rng.random() < a:   # the drafter guessed the bonus too
+            time += max(0.0, (k + 1) * t_d + p.transfer_s(k) - p.verify_s(length + 1))
+            length = k
             continue
         i = 0
         while i < j:                              # plain steps until the drafter agrees
@@ -193,16 +195,30 @@ def _simulate_race(p: PlanInputs, k: int, rounds: int, rng: random.Random) -> fl
             time += t_s
             if rng.random() >= a:
                 i = 0                             # mismatch: the drafter restarts here
+        length = m
     return tokens / time
 
 
 def test_pipelined_race_formula_matches_a_simulation() -> None:
     rng = random.Random(1)
-    for a, rtt, k in [(0.7, 0.02, 3), (0.85, 0.08, 5), (0.5, 0.01, 2)]:
-        p = PlanInputs(target_tps=17.0, draft_tps=96.0, acceptance=a, rtt_s=rtt)
+    for a, rtt, k, draft_tps in [(0.7, 0.02, 3, 96.0), (0.85, 0.08, 5, 96.0),
+                                 (0.5, 0.01, 2, 96.0), (0.9, 0.001, 8, 30.0),
+                                 (0.8, 0.0, 6, 40.0)]:
+        p = PlanInputs(target_tps=17.0, draft_tps=draft_tps, acceptance=a, rtt_s=rtt)
         assert race_plain_s(p, k) > 0
         sim = _simulate_race(p, k, 20_000, rng)
         assert pipelined_rates(p, k)["race"] == pytest.approx(sim, rel=0.03), (a, rtt, k)
+
+
+def test_a_slow_drafter_resumes_with_a_short_round() -> None:
+    """Racing a drafter 4.5x the target's speed: one plain step after a miss, then the
+    3 tokens it has past that step, not 2 plain steps waiting for a whole draft of 8."""
+    p = PlanInputs(target_tps=6.6, draft_tps=30.0, acceptance=0.9)
+    assert race_resume(p, 8) == (1, 3)
+    assert race_resume(replace(p, draft_tps=300.0), 8) == (1, 8)
+    # where no short round pays its verification (1.25 tokens for 1.3-1.7 steps), a whole
+    # draft, three plain steps on
+    assert race_resume(replace(p, acceptance=0.2), 8) == (3, 8)
 
 
 def test_verdicts() -> None:
