@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from specwire.backend.base import Backend, BackendError
@@ -60,17 +61,18 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         trees = tree_branches(s, n_seq)
         target = LlamaBackend(s.target, n_seq=n_seq, tree_branches=trees)
         lookup = lookup_file(s.draft, target)
-        wrap = _identity
+        wrap, draft = _identity, s.draft
         if s.emulation is not None:
             target, wrap = emulated(s, target)
-        if s.draft.lockstep and n_seq > 1:
-            drafters = lockstep_drafters(s.draft, target, n_seq, wrap)
-        elif s.draft.kind == "remote" and not s.draft.hybrid:
+            draft = scaled_link(draft, target.emulation.scale)
+        if draft.lockstep and n_seq > 1:
+            drafters = lockstep_drafters(draft, target, n_seq, wrap)
+        elif draft.kind == "remote" and not draft.hybrid:
             from specwire.link.remote import make_remote_drafters
-            drafters = make_remote_drafters(list(s.draft.urls), s.draft.remote, target, n_seq)
+            drafters = make_remote_drafters(list(draft.urls), draft.remote, target, n_seq)
         else:
             cache = lookup.cache if lookup is not None else None
-            drafters = [build_drafter(s.draft, target, wrap, cache) for _ in range(n_seq)]
+            drafters = [build_drafter(draft, target, wrap, cache) for _ in range(n_seq)]
         for d in drafters:   # a drafter is told the target verifies trees only where it does
             for part in (d, getattr(d, "model", None)):   # a hybrid's model drafter too
                 if hasattr(part, "tree"):
@@ -120,6 +122,14 @@ def emulated(s: EngineSettings, target: Any) -> tuple[Any, Callable[[Any], Any]]
     held = emulate(target, emu.target_regime())
     held.emulation, held.draft_counters = emu, draft_counters   # for the commands' reports
     return held, wrap
+
+
+def scaled_link(s: DraftSettings, scale: float) -> DraftSettings:
+    """--emulate runs everything `scale` times slower in wall time: a synchronous round's
+    wait for its draft node is stretched alike, or a drafter that the emulated machine
+    would wait for (a node reading a long prompt) is dropped as late."""
+    remote = replace(s.remote, sync_timeout_s=s.remote.sync_timeout_s * scale)
+    return replace(s, remote=remote)
 
 
 def lookup_file(s: DraftSettings, target: Backend) -> CacheFile | None:

@@ -31,6 +31,9 @@ class RemoteSettings:
     poll: bool = True        # --draft-no-poll turns the arrival forecast off
     branches: int | None = None  # --draft-branches: alternates per chunk (None: default)
     tree: int = 0  # --draft-tree: side branches the target verifies beside a draft (0: chains)
+    #: how long a synchronous round waits for its draft before decoding plainly (wall
+    #: time: --emulate multiplies it by the emulation's scale, as it does round trips)
+    sync_timeout_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,11 +165,15 @@ class Drafters:
         self._draft_counters: Any = None
         self._held_draft: Any = None
 
-    def hold(self, regime: Any, counters: Any, node_flags: tuple[str, ...]) -> None:
-        """--emulate: hold the local draft model to `regime`, and start a draft node with
-        `node_flags` added, which hold its drafts alike."""
+    def hold(self, regime: Any, counters: Any, node_flags: tuple[str, ...],
+             scale: float) -> None:
+        """--emulate: hold the local draft model to `regime`, start a draft node with
+        `node_flags` added, which hold its drafts alike, and wait for a synchronous node
+        `scale` times as long (the emulation's wall time per emulated second)."""
         self._draft_regime, self._draft_counters = regime, counters
-        self.bench = dataclasses.replace(self.bench,
+        remote = dataclasses.replace(self.bench.remote,
+                                     sync_timeout_s=self.bench.remote.sync_timeout_s * scale)
+        self.bench = dataclasses.replace(self.bench, remote=remote,
                                          node_flags=(*self.bench.node_flags, *node_flags))
 
     def draft_backend(self) -> Any:

@@ -163,7 +163,7 @@ def _emulate(bench: BenchSettings, s: SweepSettings, target: Any, drafters: Draf
     node = () if regime is None else (
         "--emulate-scale", f"{emu.scale:.6g}", "--draft-tps", f"{emu.draft_tps:g}",
         "--verify-cost", ",".join(f"{n}:{c:g}" for n, c in emu.verify.points))
-    drafters.hold(regime, holds["draft"], node)
+    drafters.hold(regime, holds["draft"], node, emu.scale)
     drafters.target = held
     rtts = s.rtts if s.rtts is not None else [emu.rtt_s]
     s = dataclasses.replace(s, rtts=[r * emu.scale for r in rtts])

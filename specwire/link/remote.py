@@ -124,6 +124,7 @@ def make_remote_drafters(urls: list[str], remote: RemoteSettings, target, n: int
     ])
     shared.loop.set_default_executor(hello_pool(len(urls) * n))
     drafters = [RemoteDrafter(shared, target.n_vocab, pipelined=remote.pipelined,
+                              sync_timeout_s=remote.sync_timeout_s,
                               alternates=alternate_params(remote.branches),
                               tree=remote.tree if n == 1 and remote.pipelined else 0,
                               poll=remote.poll, bubbles=bubbles if n == 1 else None)

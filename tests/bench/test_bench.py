@@ -425,3 +425,22 @@ def test_plan_measure(capsys) -> None:
     assert "measured: target" in captured.err
     assert "verify cost: t_v(n) through 1:1," in captured.out
     assert "pipelined" in captured.out
+
+
+def test_an_emulated_bench_waits_for_a_synchronous_node_on_the_emulated_clock(
+        tmp_path) -> None:
+    """Drafters.hold: under --emulate every remote drafter bench builds waits its scale
+    times the synchronous deadline (a node reading a prompt in emulated time is not late),
+    and the node it starts gets the emulation's flags."""
+    import contextlib
+
+    from specwire.bench.modes import Drafters
+    from specwire.config import ModelParams
+    from specwire.settings import BenchSettings
+
+    with contextlib.ExitStack() as stack:
+        drafters = Drafters(BenchSettings(target=ModelParams(path="t.gguf")), None,
+                            tmp_path, stack)
+        drafters.hold(None, None, ("--emulate-scale", "3"), 3.0)
+    assert drafters.bench.remote.sync_timeout_s == 3.0
+    assert drafters.bench.node_flags[-2:] == ("--emulate-scale", "3")

@@ -88,3 +88,26 @@ def test_emulated_engine_matches_for_every_draft_length() -> None:
                 Request(prompt, 16, sp, DraftParams(n_max=k))).run())
         assert out[0] == out[1], k
     assert held_t.counters.decodes > 0 and held_d.counters.decodes > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_synchronous_node_is_waited_for_on_the_emulated_clock(hybrid: bool) -> None:
+    """--emulate stretches wall time by its scale: the synchronous round's wait for its
+    draft node too, or a node reading a long prompt (emulated, well in time) would be
+    dropped as late, as `bench --emulate seed-moe --emulate-scale 3` saw."""
+    from specwire.build import build_engine
+    from specwire.cli.main import build_parser
+    from specwire.cli.settings import engine_settings
+
+    argv = ["serve", "-m", str(bundled.target()), "--emulate", "seed-moe",
+            "--emulate-scale", "4", "--draft-url", "127.0.0.1:9", "--draft-mode", "sync",
+            *(["--draft-hybrid"] if hybrid else [])]
+    engine = build_engine(engine_settings(build_parser().parse_args(argv)))
+    try:
+        drafter = engine.drafters[0]
+        remote = drafter.model if hybrid else drafter
+        assert remote.sync_timeout_s == pytest.approx(4.0)
+    finally:
+        for d in engine.drafters:
+            d.close()
