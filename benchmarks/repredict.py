@@ -6,11 +6,16 @@ model (specwire/bench/predict.py), so that a change to the model is checked agai
 already measured, before new ones are:
 
     python -m benchmarks.repredict bench-out/results.json [more.json ...]
+    python -m benchmarks.repredict --per-prompt bench-out/results.json
+
+--per-prompt predicts each prompt of each configuration from its own rounds against its
+own plain rate, so that an error over the set can be traced to the request that makes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 
 from specwire.bench import sweep
@@ -20,15 +25,45 @@ from specwire.policy.throughput import VerifyCurve
 
 def repredict(results: dict) -> list[tuple[str, dict | None, dict | None]]:
     """(label, the stored prediction, today's) per record of a results.json."""
-    cal = results["calibration"]
-    calib = {"draft_tps": cal["draft_tps"], "draft_prompt_tps": cal.get("draft_prompt_tps"),
-             "verify": VerifyCurve([tuple(p) for p in cal["verify_cost"]])}
-    plain_tps = cal["plain_tps_overall"]
+    calib = _calibration(results)
+    plain_tps = results["calibration"]["plain_tps_overall"]
     out = []
     for rec in results["records"]:
         cfg = RunParams.from_dict(rec)
         out.append((rec.get("label") or cfg.label(), rec.get("plan"),
                     sweep.prediction(rec, cfg, plain_tps, calib)))
+    return out
+
+
+def _calibration(results: dict) -> dict:
+    cal = results["calibration"]
+    return {"draft_tps": cal["draft_tps"], "draft_prompt_tps": cal.get("draft_prompt_tps"),
+            "verify": VerifyCurve([tuple(p) for p in cal["verify_cost"]])}
+
+
+def per_prompt(results: dict) -> list[tuple[str, list[tuple[str, dict | None]]]]:
+    """(label, [(prompt id, today's prediction for that prompt alone)]) per record: each
+    prompt's rounds as a record of one prompt, against that prompt's plain rate."""
+    calib = _calibration(results)
+    plain = {p["id"]: p for p in results["records"][0]["prompts"]}
+    out = []
+    for rec in results["records"]:
+        cfg = RunParams.from_dict(rec)
+        rows = []
+        for p in rec["prompts"]:
+            st = p["stats"]
+            one = copy.deepcopy(rec)
+            one.update(prompts=[p], rounds=st["rounds"], accepted_hist=st["accepted_hist"],
+                       draft_n=st["draft_n"], draft_n_accepted=st["draft_n_accepted"],
+                       short_rounds=st.get("short_rounds", 0),
+                       asked_rounds=st.get("asked_rounds", st["rounds"]),
+                       rejected_rounds=st.get("rejected_rounds"),
+                       tokens_generated=p["generated"],
+                       time={"ms": {"draft": st.get("draft_ms", 0.0)}})
+            base = plain[p["id"]]
+            plain_tps = 1000.0 * base["generated"] / base["predicted_ms"]
+            rows.append((p["id"], sweep.prediction(one, cfg, plain_tps, calib)))
+        out.append((rec.get("label") or cfg.label(), rows))
     return out
 
 
@@ -39,10 +74,19 @@ def _pct(p: dict | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="bench results.json files")
-    for path in ap.parse_args().results:
+    ap.add_argument("--per-prompt", action="store_true",
+                    help="each prompt's error, predicted from its own rounds")
+    args = ap.parse_args()
+    for path in args.results:
         with open(path, encoding="utf-8") as f:
-            rows = repredict(json.load(f))
+            results = json.load(f)
         print(path)
+        if args.per_prompt:
+            for label, prompts in per_prompt(results):
+                cells = "  ".join(f"{pid} {_pct(pred)}" for pid, pred in prompts)
+                print(f"  {label:44s} {cells}")
+            continue
+        rows = repredict(results)
         print(f"  {'configuration':44s} {'measured':>9s} {'stored':>8s} {'today':>8s}")
         for label, stored, today in rows:
             measured = (today or stored or {}).get("measured_tps")
