@@ -538,13 +538,13 @@ def race_resume(p: PlanInputs, k: int) -> tuple[int, int]:
     if p.t_d >= p.t_s:
         return 0, 0
     lead = p.rtt_s + p.transfer_s(k)
-    j = max(1, math.ceil((lead + p.t_d) / (p.t_s - p.t_d) - 1e-12))
-    while True:
-        m = min(k, math.floor((j * p.t_s - lead) / p.t_d + 1e-12) - j)
-        if m >= k or (m >= 1 and expected_tokens(p.acceptance, m) * p.t_s
-                      >= p.verify_s(m + 1)):
-            return j, m
-        j += 1
+    j = m = 0
+    for want in range(1, k + 1):   # the first step with `want` tokens there: O(k) steps
+        j = max(j, 1, math.ceil((lead + want * p.t_d) / (p.t_s - p.t_d) - 1e-12))
+        m = max(1, min(k, math.floor((j * p.t_s - lead) / p.t_d + 1e-12) - j))
+        if m >= k or expected_tokens(p.acceptance, m) * p.t_s >= p.verify_s(m + 1):
+            break
+    return j, m
 
 
 def race_plain_s(p: PlanInputs, k: int) -> float:

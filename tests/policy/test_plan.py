@@ -219,6 +219,10 @@ def test_a_slow_drafter_resumes_with_a_short_round() -> None:
     # where no short round pays its verification (1.25 tokens for 1.3-1.7 steps), a whole
     # draft, three plain steps on
     assert race_resume(replace(p, acceptance=0.2), 8) == (3, 8)
+    # a drafter barely faster than the target: a race of a million plain steps, found in
+    # k steps of the search, not a million
+    j, m = race_resume(replace(p, draft_tps=6.6001, acceptance=0.01), 256)
+    assert j > 10**4 and m == 256
 
 
 def test_verdicts() -> None:
