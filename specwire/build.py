@@ -64,7 +64,7 @@ def build_engine(s: EngineSettings, n_seq: int = 1) -> Engine:
         wrap, draft = _identity, s.draft
         if s.emulation is not None:
             target, wrap = emulated(s, target)
-            draft = scaled_link(draft, target.emulation.scale)
+            draft = replace(draft, remote=draft.remote.emulated(target.emulation.scale))
         if draft.lockstep and n_seq > 1:
             drafters = lockstep_drafters(draft, target, n_seq, wrap)
         elif draft.kind == "remote" and not draft.hybrid:
@@ -122,14 +122,6 @@ def emulated(s: EngineSettings, target: Any) -> tuple[Any, Callable[[Any], Any]]
     held = emulate(target, emu.target_regime())
     held.emulation, held.draft_counters = emu, draft_counters   # for the commands' reports
     return held, wrap
-
-
-def scaled_link(s: DraftSettings, scale: float) -> DraftSettings:
-    """--emulate runs everything `scale` times slower in wall time: a synchronous round's
-    wait for its draft node is stretched alike, or a drafter that the emulated machine
-    would wait for (a node reading a long prompt) is dropped as late."""
-    remote = replace(s.remote, sync_timeout_s=s.remote.sync_timeout_s * scale)
-    return replace(s, remote=remote)
 
 
 def lookup_file(s: DraftSettings, target: Backend) -> CacheFile | None:

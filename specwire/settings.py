@@ -10,7 +10,7 @@ benchmark) builds them directly.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specwire.config import ModelParams, VerifyMode
 from specwire.emulate.regimes import Emulation
@@ -34,6 +34,12 @@ class RemoteSettings:
     #: how long a synchronous round waits for its draft before decoding plainly (wall
     #: time: --emulate multiplies it by the emulation's scale, as it does round trips)
     sync_timeout_s: float = 1.0
+
+    def emulated(self, scale: float) -> RemoteSettings:
+        """Under --emulate, which runs everything `scale` times slower in wall time: the
+        synchronous wait stretched alike, or a node the emulated machine would wait for
+        (reading a long prompt) is dropped as late."""
+        return replace(self, sync_timeout_s=self.sync_timeout_s * scale)
 
 
 @dataclass(frozen=True, slots=True)

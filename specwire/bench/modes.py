@@ -171,9 +171,7 @@ class Drafters:
         `node_flags` added, which hold its drafts alike, and wait for a synchronous node
         `scale` times as long (the emulation's wall time per emulated second)."""
         self._draft_regime, self._draft_counters = regime, counters
-        remote = dataclasses.replace(self.bench.remote,
-                                     sync_timeout_s=self.bench.remote.sync_timeout_s * scale)
-        self.bench = dataclasses.replace(self.bench, remote=remote,
+        self.bench = dataclasses.replace(self.bench, remote=self.bench.remote.emulated(scale),
                                          node_flags=(*self.bench.node_flags, *node_flags))
 
     def draft_backend(self) -> Any:

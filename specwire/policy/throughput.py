@@ -503,10 +503,10 @@ def pipelined_rates(p: PlanInputs, k: int) -> dict[str, float]:
         return {"wait": plain_rate(p), "race": plain_rate(p)}
     tokens, busy, hit = _round(p, k, k)
     waiting = tokens / (busy + (1.0 - hit) * (p.rtt_s + k * p.t_d + p.transfer_s(k)))
-    race = race_plain_s(p, k)
+    j, m = race_resume(p, k)
+    race = _race_s(p, j)
     if math.isinf(race):
         return {"wait": waiting, "race": plain_rate(p)}
-    _, m = race_resume(p, k)
     r_tokens, r_busy, r_hit = _round(p, k, m)
     resumed = (1.0 - hit) / r_hit if r_hit > 0.0 else math.inf
     if math.isinf(resumed):
@@ -557,8 +557,12 @@ def race_plain_s(p: PlanInputs, k: int) -> float:
     P = t_s (1 - a^j) / ((1 - a) a^j). Infinite when the drafter is no faster than the
     target or can never agree.
     """
+    return _race_s(p, race_resume(p, k)[0])
+
+
+def _race_s(p: PlanInputs, j: int) -> float:
+    """race_plain_s for a race of j plain steps (0: the drafter never catches up)."""
     a = p.acceptance
-    j, _ = race_resume(p, k)
     if j == 0:
         return math.inf
     if a >= 1.0:
